@@ -83,12 +83,12 @@ class ReductionModel(ABC):
         if op is ReduceOp.SUM:
             return self.sum(tensors)
         if op is ReduceOp.MAX:
-            return torch.amax(_stacked(tensors), dim=0)  # propagates NaN
+            return torch.amax(as_stacked(tensors), dim=0)  # propagates NaN
         if op is ReduceOp.MIN:
-            return torch.amin(_stacked(tensors), dim=0)  # propagates NaN
+            return torch.amin(as_stacked(tensors), dim=0)  # propagates NaN
         if op is ReduceOp.AVG:
             if self.avg == "premul":
-                stacked = _stacked(tensors)
+                stacked = as_stacked(tensors)
                 return self.sum(stacked * torch.tensor(1.0 / n, dtype=stacked.dtype, device=stacked.device))
             return self.sum(tensors) / n
         raise ValueError(f"unsupported reduce op {op!r}")
@@ -100,7 +100,7 @@ class ReductionModel(ABC):
         ``all_gather(reduce_scatter(x)) == all_reduce(x)`` bit for bit.
         """
         n = len(tensors)
-        flat = _stacked(tensors).reshape(n, -1)
+        flat = as_stacked(tensors).reshape(n, -1)
         if flat.shape[1] % n:
             raise ValueError(f"reduce_scatter needs numel divisible by the group size {n}, got {flat.shape[1]}")
         return self.reduce(flat, op).reshape(n, -1)
@@ -109,11 +109,12 @@ class ReductionModel(ABC):
         return self.name
 
 
-def _stacked(tensors: Tensors) -> torch.Tensor:
+def as_stacked(tensors: Tensors) -> torch.Tensor:
+    """Per-rank tensors as one ``[n, *shape]`` tensor (no copy when already stacked)."""
     return tensors if isinstance(tensors, torch.Tensor) else torch.stack(list(tensors))
 
 
-def _fold(ordered: Tensors) -> torch.Tensor:
+def fold(ordered: Tensors) -> torch.Tensor:
     """Left fold over the leading dimension, rounding each partial sum to the tensor dtype."""
     if len(ordered) == 1:
         return ordered[0].clone()
@@ -134,7 +135,7 @@ class Sequential(ReductionModel):
         return "sequential"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        return _fold(tensors)
+        return fold(tensors)
 
 
 @dataclass(frozen=True, repr=False)
@@ -153,7 +154,7 @@ class Tree(ReductionModel):
         return "tree"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        level = _stacked(tensors)
+        level = as_stacked(tensors)
         while level.shape[0] > 1:
             pairs = level.shape[0] // 2
             summed = level[0 : 2 * pairs : 2] + level[1 : 2 * pairs : 2]
@@ -177,7 +178,7 @@ class Upcast(ReductionModel):
         return f"upcast({str(self.acc_dtype).removeprefix('torch.')})"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        return _fold([t.to(self.acc_dtype) for t in tensors]).to(tensors[0].dtype)
+        return fold([t.to(self.acc_dtype) for t in tensors]).to(tensors[0].dtype)
 
 
 @dataclass(frozen=True, repr=False)
@@ -207,14 +208,14 @@ class Ring(ReductionModel):
         return f"ring(chunk={self.chunk_size}, shift={self.shift}{order})"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        stacked = _stacked(tensors)
+        stacked = as_stacked(tensors)
         n = stacked.shape[0]
         ring = list(range(n)) if self.ring is None else list(self.ring)
         if sorted(ring) != list(range(n)):
             raise ValueError(f"ring order {ring} is not a permutation of the {n} group ranks")
         flat = stacked.reshape(n, -1)
         index = _ring_index(flat.shape[1], n, self.chunk_size, self.shift, tuple(ring), flat.device)
-        return _fold(flat.gather(0, index)).reshape(stacked.shape[1:])
+        return fold(flat.gather(0, index)).reshape(stacked.shape[1:])
 
 
 _RING_INDEX_CACHE: dict[tuple, torch.Tensor] = {}
@@ -252,8 +253,3 @@ def make_model(name: str, **params) -> ReductionModel:
 
         return Gloo(**params)
     raise ValueError(f"unknown reduction model {name!r}; valid: {', '.join(MODEL_NAMES)}")
-
-
-def stack_in_group_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Stack per-rank tensors along a new leading dim (group-rank order)."""
-    return torch.stack(list(tensors))

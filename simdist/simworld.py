@@ -177,17 +177,15 @@ class _Run:
             pending.calls[rank] = call
             if len(pending.calls) == group.size:
                 del self.pending[key]
-                for member in group.ranks:
-                    if member != rank:
-                        del self.waiting[member]
                 try:
                     complete([pending.calls[r] for r in group.ranks])
-                except BaseException as exc:  # noqa: BLE001 - re-raised by run() with the rank named
+                except BaseException as exc:
                     _add_rank_note(exc, rank)
-                    self.fail(exc)
+                    self.fail(exc)  # also wakes the members waiting on this collective
                     raise _Aborted from exc
                 for member in group.ranks:
                     if member != rank:
+                        del self.waiting[member]
                         self.wake[member].release()
                 return
             self.waiting[rank] = pending
@@ -379,7 +377,9 @@ def _splits(t: torch.Tensor, sizes: list[int] | None, n: int, what: str) -> tupl
         return (rows // n,) * n
     sizes = tuple(int(s) for s in sizes)
     if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
-        raise ValueError(f"all_to_all_single: {what}_split_sizes {list(sizes)} must be {n} sizes >= 0 summing to {rows}")
+        raise ValueError(
+            f"all_to_all_single: {what}_split_sizes {list(sizes)} must be {n} sizes >= 0 summing to {rows}"
+        )
     return sizes
 
 
@@ -434,7 +434,7 @@ class SimWorld:
                     results[rank] = fn(SimComm(run, rank), *args, **kwargs)
             except _Aborted:
                 pass
-            except BaseException as exc:  # noqa: BLE001 - handed to run() and re-raised there
+            except BaseException as exc:
                 error = exc
             run.rank_finished(rank, error)
 

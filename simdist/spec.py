@@ -124,10 +124,11 @@ class ParallelSpec:
             tables["edp"] += [tuple(b[p] for b in blocks) for p in range(width)]
         per_stage = self.stage_size
         tables["pp"] = [tuple(range(i, self.world_size, per_stage)) for i in range(per_stage)]
-        return {kind: tuple(sorted(groups)) for kind, groups in tables.items()}
+        # Group-rank order is ascending global rank, as torch.distributed.new_group orders its ranks.
+        return {kind: tuple(sorted(tuple(sorted(g)) for g in groups)) for kind, groups in tables.items()}
 
     def groups(self, kind: str) -> GroupTable:
-        """All groups of ``kind``, each a tuple of global ranks in group-rank order."""
+        """All groups of ``kind``, each a tuple of global ranks in group-rank (ascending) order."""
         try:
             return self._tables[kind]
         except KeyError:

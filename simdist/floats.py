@@ -1,0 +1,108 @@
+"""Floating-point facts used everywhere: raw bits, ulps, unit roundoff, exact rounding.
+
+Comparisons in simdist are bit for bit first (`bitwise_equal` compares the raw
+bit patterns, so ``-0.0 != +0.0`` and NaNs compare by payload), and only then
+in ulps (`ulp_distance`: how many representable values lie between two
+numbers of one dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+_INT_OF_WIDTH = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """Binary floating-point format parameters: precision ``p`` (with the hidden bit), ``emin``, ``emax``."""
+
+    dtype: torch.dtype
+    precision: int
+    emin: int
+    emax: int
+
+    @property
+    def unit_roundoff(self) -> float:
+        """``u = 2**-p``: the largest relative error of one round-to-nearest."""
+        return 2.0 ** -self.precision
+
+
+def float_format(dtype: torch.dtype) -> FloatFormat:
+    """The `FloatFormat` of a torch floating dtype."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"{dtype} is not a floating dtype")
+    info = torch.finfo(dtype)
+    precision = 1 - round(math.log2(info.eps))
+    return FloatFormat(dtype, precision, round(math.log2(info.tiny)), math.floor(math.log2(info.max)))
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``2**-p`` for ``dtype`` (bf16: 2**-8, fp16: 2**-11, fp32: 2**-24, fp64: 2**-53)."""
+    return float_format(dtype).unit_roundoff
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of ``t`` as a signed integer tensor of the same width."""
+    return t.contiguous().view(_INT_OF_WIDTH[t.element_size() * 8])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same dtype, shape and bit patterns."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu()))
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Map bit patterns to integers that are monotone in the float value (both zeros map to 0)."""
+    raw = bits(t).to(torch.int64)
+    magnitude_mask = (1 << (t.element_size() * 8 - 1)) - 1
+    return torch.where(raw < 0, -(raw & magnitude_mask), raw)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element-wise count of representable values between ``a`` and ``b`` (same dtype).
+
+    0 means equal values (``+0`` and ``-0`` are 0 apart). An element where
+    exactly one side is NaN is ``-1``; where both are NaN it is 0.
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"ulp_distance needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and "
+                         f"{b.dtype}{tuple(b.shape)}")
+    a, b = a.detach().cpu(), b.detach().cpu()
+    dist = (_ordered(a) - _ordered(b)).abs()
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    dist = torch.where(nan_a & nan_b, 0, dist)
+    return torch.where(nan_a ^ nan_b, -1, dist)
+
+
+def round_exact(value: Fraction | int | float, dtype: torch.dtype) -> float:
+    """``value`` correctly rounded (to nearest, ties to even) to ``dtype``, returned as a Python float.
+
+    Overflow gives ``inf`` exactly as IEEE-754 prescribes (values at or beyond
+    ``max + ulp(max)/2`` round to infinity); gradual underflow is honoured.
+    """
+    fmt = float_format(dtype)
+    x = Fraction(value)
+    if x == 0:
+        return 0.0
+    sign = -1 if x < 0 else 1
+    x = abs(x)
+    exponent = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** exponent > x:
+        exponent -= 1
+    quantum = Fraction(2) ** (max(exponent, fmt.emin) - (fmt.precision - 1))
+    scaled = x / quantum
+    rounded = round(scaled)  # Fraction.__round__ rounds half to even
+    result = rounded * quantum
+    if result >= Fraction(2) ** (fmt.emax + 1):
+        return sign * math.inf
+    return sign * float(result)
+
+
+def exact_value(t: torch.Tensor) -> list[Fraction]:
+    """Every element of a finite tensor as an exact `Fraction`."""
+    return [Fraction(v) for v in t.detach().cpu().to(torch.float64).reshape(-1).tolist()]
