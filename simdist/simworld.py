@@ -408,12 +408,14 @@ class SimWorld:
         default_model: ReductionModel | None = None,
         timeout_s: float | None = None,
         one_cpu: bool = True,
+        intra_op_threads: int | None = 1,
     ) -> None:
         self.spec = spec
         self.models = dict(models or {})
         self.default_model = default_model or Sequential()
         self.timeout_s = timeout_s
         self.one_cpu = one_cpu and hasattr(os, "sched_setaffinity")
+        self.intra_op_threads = intra_op_threads
 
     def model_for(self, kind: str) -> ReductionModel:
         """The reduction model used by groups of ``kind``."""
@@ -424,12 +426,15 @@ class SimWorld:
         run = _Run(self)
         results: list[Any] = [None] * self.spec.world_size
         cpu = min(os.sched_getaffinity(0)) if self.one_cpu else None
+        caller_threads = torch.get_num_threads()
 
         def body(rank: int) -> None:
             error: BaseException | None = None
             try:
                 if cpu is not None:
                     os.sched_setaffinity(0, {cpu})
+                if self.intra_op_threads is not None:
+                    torch.set_num_threads(self.intra_op_threads)
                 with torch.autograd.set_multithreading_enabled(False):
                     results[rank] = fn(SimComm(run, rank), *args, **kwargs)
             except _Aborted:
@@ -450,6 +455,8 @@ class SimWorld:
             run.done.wait(1.0)
         for t in threads:
             t.join(timeout=1.0)
+        if self.intra_op_threads is not None:
+            torch.set_num_threads(caller_threads)  # torch's setting is process-wide: give the caller its own back
         if run.error is not None:
             raise run.error
         return results

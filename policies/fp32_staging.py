@@ -1,0 +1,22 @@
+"""The fix proposed in #8913: stage in FP32 and add the FP32 result directly.
+
+``_update_hp_grad`` copies ``lp.grad`` into an FP32 staging tensor, applies
+the existing folding correction to the staging tensor (TP all-reduce and
+``/tp`` for AVERAGE, ``/tp`` for routed experts) and adds it to the FP32
+buffer with no BF16 conversion in between. Readiness flags, the
+correction-once marker and the clearing of ``lp.grad`` are kept as they are.
+"""
+
+import torch
+
+from simdist.policy import Policy, register
+
+POLICY = register(
+    Policy(
+        name="fp32_staging",
+        summary="#8913 fix: FP32 staging, correction on the staging tensor, added directly to the FP32 buffer",
+        staging=torch.float32,
+        writeback=None,
+        expert_in_grad_dtype=False,
+    )
+)

@@ -1,0 +1,27 @@
+"""FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``.
+
+Modelled on torch 2.4-2.6 ``torch.distributed._composable.fsdp``
+(``_fsdp_collectives.foreach_reduce``): every micro-step the BF16 unsharded
+gradient is cast to the FP32 reduce dtype, divided by a pre-divide factor,
+reduced over the data-parallel group in FP32 and divided by the post-divide
+factor (``_get_gradient_divide_factors``: the largest power of two ``f`` with
+``f * f < dp``-ish split, ``f * post == dp``), then accumulated into the FP32
+sharded gradient. The folding TP correction runs on the FP32 copy first.
+Newer torch versions may use ``ReduceOp.AVG`` on NCCL instead of the factors.
+"""
+
+import torch
+
+from simdist.policy import Policy, register
+
+POLICY = register(
+    Policy(
+        name="fsdp2_reduce_dtype",
+        summary="FSDP2 reduce_dtype=fp32: FP32 cast, TP correction, pre/post-divided FP32 DP reduce every micro-step",
+        staging=torch.float32,
+        writeback=None,
+        expert_in_grad_dtype=False,
+        dp_scale="pre_post_divide",
+        dp_at="micro_step",
+    )
+)
