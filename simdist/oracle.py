@@ -19,7 +19,7 @@ import torch
 
 from simdist.families import Family
 from simdist.gradpath import ParamSpec
-from simdist.policy import Policy
+from simdist.policy import Policy, dtype_name
 from simdist.reduction import ReductionModel
 from simdist.spec import ParallelSpec
 
@@ -28,7 +28,7 @@ def oracle_policy(dtype: torch.dtype = torch.float32) -> Policy:
     """Every stage after the BF16 local gradient in ``dtype``; run it with ``marker="per_micro_step"``."""
     return Policy(
         name=f"oracle_{str(dtype).removeprefix('torch.')}",
-        summary=f"{dtype} TP-then-DP per-parameter reducer",
+        summary=f"{dtype_name(dtype)} TP-then-DP per-parameter reducer",
         staging=dtype,
         writeback=None,
         expert_in_grad_dtype=False,

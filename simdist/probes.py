@@ -9,7 +9,6 @@ high-precision gradient after the update).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +16,9 @@ import torch
 from simdist.floats import bitwise_equal
 
 MICRO_STAGES: tuple[str, ...] = ("local", "staged", "tp_reduced", "corrected", "written_back", "hp")
-BOUNDARY_STAGES: tuple[str, ...] = ("boundary_corrected", "dp_reduced", "clipped", "master", "adam_m", "adam_v", "param")
+BOUNDARY_STAGES: tuple[str, ...] = (
+    "boundary_corrected", "dp_reduced", "clipped", "master", "adam_m", "adam_v", "param",
+)
 STAGE_ORDER: tuple[str, ...] = MICRO_STAGES + BOUNDARY_STAGES
 BOUNDARY = -1
 

@@ -18,8 +18,8 @@ from simdist.compare import difference
 from simdist.families import Family
 from simdist.gradpath import ParamSpec, PathConfig, train_rank
 from simdist.oracle import FP32_ORACLE
-from simdist.policy import Policy, dtype_name, get_policy
-from simdist.probes import Trace, first_divergence
+from simdist.policy import Policy, get_policy
+from simdist.probes import Divergence, Trace, first_divergence
 from simdist.reduction import ReductionModel, make_model
 from simdist.simworld import SimWorld
 from simdist.spec import ParallelSpec
@@ -74,6 +74,7 @@ class PolicyReport:
     rows: list[Row]
     first_divergence: dict[str, str | None]
     departs: list[str] = field(default_factory=list)
+    divergences: dict[str, Divergence | None] = field(default_factory=dict, repr=False)
 
 
 def run(
@@ -136,9 +137,27 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
                 rows,
                 {p: (str(d) if d else None) for p, d in divergence.items()},
                 sorted({r.param for r in rows if not r.bitwise_equal}),
+                divergence,
             )
         )
-    return reports, verdict(reports, families)
+    line = verdict(reports, families)
+    marker_skips = any(
+        d is not None and d.micro >= 1 and d.stage == "hp"
+        for report in reports
+        for d in (first_divergence_of(report),)
+    )
+    if config.gas > 1 and config.marker == "deepspeed" and line.startswith("#8913 NOT") and marker_skips:
+        line += (
+            " -- with GAS >= 2, DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the "
+            "boundary) leaves micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
+        )
+    return reports, line
+
+
+def first_divergence_of(report: PolicyReport):
+    """The earliest recorded divergence of a report (by step, then micro-step), or None."""
+    found = [d for d in report.divergences.values() if d is not None]
+    return min(found, key=lambda d: (d.step, d.micro if d.micro >= 0 else 1 << 30), default=None)
 
 
 def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> str:
@@ -176,7 +195,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
         f"reduction model {config.model}, correction marker {config.marker}",
-        f"oracle: {FP32_ORACLE.summary} ({dtype_name(FP32_ORACLE.accumulate)}, TP correction every micro-step)",
+        f"oracle: {FP32_ORACLE.summary}, TP correction on every micro-step",
     ]
     for report in reports:
         out += ["", f"== {report.name}: {report.summary}"]
@@ -188,7 +207,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line
                 f"   {r.rank:>4}  {r.param:<24} {r.kind:<15} {'yes' if r.bitwise_equal else 'NO':<8} "
                 f"{r.max_ulp:>8} {100 * r.fraction_differing:>6.1f}%"
             )
-        for param, where in report.first_divergence.items():
+        for where in report.first_divergence.values():
             if where:
                 out.append(f"   first divergence: {where}")
         if not report.departs:
@@ -199,4 +218,9 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line
 
 def to_json(config: ReproConfig, reports: list[PolicyReport], verdict_line: str) -> dict:
     """The report as plain data (for ``--json``)."""
-    return {"config": asdict(config), "policies": [asdict(r) for r in reports], "verdict": verdict_line}
+    policies = []
+    for report in reports:
+        data = asdict(report)
+        data.pop("divergences")
+        policies.append(data)
+    return {"config": asdict(config), "policies": policies, "verdict": verdict_line}

@@ -1,0 +1,111 @@
+"""The ``simdist`` command line.
+
+    simdist repro 8913 [--world-size 4 --tp 2 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0
+                        --policies bf16_writeback,fp32_staging --marker deepspeed --model gloo --json]
+    simdist policies
+
+Bad input (an unknown policy, an invalid layout, an impossible option) prints
+one line naming the valid choices and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from simdist.reduction import MODEL_NAMES
+
+KNOWN_ISSUES = ("8913",)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit status 2
+        self.exit(2, f"simdist: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="simdist", description="A single-process numerics lab for distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    repro = sub.add_parser("repro", help="reproduce a known precision issue in the simulator")
+    repro.add_argument("issue", choices=KNOWN_ISSUES, help="the issue to reproduce")
+    repro.add_argument("--world-size", type=_positive, default=4)
+    repro.add_argument("--tp", type=_positive, default=2)
+    repro.add_argument("--ep", type=_positive, default=2)
+    repro.add_argument("--etp", type=_positive, default=1)
+    repro.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
+    repro.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
+    repro.add_argument("--seed", type=int, default=0)
+    repro.add_argument("--policies", default="bf16_writeback,fp32_staging", help="comma-separated policy names")
+    repro.add_argument(
+        "--marker",
+        choices=("deepspeed", "per_micro_step"),
+        default="deepspeed",
+        help="when the correction-once marker is cleared: at the boundary as DeepSpeed does, or every micro-step",
+    )
+    repro.add_argument("--model", choices=[m for m in MODEL_NAMES if m != "upcast"], default="gloo",
+                       help="reduction model of every group (default: gloo's order)")
+    repro.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    sub.add_parser("policies", help="list the registered precision policies and their chains")
+    return parser
+
+
+def _repro(args: argparse.Namespace) -> int:
+    from simdist.policy import get_policy
+    from simdist.repro import ReproConfig, format_report, reproduce, to_json
+
+    names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
+    if not names:
+        raise ValueError("--policies needs at least one policy name")
+    for name in names:
+        get_policy(name)  # a ValueError names the valid policies
+    config = ReproConfig(
+        world_size=args.world_size, tp=args.tp, ep=args.ep, etp=args.etp, steps=args.steps, gas=args.gas,
+        seed=args.seed, policies=names, marker=args.marker, model=args.model,
+    )
+    config.spec()  # a ValueError names the broken constraint and the valid values
+    reports, verdict_line = reproduce(config)
+    if args.json:
+        print(json.dumps(to_json(config, reports, verdict_line), indent=2))
+    else:
+        print(format_report(config, reports, verdict_line))
+    return 0
+
+
+def _policies() -> int:
+    from simdist.families import Family
+    from simdist.policy import get_policy, policy_names
+
+    for name in policy_names():
+        policy = get_policy(name)
+        print(f"{name}: {policy.summary}")
+        print(f"    router (AVERAGE, tp=2): {policy.chain(Family.ROUTER_GATE_REPLICATED, 2)}")
+        print(f"    expert (/tp, tp=2):     {policy.chain(Family.EXPERT, 2)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "repro":
+            return _repro(args)
+        return _policies()
+    except ValueError as exc:
+        print(f"simdist: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
