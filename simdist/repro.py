@@ -23,7 +23,7 @@ from simdist.probes import Divergence, Trace, first_divergence
 from simdist.reduction import ReductionModel, make_model
 from simdist.simworld import SimWorld
 from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, SyntheticGradients, initial_weights
+from simdist.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 
 TENSOR_KINDS: tuple[tuple[str, str], ...] = (
     ("local grad", "local"),
@@ -87,7 +87,7 @@ def run(
     """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``model``."""
     world = SimWorld(spec, default_model=model)
     grads = SyntheticGradients(spec, seed=config.seed)
-    return world.run(train_rank, list(params), initial_weights(spec, config.seed), grads, policy, config)
+    return world.run(train_rank, list(params), InitialWeights(spec, config.seed), grads, policy, config)
 
 
 def compare_with_oracle(traces: list[Trace], oracle: list[Trace]) -> list[Row]:

@@ -63,16 +63,22 @@ class SyntheticGradients:
         return _normal(param.shape, _seed(self.seed, step, micro, param.name, self.owner(rank, param)), self.scale)
 
 
-def initial_weights(spec: ParallelSpec, seed: int = 0):
-    """``(rank, param) -> BF16 initial weight``: replicated where the layout replicates the parameter."""
+class InitialWeights:
+    """``(rank, param) -> BF16 initial weight``: replicated where the layout replicates the parameter.
 
-    def initial(rank: int, param: ParamSpec) -> torch.Tensor:
+    A class (not a closure) so that rank programs using it pickle into real
+    torch.distributed processes.
+    """
+
+    def __init__(self, spec: ParallelSpec, seed: int = 0) -> None:
+        self.spec = spec
+        self.seed = seed
+
+    def __call__(self, rank: int, param: ParamSpec) -> torch.Tensor:
         if param.family is Family.MODEL_PARALLEL:
-            owner = ("tp-rank", spec.group_of("tp", rank).index(rank))
+            owner = ("tp-rank", self.spec.group_of("tp", rank).index(rank))
         elif param.family is Family.EXPERT:
-            owner = ("ep-rank", spec.group_of("ep", rank).index(rank))
+            owner = ("ep-rank", self.spec.group_of("ep", rank).index(rank))
         else:
             owner = ("replicated",)
-        return _normal(param.shape, _seed("init", seed, param.name, owner), 0.02 * 8)
-
-    return initial
+        return _normal(param.shape, _seed("init", self.seed, param.name, owner), 0.02 * 8)
