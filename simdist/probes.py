@@ -64,10 +64,13 @@ class Divergence:
     step: int
     micro: int
     stage: str
+    after: tuple[str, ...] = ()
+    """Stages only the first run has, between its last agreeing capture and ``stage`` (e.g. a writeback)."""
 
     def __str__(self) -> str:
         when = "boundary" if self.micro == BOUNDARY else f"micro-step {self.micro}"
-        return f"{self.param}: first differs at '{self.stage}' (rank {self.rank}, step {self.step}, {when})"
+        extra = f" after {', '.join(repr(s) for s in self.after)}" if self.after else ""
+        return f"{self.param}: first differs at '{self.stage}'{extra} (rank {self.rank}, step {self.step}, {when})"
 
 
 def first_divergence(run_a: list[Trace], run_b: list[Trace]) -> dict[str, Divergence | None]:
@@ -78,25 +81,28 @@ def first_divergence(run_a: list[Trace], run_b: list[Trace]) -> dict[str, Diverg
     values of different dtypes are compared exactly in fp64.
     ``None`` means every common capture is bitwise equal.
     """
-    found: dict[str, list[tuple[tuple[int, int, int], int, Key]]] = {}
+    found: dict[str, list[tuple[tuple[int, int, int], int, Key, tuple[str, ...]]]] = {}
     for trace_a, trace_b in zip(run_a, run_b, strict=True):
         for param in trace_a.params():
             found.setdefault(param, [])
+            only_a: list[str] = []
             for key in trace_a.keys_for(param):
                 other = trace_b.values.get(key)
                 if other is None:
+                    only_a.append(key[3])
                     continue
                 value = trace_a.values[key]
                 if value.dtype != other.dtype:
                     value, other = value.double(), other.double()
                 if not bitwise_equal(value, other):
-                    found[param].append((path_order(key), trace_a.rank, key))
+                    found[param].append((path_order(key), trace_a.rank, key, tuple(only_a)))
                     break
+                only_a = []
     result: dict[str, Divergence | None] = {}
     for param, hits in found.items():
         if not hits:
             result[param] = None
             continue
-        _, rank, (step, micro, _, stage) = min(hits)
-        result[param] = Divergence(rank, param, step, micro, stage)
+        _, rank, (step, micro, _, stage), after = min(hits)
+        result[param] = Divergence(rank, param, step, micro, stage, after)
     return result

@@ -14,7 +14,7 @@ def test_repro_prints_the_reproduced_verdict(capsys):
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("verdict: #8913 REPRODUCED")
     assert "bf16 -> fp32 -> all_reduce[tp] -> /2 -> bf16 -> fp32 -> +=hp" in out
-    assert "router.weight: first differs at 'hp' (rank 0, step 0, micro-step 0)" in out
+    assert "router.weight: first differs at 'hp' after 'written_back' (rank 0, step 0, micro-step 0)" in out
 
 
 def test_repro_json_has_every_tensor_of_every_rank(capsys):
