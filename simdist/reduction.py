@@ -32,6 +32,8 @@ from typing import Literal
 
 import torch
 
+from simdist.rounding import round_to
+
 AvgMode = Literal["postdiv", "premul"]
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 """Per-rank tensors of one group: stacked on dim 0, or a sequence, in group-rank order."""
@@ -166,8 +168,10 @@ class Tree(ReductionModel):
 class Upcast(ReductionModel):
     """Left fold in group-rank order in ``acc_dtype``, rounded once to the tensor dtype.
 
-    With ``acc_dtype=torch.float64`` and inputs whose exact sum fits in 53
-    bits, the result is the correctly rounded sum.
+    With ``acc_dtype=torch.float64`` and inputs whose partial sums are exact
+    in fp64 (a span of at most ``53 - p - 3`` binades for ``p``-bit inputs on
+    up to 8 ranks), the result is the correctly rounded sum: the final
+    rounding avoids torch's double rounding of fp64 -> bf16 (`round_to`).
     """
 
     acc_dtype: torch.dtype = torch.float32
@@ -178,7 +182,7 @@ class Upcast(ReductionModel):
         return f"upcast({str(self.acc_dtype).removeprefix('torch.')})"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        return fold([t.to(self.acc_dtype) for t in tensors]).to(tensors[0].dtype)
+        return round_to(fold([t.to(self.acc_dtype) for t in tensors]), tensors[0].dtype)
 
 
 @dataclass(frozen=True, repr=False)

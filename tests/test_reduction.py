@@ -4,11 +4,12 @@ from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from simdist.floats import bits, bitwise_equal, float_format, round_exact, unit_roundoff
 from simdist.reduction import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
+from simdist.rounding import round_to
 from simdist.strategies import float_values, rank_tensors
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -180,3 +181,15 @@ def test_models_give_the_same_bits_on_cuda(group, chunk, shift):
         cpu = model.reduce(per_rank)
         gpu = model.reduce([t.cuda() for t in per_rank]).cpu()
         assert torch.equal(bits(cpu), bits(gpu)), model
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False, width=64), st.sampled_from([torch.bfloat16, torch.float16]))
+@example(16973823.0, torch.bfloat16)  # torch's own fp64 -> bf16 cast rounds this twice, to 17039360
+def test_round_to_is_correctly_rounded_from_fp64(value, dtype):
+    got = round_to(torch.tensor([value], dtype=torch.float64), dtype).item()
+    assert got == round_exact(Fraction(value), dtype)
+
+
+def test_the_upcast_fp64_counterexample_to_double_rounding():
+    per_rank = [torch.tensor([v], dtype=torch.bfloat16) for v in (8388608.0, 8585216.0, -1.0)]
+    assert Upcast(torch.float64).sum(per_rank).item() == 16908288.0  # exact 16973823 rounded once
