@@ -34,7 +34,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -84,7 +84,30 @@ class PathConfig:
 
 
 LocalGrads = Callable[[int, int, int, ParamSpec], torch.Tensor]
-"""``(step, micro, rank, param) -> BF16 local gradient``."""
+"""``(step, micro, rank, param) -> BF16 local gradient`` (synthetic gradients)."""
+
+
+@runtime_checkable
+class GradientSource(Protocol):
+    """Gradients that come from running a model: one backward per micro-step.
+
+    ``backward`` runs this rank's forward and backward for ``(step, micro)``
+    with the current low-precision weights ``lp`` (name -> tensor, to be used
+    read-only) and calls ``deliver(name, grad)`` once per parameter: from a
+    post-accumulate-grad hook during backward when ``hooks`` is true
+    (DeepSpeed's ``immediate_grad_update``), else after backward in parameter
+    order (the backward epilogue). Collectives may run inside ``backward``.
+    """
+
+    def backward(
+        self,
+        comm: Comm,
+        step: int,
+        micro: int,
+        lp: dict[str, torch.Tensor],
+        deliver: Callable[[str, torch.Tensor], None],
+        hooks: bool,
+    ) -> None: ...
 
 
 @dataclass
@@ -103,7 +126,7 @@ def train_rank(
     comm: Comm,
     params: list[ParamSpec],
     initial: Callable[[int, ParamSpec], torch.Tensor],
-    local_grads: LocalGrads,
+    local_grads: LocalGrads | GradientSource,
     policy: Policy,
     config: PathConfig,
     keep: frozenset[str] | None = None,
@@ -126,14 +149,27 @@ def train_rank(
                 torch.zeros(p.shape, dtype=policy.accumulate),
             )
         )
-    order = list(reversed(states)) if config.update_path == "hooks" else states
+    by_name = {s.spec.name: s for s in states}
+    index = {s.spec.name: i for i, s in enumerate(states)}
     for step in range(config.steps):
         for micro in range(config.gas):
-            for i, s in enumerate(order):
-                grad = local_grads(step, micro, rank, s.spec).to(policy.grad_dtype)
-                trace.capture(step, micro, s.spec.name, "local", grad)
-                _update_hp_grad(comm, tp_group, tp, dense_dp, s, grad, policy, config, trace, (step, micro, rank, i))
-                if config.marker == "per_micro_step":
+
+            def deliver(name: str, grad: torch.Tensor, step=step, micro=micro) -> None:
+                s = by_name[name]
+                grad = grad.to(policy.grad_dtype)
+                trace.capture(step, micro, name, "local", grad)
+                where = (step, micro, rank, index[name])
+                _update_hp_grad(comm, tp_group, tp, dense_dp, s, grad, policy, config, trace, where)
+
+            hooks = config.update_path == "hooks"
+            if isinstance(local_grads, GradientSource):
+                lp = {name: s.lp for name, s in by_name.items()}
+                local_grads.backward(comm, step, micro, lp, deliver, hooks)
+            else:
+                for s in reversed(states) if hooks else states:
+                    deliver(s.spec.name, local_grads(step, micro, rank, s.spec))
+            if config.marker == "per_micro_step":
+                for s in states:
                     s.marker = False
         _boundary(comm, tp_group, tp, dense_dp, states, policy, config, trace, step)
     return trace

@@ -49,6 +49,7 @@ class ReproConfig:
     policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
     marker: str = "deepspeed"
     model: str = "gloo"
+    update_path: str = "epilogue"
 
     def spec(self) -> ParallelSpec:
         return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, etp=self.etp)
@@ -120,7 +121,9 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
     spec = config.spec()
     policies = [get_policy(name) for name in config.policies]
     model = make_model(config.model)
-    path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed, marker=config.marker)
+    path = PathConfig(
+        steps=config.steps, gas=config.gas, seed=config.seed, marker=config.marker, update_path=config.update_path
+    )
     oracle_path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed, marker="per_micro_step")
     oracle = run(spec, FP32_ORACLE, oracle_path, model)
     families = {p.name: p.family for p in DEFAULT_PARAMS}
@@ -194,7 +197,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line
     spec = config.spec()
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
-        f"reduction model {config.model}, correction marker {config.marker}",
+        f"reduction model {config.model}, correction marker {config.marker}, update path {config.update_path}",
         f"oracle: {FP32_ORACLE.summary}, TP correction on every micro-step",
     ]
     for report in reports:
