@@ -2,7 +2,7 @@
 
     simdist repro 8913 [--world-size 4 --tp 2 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0
                         --policies bf16_writeback,fp32_staging --marker deepspeed --update-path epilogue
-                        --model gloo --json]
+                        --reduction gloo --json]
     simdist policies
 
 Bad input (an unknown policy, an invalid layout, an impossible option) prints
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="epilogue",
         help="when _update_hp_grad runs: after backward (default) or from gradient hooks (immediate_grad_update)",
     )
-    repro.add_argument("--model", choices=[m for m in MODEL_NAMES if m != "upcast"], default="gloo",
+    repro.add_argument("--reduction", choices=[m for m in MODEL_NAMES if m != "upcast"], default="gloo",
                        help="reduction model of every group (default: gloo's order)")
     repro.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -80,7 +80,7 @@ def _repro(args: argparse.Namespace) -> int:
         get_policy(name)  # a ValueError names the valid policies
     config = ReproConfig(
         world_size=args.world_size, tp=args.tp, ep=args.ep, etp=args.etp, steps=args.steps, gas=args.gas,
-        seed=args.seed, policies=names, marker=args.marker, model=args.model, update_path=args.update_path,
+        seed=args.seed, policies=names, marker=args.marker, reduction=args.reduction, update_path=args.update_path,
     )
     config.spec()  # a ValueError names the broken constraint and the valid values
     reports, verdict_line = reproduce(config)

@@ -48,7 +48,7 @@ class ReproConfig:
     seed: int = 0
     policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
     marker: str = "deepspeed"
-    model: str = "gloo"
+    reduction: str = "gloo"
     update_path: str = "epilogue"
 
     def spec(self) -> ParallelSpec:
@@ -120,7 +120,7 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
     """Run the oracle and every policy; return the per-policy reports and the one-line verdict."""
     spec = config.spec()
     policies = [get_policy(name) for name in config.policies]
-    model = make_model(config.model)
+    model = make_model(config.reduction)
     path = PathConfig(
         steps=config.steps, gas=config.gas, seed=config.seed, marker=config.marker, update_path=config.update_path
     )
@@ -197,7 +197,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line
     spec = config.spec()
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
-        f"reduction model {config.model}, correction marker {config.marker}, update path {config.update_path}",
+        f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}",
         f"oracle: {FP32_ORACLE.summary}, TP correction on every micro-step",
     ]
     for report in reports:

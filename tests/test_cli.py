@@ -42,7 +42,7 @@ def test_gas_two_names_the_correction_once_marker(capsys):
         (["repro", "8913", "--tp", "3"], "tp=3 must divide the stage size"),
         (["repro", "8913", "--gas", "0"], "argument --gas: expected a positive integer, got 0"),
         (["repro", "9999"], "invalid choice: '9999' (choose from '8913')"),
-        (["repro", "8913", "--model", "abacus"], "argument --model: invalid choice"),
+        (["repro", "8913", "--reduction", "abacus"], "argument --reduction: invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(argv, message):
