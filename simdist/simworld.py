@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,7 @@ class _Run:
         self.sequence: dict[tuple[int, tuple[int, ...]], int] = {}
         self.pending: dict[tuple[tuple[int, ...], int], _Pending] = {}
         self.waiting: dict[int, _Pending] = {}
+        self.ready: deque[int] = deque()
         self.finished: set[int] = set()
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -128,6 +130,8 @@ class _Run:
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
+        while self.ready:
+            self.pass_baton()
         for rank in list(self.waiting):
             del self.waiting[rank]
             self.wake[rank].release()
@@ -186,16 +190,29 @@ class _Run:
                 for member in group.ranks:
                     if member != rank:
                         del self.waiting[member]
-                        self.wake[member].release()
+                        self.ready.append(member)
                 return
             self.waiting[rank] = pending
             self.check_progress()
+            self.pass_baton()
         self.wake[rank].acquire()
         if self.error is not None:
             raise _Aborted
 
+    def pass_baton(self) -> None:
+        """Wake one rank whose collective completed (call with the lock held, just before blocking).
+
+        Completed ranks are not woken at completion but one at a time, each
+        when the running rank blocks or returns: only one rank thread is ever
+        runnable, so a handoff is a single wake-up with no contention for the
+        interpreter lock.
+        """
+        if self.ready:
+            self.wake[self.ready.popleft()].release()
+
     def rank_finished(self, rank: int, error: BaseException | None) -> None:
         with self.lock:
+            self.pass_baton()
             self.finished.add(rank)
             if error is not None:
                 _add_rank_note(error, rank)
