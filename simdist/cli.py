@@ -2,8 +2,10 @@
 
     simdist repro 8913 [--world-size 4 --tp 2 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0
                         --policies bf16_writeback,fp32_staging --marker deepspeed --update-path epilogue
-                        --reduction gloo --json]
+                        --reduction gloo --model synthetic --json]
     simdist policies
+    simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
+    simdist audit [--json] path/to/script.py [args...]
 
 Bad input (an unknown policy, an invalid layout, an impossible option) prints
 one line naming the valid choices and exits with status 2, never a traceback.
@@ -15,6 +17,7 @@ import argparse
 import json
 import sys
 
+from simdist.audit import add_audit_subcommand, run_audit
 from simdist.reduction import MODEL_NAMES
 
 KNOWN_ISSUES = ("8913",)
@@ -63,10 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repro.add_argument("--reduction", choices=[m for m in MODEL_NAMES if m != "upcast"], default="gloo",
                        help="reduction model of every group (default: gloo's order)")
+    repro.add_argument("--model", choices=("synthetic", "moe"), default="synthetic",
+                       help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block")
     repro.add_argument("--json", action="store_true", help="print the report as JSON")
 
     sub.add_parser("policies", help="list the registered precision policies and their chains")
+
+    compare = sub.add_parser("compare", help="compare two per-rank tensor dumps (experiments/crosscheck.py)")
+    compare.add_argument("dump_a", help="a dump directory (rank*.safetensors)")
+    compare.add_argument("dump_b", help="another dump directory of the same run")
+    compare.add_argument("--tolerance-ulp", type=_non_negative, default=0,
+                         help="largest ulp difference accepted (default 0: bitwise)")
+    add_audit_subcommand(sub)
     return parser
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
 
 
 def _repro(args: argparse.Namespace) -> int:
@@ -81,6 +103,7 @@ def _repro(args: argparse.Namespace) -> int:
     config = ReproConfig(
         world_size=args.world_size, tp=args.tp, ep=args.ep, etp=args.etp, steps=args.steps, gas=args.gas,
         seed=args.seed, policies=names, marker=args.marker, reduction=args.reduction, update_path=args.update_path,
+        model=args.model,
     )
     config.spec()  # a ValueError names the broken constraint and the valid values
     reports, verdict_line = reproduce(config)
@@ -89,6 +112,15 @@ def _repro(args: argparse.Namespace) -> int:
     else:
         print(format_report(config, reports, verdict_line))
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Exit 0 when every tensor is within the tolerance, 1 when some is not, 2 when the dumps are not one run."""
+    from simdist.dumps import compare_dumps, format_comparison
+
+    result = compare_dumps(args.dump_a, args.dump_b, args.tolerance_ulp)  # NotSameRun is a one-line ValueError
+    print(format_comparison(result))
+    return 0 if result.ok else 1
 
 
 def _policies() -> int:
@@ -106,8 +138,12 @@ def _policies() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "audit":
+            return run_audit(args)
         if args.command == "repro":
             return _repro(args)
+        if args.command == "compare":
+            return _compare(args)
         return _policies()
     except ValueError as exc:
         print(f"simdist: error: {exc}", file=sys.stderr)

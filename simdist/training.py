@@ -1,0 +1,307 @@
+"""Training the folded MoE block: a policy against an oracle step by step, and the cross-check rank program.
+
+`train` runs ``steps x gas`` micro-steps of `simdist.moe.MoEGradients` under
+any policy and reduction model, and next to it the same run under an oracle
+policy (FP32 TP-then-DP by default). The two runs are two `SimWorld` runs in
+lockstep: each rank's gradient source publishes what it sees at every
+micro-step -- its BF16 local gradients, its loss, and at the start of a step
+the BF16 weights the previous update produced -- and the matching rank of the
+other run compares and drops them. A run may get at most ``lag`` steps ahead
+of the other, so memory holds a few steps' tensors, never the history. One
+extra, gradient-free step at the end exposes the weights after the last
+update. The gradient norms come from the runs' traces (scalars only).
+
+Recorded per step (`StepRecord`): the loss (mean over DP replicas and
+micro-steps of the per-replica loss) and gradient norm of both runs, and for
+every parameter the divergence from the oracle (max ulp, max relative error,
+fraction of elements differing) of its local gradient and of its BF16 weight
+after the step's update. FP32 masters and Adam moments stay private to the
+gradient path (`train_rank` does not expose them while it runs); the per-rank
+dumps of `train_and_dump` hold them for short runs.
+
+`train_and_dump` is the rank program of ``experiments/crosscheck.py``: the
+same function runs on `SimWorld` and on real process groups and writes one
+safetensors dump per rank and policy (`simdist.dumps`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from simdist.compare import difference
+from simdist.dumps import DUMP_STAGES, write_rank_dump
+from simdist.gradpath import PathConfig, train_rank
+from simdist.moe import MoEConfig, MoEGradients
+from simdist.oracle import FP32_ORACLE
+from simdist.policy import Policy, get_policy
+from simdist.reduction import ReductionModel, make_model
+from simdist.simworld import SimWorld
+from simdist.spec import ParallelSpec
+
+
+@dataclass(frozen=True)
+class TensorDivergence:
+    """How one tensor of the policy run departs from the oracle run (over ranks and micro-steps)."""
+
+    max_ulp: int
+    max_relative: float
+    fraction_differing: float
+    norm_relative: float = 0.0
+    """``|policy - oracle| / |oracle|`` (2-norms over every element of every rank and micro-step)."""
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return self.max_ulp == 0 and self.fraction_differing == 0.0
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step of the policy run next to the oracle run.
+
+    ``tensors`` maps ``(param, kind)`` with kind ``local grad`` (the BF16
+    gradient the model produced this step) or ``param`` (the BF16 weight
+    after this step's update) to its divergence from the oracle.
+    """
+
+    step: int
+    loss: float = math.nan
+    oracle_loss: float = math.nan
+    grad_norm: float = math.nan
+    oracle_grad_norm: float = math.nan
+    tensors: dict[tuple[str, str], TensorDivergence] = field(default_factory=dict)
+
+    @property
+    def worst(self) -> tuple[tuple[str, str], TensorDivergence] | None:
+        """The tensor with the largest relative error this step (None when every tensor is bitwise equal)."""
+        found = [(k, d) for k, d in self.tensors.items() if not d.bitwise_equal]
+        return max(found, key=lambda kd: (kd[1].norm_relative, kd[1].max_ulp), default=None)
+
+
+class _Lockstep:
+    """Where the two runs meet: pairs each rank's payloads, turns them into divergences, bounds the lag."""
+
+    def __init__(self, steps: int, world_size: int, lag: int, progress: bool) -> None:
+        self.cond = threading.Condition()
+        self.lag = lag
+        self.at = {(side, r): -1 for side in ("policy", "oracle") for r in range(world_size)}
+        self.pending: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.records = [StepRecord(s) for s in range(steps)]
+        self.sums: dict[tuple, list[float]] = {}  # (step, param, kind) -> [ulp, rel, differing, numel, err2, ref2]
+        self.losses: dict[tuple[str, int], list[float]] = {}
+        self.failed = False
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc="training", unit="step")
+
+    def arrive(self, side: str, rank: int, step: int) -> None:
+        """Note that ``side``'s ``rank`` reached ``step``; wait while it is more than ``lag`` steps ahead."""
+        other = "oracle" if side == "policy" else "policy"
+        with self.cond:
+            if step > self.at[(side, rank)]:
+                self.at[(side, rank)] = step
+                self.cond.notify_all()
+                if self.bar is not None and side == "policy" and rank == 0 and 0 < step <= len(self.records):
+                    self.bar.update(1)
+            while not self.failed and self.at[(other, rank)] < step - self.lag:
+                self.cond.wait(timeout=1.0)
+
+    def put(self, side: str, rank: int, step: int, kind: str, micro: int, tensors: dict[str, torch.Tensor]) -> None:
+        slot = (rank, step, kind, micro)
+        with self.cond:
+            if self.failed:
+                return
+            mine = self.pending.pop(slot, None)
+            if mine is None:
+                self.pending[slot] = tensors
+                return
+        policy, oracle = (tensors, mine) if side == "policy" else (mine, tensors)
+        diffs = {}
+        for name in tensors:
+            a, e = policy[name].double(), oracle[name].double()
+            diffs[name] = (difference(policy[name], oracle[name]), float(((a - e) ** 2).sum()), float((e**2).sum()))
+        with self.cond:
+            for name, (d, err2, ref2) in diffs.items():
+                acc = self.sums.setdefault((step, name, kind), [0, 0.0, 0.0, 0, 0.0, 0.0])
+                acc[0] = max(acc[0], d.max_ulp)
+                acc[1] = max(acc[1], d.max_relative)
+                acc[2] += d.fraction_differing * d.numel
+                acc[3] += d.numel
+                acc[4] += err2
+                acc[5] += ref2
+
+    def loss(self, side: str, step: int, value: float) -> None:
+        with self.cond:
+            acc = self.losses.setdefault((side, step), [0.0, 0])
+            acc[0] += value
+            acc[1] += 1
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.pending.clear()
+            self.cond.notify_all()
+
+    def finish(self) -> list[StepRecord]:
+        if self.bar is not None:
+            self.bar.close()
+        for (step, name, kind), (ulp, rel, differing, numel, err2, ref2) in self.sums.items():
+            norm = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
+            self.records[step].tensors[(name, kind)] = TensorDivergence(int(ulp), rel, differing / numel, norm)
+        for (side, step), (total, n) in self.losses.items():
+            setattr(self.records[step], "loss" if side == "policy" else "oracle_loss", total / n)
+        return self.records
+
+
+class _Probe:
+    """Wraps the gradient source of one run: publishes weights, local gradients and losses to the lockstep."""
+
+    def __init__(self, source: MoEGradients, lockstep: _Lockstep, side: str, steps: int) -> None:
+        self.source, self.lockstep, self.side, self.steps = source, lockstep, side, steps
+
+    def backward(self, comm, step, micro, lp, deliver, hooks) -> None:
+        rank = comm.get_rank()
+        self.lockstep.arrive(self.side, rank, step)
+        if micro == 0 and step > 0:
+            weights = {name: t.detach().clone() for name, t in lp.items()}
+            self.lockstep.put(self.side, rank, step - 1, "param", 0, weights)
+        if step >= self.steps:  # the extra step only shows the weights after the last update
+            return
+        grads: dict[str, torch.Tensor] = {}
+
+        def spy(name: str, grad: torch.Tensor) -> None:
+            grads[name] = grad.detach().clone()
+            deliver(name, grad)
+
+        loss = self.source.backward(comm, step, micro, lp, spy, hooks)
+        self.lockstep.put(self.side, rank, step, "local grad", micro, grads)
+        self.lockstep.loss(self.side, step, loss)
+
+
+def train(
+    spec: ParallelSpec,
+    policy: Policy | str,
+    *,
+    steps: int = 10,
+    gas: int = 1,
+    seed: int = 0,
+    reduction: ReductionModel | str = "gloo",
+    marker: str = "deepspeed",
+    update_path: str = "epilogue",
+    oracle: Policy = FP32_ORACLE,
+    model: MoEConfig | None = None,
+    lag: int = 2,
+    progress: bool = False,
+) -> list[StepRecord]:
+    """Train the folded MoE block ``steps x gas`` under ``policy``; one `StepRecord` per step against ``oracle``.
+
+    The oracle run uses the same spec, model, data, seed and reduction model,
+    with the TP correction on every micro-step (``marker="per_micro_step"``),
+    as the #8913 oracle does.
+    """
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    model_ = make_model(reduction) if isinstance(reduction, str) else reduction
+    source = MoEGradients(spec, model or MoEConfig(), seed, gas)
+    lockstep = _Lockstep(steps, spec.world_size, lag, progress)
+    runs = {
+        "policy": (policy, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker=marker, update_path=update_path)),
+        "oracle": (oracle, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker="per_micro_step")),
+    }
+    traces: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def run(side: str) -> None:
+        chosen, config = runs[side]
+        try:
+            world = SimWorld(spec, default_model=model_, intra_op_threads=None)
+            probe = _Probe(source, lockstep, side, steps)
+            traces[side] = world.run(train_rank, source.params, source.initial, probe, chosen, config, frozenset())
+        except BaseException as exc:
+            errors.append(exc)
+            lockstep.fail()
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # both runs share the process: one intra-op setting for both, set once
+    try:
+        helper = threading.Thread(target=run, args=("oracle",), name="simdist-oracle-run", daemon=True)
+        helper.start()
+        run("policy")
+        helper.join()
+    finally:
+        torch.set_num_threads(threads_before)
+    if errors:
+        raise errors[0]
+    records = lockstep.finish()
+    for record in records:
+        record.grad_norm = traces["policy"][0].scalars[(record.step, "grad_norm")]
+        record.oracle_grad_norm = traces["oracle"][0].scalars[(record.step, "grad_norm")]
+    return records
+
+
+def format_records(records: list[StepRecord]) -> str:
+    """A table: loss and grad norm of both runs, and the worst tensor of each step."""
+    out = [f"{'step':>4} {'loss':>10} {'oracle':>10} {'grad norm':>10} {'oracle':>10}  worst tensor vs oracle"]
+    for r in records:
+        worst = r.worst
+        text = "every tensor bitwise equal" if worst is None else (
+            f"{worst[0][0]} {worst[0][1]}: normwise rel {worst[1].norm_relative:.2e}, max {worst[1].max_ulp} ulp, "
+            f"{100 * worst[1].fraction_differing:.1f}% differ")
+        out.append(f"{r.step:>4} {r.loss:>10.6f} {r.oracle_loss:>10.6f} {r.grad_norm:>10.6f} "
+                   f"{r.oracle_grad_norm:>10.6f}  {text}")
+    return "\n".join(out)
+
+
+# -- the cross-check rank program ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """One cross-check run: layout, model, data, policies and engine semantics."""
+
+    world_size: int = 4
+    tp: int = 2
+    ep: int = 2
+    ep_layout: str = "contiguous"
+    steps: int = 3
+    gas: int = 1
+    seed: int = 0
+    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
+    marker: str = "deepspeed"
+    update_path: str = "epilogue"
+    device: str = "cpu"
+    model: MoEConfig = field(default_factory=MoEConfig)
+
+    def spec(self) -> ParallelSpec:
+        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, ep_layout=self.ep_layout)  # type: ignore[arg-type]
+
+
+def train_and_dump(comm, check: CrossCheck, out: str, where: dict) -> list[str]:
+    """Rank program: train every policy of ``check`` and write ``out/<policy>/rank{r}.safetensors``.
+
+    ``where`` (world, backend, reduction, ...) is stored in the metadata; it
+    may differ between two dumps of the same run. Returns the written paths.
+    """
+    spec = comm.spec
+    source = MoEGradients(spec, check.model, check.seed, check.gas, check.device)
+    shapes = {p.name: list(p.shape) for p in source.params}
+    config = PathConfig(steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker,  # type: ignore[arg-type]
+                        update_path=check.update_path)  # type: ignore[arg-type]
+    written = []
+    device = contextlib.nullcontext() if check.device == "cpu" else torch.device(check.device)
+    for name in check.policies:
+        with device:
+            trace = train_rank(comm, source.params, source.initial, source, get_policy(name), config, DUMP_STAGES)
+        metadata = {
+            "spec": asdict(spec), "policy": name, "steps": check.steps, "gas": check.gas, "seed": check.seed,
+            "marker": check.marker, "update_path": check.update_path, "model": asdict(check.model),
+            "shapes": shapes, "device": check.device, **where,
+        }
+        written.append(str(write_rank_dump(Path(out) / name, trace, metadata)))
+    return written
