@@ -189,7 +189,7 @@ def _update_hp_grad(comm, tp_group, tp, dense_dp, s: _ParamState, grad, policy, 
             s.hp.add_(value)
             s.has_grad = True
         else:
-            value = _apply(comm, tp_group, stage, value, seed=(config.seed, step, micro, rank, index))
+            value = _apply(comm, tp_group, stage, value, policy, seed=(config.seed, step, micro, rank, index))
         if stage.capture:
             trace.capture(step, micro, s.spec.name, stage.capture, s.hp if stage.kind == "accumulate" else value)
     if correcting and policy.correct_at == "micro_step":
@@ -202,18 +202,27 @@ def _uncorrected(policy: Policy, dtype: torch.dtype) -> list[Stage]:
     return [*stages, Stage("accumulate", "hp", policy.accumulate)]
 
 
-def _apply(comm, tp_group, stage: Stage, value: torch.Tensor, seed) -> torch.Tensor:
+def _apply(comm, tp_group, stage: Stage, value: torch.Tensor, policy: Policy, seed) -> torch.Tensor:
     if stage.kind == "cast":
         if stage.rounding == "stochastic":
             return stochastic_round(value, stage.dtype, _generator(seed))
         return value.to(stage.dtype)
     if stage.kind == "all_reduce":
+        if policy.tp_model is not None:
+            return _all_reduce_with(policy.tp_model, comm, tp_group, value)
         value = value.clone()
         comm.all_reduce(value, op=ReduceOp.SUM, group=tp_group)
         return value
     if stage.kind == "divide":
         return value / stage.divisor
     raise ValueError(f"unknown stage kind {stage.kind!r}")
+
+
+def _all_reduce_with(model, comm, group, value: torch.Tensor) -> torch.Tensor:
+    """An all-reduce in the policy's own order: gather every member's value (exact), then ``model``'s sum."""
+    gathered = torch.empty((group.size, *value.shape), dtype=value.dtype, device=value.device)
+    comm.all_gather_into_tensor(gathered, value.contiguous(), group=group)
+    return model.reduce(gathered)
 
 
 def _generator(seed: tuple) -> torch.Generator:
@@ -251,7 +260,7 @@ def _boundary(comm, tp_group, tp, dense_dp, states: list[_ParamState], policy, c
         s.marker = False
     for s in states:
         for stage in policy.boundary_stages(s.spec.family, tp):
-            s.hp.copy_(_apply(comm, tp_group, stage, s.hp, seed=(config.seed, step, BOUNDARY, 0, 0)))
+            s.hp.copy_(_apply(comm, tp_group, stage, s.hp, policy, seed=(config.seed, step, BOUNDARY, 0, 0)))
         if policy.correct_at == "boundary":
             trace.capture(step, BOUNDARY, s.spec.name, "boundary_corrected", s.hp)
         if policy.dp_at == "boundary":

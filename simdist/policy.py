@@ -17,7 +17,7 @@ Policies register themselves by name (`register`); the modules in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -78,7 +78,9 @@ class Policy:
     * ``dp_reduce`` / ``dp_scale`` / ``dp_at`` -- dtype, normalisation and
       timing of the data-parallel reduction;
     * ``master`` / ``moments`` -- dtypes of the master weights and Adam moments;
-    * ``tp_model`` -- a reduction model for the TP all-reduce (default: the world's).
+    * ``tp_model`` -- a reduction model for the TP all-reduce (default: the
+      world's); the path then all-gathers the TP values (exact) and sums them
+      in that model's order on every member.
     """
 
     name: str
@@ -95,7 +97,7 @@ class Policy:
     master: torch.dtype = torch.float32
     moments: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.bfloat16
-    tp_model: ReductionModel | None = field(default=None, compare=False)
+    tp_model: ReductionModel | None = None
 
     def correction_stages(self, correction: Correction, tp: int, dtype: torch.dtype) -> list[Stage]:
         """The TP correction on a value of ``dtype``: all_reduce and/or divide."""

@@ -1,0 +1,434 @@
+"""Properties of the BF16 gradient path (DeepSpeed #8913) against the FP32 oracle, found and checked by Hypothesis.
+
+Every property runs `train_rank` on a `SimWorld` for a drawn topology, drawn
+BF16 local gradients (`simdist.strategies.gradient_streams`: subnormals, huge
+magnitudes, cancellation between TP peers, TP averages on BF16 rounding ties)
+and compares captures bit for bit, or against a stated rounding bound.
+"""
+
+import functools
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, find, given, settings
+from hypothesis import strategies as st
+
+from simdist.families import Correction, Family
+from simdist.floats import bitwise_equal, float_format, unit_roundoff
+from simdist.gloo_model import Gloo
+from simdist.gradpath import ParamSpec, PathConfig, train_rank
+from simdist.oracle import FP32_ORACLE, reference_reduced_gradients
+from simdist.policy import get_policy, policy_names
+from simdist.probes import BOUNDARY, first_divergence
+from simdist.reduction import Ring, Sequential, Tree
+from simdist.simworld import SimWorld
+from simdist.spec import ParallelSpec
+from simdist.strategies import (
+    bf16_gradients,
+    bf16_values,
+    float_values,
+    gradient_streams,
+    parallel_specs,
+    policies,
+)
+
+ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
+PARTIAL = ParamSpec("router_partial", Family.ROUTER_GATE_PARTIAL, (2,))
+DENSE = ParamSpec("dense", Family.DENSE, (2,))
+SHARD = ParamSpec("attn_tp", Family.MODEL_PARALLEL, (2,))
+EXPERT = ParamSpec("expert", Family.EXPERT, (2,))
+PARAMS = [ROUTER, PARTIAL, DENSE, SHARD, EXPERT]
+"""One compact parameter of every folding family."""
+
+OPTIMIZER_STAGES = frozenset({"hp", "dp_reduced", "master", "adam_m", "adam_v"})
+PER_MICRO = "per_micro_step"
+BF16 = torch.bfloat16
+SEQUENTIAL = Sequential()
+MODELS = [Sequential(), Tree(), Ring(chunk_size=1, shift=1), Gloo()]
+SUITE = settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@functools.lru_cache(maxsize=64)
+def _initial(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, math.prod(shape)).reshape(shape).to(BF16)
+
+
+def initial(rank: int, param: ParamSpec) -> torch.Tensor:
+    """Replicated, small, non-trivial BF16 initial weights (-0.5 .. 0.5); a fresh copy (the engine writes to it)."""
+    return _initial(tuple(param.shape)).clone()
+
+
+def run(spec, policy, grads, config, keep=None, model=SEQUENTIAL, params=PARAMS):
+    """Every rank's `Trace` of ``policy`` on ``spec``, every group reducing with ``model``."""
+    return SimWorld(spec, default_model=model).run(train_rank, params, initial, grads, policy, config, keep)
+
+
+def assert_bitwise(traces, oracle, stages) -> None:
+    """The two runs captured the same keys for ``stages`` on every rank, with the same bits."""
+    for trace, reference in zip(traces, oracle, strict=True):
+        keys = {k for k in trace.values if k[3] in stages}
+        assert keys == {k for k in reference.values if k[3] in stages}, trace.rank
+        assert keys, "nothing was captured"
+        for key in keys:
+            assert bitwise_equal(trace.values[key], reference.values[key]), (trace.rank, key)
+
+
+def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal after an exact widening of both to fp64 (for captures of different dtypes)."""
+    return bitwise_equal(a.double(), b.double())
+
+
+# -- (a) fp32_staging is the FP32 oracle ---------------------------------------------------------------------------
+
+
+@st.composite
+def oracle_cases(draw, max_world_size: int = 8):
+    """(spec with 2-rank TP groups, GAS 1..4, steps 1..2, gradient stream) for property (a)."""
+    spec = draw(parallel_specs(max_world_size=max_world_size, tp=2))
+    gas = draw(st.integers(1, 4))
+    steps = draw(st.integers(1, 2))
+    return spec, gas, steps, draw(gradient_streams(spec, PARAMS, steps, gas))
+
+
+def check_fp32_staging_matches_oracle(spec, gas, steps, grads) -> None:
+    """The body of property (a), shared with ``bench/properties.py``."""
+    config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
+    staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES)
+    oracle = run(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES)
+    assert_bitwise(staging, oracle, OPTIMIZER_STAGES)
+
+
+@SUITE
+@given(oracle_cases())
+def test_fp32_staging_is_bitwise_equal_to_the_fp32_oracle(case):
+    """With the correction applied every micro-step, the #8913 fix is the FP32 oracle, bit for bit.
+
+    Any layout with 2-rank TP groups (world <= 8, any PP/EP/ETP), GAS 1..4 and
+    any BF16 local gradients: hp buffers after every micro-step, DP-reduced
+    gradients, FP32 masters and both Adam moments after every step.
+    """
+    check_fp32_staging_matches_oracle(*case)
+
+
+@st.composite
+def marker_cases(draw):
+    """TP2 layouts, GAS 2..4, small-integer gradients whose router peers differ on micro-step 1."""
+    spec = draw(parallel_specs(max_world_size=8, tp=2))
+    gas = draw(st.integers(2, 4))
+    small = st.integers(-16, 16).map(float)
+    grads = draw(gradient_streams(spec, PARAMS, 1, gas, small, layouts=("independent",)))
+    differ = any(
+        not torch.equal(grads.values[(0, 1, group[0], ROUTER.name)], grads.values[(0, 1, r, ROUTER.name)])
+        for group in spec.groups("tp")
+        for r in group
+    )
+    assume(differ)
+    return spec, gas, grads
+
+
+@SUITE
+@given(marker_cases(), st.sampled_from(["bf16_writeback", "fp32_staging"]))
+def test_deepspeed_marker_leaves_micro_steps_after_the_first_uncorrected(case, name):
+    """FINDING: with DeepSpeed's correction-once marker (cleared only at the boundary) and GAS >= 2, micro-steps
+    2..GAS of routers, experts and dense parameters are added to the buffer without the TP correction.
+
+    So *both* bf16_writeback and the #8913 fix fp32_staging leave the oracle at micro-step 1 (0-based): the
+    router's first divergent capture is 'hp' of micro-step 1, step 0. The gradients are small integers, so
+    micro-step 0 (whose TP average is BF16-representable) matches exactly even for bf16_writeback, and the
+    departure is the marker's alone. Model-parallel shards are never corrected and stay equal.
+    """
+    spec, gas, grads = case
+    traces = run(spec, get_policy(name), grads, PathConfig(steps=1, gas=gas, marker="deepspeed"))
+    oracle = run(spec, FP32_ORACLE, grads, PathConfig(steps=1, gas=gas, marker=PER_MICRO))
+    divergence = first_divergence(traces, oracle)
+    router = divergence[ROUTER.name]
+    assert router is not None and (router.step, router.micro, router.stage) == (0, 1, "hp"), router
+    assert divergence[SHARD.name] is None
+
+
+# -- (b) bf16_writeback: one round-to-nearest of the corrected value per micro-step -------------------------------
+
+
+def half_bf16_ulp(value: torch.Tensor) -> torch.Tensor:
+    """Half the BF16 ulp of the binade of each finite ``value`` (fp64); subnormals use the subnormal quantum."""
+    fmt = float_format(BF16)
+    _, exponent = torch.frexp(value.double())
+    binade = torch.clamp(exponent - 1, min=fmt.emin)  # floor(log2|x|), clamped to the subnormal binade
+    return torch.ldexp(torch.ones_like(value, dtype=torch.float64), binade - fmt.precision)
+
+
+@SUITE
+@given(st.data())
+def test_bf16_writeback_is_one_round_to_nearest_of_the_corrected_value(data):
+    """Per micro-step, bf16_writeback's BF16 value is exactly ``corrected.to(bfloat16)`` of the oracle's FP32
+    corrected value, at most half a BF16 ulp away (zero error when the corrected value is zero).
+
+    Routers and dense parameters are compared at 'written_back'; routed experts, which DeepSpeed divides in
+    place in BF16 (no writeback stage), at 'corrected'. Both runs correct every micro-step (``per_micro_step``).
+    """
+    spec = data.draw(parallel_specs(max_world_size=8, tp=2))
+    gas = data.draw(st.integers(1, 3))
+    grads = data.draw(gradient_streams(spec, PARAMS, 1, gas))
+    keep = frozenset({"corrected", "written_back"})
+    config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
+    writeback = run(spec, get_policy("bf16_writeback"), grads, config, keep)
+    oracle = run(spec, FP32_ORACLE, grads, config, keep)
+    compared = 0
+    for trace, reference in zip(writeback, oracle, strict=True):
+        for param in PARAMS:
+            if param.family.correction(spec.tp) is Correction.SKIP:
+                continue
+            for micro in range(gas):
+                corrected = reference.get(0, micro, param.name, "corrected")
+                stage = "written_back" if (0, micro, param.name, "written_back") in trace.values else "corrected"
+                value = trace.get(0, micro, param.name, stage)
+                assert value.dtype == BF16
+                assert bitwise_equal(value, corrected.to(BF16)), (trace.rank, param.name, micro)
+                error = (value.double() - corrected.double()).abs()
+                assert bool((error <= half_bf16_ulp(corrected)).all()), (trace.rank, param.name, micro)
+                compared += 1
+    assert compared
+
+
+def router_hp_departs(peers) -> bool:
+    """Whether bf16_writeback's router hp differs from the oracle's on TP2 (two ranks, one router element)."""
+    spec = ParallelSpec(2, tp=2, ep=1)
+    param = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (1,))
+
+    def grads(step, micro, rank, p):
+        return peers[rank].clone()
+
+    def hp(policy):
+        config = PathConfig(steps=1, marker=PER_MICRO)
+        traces = SimWorld(spec).run(train_rank, [param], initial, grads, policy, config, frozenset({"hp"}))
+        return [t.get(0, 0, "router", "hp") for t in traces]
+
+    return any(not bitwise_equal(a, b) for a, b in zip(hp(get_policy("bf16_writeback")), hp(FP32_ORACLE), strict=True))
+
+
+def test_hypothesis_finds_where_bf16_writeback_departs():
+    """Hypothesis searches BF16 router gradients on two TP ranks for a departing hp and shrinks it.
+
+    Shrunk example (hypothesis 6.155, derandomized), full BF16 range: rank 0 holds ``0.0``, rank 1 holds
+    ``2**-133 = 9.183549615799121e-41`` (the smallest BF16 subnormal). The FP32 average is ``2**-134``, exactly
+    half-way between BF16 ``0`` and ``2**-133``; the writeback rounds the tie to even, ``0``, so
+    bf16_writeback's hp is ``0.0`` where the oracle's is ``2**-134``.
+
+    Without subnormals: rank 0 ``1.0``, rank 1 ``1.0078125`` (``1 + 2**-7``, the next BF16 value). The FP32
+    average ``1.00390625`` is again a BF16 tie and rounds to ``1.0``; the oracle keeps ``1.00390625``.
+    """
+    quiet = settings(database=None, max_examples=500, derandomize=True, deadline=None)
+    pair = st.tuples(bf16_gradients((1,)), bf16_gradients((1,)))
+    found = find(pair, router_hp_departs, settings=quiet)
+    assert [t.double().item() for t in found] == [0.0, 2.0**-133]
+    normal = bf16_values(subnormals=False)
+    pair = st.tuples(bf16_gradients((1,), normal), bf16_gradients((1,), normal))
+    found = find(pair, router_hp_departs, settings=quiet)
+    assert [t.double().item() for t in found] == [1.0, 1.0078125]
+
+
+# -- (c) representable TP averages hide the defect -------------------------------------------------------------------
+
+
+def comparable_capture(policy, trace, param: ParamSpec):
+    """The capture of ``policy``'s run that must equal the oracle's first-micro-step TP-corrected buffer.
+
+    * correction at the boundary (Megatron): the buffer after its once-per-step TP correction
+      ('boundary_corrected'); with GAS 1 it holds the one micro-step's corrected gradient;
+    * DP reduction every micro-step (FSDP2): its hp already holds the DP reduction, whose pre/post division
+      differs from the oracle's on purpose, so the TP-corrected value ('corrected') is compared; families with
+      no correction have nothing to compare before the DP reduction (``None``);
+    * otherwise: 'hp' after micro-step 0 (BF16 for bf16_only, compared exactly in fp64).
+    """
+    if policy.correct_at == "boundary":
+        return "boundary_corrected", trace.get(0, BOUNDARY, param.name, "boundary_corrected")
+    if policy.dp_at == "micro_step":
+        key = (0, 0, param.name, "corrected")
+        return ("corrected", trace.values[key]) if key in trace.values else (None, None)
+    return "hp", trace.get(0, 0, param.name, "hp")
+
+
+@SUITE
+@given(
+    parallel_specs(max_world_size=4, tp=2),
+    st.sampled_from(
+        [
+            ("independent", st.integers(-64, 64).map(float)),
+            ("identical", float_values(BF16, min_exponent=-100, max_exponent=100)),
+        ]
+    ),
+    st.data(),
+)
+def test_every_policy_matches_the_oracle_when_the_tp_average_is_bf16_representable(spec, kind, data):
+    """Small-integer peers (e.g. 4.0 and 6.0: average 5.0) or identical peers (average = the BF16 value itself):
+    every registered policy's TP-corrected buffer on the first micro-step equals the FP32 oracle's.
+
+    This is why DeepSpeed's own unit test (peers holding 4.0, corrected to 2.0, and identical TP peers) misses
+    #8913: when the FP32 result of the TP correction is exactly representable in BF16, the BF16 writeback
+    rounds nothing, the BF16-only arithmetic is exact (integer sums of 8 bits or fewer, division by 2) and
+    stochastic rounding of an exact value is exact. The defect needs TP peers whose average has a ninth
+    significant bit (see `test_hypothesis_finds_where_bf16_writeback_departs`). Identical values are drawn
+    without subnormals and at most 2**101, so that ``x / 2`` (experts, in BF16) stays normal and ``x + x``
+    stays finite.
+    """
+    layout, elements = kind
+    grads = data.draw(gradient_streams(spec, PARAMS, 1, 1, elements, layouts=(layout,)))
+    config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
+    keep = frozenset({"hp", "corrected", "boundary_corrected"})
+    oracle = run(spec, FP32_ORACLE, grads, config, keep)
+    for name in policy_names():
+        policy = get_policy(name)
+        traces = run(spec, policy, grads, config, keep)
+        for trace, reference in zip(traces, oracle, strict=True):
+            for param in PARAMS:
+                stage, value = comparable_capture(policy, trace, param)
+                if stage is None:
+                    continue
+                expected = reference.get(0, 0, param.name, "corrected" if stage == "corrected" else "hp")
+                assert same_value(value, expected), (name, trace.rank, param.name, stage)
+
+
+# -- (d) NaN, Inf and zero-size parameters ---------------------------------------------------------------------------
+
+
+@SUITE
+@given(
+    parallel_specs(max_world_size=4, tp=2),
+    st.sampled_from(["fp32_staging", "bf16_writeback"]),
+    st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    st.data(),
+)
+def test_nan_and_inf_in_one_local_router_grad_reach_tp_peers_and_masters(spec, name, bad, data):
+    """A NaN/Inf in one rank's local router gradient shows up in the corrected value and hp of every TP peer
+    (NaN, or an infinity of the sign IEEE-754 arithmetic gives) and makes the FP32 masters of every rank that
+    DP-reduces with those peers NaN; the other elements stay finite."""
+    finite = bf16_values(max_exponent=50)
+    grads = data.draw(gradient_streams(spec, PARAMS, 1, 1, finite))
+    rank = data.draw(st.integers(0, spec.world_size - 1))
+    index = data.draw(st.integers(0, ROUTER.shape[0] - 1))
+    grads.values[(0, 0, rank, ROUTER.name)][index] = bad
+    keep = frozenset({"corrected", "hp", "master"})
+    traces = run(spec, get_policy(name), grads, PathConfig(steps=1, marker=PER_MICRO), keep)
+    peers = spec.group_of("tp", rank)
+    exact = sum(grads.values[(0, 0, r, ROUTER.name)][index].double() for r in peers) / spec.tp
+    others = [i for i in range(ROUTER.shape[0]) if i != index]
+    for r in peers:
+        for stage in ("corrected", "hp"):
+            got = traces[r].get(0, 0, ROUTER.name, stage)[index].double()
+            assert bool(torch.isnan(got)) == bool(torch.isnan(exact)), (r, stage)
+            assert torch.isnan(exact) or got == exact, (r, stage, got, exact)
+            assert bool(torch.isfinite(traces[r].get(0, 0, ROUTER.name, stage)[others]).all()), (r, stage)
+    reached = {m for r in peers for m in spec.group_of("dp", r)}
+    for r in range(spec.world_size):
+        master = traces[r].get(0, BOUNDARY, ROUTER.name, "master")
+        assert bool(torch.isnan(master[index])) == (r in reached), r
+        assert bool(torch.isfinite(master[others]).all()), r
+
+
+@pytest.mark.parametrize("marker", ["deepspeed", PER_MICRO])
+@pytest.mark.parametrize("spec", [ParallelSpec(4, tp=2, ep=2), ParallelSpec(8, tp=2, ep=2, pp=2)])
+def test_zero_size_parameters_run_the_whole_path_for_every_policy(spec, marker):
+    """Shape-(0,) parameters of every family go through every stage of every registered policy."""
+    params = [ParamSpec(f"empty_{p.family.value}", p.family, (0,)) for p in PARAMS] + [ROUTER]
+
+    def grads(step, micro, rank, param):
+        return torch.full(param.shape, 0.25 * (rank + 1), dtype=BF16)
+
+    for name in policy_names():
+        traces = run(spec, get_policy(name), grads, PathConfig(steps=2, gas=2, marker=marker), params=params)
+        for trace in traces:
+            for param in params[:-1]:
+                for stage in ("hp", "dp_reduced", "master", "adam_m", "adam_v", "param"):
+                    step_micro = (1, BOUNDARY) if stage != "hp" else (1, 1)
+                    assert trace.get(*step_micro, param.name, stage).shape == (0,), (name, param.name, stage)
+            assert bool(torch.isfinite(trace.get(1, BOUNDARY, ROUTER.name, "master")).all()), name
+            assert trace.scalars[(1, "grad_norm")] > 0, name
+
+
+@SUITE
+@given(policies(), st.sampled_from(list(Family)), st.data())
+def test_every_policy_captures_exactly_the_stages_of_its_chain(policy, family, data):
+    """What is printed is what runs: a micro-step captures exactly the probe points its stage list names."""
+    spec = ParallelSpec(2, tp=2, ep=1)
+    param = ParamSpec("p", family, (2,))
+    grads = data.draw(gradient_streams(spec, [param], 1, 1, st.integers(-4, 4).map(float)))
+    traces = run(spec, policy, grads, PathConfig(steps=1, marker=PER_MICRO), params=[param])
+    expected = {"local"} | {s.capture for s in policy.micro_step_stages(family, spec.tp) if s.capture}
+    for trace in traces:
+        assert {k[3] for k in trace.values if k[1] == 0} == expected
+
+
+# -- (e) TP groups of 4: reduction order ------------------------------------------------------------------------------
+
+TP4_SPECS = [ParallelSpec(4, tp=4, ep=2), ParallelSpec(8, tp=4, ep=2)]
+
+
+@SUITE
+@given(st.sampled_from(TP4_SPECS), st.sampled_from(MODELS), st.integers(1, 2), st.data())
+def test_fp32_staging_matches_the_oracle_under_the_same_reduction_model(spec, model, gas, data):
+    """TP4: with one reduction model for both runs, fp32_staging equals the oracle bit for bit."""
+    grads = data.draw(gradient_streams(spec, PARAMS, 1, gas))
+    config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
+    staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, model=model)
+    oracle = run(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES, model=model)
+    assert_bitwise(staging, oracle, OPTIMIZER_STAGES)
+
+
+@SUITE
+@given(st.sampled_from(TP4_SPECS), st.sampled_from(MODELS), st.sampled_from(MODELS), st.data())
+def test_a_different_reduction_order_stays_within_the_summation_bound(spec, model, oracle_model, data):
+    """TP4, GAS 1: fp32_staging under one reduction model and the oracle under another each compute the
+    corrected value within the recursive-summation bound ``(tp-1) * u_fp32 * sum|x_i|`` of the exact TP sum
+    (divided by ``tp`` for AVERAGE: the division by 4 is exact), so they differ by at most twice that; the hp
+    buffer (``0 + corrected``) inherits the same bound."""
+    grads = data.draw(gradient_streams(spec, PARAMS, 1, 1))
+    config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
+    keep = frozenset({"corrected", "hp"})
+    staging = run(spec, get_policy("fp32_staging"), grads, config, keep, model=model)
+    oracle = run(spec, FP32_ORACLE, grads, config, keep, model=oracle_model)
+    u = Fraction(unit_roundoff(torch.float32))
+    for param in PARAMS:
+        correction = param.family.correction(spec.tp)
+        if not correction.reduces:
+            continue
+        scale = Fraction(1, spec.tp) if correction.divides else Fraction(1)
+        for group in spec.groups("tp"):
+            local = [grads.values[(0, 0, r, param.name)].double().reshape(-1).tolist() for r in group]
+            columns = list(zip(*local, strict=True))
+            exact = [sum(map(Fraction, col), Fraction(0)) * scale for col in columns]
+            bound = [(spec.tp - 1) * u * sum(abs(Fraction(v)) for v in col) * scale for col in columns]
+            for r in group:
+                for stage in ("corrected", "hp"):
+                    a = staging[r].get(0, 0, param.name, stage).double().reshape(-1).tolist()
+                    b = oracle[r].get(0, 0, param.name, stage).double().reshape(-1).tolist()
+                    for x, y, s, e in zip(a, b, exact, bound, strict=True):
+                        assert abs(Fraction(x) - s) <= e and abs(Fraction(y) - s) <= e, (param.name, r, stage)
+                        assert abs(Fraction(x) - Fraction(y)) <= 2 * e, (param.name, r, stage)
+
+
+# -- the engine against an independent transcription -----------------------------------------------------------------
+
+REFERENCE_SPECS = [
+    ParallelSpec(4, tp=2, ep=2),
+    ParallelSpec(8, tp=2, ep=4),
+    ParallelSpec(8, tp=2, ep=2, etp=2),
+    ParallelSpec(8, tp=4, ep=2),
+    ParallelSpec(8, tp=2, ep=2, pp=2),
+]
+
+
+@SUITE
+@given(st.sampled_from(REFERENCE_SPECS), st.sampled_from(MODELS), st.integers(1, 3), st.data())
+def test_engine_dp_reduced_gradients_equal_the_reference_transcription(spec, model, gas, data):
+    """fp32_staging's DP-reduced gradients (correction every micro-step) equal `reference_reduced_gradients`,
+    which loops over the TP and DP groups explicitly with no rank program, bit for bit, for every step."""
+    steps = 2
+    grads = data.draw(gradient_streams(spec, PARAMS, steps, gas))
+    config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
+    traces = run(spec, get_policy("fp32_staging"), grads, config, frozenset({"dp_reduced"}), model=model)
+    for step in range(steps):
+        expected = reference_reduced_gradients(spec, PARAMS, grads, step, gas, torch.float32, model, model)
+        for (rank, name), value in expected.items():
+            assert bitwise_equal(traces[rank].get(step, BOUNDARY, name, "dp_reduced"), value), (step, rank, name)

@@ -1,0 +1,133 @@
+"""Precision policies as data: printed chains, the registry, a policy added from outside simdist/, the #8913 repro."""
+
+import pytest
+import torch
+
+from simdist.families import Family
+from simdist.floats import bitwise_equal
+from simdist.gradpath import ParamSpec, PathConfig, train_rank
+from simdist.policy import Policy, get_policy, policy_names, register
+from simdist.reduction import make_model
+from simdist.repro import ReproConfig, reproduce, run
+from simdist.simworld import SimWorld
+from simdist.spec import ParallelSpec
+
+# A new policy is one `register(Policy(...))` call, here in a test file: nothing in simdist/ or policies/ changes.
+# FP32 staging as in the #8913 fix, but the DP all-reduce pre-scales by 1/dp (Megatron's gradient_scaling_factor)
+# instead of dividing after the sum; with a power-of-two DP size both orders are exact.
+PRESCALED = register(
+    Policy(
+        name="test_fp32_staging_prescaled",
+        summary="#8913 fix with the DP all-reduce pre-scaled by 1/dp",
+        staging=torch.float32,
+        writeback=None,
+        expert_in_grad_dtype=False,
+        dp_scale="prescale",
+    )
+)
+
+ROUTERS = {"router.weight", "router_partial.weight"}
+DEPARTING_KINDS = {"hp grad", "fp32 master", "adam m", "adam v"}
+
+
+@pytest.fixture(scope="module")
+def default_repro():
+    return reproduce(ReproConfig())
+
+
+def test_every_registered_policy_prints_a_chain_for_every_family():
+    for name in policy_names():
+        policy = get_policy(name)
+        assert policy.name == name
+        for family in Family:
+            chain = policy.chain(family, 2)
+            assert chain.startswith("bf16 -> "), (name, family, chain)
+            assert "+=hp" in chain, (name, family, chain)
+
+
+def test_router_chains_of_the_writeback_and_the_fix():
+    router = Family.ROUTER_GATE_REPLICATED
+    writeback = "bf16 -> fp32 -> all_reduce[tp] -> /2 -> bf16 -> fp32 -> +=hp"
+    assert get_policy("bf16_writeback").chain(router, 2) == writeback
+    assert get_policy("fp32_staging").chain(router, 2) == "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp"
+
+
+def test_an_unknown_policy_name_raises_listing_the_valid_names():
+    with pytest.raises(ValueError, match="unknown policy 'bf16_writebak'") as info:
+        get_policy("bf16_writebak")
+    for name in policy_names():
+        assert name in str(info.value)
+
+
+def test_a_policy_registered_in_a_test_runs_through_the_repro_path():
+    assert PRESCALED.name in policy_names()
+    config = ReproConfig(policies=("bf16_writeback", "fp32_staging", PRESCALED.name), steps=2)
+    reports, verdict = reproduce(config)
+    report = next(r for r in reports if r.name == PRESCALED.name)
+    assert report.chains["router.weight"] == "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp"
+    assert report.rows and all(r.bitwise_equal for r in report.rows)
+    assert all(d is None for d in report.first_divergence.values())
+    assert verdict.startswith("#8913 REPRODUCED")
+
+
+def test_the_default_repro_reproduces_8913(default_repro):
+    reports, verdict = default_repro
+    assert verdict.startswith("#8913 REPRODUCED"), verdict
+    writeback, staging = (next(r for r in reports if r.name == n) for n in ("bf16_writeback", "fp32_staging"))
+    ranks = {r.rank for r in writeback.rows}
+    assert ranks == set(range(ReproConfig().world_size))
+    for rank in ranks:
+        for router in ROUTERS:
+            differing = {r.kind for r in writeback.rows if r.rank == rank and r.param == router and not r.bitwise_equal}
+            assert differing == DEPARTING_KINDS, (rank, router, differing)
+    assert all(r.bitwise_equal for r in writeback.rows if r.param not in ROUTERS)
+    assert {r.param for r in writeback.rows if r.param not in ROUTERS} >= {"dense.weight", "norm.weight", "expert.w1"}
+    assert writeback.departs == sorted(ROUTERS)
+    assert staging.rows and all(r.bitwise_equal for r in staging.rows)
+    assert staging.departs == []
+
+
+def _traces(name: str):
+    return run(ParallelSpec(4, tp=2, ep=2), get_policy(name), PathConfig(steps=2), make_model("gloo"))
+
+
+def test_stochastic_writeback_is_reproducible_and_differs_from_round_to_nearest():
+    first, second = _traces("stochastic_writeback"), _traces("stochastic_writeback")
+    for a, b in zip(first, second, strict=True):
+        assert a.values.keys() == b.values.keys()
+        assert all(bitwise_equal(a.values[k], b.values[k]) for k in a.values)
+    nearest = _traces("bf16_writeback")
+    differing = [
+        k
+        for a, b in zip(first, nearest, strict=True)
+        for k in a.values
+        if k[3] == "written_back" and not bitwise_equal(a.values[k], b.values[k])
+    ]
+    assert differing
+    assert {k[2] for k in differing} <= ROUTERS  # dense peers are identical: their average is exact
+
+
+def test_a_policy_can_carry_its_own_tp_reduction_order():
+    """``Policy.tp_model`` replaces the world's order for the TP all-reduce, and only there."""
+    from simdist.reduction import Ring, Sequential
+
+    spec = ParallelSpec(4, tp=4, ep=1)
+    params = [ParamSpec("r", Family.ROUTER_GATE_PARTIAL, (64,))]
+
+    def initial(rank, p):
+        return torch.zeros(p.shape, dtype=torch.bfloat16)
+
+    def grads(step, micro, rank, p):
+        g = torch.Generator().manual_seed(rank)
+        return (torch.randn(64, generator=g) * 2.0 ** torch.randint(-30, 30, (64,), generator=g)).to(torch.bfloat16)
+
+    base = dict(name="tp_model_probe", summary="-", staging=torch.float32, writeback=None, expert_in_grad_dtype=False)
+    config = PathConfig(steps=1)
+
+    def corrected(world_model, policy):
+        traces = SimWorld(spec, default_model=world_model).run(train_rank, params, initial, grads, policy, config)
+        return traces[0].get(0, 0, "r", "corrected")
+
+    own_order = corrected(Sequential(), Policy(**base, tp_model=Ring(chunk_size=1)))
+    assert bitwise_equal(own_order, corrected(Ring(chunk_size=1), Policy(**base)))
+    assert not bitwise_equal(own_order, corrected(Sequential(), Policy(**base)))
