@@ -18,6 +18,8 @@ towards small, simple numbers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from hypothesis import strategies as st
 
@@ -131,8 +133,6 @@ def rank_tensors(
 # -- gradient-path strategies --------------------------------------------------
 # The strategy builders below are cached per argument tuple: building and validating a fresh strategy for each
 # tensor of a gradient stream would dominate the cost of a gradient-path example.
-
-import functools  # noqa: E402 - appended section
 
 BF16_SAFE_EXPONENT = 120
 """Default largest binade of `bf16_values`: a sum of up to 64 such values stays below 2**128, the overflow
