@@ -6,6 +6,8 @@
     simdist policies
     simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
     simdist audit [--json] path/to/script.py [args...]
+    simdist growth --policies bf16_writeback,fp32_staging,bf16_only --steps 10000 --seeds 8 --out runs/NAME
+                   [--model synthetic --seed 0 --gas 1 --marker deepspeed --checkpoint-every 500 --force]
 
 Bad input (an unknown policy, an invalid layout, an impossible option) prints
 one line naming the valid choices and exits with status 2, never a traceback.
@@ -78,7 +80,51 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--tolerance-ulp", type=_non_negative, default=0,
                          help="largest ulp difference accepted (default 0: bitwise)")
     add_audit_subcommand(sub)
+    _add_growth_subcommand(sub)
     return parser
+
+
+def _add_growth_subcommand(sub) -> None:
+    growth = sub.add_parser("growth", help="error growth of policies against the FP32 oracle over many steps")
+    growth.add_argument("--policies", default="bf16_writeback,fp32_staging,bf16_only",
+                        help="comma-separated policy names")
+    growth.add_argument("--steps", type=_positive, default=10_000, help="optimizer steps (default 10000)")
+    growth.add_argument("--seeds", type=_positive, default=8, help="ensemble size, run batched (default 8)")
+    growth.add_argument("--seed", type=int, default=0, help="first seed of the ensemble")
+    growth.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
+    growth.add_argument("--marker", choices=("deepspeed", "per_micro_step"), default="deepspeed",
+                        help="when the correction-once marker is cleared (matters for --gas >= 2)")
+    growth.add_argument("--model", choices=("synthetic",), default="synthetic",
+                        help="gradient source: the synthetic stream (the batched emulation supports only it)")
+    growth.add_argument("--world-size", type=_positive, default=4)
+    growth.add_argument("--tp", type=_positive, default=2)
+    growth.add_argument("--ep", type=_positive, default=2)
+    growth.add_argument("--checkpoint-every", type=_positive, default=500, help="steps between checkpoints")
+    growth.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
+    growth.add_argument("--force", action="store_true", help="recompute a finished run")
+    growth.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def _growth(args: argparse.Namespace) -> int:
+    from simdist.growth import FILES, GrowthConfig, run_growth
+
+    names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
+    if not names:
+        raise ValueError("--policies needs at least one policy name")
+    config = GrowthConfig(policies=names, steps=args.steps, seeds=args.seeds, seed=args.seed, gas=args.gas,
+                          marker=args.marker, model=args.model, world_size=args.world_size, tp=args.tp, ep=args.ep,
+                          checkpoint_every=args.checkpoint_every)
+    summary = run_growth(config, args.out, force=args.force, progress=not args.no_progress)
+    for name, info in summary["policies"].items():
+        final = info["final_median"]
+        exponent = info["master_rel_growth_exponent"]
+        growth = "bitwise equal to the oracle" if info["bitwise_equal_to_oracle"] else (
+            f"master rel {final['master_rel']:.3e} ({final['master_ulp_median']:.3g} ulp median), "
+            f"adam m rel {final['adam_m_rel']:.3e}, adam v rel {final['adam_v_rel']:.3e}, "
+            f"master growth ~ t^{exponent:.2f}" if exponent is not None else "")
+        print(f"{name}: {growth}")
+    print(f"wrote {args.out}/{FILES['metrics']} and {args.out}/{FILES['plot']}")
+    return 0
 
 
 def _non_negative(text: str) -> int:
@@ -144,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             return _repro(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "growth":
+            return _growth(args)
         return _policies()
     except ValueError as exc:
         print(f"simdist: error: {exc}", file=sys.stderr)

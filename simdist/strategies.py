@@ -9,7 +9,12 @@ Public, composable building blocks used by simdist's own tests:
 * `tensors` -- a tensor of such values;
 * `rank_tensors` -- the per-rank tensors of one group, including structured
   cases that plain independent draws almost never hit: exact cancellation
-  between ranks and sums that land on a rounding tie.
+  between ranks and sums that land on a rounding tie;
+* `bf16_values`, `bf16_gradients`, `peer_gradients` -- BF16 local gradients
+  and how TP peers' gradients relate (independent, identical, cancelling,
+  on ties, at BF16 midpoints);
+* `gradient_streams` -- a whole ``(step, micro, rank, param) -> gradient``
+  stream for a spec; `policies` -- registered precision policies.
 
 All values are built from sign, exponent and significand integers, so every
 drawn value is exactly representable in the requested dtype and shrinks
