@@ -1,0 +1,636 @@
+"""Error growth over many steps: each policy next to the FP32 oracle, batched over seeds, resumable.
+
+What is run
+-----------
+`run_growth` trains the synthetic gradient stream (`BatchedGradients`, the
+same per-rank structure as `simdist.synthetic`: dense gradients identical on
+TP peers, routers ``tp x`` their own slice, shards and experts local) under
+each policy and under the FP32 TP-then-DP oracle, for ``steps`` optimizer
+steps and ``seeds`` independent seeds, and records per step and seed how far
+each policy's FP32 masters and Adam moments are from the oracle's.
+
+How it is batched, and why that is exact
+----------------------------------------
+Threads of `SimWorld` cost tens of microseconds per collective; 10,000 steps
+x 8 seeds x 4 runs would take hours. `Ensemble` instead holds every tensor
+of every rank of every seed in one tensor with a leading ``[seed, rank]``
+dimension and executes the *same stage list* that `train_rank` executes
+(`Policy.micro_step_stages`, `Policy.boundary_stages`, the DP reduction of
+`simdist.gradpath._dp_reduce`, and `simdist.gradpath.adamw_step` itself):
+
+* casts, ``/tp``, ``* 1/dp``, ``+=hp`` and every AdamW operation are
+  element-wise, so applying them to a batched tensor gives each element the
+  bits it gets in a rank's own tensor (batch-invariance of element-wise ops);
+* a collective over a group of two ranks is one addition ``a + b``, which is
+  commutative in IEEE arithmetic, so every reduction model (gloo, ring, tree,
+  sequential) gives ``x + x[peer]``; groups of more than two ranks are
+  refused (their result depends on the modelled order);
+* no reduction ever runs over the seed or rank dimension inside the
+  arithmetic; only the *metrics* reduce, within one seed.
+
+What batching changes: nothing in the bits of masters, moments or BF16
+params (``tests/test_growth.py`` proves bitwise identity with `train_rank` on
+`SimWorld` at every step, every rank and seed, for eight policies including
+the oracle, GAS 2 and stochastic rounding; and that a seed gives the same
+bits alone and inside an ensemble). Not emulated: the gradient-norm scalar
+and clipping (growth runs use ``max_norm = 0``, the `PathConfig` default),
+and layouts with groups of more than two ranks. The stream has the
+distribution of `simdist.synthetic.SyntheticGradients` but its own draws (one
+generator call per seed and step instead of one per rank and parameter).
+Cost: 8 seeds take about 1.8-2.8x the time of one seed (``bench/growth.py``).
+Only ``model="synthetic"`` is supported; the MoE block's backward runs
+collectives inside autograd and has no batched emulation here.
+
+The gradient stream is counter-based: step ``t`` of seed ``s`` is drawn from a
+generator seeded by ``(s, t, micro)``, so there is no RNG position to save and
+a resumed run draws exactly what an uninterrupted run draws.
+
+What the curves show (the random-walk model)
+--------------------------------------------
+If each step added an independent, zero-mean rounding error of similar size
+to a quantity that keeps everything it is given, its error would grow like a
+random walk: ``err(t) ~ err(t0) * sqrt(t / t0)``. The plot draws that line,
+anchored at the median at step 10 (`random_walk`), dashed, in each policy's colour.
+
+* masters sum every update, so their error follows the random walk while the
+  per-step update errors are independent -- and departs from it upward when
+  the errors are biased (same sign every step: linear growth), or when the
+  masters' own divergence changes the update (weight decay, feedback);
+* Adam ``m`` forgets with ``beta1 = 0.9`` (memory ~10 steps): its error only
+  reflects the last few gradients' rounding and is flat from the first step;
+  ``v`` averages squared gradients over ~1000 steps (``beta2 = 0.999``): its
+  *relative* error falls while the average still gathers independent terms
+  and levels off after about 1000 steps -- neither grows as ``sqrt(t)``;
+* step 1 is special: Adam's first update is ``lr * g / |g|`` (a sign), which a
+  small rounding of ``g`` rarely changes, so the master error jumps between
+  steps 1 and 2 and the line is anchored at step 10;
+* ``fp32_staging`` is bitwise equal to the FP32 oracle (no curve on log axes:
+  the error is exactly zero); ``bf16_writeback`` adds one BF16 rounding of the
+  router gradients per step (only the two router families differ: dense TP
+  peers are identical, so their average is exact, and ``/2`` of a BF16 expert
+  gradient is exact); ``bf16_only`` rounds the TP sum, the accumulation and
+  the DP reduction in BF16 for every family, so its errors are the largest.
+  Measured (``bench/growth.py``, 10,000 steps, 8 seeds): the median master
+  error grows as ``t^0.52`` for both, i.e. as the random walk predicts.
+
+The synthetic stream has no loss (gradients are drawn, not derived from the
+weights), so the loss panel is omitted for ``model="synthetic"``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import shutil
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from simdist.families import Correction, Family
+from simdist.gradpath import AdamW, ParamSpec, _predivide_factor, adamw_step
+from simdist.oracle import FP32_ORACLE
+from simdist.policy import Policy, Stage, dtype_name, get_policy
+from simdist.rounding import stochastic_round
+from simdist.spec import ParallelSpec
+from simdist.synthetic import DEFAULT_PARAMS, InitialWeights
+
+TENSORS = ("master", "adam_m", "adam_v")
+METRICS = ("rel", "ulp_gmean", "ulp_max", "differ")
+COLUMNS = tuple(f"{t}_{m}" for t in TENSORS for m in METRICS)
+"""Per step, seed and policy, for each tensor: normwise relative error, geometric-mean FP32-ulp distance over
+the elements that differ (0 when none), max FP32-ulp distance, fraction of elements that differ."""
+
+
+# -- the batched gradient stream -----------------------------------------------------------------------------
+
+
+class BatchedGradients:
+    """BF16 local gradients for every ``[seed, rank]`` at once; counter-based (no RNG state to checkpoint).
+
+    For each ``(seed, step, micro)`` one generator draws, for every parameter,
+    one value per *owner* (TP group for dense parameters, rank otherwise) with
+    the distribution of `simdist.synthetic._normal`: ``randn * scale *
+    2**randint(-3, 3)``, rounded to BF16 (one draw for all parameters, then
+    split). `local` gives one rank's tensor for `train_rank`.
+    """
+
+    def __init__(self, spec: ParallelSpec, params: tuple[ParamSpec, ...], seeds: list[int], scale: float = 1e-3):
+        self.spec, self.params, self.seeds, self.scale = spec, params, list(seeds), scale
+        tp_groups = [tuple(g) for g in spec.groups("tp")]
+        self.owner_index: dict[str, torch.Tensor] = {}
+        for p in params:
+            if p.family.identical_on_tp_peers:
+                idx = [tp_groups.index(tuple(spec.group_of("tp", r))) for r in range(spec.world_size)]
+            else:
+                idx = list(range(spec.world_size))
+            self.owner_index[p.name] = torch.tensor(idx)
+        self._owners = [int(self.owner_index[p.name].max()) + 1 for p in params]
+        self._spans, start = [], 0
+        for p, owners in zip(params, self._owners, strict=True):
+            self._spans.append((start, start + owners * math.prod(p.shape)))
+            start += owners * math.prod(p.shape)
+        self._total = start
+        self._cache: tuple[tuple[int, int], dict[str, torch.Tensor]] | None = None
+
+    def draw(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        """``{param: bf16 tensor [seed, rank, *shape]}`` for this step and micro-step."""
+        if self._cache is not None and self._cache[0] == (step, micro):
+            return self._cache[1]
+        per_seed: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.params}
+        for seed in self.seeds:
+            g = torch.Generator().manual_seed(zlib.crc32(repr(("growth", seed, step, micro)).encode()))
+            spread = torch.randint(-3, 4, (self._total,), generator=g).to(torch.float32)
+            flat = (torch.randn(self._total, generator=g) * self.scale * torch.pow(2.0, spread)).to(torch.bfloat16)
+            for p, (start, stop), owners in zip(self.params, self._spans, self._owners, strict=True):
+                value = flat[start:stop].reshape(owners, *p.shape)
+                per_seed[p.name].append(value[self.owner_index[p.name]])
+        out = {name: torch.stack(values) for name, values in per_seed.items()}
+        self._cache = ((step, micro), out)
+        return out
+
+    def local(self, seed_index: int) -> Callable[[int, int, int, ParamSpec], torch.Tensor]:
+        """A `simdist.gradpath.LocalGrads` for one seed (what `train_rank` on `SimWorld` consumes)."""
+
+        def grads(step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
+            return self.draw(step, micro)[param.name][seed_index, rank].clone()
+
+        return grads
+
+
+# -- the batched gradient path ------------------------------------------------------------------------------
+
+
+def _peer_index(spec: ParallelSpec, kind: str) -> torch.Tensor | None:
+    """``peer[r]``: the other rank of ``r``'s group of ``kind``; None for groups of one rank."""
+    size = spec.size(kind)
+    if size == 1:
+        return None
+    if size != 2:
+        raise ValueError(f"the batched emulation needs {kind} groups of at most 2 ranks (an order-free sum); "
+                         f"{kind}={size}")
+    peer = [0] * spec.world_size
+    for group in spec.groups(kind):
+        a, b = group
+        peer[a], peer[b] = b, a
+    return torch.tensor(peer)
+
+
+def _group_sum(x: torch.Tensor, peer: torch.Tensor | None) -> torch.Tensor:
+    """The all_reduce SUM of a group of at most two ranks, for every rank (dim 1): ``a + b`` is order-free."""
+    return x.clone() if peer is None else x + x[:, peer]
+
+
+@dataclass
+class Ensemble:
+    """One policy's state for every seed and rank: masters, moments, low-precision params (``[S, R, N]``)."""
+
+    policy: Policy
+    spec: ParallelSpec
+    params: tuple[ParamSpec, ...]
+    seeds: list[int]
+    gas: int = 1
+    marker: str = "deepspeed"
+    adam: AdamW = field(default_factory=AdamW)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.slices: dict[str, slice] = {}
+        start = 0
+        for p in self.params:
+            n = math.prod(p.shape)
+            self.slices[p.name] = slice(start, start + n)
+            start += n
+        self.numel = start
+        self.tp = self.spec.tp
+        self.dense_dp = self.spec.dp
+        self.peers = {kind: _peer_index(self.spec, kind) for kind in ("tp", "dp", "edp")}
+        inits = [InitialWeights(self.spec, seed) for seed in self.seeds]
+        lp = torch.stack([
+            torch.stack([torch.cat([init(r, p).to(self.policy.grad_dtype).reshape(-1) for p in self.params])
+                         for r in range(self.spec.world_size)])
+            for init in inits])
+        self.lp = lp
+        self.master = lp.to(self.policy.master)
+        self.m = torch.zeros(lp.shape, dtype=self.policy.moments)
+        self.v = torch.zeros(lp.shape, dtype=self.policy.moments)
+        self.hp = torch.zeros(lp.shape, dtype=self.policy.accumulate)
+
+    # state for checkpoints
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"master": self.master, "adam_m": self.m, "adam_v": self.v, "lp": self.lp}
+
+    def load(self, state: dict[str, torch.Tensor], step: int) -> None:
+        self.master, self.m, self.v, self.lp = (state[k].clone() for k in ("master", "adam_m", "adam_v", "lp"))
+        self.hp.zero_()
+        self.step = step
+
+    def run_step(self, grads: Callable[[int], dict[str, torch.Tensor]]) -> None:
+        """One optimizer step: ``gas`` micro-steps of ``_update_hp_grad``, then the boundary."""
+        step = self.step
+        markers = dict.fromkeys(self.slices, False)
+        for micro in range(self.gas):
+            local = grads(micro)
+            for index, p in enumerate(self.params):
+                self._micro(p, index, local[p.name].reshape(len(self.seeds), self.spec.world_size, -1),
+                            markers, step, micro)
+            if self.marker == "per_micro_step":
+                markers = dict.fromkeys(self.slices, False)
+        self._boundary(step)
+        self.step += 1
+
+    def _micro(self, p: ParamSpec, index: int, grad: torch.Tensor, markers, step: int, micro: int) -> None:
+        policy = self.policy
+        stages = policy.micro_step_stages(p.family, self.tp)
+        correcting = not markers[p.name] and p.family.correction(self.tp) is not Correction.SKIP
+        if not correcting:
+            stages = [Stage("cast", "", policy.accumulate)] if grad.dtype != policy.accumulate else []
+            stages.append(Stage("accumulate", "hp", policy.accumulate))
+        hp = self.hp[..., self.slices[p.name]]
+        value = grad.to(policy.grad_dtype)
+        for stage in stages:
+            if stage.kind == "accumulate":
+                if policy.dp_at == "micro_step":
+                    value = self._dp_reduce(value, p.family)
+                hp.add_(value)
+            else:
+                value = self._apply(stage, value, p, index, step, micro)
+        if correcting and policy.correct_at == "micro_step":
+            markers[p.name] = True
+
+    def _apply(self, stage: Stage, value: torch.Tensor, p: ParamSpec, index: int, step: int, micro) -> torch.Tensor:
+        if stage.kind == "cast":
+            if stage.rounding == "stochastic":
+                out = torch.empty(value.shape, dtype=stage.dtype)
+                for s, seed in enumerate(self.seeds):
+                    for r in range(self.spec.world_size):
+                        g = torch.Generator().manual_seed(zlib.crc32(repr((seed, step, micro, r, index)).encode()))
+                        out[s, r] = stochastic_round(value[s, r].reshape(p.shape), stage.dtype, g).reshape(-1)
+                return out
+            return value.to(stage.dtype)
+        if stage.kind == "all_reduce":
+            return _group_sum(value, self.peers["tp"])
+        if stage.kind == "divide":
+            return value / stage.divisor
+        raise ValueError(f"unknown stage kind {stage.kind!r}")
+
+    def _dp_reduce(self, value: torch.Tensor, family: Family) -> torch.Tensor:
+        """`simdist.gradpath._dp_reduce`, batched: same casts and scalings, a two-rank (order-free) sum."""
+        peer = self.peers[family.dp_group]
+        x = value.to(self.policy.dp_reduce, copy=True)
+        if self.policy.dp_scale == "prescale":
+            x.mul_(1.0 / self.dense_dp)
+            x = _group_sum(x, peer)
+        elif self.policy.dp_scale == "pre_post_divide":
+            pre = _predivide_factor(self.dense_dp)
+            x.div_(pre)
+            x = _group_sum(x, peer)
+            x.div_(self.dense_dp / pre)
+        else:
+            x = _group_sum(x, peer)
+            x.mul_(1.0 / self.dense_dp)
+        return x.to(value.dtype)
+
+    def _boundary(self, step: int) -> None:
+        for index, p in enumerate(self.params):
+            hp = self.hp[..., self.slices[p.name]]
+            for stage in self.policy.boundary_stages(p.family, self.tp):
+                hp.copy_(self._apply(stage, hp, p, index, step, -1))
+            if self.policy.dp_at == "boundary":
+                hp.copy_(self._dp_reduce(hp, p.family))
+        # AdamW is element-wise: one call on the flat [S, R, N] state gives every element its per-rank bits
+        adamw_step(self.master, self.hp.to(self.master.dtype), self.m, self.v, step + 1, self.adam)
+        self.lp.copy_(self.master)
+        self.hp.zero_()
+
+    def per_param(self, which: str) -> dict[str, torch.Tensor]:
+        """``{param: copy [seed, rank, *shape]}`` of ``master``, ``adam_m``, ``adam_v`` or ``lp``."""
+        flat = self.state()[which]
+        return {p.name: flat[..., self.slices[p.name]].reshape(*flat.shape[:2], *p.shape).clone()
+                for p in self.params}
+
+
+# -- metrics ------------------------------------------------------------------------------------------------
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """FP32 values as float64 integers monotone in the value (both zeros map to 0), as `simdist.floats` orders.
+
+    ``raw ^ (sign & 0x7FFFFFFF) - sign`` with ``sign = raw >> 31`` (0 or -1) is
+    ``raw`` for positives and ``-(raw & 0x7FFFFFFF)`` for negatives; float64
+    holds every such integer and their differences exactly.
+    """
+    raw = t.to(torch.float32).contiguous().view(torch.int32)
+    sign = raw >> 31
+    return ((raw ^ (sign & 0x7FFFFFFF)) - sign).to(torch.float64)
+
+
+class Reference:
+    """The oracle's tensor ``[S, R, N]`` prepared once per step for `divergence`."""
+
+    def __init__(self, expected: torch.Tensor) -> None:
+        self.e64 = expected.to(torch.float32).double().flatten(1)
+        self.ordered = _ordered(expected).flatten(1)
+        self.norm = torch.linalg.vector_norm(self.e64, dim=1)
+        self.nan = torch.isnan(self.e64)
+
+
+def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
+    """Per seed ``[S, 4]``: normwise relative error, geometric-mean ulps of the differing elements, max ulps,
+    fraction differing.
+
+    Ulps are FP32 ulps; the geometric mean is over the elements that differ
+    (0 when every element is equal), so a policy that perturbs one parameter
+    family shows the typical error of that family's elements, and the few
+    elements near zero (many ulps for a tiny absolute error) do not dominate it.
+
+    ``actual`` is cast to FP32 (exact for FP32 and BF16 state). The metrics
+    reduce over ranks and elements within a seed only, never across seeds. An
+    element where exactly one side is NaN counts as ``inf`` ulps.
+    """
+    a64 = actual.to(torch.float32).double().flatten(1)
+    err = torch.linalg.vector_norm(a64 - reference.e64, dim=1)
+    rel = torch.where(reference.norm > 0, err / reference.norm, torch.where(err > 0, math.inf, 0.0))
+    ulps = (_ordered(actual).flatten(1) - reference.ordered).abs_()
+    if not bool(torch.isfinite(err).all()):
+        ulps = torch.where(torch.isnan(a64) ^ reference.nan, math.inf, torch.where(torch.isnan(a64), 0.0, ulps))
+    differs = ulps != 0
+    count = differs.sum(dim=1)
+    logs = torch.where(differs, ulps, 1.0).log2_().sum(dim=1)
+    gmean = torch.where(count > 0, torch.exp2(logs / count.clamp(min=1)), 0.0)
+    return torch.stack([rel, gmean, ulps.amax(dim=1), count.double() / ulps.shape[1]], dim=1)
+
+
+# -- the resumable run ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GrowthConfig:
+    """One growth run. ``seeds`` ensemble members use seeds ``seed, seed+1, ...``."""
+
+    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging", "bf16_only")
+    steps: int = 10_000
+    seeds: int = 8
+    seed: int = 0
+    gas: int = 1
+    marker: str = "deepspeed"
+    model: str = "synthetic"
+    world_size: int = 4
+    tp: int = 2
+    ep: int = 2
+    checkpoint_every: int = 500
+
+    def spec(self) -> ParallelSpec:
+        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep)
+
+    def identity(self) -> dict:
+        """What must match for a checkpoint or a finished run to be reused (not ``checkpoint_every``)."""
+        out = asdict(self)
+        out.pop("checkpoint_every")
+        out["policies"] = list(self.policies)
+        return out
+
+    def validate(self) -> None:
+        if self.model != "synthetic":
+            raise ValueError(f"growth supports --model synthetic only (the batched emulation); got {self.model!r}")
+        if self.steps < 1 or self.seeds < 1 or self.gas < 1 or self.checkpoint_every < 1:
+            raise ValueError("steps, seeds, gas and checkpoint_every must be >= 1")
+        for name in self.policies:
+            get_policy(name)
+        spec = self.spec()
+        for kind in ("tp", "dp", "edp"):
+            _peer_index(spec, kind)
+
+
+FILES = {"config": "config.json", "checkpoint": "checkpoint.safetensors", "metrics": "metrics.csv",
+         "plot": "growth.png", "summary": "summary.json"}
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def _hash(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Interrupted(Exception):
+    """Raised by the ``stop_after`` test hook to simulate a kill."""
+
+
+def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, progress: bool = True,
+               plot: bool = True, stop_after: int | None = None) -> dict:
+    """Run (or resume, or reuse) a growth study in ``out``; returns the summary.
+
+    ``out`` holds ``config.json``, ``checkpoint.safetensors`` (every
+    ``checkpoint_every`` steps: states of every run, metrics so far, the step
+    counter), and when finished ``metrics.csv``, ``growth.png`` and
+    ``summary.json``; each written to a temporary file and renamed. A finished
+    run with the same configuration is returned as is unless ``force``.
+    ``stop_after`` (tests) raises after that many steps of this call, as a kill would.
+    """
+    from safetensors.torch import load_file, save_file
+
+    config.validate()
+    out = Path(out)
+    identity = config.identity()
+    key = _hash(identity)
+    if force and out.exists():
+        for name in FILES.values():
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / FILES["summary"]
+    config_path = out / FILES["config"]
+    if config_path.exists():
+        previous = json.loads(config_path.read_text())
+        if previous != identity:
+            raise ValueError(f"{out} holds a different run ({config_path}); use --force or another --out")
+        if summary_path.exists():
+            return json.loads(summary_path.read_text())
+    _write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
+
+    spec = config.spec()
+    seeds = [config.seed + i for i in range(config.seeds)]
+    params = DEFAULT_PARAMS
+    stream = BatchedGradients(spec, params, seeds)
+    policies = [get_policy(n) for n in config.policies]
+    runs = [Ensemble(FP32_ORACLE, spec, params, seeds, config.gas, "per_micro_step")]
+    runs += [Ensemble(p, spec, params, seeds, config.gas, config.marker) for p in policies]
+    metrics = np.zeros((config.steps, len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
+    start = 0
+    ckpt = out / FILES["checkpoint"]
+    if ckpt.exists():
+        loaded = load_file(str(ckpt))
+        if loaded["key"].numpy().tobytes().decode() == key:
+            start = int(loaded["step"].item())
+            for i, run in enumerate(runs):
+                run.load({k: loaded[f"run{i}.{k}"] for k in ("master", "adam_m", "adam_v", "lp")}, start)
+            metrics[:start] = loaded["metrics"].numpy()[:start]
+
+    def save_checkpoint(step: int) -> None:
+        tensors = {"step": torch.tensor(step, dtype=torch.int64),
+                   "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+                   "metrics": torch.from_numpy(metrics[:step].copy())}
+        for i, run in enumerate(runs):
+            for k, t in run.state().items():
+                tensors[f"run{i}.{k}"] = t.contiguous()
+        _atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=start, desc="growth", unit="step")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: threading costs more than it saves
+    try:
+        for step in range(start, config.steps):
+            for run in runs:
+                run.run_step(lambda micro, step=step: stream.draw(step, micro))
+            refs = [Reference(t) for t in (runs[0].master, runs[0].m, runs[0].v)]
+            for j, run in enumerate(runs[1:]):
+                metrics[step, j] = torch.cat(
+                    [divergence(t, ref) for t, ref in zip((run.master, run.m, run.v), refs, strict=True)], dim=1)
+            if bar is not None:
+                bar.update(1)
+            done = step + 1
+            if done % config.checkpoint_every == 0 or done == config.steps:
+                save_checkpoint(done)
+            if stop_after is not None and done - start >= stop_after and done < config.steps:
+                raise _Interrupted(f"stopped after step {done}")
+    finally:
+        torch.set_num_threads(threads)
+        if bar is not None:
+            bar.close()
+
+    _write_metrics(out / FILES["metrics"], config, metrics)
+    summary = summarise(config, metrics)
+    if plot:
+        plot_growth(config, metrics, out / FILES["plot"])
+    _write_text(summary_path, json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _write_metrics(path: Path, config: GrowthConfig, metrics: np.ndarray) -> None:
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "policy", "seed", *COLUMNS])
+            for step in range(metrics.shape[0]):
+                for j, name in enumerate(config.policies):
+                    for s in range(metrics.shape[2]):
+                        w.writerow([step + 1, name, config.seed + s, *(f"{x:.9g}" for x in metrics[step, j, s])])
+
+    _atomic_write(path, write)
+
+
+def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
+    """``(policies, metrics[step, policy, seed, column])`` from a ``metrics.csv``."""
+    with Path(path).open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    steps = max(int(r["step"]) for r in rows)
+    seeds = sorted({int(r["seed"]) for r in rows})
+    out = np.zeros((steps, len(policies), len(seeds), len(COLUMNS)))
+    for r in rows:
+        out[int(r["step"]) - 1, policies.index(r["policy"]), seeds.index(int(r["seed"]))] = [float(r[c])
+                                                                                             for c in COLUMNS]
+    return policies, out
+
+
+def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
+    """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope)."""
+    out: dict = {"config": config.identity(), "policies": {}}
+    steps = np.arange(1, metrics.shape[0] + 1)
+    for j, name in enumerate(config.policies):
+        final = {c: float(np.median(metrics[-1, j, :, k])) for k, c in enumerate(COLUMNS)}
+        med = np.median(metrics[:, j, :, COLUMNS.index("master_rel")], axis=1)
+        late = (steps >= max(10, steps[-1] // 10)) & (med > 0)
+        slope = float(np.polyfit(np.log(steps[late]), np.log(med[late]), 1)[0]) if late.sum() >= 3 else None
+        out["policies"][name] = {"final_median": final, "master_rel_growth_exponent": slope,
+                                 "bitwise_equal_to_oracle": bool((metrics[:, j, :, :] == 0).all())}
+    return out
+
+
+def random_walk(steps: np.ndarray, median: np.ndarray, anchor: int = 10) -> np.ndarray | None:
+    """``median[t0] * sqrt(t / t0)`` with ``t0`` the first step >= ``anchor`` where the median is non-zero."""
+    ok = np.nonzero((steps >= min(anchor, steps[-1])) & (median > 0))[0]
+    if not len(ok):
+        return None
+    t0 = ok[0]
+    return median[t0] * np.sqrt(steps / steps[t0])
+
+
+def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
+    """Log-log panels (relative and ulp error of masters, m, v against step): median, 10-90% band, sqrt(t) line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.arange(1, metrics.shape[0] + 1)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 9), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = {"master": "FP32 master", "adam_m": "Adam m", "adam_v": "Adam v"}
+    for row, (metric, unit) in enumerate((("rel", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)"),
+                                          ("ulp_gmean", "geo-mean error, differing elements (FP32 ulps)"))):
+        for col, tensor in enumerate(TENSORS):
+            ax = axes[row, col]
+            k = COLUMNS.index(f"{tensor}_{metric}")
+            for j, name in enumerate(config.policies):
+                colour = colours[j % len(colours)]
+                values = metrics[:, j, :, k]
+                med = np.median(values, axis=1)
+                if not (med > 0).any() and not (values > 0).any():
+                    ax.plot([], [], color=colour, label=f"{name} (bitwise equal to oracle: zero error)")
+                    continue
+                lo, hi = np.percentile(values, 10, axis=1), np.percentile(values, 90, axis=1)
+                ax.fill_between(steps, np.where(lo > 0, lo, np.nan), np.where(hi > 0, hi, np.nan),
+                                color=colour, alpha=0.2, linewidth=0)
+                ax.plot(steps, np.where(med > 0, med, np.nan), color=colour, label=f"{name} median, 10–90% band")
+                walk = random_walk(steps, med)
+                if walk is not None:
+                    ax.plot(steps, walk, color=colour, linestyle="--", linewidth=1,
+                            label=f"{name} random walk ∝ √t")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(labels[tensor])
+            ax.set_ylabel(unit, fontsize=9)
+            if row == 1:
+                ax.set_xlabel("optimizer step (count)")
+            ax.grid(True, which="major", alpha=0.3)
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
+    spec = config.spec()
+    dtypes = "\n".join(
+        f"{n}: grad {dtype_name(p.grad_dtype)}, writeback {dtype_name(p.writeback) if p.writeback else 'none'}, "
+        f"acc {dtype_name(p.accumulate)}, dp {dtype_name(p.dp_reduce)}, master/moments {dtype_name(p.master)}/"
+        f"{dtype_name(p.moments)}" for n, p in ((n, get_policy(n)) for n in config.policies))
+    fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {spec.describe()}, "
+                 f"model {config.model} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
+                 f"GAS {config.gas}\n{dtypes}", fontsize=9)
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.17, top=0.95 - 0.02 * (len(config.policies) + 1),
+                        hspace=0.22, wspace=0.22)
+
+    def save(tmp: Path) -> None:
+        fig.savefig(tmp, format="png", dpi=90, metadata={"Software": None})
+
+    _atomic_write(Path(path), save)
+    plt.close(fig)
+
+
+def clean(out: str | Path) -> None:
+    """Remove a growth run directory."""
+    shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,230 @@
+"""Error growth: the batched emulation is bitwise the SimWorld gradient path; runs resume bitwise; CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from simdist.cli import main
+from simdist.floats import bitwise_equal, ulp_distance
+from simdist.gloo_model import Gloo
+from simdist.gradpath import PathConfig, train_rank
+from simdist.growth import (
+    COLUMNS,
+    FILES,
+    BatchedGradients,
+    Ensemble,
+    GrowthConfig,
+    Reference,
+    _Interrupted,
+    divergence,
+    read_metrics,
+    run_growth,
+)
+from simdist.oracle import FP32_ORACLE
+from simdist.policy import get_policy
+from simdist.simworld import SimWorld
+from simdist.spec import ParallelSpec
+from simdist.synthetic import DEFAULT_PARAMS, InitialWeights
+
+SPEC = ParallelSpec(4, tp=2, ep=2)
+CAPTURES = ("master", "adam_m", "adam_v", "param")
+
+
+def _simworld(policy, stream, seed_index, seed, steps, gas, marker):
+    config = PathConfig(steps=steps, gas=gas, seed=seed, marker=marker)
+    return SimWorld(SPEC, default_model=Gloo()).run(
+        train_rank, list(DEFAULT_PARAMS), InitialWeights(SPEC, seed), stream.local(seed_index), policy, config,
+        frozenset(CAPTURES))
+
+
+@pytest.mark.parametrize(
+    ("name", "gas", "marker"),
+    [
+        ("bf16_writeback", 1, "deepspeed"),
+        ("fp32_staging", 1, "deepspeed"),
+        ("bf16_only", 1, "deepspeed"),
+        ("oracle", 1, "per_micro_step"),
+        ("stochastic_writeback", 1, "deepspeed"),
+        ("bf16_writeback", 2, "deepspeed"),
+        ("megatron_grad_reduce_fp32", 2, "per_micro_step"),
+        ("fsdp2_reduce_dtype", 1, "deepspeed"),
+    ],
+)
+def test_batched_emulation_is_bitwise_the_simworld_path(name, gas, marker):
+    """Every step's masters, Adam moments and BF16 params of every rank and seed equal train_rank's bits."""
+    policy = FP32_ORACLE if name == "oracle" else get_policy(name)
+    seeds, steps = [3, 11], 3
+    stream = BatchedGradients(SPEC, DEFAULT_PARAMS, seeds)
+    ensemble = Ensemble(policy, SPEC, DEFAULT_PARAMS, seeds, gas, marker)
+    batched = []
+    for step in range(steps):
+        ensemble.run_step(lambda micro, step=step: stream.draw(step, micro))
+        batched.append({c: ensemble.per_param("lp" if c == "param" else c) for c in CAPTURES})
+    for s, seed in enumerate(seeds):
+        traces = _simworld(policy, stream, s, seed, steps, gas, marker)
+        for step in range(steps):
+            for rank, trace in enumerate(traces):
+                for p in DEFAULT_PARAMS:
+                    for capture in CAPTURES:
+                        expected = trace.get(step, -1, p.name, capture)
+                        actual = batched[step][capture][p.name][s, rank]
+                        assert bitwise_equal(actual, expected), (name, seed, step, rank, p.name, capture)
+
+
+def test_the_comparison_is_not_vacuous():
+    """bf16_writeback departs from the oracle (so bitwise agreement above says something); fp32_staging does not."""
+    seeds = [0, 1]
+    stream = BatchedGradients(SPEC, DEFAULT_PARAMS, seeds)
+    runs = {n: Ensemble(get_policy(n), SPEC, DEFAULT_PARAMS, seeds) for n in ("bf16_writeback", "fp32_staging")}
+    oracle = Ensemble(FP32_ORACLE, SPEC, DEFAULT_PARAMS, seeds, marker="per_micro_step")
+    for step in range(3):
+        for run in (*runs.values(), oracle):
+            run.run_step(lambda micro, step=step: stream.draw(step, micro))
+    assert not torch.equal(runs["bf16_writeback"].master, oracle.master)
+    assert bitwise_equal(runs["fp32_staging"].master, oracle.master)
+
+
+def test_dense_gradients_are_identical_on_tp_peers_and_seeds_differ():
+    stream = BatchedGradients(SPEC, DEFAULT_PARAMS, [0, 1])
+    g = stream.draw(0, 0)
+    assert torch.equal(g["dense.weight"][:, 0], g["dense.weight"][:, 1])
+    assert not torch.equal(g["dense.weight"][:, 0], g["dense.weight"][:, 2])
+    assert not torch.equal(g["router.weight"][:, 0], g["router.weight"][:, 1])
+    assert not torch.equal(g["router.weight"][0], g["router.weight"][1])
+    assert g["router.weight"].dtype == torch.bfloat16
+
+
+def test_divergence_matches_the_library_ulp_distance():
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(3, 4, 50, generator=gen)
+    a = e.clone()
+    a[0, 0, :5] = torch.nextafter(a[0, 0, :5], torch.full((5,), float("inf")))
+    a[1, 2, 7] = -a[1, 2, 7]
+    a[2, 1, 3] = 0.0
+    e[2, 1, 3] = -0.0  # +0 and -0 are 0 ulps apart: seed 2 has no differing element
+    got = divergence(a, Reference(e))
+    ulps = ulp_distance(a, e).reshape(3, -1).double()
+    assert torch.equal(got[:, 2], ulps.amax(dim=1))
+    for seed in range(3):
+        differing = ulps[seed][ulps[seed] != 0]
+        expected = torch.exp2(differing.log2().mean()) if len(differing) else torch.tensor(0.0, dtype=torch.float64)
+        torch.testing.assert_close(got[seed, 1], expected, rtol=1e-12, atol=0)
+        assert got[seed, 3] == len(differing) / ulps.shape[1]
+    rel = (a.double() - e.double()).flatten(1).norm(dim=1) / e.double().flatten(1).norm(dim=1)
+    torch.testing.assert_close(got[:, 0], rel, rtol=1e-12, atol=0)
+    nan = a.clone()
+    nan[0, 0, 0] = float("nan")
+    assert got[0, 2] < divergence(nan, Reference(e))[0, 2] == float("inf")
+
+
+def test_a_seed_gives_the_same_bits_alone_and_in_an_ensemble(tmp_path):
+    """Batching over seeds changes nothing: seed 1 of a 3-seed ensemble equals seed 1 run alone."""
+    together = run_growth(GrowthConfig(steps=12, seeds=3, seed=0), tmp_path / "a", progress=False, plot=False)
+    alone = run_growth(GrowthConfig(steps=12, seeds=1, seed=1), tmp_path / "b", progress=False, plot=False)
+    assert together and alone
+    _, m3 = read_metrics(tmp_path / "a" / FILES["metrics"])
+    _, m1 = read_metrics(tmp_path / "b" / FILES["metrics"])
+    np.testing.assert_array_equal(m3[:, :, 1], m1[:, :, 0])
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _outputs(out: Path) -> dict[str, bytes]:
+    return {name: (out / FILES[name]).read_bytes() for name in ("metrics", "summary", "plot")}
+
+
+def test_an_interrupted_run_resumes_bitwise(tmp_path):
+    config = GrowthConfig(steps=50, seeds=2, checkpoint_every=5)
+    run_growth(config, tmp_path / "straight", progress=False)
+    killed = tmp_path / "killed"
+    with pytest.raises(_Interrupted):
+        run_growth(config, killed, progress=False, stop_after=17)  # last checkpoint at step 15
+    assert not (killed / FILES["summary"]).exists()
+    assert int(load_file(str(killed / FILES["checkpoint"]))["step"]) == 15
+    with pytest.raises(_Interrupted):
+        run_growth(config, killed, progress=False, stop_after=21)  # resumes at 15, dies at 36
+    run_growth(config, killed, progress=False)
+    assert _outputs(killed) == _outputs(tmp_path / "straight")
+    a = load_file(str(killed / FILES["checkpoint"]))
+    b = load_file(str(tmp_path / "straight" / FILES["checkpoint"]))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(_raw(a[k]), _raw(b[k])), k
+    assert not list(killed.glob(".*.tmp"))
+
+
+def test_a_killed_process_resumes_bitwise(tmp_path):
+    """SIGKILL a real `simdist growth` process mid-run, rerun the same command: same files as a clean run."""
+    args = ["growth", "--steps", "400", "--seeds", "2", "--checkpoint-every", "10", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "straight")]) == 0
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "simdist.cli", *args, "--out", str(killed)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (killed / FILES["checkpoint"]).exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    assert (killed / FILES["checkpoint"]).exists() and not (killed / FILES["summary"]).exists()
+    assert main([*args, "--out", str(killed)]) == 0
+    assert _outputs(killed) == _outputs(tmp_path / "straight")
+
+
+def test_a_finished_run_is_reused_unless_forced(tmp_path, capsys):
+    config = GrowthConfig(steps=8, seeds=1)
+    first = run_growth(config, tmp_path, progress=False)
+    stamp = (tmp_path / FILES["metrics"]).stat().st_mtime_ns
+    assert run_growth(config, tmp_path, progress=False) == first
+    assert (tmp_path / FILES["metrics"]).stat().st_mtime_ns == stamp
+    time.sleep(0.01)
+    assert run_growth(config, tmp_path, progress=False, force=True) == first
+    assert (tmp_path / FILES["metrics"]).stat().st_mtime_ns != stamp
+    with pytest.raises(ValueError, match="different run"):
+        run_growth(GrowthConfig(steps=9, seeds=1), tmp_path, progress=False)
+
+
+def test_cli_growth_writes_metrics_plot_and_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["growth", "--policies", "bf16_writeback,fp32_staging,bf16_only", "--steps", "50", "--seeds", "3",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "fp32_staging: bitwise equal to the oracle" in text
+    policies, metrics = read_metrics(out / FILES["metrics"])
+    assert policies == ["bf16_writeback", "fp32_staging", "bf16_only"]
+    assert metrics.shape == (50, 3, 3, len(COLUMNS))
+    assert (metrics[:, 1] == 0).all()
+    assert (metrics[-1, 0, :, COLUMNS.index("master_rel")] > 0).all()
+    # bf16_only rounds more boundaries than bf16_writeback: larger master error at the end, in every seed
+    master = COLUMNS.index("master_rel")
+    assert (metrics[-1, 2, :, master] > metrics[-1, 0, :, master]).all()
+    assert (out / FILES["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / FILES["summary"]).read_text())
+    assert summary["policies"]["fp32_staging"]["bitwise_equal_to_oracle"] is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--policies", "nope"], "unknown policy"),
+        (["--tp", "4"], "at most 2 ranks"),
+    ],
+)
+def test_cli_growth_bad_input_is_one_line(tmp_path, capsys, argv, needle):
+    assert main(["growth", "--steps", "2", "--out", str(tmp_path), "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
