@@ -30,14 +30,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"simdist: error: {message}\n")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int, what: str):
+    """An argparse type: an integer >= ``minimum``, with a one-line error naming ``what`` it must be."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _int_at_least(1, "positive")
+_non_negative = _int_at_least(0, "non-negative")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,16 +137,6 @@ def _growth(args: argparse.Namespace) -> int:
         print(f"{name}: {growth}")
     print(f"wrote {args.out}/{FILES['metrics']} and {args.out}/{FILES['plot']}")
     return 0
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
 
 
 def _repro(args: argparse.Namespace) -> int:
