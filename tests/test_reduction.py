@@ -193,3 +193,10 @@ def test_round_to_is_correctly_rounded_from_fp64(value, dtype):
 def test_the_upcast_fp64_counterexample_to_double_rounding():
     per_rank = [torch.tensor([v], dtype=torch.bfloat16) for v in (8388608.0, 8585216.0, -1.0)]
     assert Upcast(torch.float64).sum(per_rank).item() == 16908288.0  # exact 16973823 rounded once
+
+
+@given(float_values(torch.bfloat16, max_exponent=126), float_values(torch.bfloat16, max_exponent=126))
+def test_a_bf16_addition_in_torch_is_correctly_rounded(a, b):
+    """The models' premise: torch adds BF16 in FP32 and rounds once, which equals one correct BF16 rounding."""
+    got = (torch.tensor([a], dtype=torch.bfloat16) + torch.tensor([b], dtype=torch.bfloat16)).item()
+    assert got == round_exact(Fraction(a) + Fraction(b), torch.bfloat16)
