@@ -103,8 +103,9 @@ def _add_growth_subcommand(sub) -> None:
     growth.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
     growth.add_argument("--marker", choices=("deepspeed", "per_micro_step"), default="deepspeed",
                         help="when the correction-once marker is cleared (matters for --gas >= 2)")
-    growth.add_argument("--model", choices=("synthetic",), default="synthetic",
-                        help="gradient source: the synthetic stream (the batched emulation supports only it)")
+    growth.add_argument("--model", choices=("synthetic", "moe"), default="synthetic",
+                        help="gradient source: the synthetic stream (batched over seeds) or the folded MoE block "
+                             "(each seed and policy run in turn next to the FP32 oracle; resumes per run)")
     growth.add_argument("--world-size", type=_positive, default=4)
     growth.add_argument("--tp", type=_positive, default=2)
     growth.add_argument("--ep", type=_positive, default=2)
@@ -126,9 +127,14 @@ def _growth(args: argparse.Namespace) -> int:
     summary = run_growth(config, args.out, force=args.force, progress=not args.no_progress)
     for name, info in summary["policies"].items():
         final = info["final_median"]
-        exponent = info["master_rel_growth_exponent"]
+        exponent = info.get("master_rel_growth_exponent", info.get("param_rel_growth_exponent"))
         if info["bitwise_equal_to_oracle"]:
             growth = "bitwise equal to the oracle"
+        elif args.model == "moe":
+            growth = (f"bf16 weights rel {final['param_rel']:.3e} (max {final['param_ulp_max']:.0f} bf16 ulp), "
+                      f"|loss - oracle loss| {final['loss_diff']:.3e} (max over steps {info['max_loss_diff']:.3e})")
+            if exponent is not None:
+                growth += f", weights growth ~ t^{exponent:.2f}"
         else:
             growth = (f"master rel {final['master_rel']:.3e} ({final['master_ulp_gmean']:.3g} ulp geo-mean), "
                       f"adam m rel {final['adam_m_rel']:.3e}, adam v rel {final['adam_v_rel']:.3e}")

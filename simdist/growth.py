@@ -38,8 +38,8 @@ and layouts with groups of more than two ranks. The stream has the
 distribution of `simdist.synthetic.SyntheticGradients` but its own draws (one
 generator call per seed and step instead of one per rank and parameter).
 Cost: 8 seeds take about 1.8-2.8x the time of one seed (``bench/growth.py``).
-Only ``model="synthetic"`` is supported; the MoE block's backward runs
-collectives inside autograd and has no batched emulation here.
+The MoE block's backward runs collectives inside autograd and has no batched
+emulation: ``model="moe"`` runs unbatched (see below).
 
 The gradient stream is counter-based: step ``t`` of seed ``s`` is drawn from a
 generator seeded by ``(s, t, micro)``, so there is no RNG position to save and
@@ -75,6 +75,27 @@ anchored at the median at step 10 (`random_walk`), dashed, in each policy's colo
 
 The synthetic stream has no loss (gradients are drawn, not derived from the
 weights), so the loss panel is omitted for ``model="synthetic"``.
+
+``model="moe"``: the folded MoE block, unbatched
+-------------------------------------------------
+For every seed (sequentially) and policy, `simdist.training.train` runs the
+folded MoE block (`simdist.moe.MoEGradients`, default `MoEConfig`) under the
+policy next to the FP32 oracle, in lockstep on `SimWorld`, for ``steps``
+steps. What it records is what the rows hold (`MOE_COLUMNS`): both losses and
+their difference ``|loss_policy - loss_oracle|`` (the loss of step ``t`` is
+computed before step ``t``'s update, so step 1's difference is always 0), both
+gradient norms, and the divergence of the BF16 weights after the step's update
+and of the BF16 local gradients, pooled over parameters and ranks (normwise
+relative error, max BF16 ulps, fraction of elements differing). FP32 masters
+and Adam moments are private to `train_rank` while it runs, so they are not
+recorded. Each (policy, seed) run also reruns the oracle: about 50 ms per step
+for a policy and its oracle together (default `MoEConfig`, 4 ranks, CPU).
+
+Resume for MoE is per (policy, seed) run, not per step: the checkpoint holds
+the rows of every finished run and is rewritten after each; a killed process
+restarts the run it was in from step 0 (`train_rank` does not expose its
+state mid-run) and skips the finished ones. A run is deterministic, so the
+files equal those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -106,6 +127,20 @@ METRICS = ("rel", "ulp_gmean", "ulp_max", "differ")
 COLUMNS = tuple(f"{t}_{m}" for t in TENSORS for m in METRICS)
 """Per step, seed and policy, for each tensor: normwise relative error, geometric-mean FP32-ulp distance over
 the elements that differ (0 when none), max FP32-ulp distance, fraction of elements that differ."""
+MOE_COLUMNS = ("loss", "oracle_loss", "loss_diff", "grad_norm", "oracle_grad_norm",
+               "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max", "grad_differ")
+"""``model="moe"``, per step, seed and policy: the policy's and the oracle's loss, ``|loss - oracle_loss|``,
+both gradient norms, and for the BF16 weights after the update (``param``) and the BF16 local gradients
+(``grad``), pooled over parameters, ranks and micro-steps: normwise relative error, max BF16-ulp distance,
+fraction of elements that differ."""
+MODELS = ("synthetic", "moe")
+_MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max",
+                   "grad_differ")
+
+
+def columns(model: str) -> tuple[str, ...]:
+    """The metric columns of ``model``'s rows."""
+    return MOE_COLUMNS if model == "moe" else COLUMNS
 
 
 # -- the batched gradient stream -----------------------------------------------------------------------------
@@ -397,13 +432,18 @@ class GrowthConfig:
         return out
 
     def validate(self) -> None:
-        if self.model != "synthetic":
-            raise ValueError(f"growth supports --model synthetic only (the batched emulation); got {self.model!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"growth supports --model {' or '.join(MODELS)}; got {self.model!r}")
         if self.steps < 1 or self.seeds < 1 or self.gas < 1 or self.checkpoint_every < 1:
             raise ValueError("steps, seeds, gas and checkpoint_every must be >= 1")
         for name in self.policies:
             get_policy(name)
         spec = self.spec()
+        if self.model == "moe":
+            from simdist.moe import MoEConfig
+
+            MoEConfig().validate(spec)
+            return
         for kind in ("tp", "dp", "edp"):
             _peer_index(spec, kind)
 
@@ -439,10 +479,10 @@ def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, pr
     counter), and when finished ``metrics.csv``, ``growth.png`` and
     ``summary.json``; each written to a temporary file and renamed. A finished
     run with the same configuration is returned as is unless ``force``.
-    ``stop_after`` (tests) raises after that many steps of this call, as a kill would.
+    ``stop_after`` (tests) raises after that many steps of this call, as a kill would
+    (``model="moe"``: after that many finished (policy, seed) runs; its
+    checkpoint is written after each such run and holds only their rows).
     """
-    from safetensors.torch import load_file, save_file
-
     config.validate()
     out = Path(out)
     identity = config.identity()
@@ -461,6 +501,24 @@ def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, pr
             return json.loads(summary_path.read_text())
     _write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
 
+    ckpt = out / FILES["checkpoint"]
+    if config.model == "moe":
+        metrics = _run_moe(config, ckpt, key, progress, stop_after)
+    else:
+        metrics = _run_synthetic(config, ckpt, key, progress, stop_after)
+    _write_metrics(out / FILES["metrics"], config, metrics)
+    summary = summarise(config, metrics)
+    if plot:
+        plot_growth(config, metrics, out / FILES["plot"])
+    _write_text(summary_path, json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
+                   stop_after: int | None) -> np.ndarray:
+    """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[step, policy, seed]``."""
+    from safetensors.torch import load_file, save_file
+
     spec = config.spec()
     seeds = [config.seed + i for i in range(config.seeds)]
     params = DEFAULT_PARAMS
@@ -470,7 +528,6 @@ def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, pr
     runs += [Ensemble(p, spec, params, seeds, config.gas, config.marker) for p in policies]
     metrics = np.zeros((config.steps, len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
     start = 0
-    ckpt = out / FILES["checkpoint"]
     if ckpt.exists():
         loaded = load_file(str(ckpt))
         if loaded["key"].numpy().tobytes().decode() == key:
@@ -515,52 +572,135 @@ def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, pr
         if bar is not None:
             bar.close()
 
-    _write_metrics(out / FILES["metrics"], config, metrics)
-    summary = summarise(config, metrics)
-    if plot:
-        plot_growth(config, metrics, out / FILES["plot"])
-    _write_text(summary_path, json.dumps(summary, indent=2, sort_keys=True))
-    return summary
+    return metrics
+
+
+def _moe_rows(records, steps: int) -> np.ndarray:
+    """``[step, MOE_COLUMNS]`` from `simdist.training.StepRecord`s: losses, norms, pooled divergences."""
+    rows = np.zeros((steps, len(MOE_COLUMNS)), dtype=np.float64)
+    for record in records:
+        row = {"loss": record.loss, "oracle_loss": record.oracle_loss,
+               "loss_diff": abs(record.loss - record.oracle_loss),
+               "grad_norm": record.grad_norm, "oracle_grad_norm": record.oracle_grad_norm}
+        for kind, prefix in (("param", "param"), ("local grad", "grad")):
+            found = [d for (_, k), d in record.tensors.items() if k == kind]
+            err2 = sum(d.error_norm ** 2 for d in found)
+            ref2 = sum(d.reference_norm ** 2 for d in found)
+            numel = sum(d.numel for d in found)
+            row[f"{prefix}_rel"] = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
+            row[f"{prefix}_ulp_max"] = max((d.max_ulp for d in found), default=0)
+            row[f"{prefix}_differ"] = (sum(d.fraction_differing * d.numel for d in found) / numel) if numel else 0.0
+        rows[record.step] = [row[c] for c in MOE_COLUMNS]
+    return rows
+
+
+def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
+    """Each (policy, seed) run of the MoE block next to the FP32 oracle (`simdist.training.train`), in turn.
+
+    The checkpoint holds the rows of the finished runs (``done[policy, seed]``)
+    and is rewritten after each; an unfinished run restarts from step 0.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from simdist.moe import MoEConfig
+    from simdist.training import train
+
+    spec = config.spec()
+    metrics = np.zeros((config.steps, len(config.policies), config.seeds, len(MOE_COLUMNS)), dtype=np.float64)
+    done = np.zeros((len(config.policies), config.seeds), dtype=np.uint8)
+    if ckpt.exists():
+        loaded = load_file(str(ckpt))
+        if loaded["key"].numpy().tobytes().decode() == key and "done" in loaded:
+            done[:] = loaded["done"].numpy()
+            metrics[:] = loaded["metrics"].numpy()
+
+    def save_checkpoint() -> None:
+        tensors = {"key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+                   "done": torch.from_numpy(done.copy()), "metrics": torch.from_numpy(metrics.copy())}
+        _atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=done.size * config.steps, initial=int(done.sum()) * config.steps, desc="growth moe",
+                   unit="step")
+    finished = 0
+    try:
+        for s in range(config.seeds):
+            for j, name in enumerate(config.policies):
+                if done[j, s]:
+                    continue
+                records = train(spec, name, steps=config.steps, gas=config.gas, seed=config.seed + s,
+                                marker=config.marker, model=MoEConfig())
+                metrics[:, j, s] = _moe_rows(records, config.steps)
+                done[j, s] = 1
+                save_checkpoint()
+                if bar is not None:
+                    bar.update(config.steps)
+                finished += 1
+                if stop_after is not None and finished >= stop_after and not done.all():
+                    raise _Interrupted(f"stopped after {finished} runs")
+    finally:
+        if bar is not None:
+            bar.close()
+    return metrics
 
 
 def _write_metrics(path: Path, config: GrowthConfig, metrics: np.ndarray) -> None:
     def write(tmp: Path) -> None:
         with tmp.open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "policy", "seed", *COLUMNS])
+            w.writerow(["step", "policy", "seed", *columns(config.model)])
+            digits = ".17g" if config.model == "moe" else ".9g"  # MoE losses: exact, so loss_diff is recomputable
             for step in range(metrics.shape[0]):
                 for j, name in enumerate(config.policies):
                     for s in range(metrics.shape[2]):
-                        w.writerow([step + 1, name, config.seed + s, *(f"{x:.9g}" for x in metrics[step, j, s])])
+                        w.writerow([step + 1, name, config.seed + s, *(format(x, digits) for x in metrics[step, j, s])])
 
     _atomic_write(path, write)
 
 
 def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
-    """``(policies, metrics[step, policy, seed, column])`` from a ``metrics.csv``."""
+    """``(policies, metrics[step, policy, seed, column])`` from a ``metrics.csv``.
+
+    Columns are in the file's order: `COLUMNS` for the synthetic model, `MOE_COLUMNS` for the MoE.
+    """
     with Path(path).open(newline="") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        names = [c for c in (reader.fieldnames or []) if c not in ("step", "policy", "seed")]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     steps = max(int(r["step"]) for r in rows)
     seeds = sorted({int(r["seed"]) for r in rows})
-    out = np.zeros((steps, len(policies), len(seeds), len(COLUMNS)))
+    out = np.zeros((steps, len(policies), len(seeds), len(names)))
     for r in rows:
         out[int(r["step"]) - 1, policies.index(r["policy"]), seeds.index(int(r["seed"]))] = [float(r[c])
-                                                                                             for c in COLUMNS]
+                                                                                             for c in names]
     return policies, out
 
 
 def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
-    """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope)."""
+    """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope).
+
+    ``model="moe"``: the exponent is that of the BF16 weights' error (``param_rel_growth_exponent``), and
+    ``bitwise_equal_to_oracle`` means every divergence column and the loss difference are 0 at every step.
+    """
     out: dict = {"config": config.identity(), "policies": {}}
     steps = np.arange(1, metrics.shape[0] + 1)
+    names = columns(config.model)
+    tracked = "param_rel" if config.model == "moe" else "master_rel"
+    compared = [names.index(c) for c in (_MOE_DIVERGENCE if config.model == "moe" else COLUMNS)]
     for j, name in enumerate(config.policies):
-        final = {c: float(np.median(metrics[-1, j, :, k])) for k, c in enumerate(COLUMNS)}
-        med = np.median(metrics[:, j, :, COLUMNS.index("master_rel")], axis=1)
+        final = {c: float(np.median(metrics[-1, j, :, k])) for k, c in enumerate(names)}
+        med = np.median(metrics[:, j, :, names.index(tracked)], axis=1)
         late = (steps >= max(10, steps[-1] // 10)) & (med > 0)
         slope = float(np.polyfit(np.log(steps[late]), np.log(med[late]), 1)[0]) if late.sum() >= 3 else None
-        out["policies"][name] = {"final_median": final, "master_rel_growth_exponent": slope,
-                                 "bitwise_equal_to_oracle": bool((metrics[:, j, :, :] == 0).all())}
+        out["policies"][name] = {"final_median": final, f"{tracked}_growth_exponent": slope,
+                                 "bitwise_equal_to_oracle": bool((metrics[:, j, :, compared] == 0).all())}
+    if config.model == "moe":
+        for j, name in enumerate(config.policies):
+            out["policies"][name]["max_loss_diff"] = float(metrics[:, j, :, names.index("loss_diff")].max())
     return out
 
 
@@ -574,7 +714,13 @@ def random_walk(steps: np.ndarray, median: np.ndarray, anchor: int = 10) -> np.n
 
 
 def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
-    """Log-log panels (relative and ulp error of masters, m, v against step): median, 10-90% band, sqrt(t) line."""
+    """Log-log panels (relative and ulp error of masters, m, v against step): median, 10-90% band, sqrt(t) line.
+
+    ``model="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error.
+    """
+    if config.model == "moe":
+        _plot_moe(config, metrics, path)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -590,20 +736,7 @@ def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> 
             ax = axes[row, col]
             k = COLUMNS.index(f"{tensor}_{metric}")
             for j, name in enumerate(config.policies):
-                colour = colours[j % len(colours)]
-                values = metrics[:, j, :, k]
-                med = np.median(values, axis=1)
-                if not (med > 0).any() and not (values > 0).any():
-                    ax.plot([], [], color=colour, label=f"{name} (bitwise equal to oracle: zero error)")
-                    continue
-                lo, hi = np.percentile(values, 10, axis=1), np.percentile(values, 90, axis=1)
-                ax.fill_between(steps, np.where(lo > 0, lo, np.nan), np.where(hi > 0, hi, np.nan),
-                                color=colour, alpha=0.2, linewidth=0)
-                ax.plot(steps, np.where(med > 0, med, np.nan), color=colour, label=f"{name} median, 10–90% band")
-                walk = random_walk(steps, med)
-                if walk is not None:
-                    ax.plot(steps, walk, color=colour, linestyle="--", linewidth=1,
-                            label=f"{name} random walk ∝ √t")
+                _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk=True)
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(labels[tensor])
@@ -614,21 +747,89 @@ def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> 
     handles, names = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
     spec = config.spec()
-    dtypes = "\n".join(
-        f"{n}: grad {dtype_name(p.grad_dtype)}, writeback {dtype_name(p.writeback) if p.writeback else 'none'}, "
-        f"acc {dtype_name(p.accumulate)}, dp {dtype_name(p.dp_reduce)}, master/moments {dtype_name(p.master)}/"
-        f"{dtype_name(p.moments)}" for n, p in ((n, get_policy(n)) for n in config.policies))
+    dtypes = _dtypes(config)
     fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {spec.describe()}, "
                  f"model {config.model} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
                  f"GAS {config.gas}\n{dtypes}", fontsize=9)
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.17, top=0.95 - 0.02 * (len(config.policies) + 1),
                         hspace=0.22, wspace=0.22)
 
+    _save_figure(fig, path)
+
+
+def _dtypes(config: GrowthConfig) -> str:
+    return "\n".join(
+        f"{n}: grad {dtype_name(p.grad_dtype)}, writeback {dtype_name(p.writeback) if p.writeback else 'none'}, "
+        f"acc {dtype_name(p.accumulate)}, dp {dtype_name(p.dp_reduce)}, master/moments {dtype_name(p.master)}/"
+        f"{dtype_name(p.moments)}" for n, p in ((n, get_policy(n)) for n in config.policies))
+
+
+def _save_figure(fig, path: str | Path) -> None:
+    import matplotlib.pyplot as plt
+
     def save(tmp: Path) -> None:
         fig.savefig(tmp, format="png", dpi=90, metadata={"Software": None})
 
     _atomic_write(Path(path), save)
     plt.close(fig)
+
+
+def _draw_band(ax, steps: np.ndarray, values: np.ndarray, colour, name: str, walk: bool) -> None:
+    """Median and 10-90% band over seeds (``values[step, seed]``) on log axes; zeros are not drawn."""
+    med = np.median(values, axis=1)
+    if not (med > 0).any() and not (values > 0).any():
+        ax.plot([], [], color=colour, label=f"{name} (bitwise equal to oracle: zero error)")
+        return
+    lo, hi = np.percentile(values, 10, axis=1), np.percentile(values, 90, axis=1)
+    ax.fill_between(steps, np.where(lo > 0, lo, np.nan), np.where(hi > 0, hi, np.nan),
+                    color=colour, alpha=0.2, linewidth=0)
+    ax.plot(steps, np.where(med > 0, med, np.nan), color=colour, label=f"{name} median, 10–90% band")
+    line = random_walk(steps, med) if walk else None
+    if line is not None:
+        ax.plot(steps, line, color=colour, linestyle="--", linewidth=1, label=f"{name} random walk ∝ √t")
+
+
+def _plot_moe(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
+    """Log-log panels for the MoE block: BF16 weights' relative and ulp error, loss difference, local grads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simdist.moe import MoEConfig
+
+    steps = np.arange(1, metrics.shape[0] + 1)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 10), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels = (
+        ("param_rel", "BF16 weights after the update", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)", True),
+        ("param_ulp_max", "BF16 weights after the update", "max error over elements (BF16 ulps)", False),
+        ("loss_diff", "loss difference (loss of step t, before its update)",
+         "|loss_policy − loss_oracle|  (loss units: MSE)", False),
+        ("grad_rel", "BF16 local gradients (model backward)", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)",
+         False),
+    )
+    for ax, (column, title, unit, walk) in zip(axes.flat, panels, strict=True):
+        k = MOE_COLUMNS.index(column)
+        for j, name in enumerate(config.policies):
+            _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(unit, fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("optimizer step (count)")
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
+    cfg = MoEConfig()
+    fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {config.spec().describe()}, model moe (folded "
+                 f"MoE block: hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens/rank; "
+                 f"BF16 weights and local grads), {config.seeds} seeds, GAS {config.gas}\n{_dtypes(config)}",
+                 fontsize=9)
+    fig.subplots_adjust(left=0.08, right=0.99, bottom=0.13, top=0.95 - 0.02 * (len(config.policies) + 1),
+                        hspace=0.2, wspace=0.22)
+    _save_figure(fig, path)
 
 
 def clean(out: str | Path) -> None:

@@ -54,6 +54,12 @@ class TensorDivergence:
     fraction_differing: float
     norm_relative: float = 0.0
     """``|policy - oracle| / |oracle|`` (2-norms over every element of every rank and micro-step)."""
+    numel: int = 0
+    """Elements compared (over ranks and micro-steps)."""
+    error_norm: float = 0.0
+    """``|policy - oracle|`` (2-norm, fp64), so several tensors' errors can be pooled."""
+    reference_norm: float = 0.0
+    """``|oracle|`` (2-norm, fp64)."""
 
     @property
     def bitwise_equal(self) -> bool:
@@ -154,7 +160,8 @@ class _Lockstep:
             self.bar.close()
         for (step, name, kind), (ulp, rel, differing, numel, err2, ref2) in self.sums.items():
             norm = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
-            self.records[step].tensors[(name, kind)] = TensorDivergence(int(ulp), rel, differing / numel, norm)
+            self.records[step].tensors[(name, kind)] = TensorDivergence(
+                int(ulp), rel, differing / numel, norm, int(numel), math.sqrt(err2), math.sqrt(ref2))
         for (side, step), (total, n) in self.losses.items():
             setattr(self.records[step], "loss" if side == "policy" else "oracle_loss", total / n)
         return self.records

@@ -22,6 +22,7 @@ from simdist.gradpath import PathConfig, train_rank
 from simdist.growth import (
     COLUMNS,
     FILES,
+    MOE_COLUMNS,
     BatchedGradients,
     Ensemble,
     GrowthConfig,
@@ -228,3 +229,48 @@ def test_cli_growth_bad_input_is_one_line(tmp_path, capsys, argv, needle):
     assert main(["growth", "--steps", "2", "--out", str(tmp_path), "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+MOE_ARGS = ["growth", "--model", "moe", "--policies", "bf16_writeback,fp32_staging", "--steps", "5", "--seeds", "2",
+            "--no-progress"]
+
+
+def test_cli_growth_moe_writes_loss_difference_metrics_and_plot(tmp_path, capsys):
+    """The MoE block next to the FP32 oracle: fp32_staging's loss is the oracle's, bf16_writeback's is not."""
+    out = tmp_path / "moe"
+    assert main([*MOE_ARGS, "--out", str(out)]) == 0
+    assert "fp32_staging: bitwise equal to the oracle" in capsys.readouterr().out
+    policies, metrics = read_metrics(out / FILES["metrics"])
+    assert policies == ["bf16_writeback", "fp32_staging"]
+    assert metrics.shape == (5, 2, 2, len(MOE_COLUMNS))
+    loss_diff = MOE_COLUMNS.index("loss_diff")
+    assert (metrics[:, 1, :, loss_diff] == 0).all()
+    assert (metrics[:, 0, :, loss_diff] > 0).any()
+    np.testing.assert_array_equal(metrics[:, :, :, loss_diff],
+                                  np.abs(metrics[:, :, :, MOE_COLUMNS.index("loss")]
+                                         - metrics[:, :, :, MOE_COLUMNS.index("oracle_loss")]))
+    assert (metrics[:, 0, :, MOE_COLUMNS.index("param_rel")] > 0).all()  # every step's update differs
+    assert (metrics[:, 1, :, MOE_COLUMNS.index("param_rel"):] == 0).all()
+    loss = MOE_COLUMNS.index("loss")
+    assert not (metrics[:, :, 0, loss] == metrics[:, :, 1, loss]).all()  # seeds differ
+    assert (out / FILES["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / FILES["summary"]).read_text())
+    assert summary["policies"]["fp32_staging"]["bitwise_equal_to_oracle"] is True
+    assert summary["policies"]["bf16_writeback"]["max_loss_diff"] > 0
+    stamp = (out / FILES["metrics"]).stat().st_mtime_ns
+    assert main([*MOE_ARGS, "--out", str(out)]) == 0  # finished: reused, not recomputed
+    assert (out / FILES["metrics"]).stat().st_mtime_ns == stamp
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_an_interrupted_moe_run_resumes_per_policy_and_seed(tmp_path):
+    """A MoE growth run stopped between (policy, seed) runs keeps the finished ones and ends with the same files."""
+    config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=3, seeds=2, model="moe")
+    run_growth(config, tmp_path / "straight", progress=False)
+    killed = tmp_path / "killed"
+    with pytest.raises(_Interrupted):
+        run_growth(config, killed, progress=False, stop_after=3)
+    assert not (killed / FILES["summary"]).exists()
+    assert int(load_file(str(killed / FILES["checkpoint"]))["done"].sum()) == 3
+    run_growth(config, killed, progress=False)
+    assert _outputs(killed) == _outputs(tmp_path / "straight")
