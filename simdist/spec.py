@@ -13,9 +13,10 @@ EDP groups are strided across EP groups. On four ranks with TP2/EP2/ETP1::
     tp  {0,1} {2,3}    dp  {0,2} {1,3}
     ep  {0,1} {2,3}    edp {0,2} {1,3}
 
-Later DeepSpeed releases lay EP groups over the TP-lane-major rank order
-instead (so an EP group can span TP lanes); ``ep_layout="tp_lane_major"``
-selects that layout. Both are derived here, neither is a copy.
+A DeepSpeed pull-request branch of the folding work (2da665b) lays EP groups
+over the TP-lane-major rank order instead (so an EP group spans TP lanes:
+TP2/EP2 gives ep {0,2} {1,3}); ``ep_layout="tp_lane_major"`` selects that
+layout. Both are derived here, neither is a copy.
 """
 
 from __future__ import annotations
