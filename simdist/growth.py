@@ -49,8 +49,9 @@ What the curves show (the random-walk model)
 --------------------------------------------
 If each step added an independent, zero-mean rounding error of similar size
 to a quantity that keeps everything it is given, its error would grow like a
-random walk: ``err(t) ~ err(t0) * sqrt(t / t0)``. The plot draws that line,
-anchored at the median at step 10 (`random_walk`), dashed, in each policy's colour.
+random walk: ``err(t) ~ err(t0) * sqrt(t / t0)``. The plot draws that line on
+the master panels (the quantity that keeps everything it is given), anchored at
+the median at step 10 (`random_walk`), dashed, in each policy's colour.
 
 * masters sum every update, so their error follows the random walk while the
   per-step update errors are independent -- and departs from it upward when
@@ -736,7 +737,7 @@ def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> 
             ax = axes[row, col]
             k = COLUMNS.index(f"{tensor}_{metric}")
             for j, name in enumerate(config.policies):
-                _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk=True)
+                _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk=tensor == "master")
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(labels[tensor])
