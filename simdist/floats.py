@@ -102,7 +102,3 @@ def round_exact(value: Fraction | int | float, dtype: torch.dtype) -> float:
         return sign * math.inf
     return sign * float(result)
 
-
-def exact_value(t: torch.Tensor) -> list[Fraction]:
-    """Every element of a finite tensor as an exact `Fraction`."""
-    return [Fraction(v) for v in t.detach().cpu().to(torch.float64).reshape(-1).tolist()]

@@ -31,6 +31,7 @@ the oracles and the intended semantics do.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,8 +178,9 @@ def train_rank(
 
 def _update_hp_grad(comm, tp_group, tp, dense_dp, s: _ParamState, grad, policy, config, trace, where) -> None:
     step, micro, rank, index = where
-    stages = policy.micro_step_stages(s.spec.family, tp)
-    correcting = not s.marker and s.spec.family.correction(tp) is not Correction.SKIP
+    correction = s.spec.family.correction(tp)
+    stages = _micro_step_stages(policy, correction, tp)
+    correcting = not s.marker and correction is not Correction.SKIP
     if not correcting:
         stages = _uncorrected(policy, grad.dtype)
     value = grad
@@ -194,6 +196,12 @@ def _update_hp_grad(comm, tp_group, tp, dense_dp, s: _ParamState, grad, policy, 
             trace.capture(step, micro, s.spec.name, stage.capture, s.hp if stage.kind == "accumulate" else value)
     if correcting and policy.correct_at == "micro_step":
         s.marker = True
+
+
+@functools.lru_cache(maxsize=1024)
+def _micro_step_stages(policy: Policy, correction: Correction, tp: int) -> tuple[Stage, ...]:
+    """`Policy.stages_for`, derived once per policy, correction and TP size (it runs every micro-step)."""
+    return tuple(policy.stages_for(correction, tp))
 
 
 def _uncorrected(policy: Policy, dtype: torch.dtype) -> list[Stage]:

@@ -112,7 +112,12 @@ class Policy:
 
     def micro_step_stages(self, family: Family, tp: int) -> list[Stage]:
         """Stages one micro-step runs for ``family`` on a TP group of ``tp`` ranks, ending in ``+=hp``."""
-        correction = family.correction(tp) if self.correct_at == "micro_step" else Correction.SKIP
+        return self.stages_for(family.correction(tp), tp)
+
+    def stages_for(self, correction: Correction, tp: int) -> list[Stage]:
+        """Stages one micro-step runs for a gradient whose TP correction is ``correction``."""
+        if self.correct_at != "micro_step":
+            correction = Correction.SKIP
         stages: list[Stage] = []
         dtype = self.grad_dtype
         in_place_expert = correction is Correction.EXPERT_TP_CANCEL and self.expert_in_grad_dtype

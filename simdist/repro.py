@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from simdist.compare import difference
 from simdist.families import Family
-from simdist.gradpath import ParamSpec, PathConfig, train_rank
+from simdist.gradpath import PathConfig, train_rank
 from simdist.oracle import FP32_ORACLE
 from simdist.policy import Policy, get_policy
 from simdist.probes import Divergence, Trace, first_divergence
@@ -100,19 +100,14 @@ def run(
     policy: Policy,
     config: PathConfig,
     model: ReductionModel,
-    params: tuple[ParamSpec, ...] = DEFAULT_PARAMS,
     training_model: str = "synthetic",
 ) -> list[Trace]:
     """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``model``.
 
-    ``training_model`` picks the gradients (`MODELS`); ``params`` applies to
-    the synthetic ones (the MoE block has its own parameters).
+    ``training_model`` picks where the local gradients come from (`MODELS`).
     """
-    world = SimWorld(spec, default_model=model)
-    model_params, initial, grads = workload(training_model, spec, config.seed, config.gas)
-    if training_model == "synthetic":
-        model_params = params
-    return world.run(train_rank, list(model_params), initial, grads, policy, config)
+    params, initial, grads = workload(training_model, spec, config.seed, config.gas)
+    return SimWorld(spec, default_model=model).run(train_rank, list(params), initial, grads, policy, config)
 
 
 def compare_with_oracle(traces: list[Trace], oracle: list[Trace]) -> list[Row]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +56,27 @@ def _wider(a: torch.dtype | None, b: torch.dtype) -> torch.dtype:
 # -- records and reports ---------------------------------------------------------
 
 
+class _Site:
+    """Display helpers shared by a record and a site summary (both have file, line, kind and dtypes)."""
+
+    file: str
+    line: int
+    kind: str
+    in_dtypes: tuple[str, ...]
+    out_dtype: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def dtypes(self) -> str:
+        """``fp32->bf16``, ``bf16+fp32->bf16``; a collective's single dtype as ``bf16``."""
+        return _dtypes(self.kind, self.in_dtypes, self.out_dtype)
+
+
 @dataclass(frozen=True)
-class Record:
+class Record(_Site):
     """One narrowing (or collective) event: op, dtypes, shape, where, on which rank, in which context."""
 
     op: str
@@ -71,18 +90,10 @@ class Record:
     rank: int | None = None
     context: str = ""
 
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    @property
-    def dtypes(self) -> str:
-        """``fp32->bf16``, ``bf16+fp32->bf16``; a collective's single dtype as ``bf16``."""
-        return _dtypes(self.kind, self.in_dtypes, self.out_dtype)
 
 
 @dataclass
-class SiteSummary:
+class SiteSummary(_Site):
     """Every record of one site (source line, op, kind, dtypes, context): count and worst rounding error."""
 
     file: str
@@ -98,14 +109,6 @@ class SiteSummary:
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
 
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    @property
-    def dtypes(self) -> str:
-        """``fp32->bf16``, ``bf16+fp32->bf16``; a collective's single dtype as ``bf16``."""
-        return _dtypes(self.kind, self.in_dtypes, self.out_dtype)
 
     @property
     def key(self) -> tuple:
@@ -147,15 +150,6 @@ class AuditReport:
         """``{(file:line, kind, "fp32->bf16"), ...}`` of the sites of ``kinds`` (default: every narrowing)."""
         kinds = set(kinds)
         return {(s.where, s.kind, s.dtypes) for s in self.sites if s.kind in kinds}
-
-    def filter(self, keep: Callable[[SiteSummary], bool]) -> AuditReport:
-        """The sites (and their records) for which ``keep(site)`` is true."""
-        sites = [s for s in self.sites if keep(s)]
-        wanted = {(s.file, s.line, s.op, s.kind, s.in_dtypes, s.out_dtype, s.context) for s in sites}
-        records = [
-            r for r in self.records if (r.file, r.line, r.op, r.kind, r.in_dtypes, r.out_dtype, r.context) in wanted
-        ]
-        return AuditReport(sites, records, self.dropped, self.rank)
 
     def narrowings(self, src: str | None = None, dst: str | None = None) -> list[SiteSummary]:
         """Narrowing sites (cast, accumulate, store), optionally only ``src`` -> ``dst`` (short names: fp32, bf16)."""
