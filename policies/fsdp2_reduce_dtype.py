@@ -4,9 +4,9 @@ Modelled on torch 2.4-2.6 ``torch.distributed._composable.fsdp``
 (``_fsdp_collectives.foreach_reduce``): every micro-step the BF16 unsharded
 gradient is cast to the FP32 reduce dtype, divided by a pre-divide factor,
 reduced over the data-parallel group in FP32 and divided by the post-divide
-factor (``_get_gradient_divide_factors``: the largest power of two ``f`` with
-``f * f < dp``-ish split, ``f * post == dp``), then accumulated into the FP32
-sharded gradient. The folding TP correction runs on the FP32 copy first.
+factor (``_get_gradient_divide_factors``: ``f`` doubles from 1 while ``dp`` is
+divisible by it and ``dp / f > f``; pre-divide by ``f``, post-divide by
+``dp / f``), then accumulated into the FP32 sharded gradient. The folding TP correction runs on the FP32 copy first.
 Newer torch versions may use ``ReduceOp.AVG`` on NCCL instead of the factors.
 """
 

@@ -70,9 +70,27 @@ def test_all_gather_of_reduce_scatter_equals_all_reduce(model, seed, blocks, dty
 
 
 def test_groups_may_carry_their_own_models():
-    world = SimWorld(SPEC, models={"tp": Upcast(torch.float64)}, default_model=Ring(chunk_size=1))
-    assert world.model_for("tp") == Upcast(torch.float64)
-    assert world.model_for("dp") == Ring(chunk_size=1)
+    spec = ParallelSpec(8, tp=4, ep=2)
+    models = {"tp": Upcast(torch.float64), "world": Ring(chunk_size=1)}
+    world = SimWorld(spec, models=models, default_model=Sequential())
+
+    def fn(comm):
+        # 1.0 on the first rank of each group and 2**-8 elsewhere: in bf16 a rank-order fold loses every 2**-8
+        # (ties to even), a single rounding of the exact sum does not, and a ring starting elsewhere does not either
+        x = torch.full((8,), 1.0 if comm.get_rank() % 4 == 0 else 2.0**-8, dtype=torch.bfloat16)
+        tp, everyone = x.clone(), x.clone()
+        comm.all_reduce(tp, group=comm.group("tp"))
+        comm.all_reduce(everyone)
+        return x, tp, everyone
+
+    results = world.run(fn)
+    for kind, model in (("tp", models["tp"]), ("world", models["world"])):
+        groups = spec.groups("tp") if kind == "tp" else [tuple(range(8))]
+        position = 1 if kind == "tp" else 2
+        for group in groups:
+            expected = model.reduce([results[r][0] for r in group])
+            assert not bitwise_equal(expected, Sequential().reduce([results[r][0] for r in group])), kind
+            assert all(bitwise_equal(results[r][position], expected) for r in group), kind
 
 
 def exchange(comm, value_rows):
