@@ -1,6 +1,6 @@
 """Cross-check: the folded MoE block trained in SimWorld and on real process groups, dumped per rank.
 
-The same rank program (`simdist.training.train_and_dump`) runs in every world
+The same rank program (`simdist.crosscheck.train_and_dump`) runs in every world
 and writes ``OUT/<policy>/rank{r}.safetensors``; compare two dumps with
 ``simdist compare DUMP_A DUMP_B``::
 
@@ -18,8 +18,8 @@ import argparse
 import os
 import sys
 
+from simdist.crosscheck import CrossCheck, train_and_dump
 from simdist.moe import MoEConfig
-from simdist.training import CrossCheck, train_and_dump
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

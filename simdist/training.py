@@ -1,4 +1,4 @@
-"""Training the folded MoE block: a policy against an oracle step by step, and the cross-check rank program.
+"""Training the folded MoE block: a policy against an oracle, step by step.
 
 `train` runs ``steps x gas`` micro-steps of `simdist.moe.MoEGradients` under
 any policy and reduction model, and next to it the same run under an oracle
@@ -17,25 +17,18 @@ every parameter the divergence from the oracle (max ulp, max relative error,
 fraction of elements differing) of its local gradient and of its BF16 weight
 after the step's update. FP32 masters and Adam moments stay private to the
 gradient path (`train_rank` does not expose them while it runs); the per-rank
-dumps of `train_and_dump` hold them for short runs.
-
-`train_and_dump` is the rank program of ``experiments/crosscheck.py``: the
-same function runs on `SimWorld` and on real process groups and writes one
-safetensors dump per rank and policy (`simdist.dumps`).
+dumps of `simdist.crosscheck.train_and_dump` hold them for short runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
 from simdist.compare import difference
-from simdist.dumps import DUMP_STAGES, write_rank_dump
 from simdist.gradpath import PathConfig, train_rank
 from simdist.moe import MoEConfig, MoEGradients
 from simdist.oracle import FP32_ORACLE
@@ -266,49 +259,3 @@ def format_records(records: list[StepRecord]) -> str:
 
 
 # -- the cross-check rank program ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CrossCheck:
-    """One cross-check run: layout, model, data, policies and engine semantics."""
-
-    world_size: int = 4
-    tp: int = 2
-    ep: int = 2
-    ep_layout: str = "contiguous"
-    steps: int = 3
-    gas: int = 1
-    seed: int = 0
-    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
-    marker: str = "deepspeed"
-    update_path: str = "epilogue"
-    device: str = "cpu"
-    model: MoEConfig = field(default_factory=MoEConfig)
-
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, ep_layout=self.ep_layout)  # type: ignore[arg-type]
-
-
-def train_and_dump(comm, check: CrossCheck, out: str, where: dict) -> list[str]:
-    """Rank program: train every policy of ``check`` and write ``out/<policy>/rank{r}.safetensors``.
-
-    ``where`` (world, backend, reduction, ...) is stored in the metadata; it
-    may differ between two dumps of the same run. Returns the written paths.
-    """
-    spec = comm.spec
-    source = MoEGradients(spec, check.model, check.seed, check.gas, check.device)
-    shapes = {p.name: list(p.shape) for p in source.params}
-    config = PathConfig(steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker,  # type: ignore[arg-type]
-                        update_path=check.update_path)  # type: ignore[arg-type]
-    written = []
-    device = contextlib.nullcontext() if check.device == "cpu" else torch.device(check.device)
-    for name in check.policies:
-        with device:
-            trace = train_rank(comm, source.params, source.initial, source, get_policy(name), config, DUMP_STAGES)
-        metadata = {
-            "spec": asdict(spec), "policy": name, "steps": check.steps, "gas": check.gas, "seed": check.seed,
-            "marker": check.marker, "update_path": check.update_path, "model": asdict(check.model),
-            "shapes": shapes, "device": check.device, **where,
-        }
-        written.append(str(write_rank_dump(Path(out) / name, trace, metadata)))
-    return written

@@ -1,0 +1,67 @@
+"""The cross-check rank program: train the folded MoE block and dump every tensor, in any world.
+
+`train_and_dump` is the rank program of ``experiments/crosscheck.py``: the
+same function runs on `SimWorld` and on real process groups (gloo, NCCL) and
+writes one safetensors dump per rank and policy (`simdist.dumps`), which
+``simdist compare`` then compares across worlds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from simdist.dumps import DUMP_STAGES, write_rank_dump
+from simdist.gradpath import PathConfig, train_rank
+from simdist.moe import MoEConfig, MoEGradients
+from simdist.policy import get_policy
+from simdist.spec import ParallelSpec
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """One cross-check run: layout, model, data, policies and engine semantics."""
+
+    world_size: int = 4
+    tp: int = 2
+    ep: int = 2
+    ep_layout: str = "contiguous"
+    steps: int = 3
+    gas: int = 1
+    seed: int = 0
+    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
+    marker: str = "deepspeed"
+    update_path: str = "epilogue"
+    device: str = "cpu"
+    model: MoEConfig = field(default_factory=MoEConfig)
+
+    def spec(self) -> ParallelSpec:
+        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, ep_layout=self.ep_layout)  # type: ignore[arg-type]
+
+
+def train_and_dump(comm, check: CrossCheck, out: str, where: dict) -> list[str]:
+    """Rank program: train every policy of ``check`` and write ``out/<policy>/rank{r}.safetensors``.
+
+    ``where`` (world, backend, reduction, ...) is stored in the metadata; it
+    may differ between two dumps of the same run. Returns the written paths.
+    """
+    spec = comm.spec
+    source = MoEGradients(spec, check.model, check.seed, check.gas, check.device)
+    shapes = {p.name: list(p.shape) for p in source.params}
+    config = PathConfig(steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker,  # type: ignore[arg-type]
+                        update_path=check.update_path)  # type: ignore[arg-type]
+    written = []
+    device = contextlib.nullcontext() if check.device == "cpu" else torch.device(check.device)
+    for name in check.policies:
+        with device:
+            trace = train_rank(comm, source.params, source.initial, source, get_policy(name), config, DUMP_STAGES)
+        metadata = {
+            "spec": asdict(spec), "policy": name, "steps": check.steps, "gas": check.gas, "seed": check.seed,
+            "marker": check.marker, "update_path": check.update_path, "model": asdict(check.model),
+            "shapes": shapes, "device": check.device, **where,
+        }
+        written.append(str(write_rank_dump(Path(out) / name, trace, metadata)))
+    return written
