@@ -2,7 +2,7 @@
 
     python bench/audit.py [--repeats 30] [--steps 1]
 
-One optimizer step of the gradient path (`simdist.gradpath.train_rank`) on a
+One optimizer step of the gradient path (`simdist.gradpath.path.train_rank`) on a
 4-rank SimWorld (TP2/EP2, gloo reduction model), ``bf16_writeback``, the
 default synthetic parameters. Three variants, timed in interleaved rounds so
 that machine noise hits them alike:
@@ -31,12 +31,12 @@ import time
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from simdist.audit import audited
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.policy import get_policy
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.reduce.gloo import Gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 

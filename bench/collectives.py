@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from simdist.gloo_model import Gloo
-from simdist.launch import spawn_gloo
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.reduce.gloo import Gloo
+from simdist.world.launch import spawn_gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=1, ep=1)
 SIZES = (1024, 262144)

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 
-from simdist.growth import FILES, GrowthConfig, run_growth
+from simdist.studies.growth import FILES, GrowthConfig, run_growth
 
 POLICIES = ("bf16_writeback", "fp32_staging", "bf16_only")
 

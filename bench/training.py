@@ -26,14 +26,14 @@ import time
 
 import torch
 
-from simdist.comm import Group, group_for
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.launch import spawn_gloo
-from simdist.moe import MoEGradients
-from simdist.policy import get_policy
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.moe import MoEGradients
+from simdist.reduce.gloo import Gloo
+from simdist.world.groups import Group, group_for
+from simdist.world.launch import spawn_gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 

@@ -2,7 +2,7 @@
 
     python experiments/audit_example.py [--policy bf16_writeback] [--compare fp32_staging] [--json]
 
-Runs one step of `simdist.gradpath.train_rank` on 4 simulated ranks (TP2/EP2,
+Runs one step of `simdist.gradpath.path.train_rank` on 4 simulated ranks (TP2/EP2,
 gloo's reduction order, the default synthetic parameters) with every rank
 under its own `simdist.audit` (``audited``), merges the per-rank reports and
 prints every site that narrows a floating dtype, and every collective with its
@@ -17,12 +17,12 @@ import argparse
 import sys
 
 from simdist.audit import AuditReport, audited
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.policy import get_policy
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.reduce.gloo import Gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 

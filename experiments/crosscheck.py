@@ -1,6 +1,6 @@
 """Cross-check: the folded MoE block trained in SimWorld and on real process groups, dumped per rank.
 
-The same rank program (`simdist.crosscheck.train_and_dump`) runs in every world
+The same rank program (`simdist.studies.crosscheck.train_and_dump`) runs in every world
 and writes ``OUT/<policy>/rank{r}.safetensors``; compare two dumps with
 ``simdist compare DUMP_A DUMP_B``::
 
@@ -18,8 +18,8 @@ import argparse
 import os
 import sys
 
-from simdist.crosscheck import CrossCheck, train_and_dump
-from simdist.moe import MoEConfig
+from simdist.models.moe import MoEConfig
+from simdist.studies.crosscheck import CrossCheck, train_and_dump
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,19 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     spec = check.spec()
     if ns.world == "sim":
-        from simdist.reduction import make_model
-        from simdist.simworld import SimWorld
+        from simdist.reduce import make_model
+        from simdist.world.simworld import SimWorld
 
         model = make_model(ns.reduction)
         where = {"world": "sim", "backend": "simworld", "reduction": model.name}
         written = SimWorld(spec, default_model=model).run(train_and_dump, check, ns.out, where)[0]
     elif ns.world == "gloo":
-        from simdist.launch import spawn_gloo
+        from simdist.world.launch import spawn_gloo
 
         where = {"world": "gloo", "backend": "gloo", "reduction": "gloo"}
         written = spawn_gloo(train_and_dump, spec, check, ns.out, where, timeout_s=600)[0]
     else:
-        from simdist.launch import run_torchrun
+        from simdist.world.launch import run_torchrun
 
         backend = ns.backend or "gloo"
         where = {"world": "torch", "backend": backend, "reduction": backend}

@@ -8,7 +8,7 @@ it explicit instead of letting a policy silently turn into it.
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

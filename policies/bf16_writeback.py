@@ -12,7 +12,7 @@ This is the #8913 boundary: FP32 reduction -> BF16 writeback -> FP32 accumulatio
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

@@ -6,7 +6,7 @@ This is the policy the FP32 oracle describes, run through the same engine.
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

@@ -9,7 +9,7 @@ correction-once marker and the clearing of ``lp.grad`` are kept as they are.
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

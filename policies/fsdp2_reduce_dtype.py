@@ -12,7 +12,7 @@ Newer torch versions may use ``ReduceOp.AVG`` on NCCL instead of the factors.
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

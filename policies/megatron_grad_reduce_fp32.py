@@ -13,7 +13,7 @@ not change the per-element arithmetic and are not modelled.
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

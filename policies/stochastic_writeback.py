@@ -8,7 +8,7 @@ are reproducible bit for bit.
 
 import torch
 
-from simdist.policy import Policy, register
+from simdist.gradpath.policy import Policy, register
 
 POLICY = register(
     Policy(

@@ -28,8 +28,8 @@ import functools
 import torch
 from hypothesis import strategies as st
 
-from simdist.floats import float_format
-from simdist.spec import ParallelSpec
+from simdist.numerics.floats import float_format
+from simdist.world.spec import ParallelSpec
 
 
 def _divisors(n: int) -> list[int]:
@@ -281,7 +281,7 @@ def gradient_streams(
 ) -> GradientStream:
     """A `GradientStream` for every step, micro-step, rank of ``spec`` and parameter of ``params``.
 
-    ``params`` are `simdist.gradpath.ParamSpec` values. For each step,
+    ``params`` are `simdist.gradpath.families.ParamSpec` values. For each step,
     micro-step, parameter and TP group the peers' gradients are one
     `peer_gradients` draw (``elements`` and ``layouts`` are passed on), so
     cancellation and BF16 rounding ties meet the TP correction.
@@ -298,11 +298,11 @@ def gradient_streams(
 
 
 def policies() -> st.SearchStrategy:
-    """Registered precision policies (`simdist.policy.Policy`), sampled by name from `policy_names`.
+    """Registered precision policies (`simdist.gradpath.policy.Policy`), sampled by name from `policy_names`.
 
     The names are read when the strategy is first drawn from, so policies
     registered after this call (for instance by a test module) are included.
     """
-    from simdist.policy import get_policy, policy_names
+    from simdist.gradpath.catalogue import get_policy, policy_names
 
     return st.deferred(lambda: st.sampled_from(policy_names()).map(get_policy))

@@ -14,23 +14,23 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import simdist.gradpath
-import simdist.synthetic
+import simdist.gradpath.path
+import simdist.models.synthetic
 from simdist.audit import AuditReport, audit, audited, narrows, run_audit
 from simdist.audit import add_audit_subcommand as _add_audit
-from simdist.floats import bitwise_equal
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.launch import spawn_gloo
-from simdist.policy import get_policy
-from simdist.repro import run
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.numerics.floats import bitwise_equal
+from simdist.reduce.gloo import Gloo
+from simdist.studies.repro import run
+from simdist.world.launch import spawn_gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 HERE = str(Path(__file__).resolve())
-GRADPATH = str(Path(simdist.gradpath.__file__).resolve())
-SYNTHETIC = str(Path(simdist.synthetic.__file__).resolve())
+GRADPATH = str(Path(simdist.gradpath.path.__file__).resolve())
+SYNTHETIC = str(Path(simdist.models.synthetic.__file__).resolve())
 SPEC = ParallelSpec(4, tp=2, ep=2)
 
 
@@ -137,7 +137,7 @@ def test_reported_error_is_the_largest_relative_rounding_error(values):
 
 def test_skip_attributes_a_record_to_the_next_frame_outward():
     grads = SyntheticGradients(SPEC)
-    with audit() as inside, audit(skip=("simdist.synthetic",)) as outside:
+    with audit() as inside, audit(skip=("simdist.models.synthetic",)) as outside:
         grads(0, 0, 0, DEFAULT_PARAMS[0])  # here
     assert {s.function for s in inside.report().sites} == {"_normal"}
     assert {s.file for s in inside.report().sites} == {SYNTHETIC}
@@ -308,8 +308,8 @@ def test_one_rank_program_gives_the_same_report_on_gloo_and_in_simworld():
 
 SCRIPT = """\
 import sys, torch
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 x = torch.full((3,), 1 / 3)
 y = x.to(torch.bfloat16)
 print("script args", sys.argv[1:])
@@ -352,4 +352,4 @@ def test_example_script_reports_the_writeback(capsys):
     namespace = runpy.run_path(str(example))
     assert namespace["main"]([]) == 0
     out = capsys.readouterr().out
-    assert f"simdist/gradpath.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in _apply" in out
+    assert f"simdist/gradpath/path.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in _apply" in out

@@ -14,11 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from simdist.cli import main
-from simdist.crosscheck import CrossCheck, train_and_dump
-from simdist.dumps import compare_dumps, format_comparison, load_dump
-from simdist.gloo_model import Gloo
-from simdist.launch import spawn_gloo
-from simdist.simworld import SimWorld
+from simdist.reduce.gloo import Gloo
+from simdist.studies.crosscheck import CrossCheck, train_and_dump
+from simdist.studies.dumps import compare_dumps, format_comparison, load_dump
+from simdist.world.launch import spawn_gloo
+from simdist.world.simworld import SimWorld
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = CrossCheck(steps=3, policies=("bf16_writeback", "fp32_staging"))

@@ -15,11 +15,11 @@ import itertools
 import pytest
 import torch
 
-from simdist.gloo_model import Gloo, chunk_length, chunk_start_ranks
-from simdist.launch import spawn_gloo
-from simdist.reduction import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
+from simdist.reduce.gloo import Gloo, chunk_length, chunk_start_ranks
+from simdist.world.launch import spawn_gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 DTYPES = (torch.float32, torch.bfloat16)
 LENGTHS = (1, 2, 3, 7, 8, 63, 64, 65, 1000, 1023, 1024, 4097, 65536, 100000)

@@ -2,14 +2,14 @@
 
 import pytest
 
-from simdist.floats import bitwise_equal
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.launch import spawn_gloo
-from simdist.policy import get_policy
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.numerics.floats import bitwise_equal
+from simdist.reduce.gloo import Gloo
+from simdist.world.launch import spawn_gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 CONFIG = PathConfig(steps=3, gas=2, seed=5)

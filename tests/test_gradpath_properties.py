@@ -15,16 +15,14 @@ import torch
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
-from simdist.families import Correction, Family
-from simdist.floats import bitwise_equal, float_format, unit_roundoff
-from simdist.gloo_model import Gloo
-from simdist.gradpath import ParamSpec, PathConfig, train_rank
-from simdist.oracle import FP32_ORACLE, reference_reduced_gradients
-from simdist.policy import get_policy, policy_names
-from simdist.probes import BOUNDARY, first_divergence
-from simdist.reduction import Ring, Sequential, Tree
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.gradpath.catalogue import get_policy, policy_names
+from simdist.gradpath.families import Correction, Family, ParamSpec
+from simdist.gradpath.oracle import FP32_ORACLE, reference_reduced_gradients
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.probes import BOUNDARY, first_divergence
+from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
+from simdist.reduce import Ring, Sequential, Tree
+from simdist.reduce.gloo import Gloo
 from simdist.strategies import (
     bf16_gradients,
     bf16_values,
@@ -33,6 +31,8 @@ from simdist.strategies import (
     parallel_specs,
     policies,
 )
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
 PARTIAL = ParamSpec("router_partial", Family.ROUTER_GATE_PARTIAL, (2,))

@@ -16,10 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 from simdist.cli import main
-from simdist.floats import bitwise_equal, ulp_distance
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.growth import (
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
+from simdist.numerics.floats import bitwise_equal, ulp_distance
+from simdist.reduce.gloo import Gloo
+from simdist.studies.growth import (
     COLUMNS,
     FILES,
     MOE_COLUMNS,
@@ -27,16 +30,13 @@ from simdist.growth import (
     Ensemble,
     GrowthConfig,
     Reference,
-    _Interrupted,
     divergence,
     read_metrics,
     run_growth,
 )
-from simdist.oracle import FP32_ORACLE
-from simdist.policy import get_policy
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, InitialWeights
+from simdist.studies.growth.run import _Interrupted
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 CAPTURES = ("master", "adam_m", "adam_v", "param")

@@ -18,17 +18,17 @@ import pickle
 import pytest
 import torch
 
-from simdist import families
-from simdist.families import Correction, Family
-from simdist.floats import bitwise_equal, unit_roundoff
-from simdist.gloo_model import Gloo
-from simdist.gradpath import PathConfig, train_rank
-from simdist.moe import MoEConfig, MoEGradients, batch, gradient_errors, partition, replica_of
-from simdist.oracle import FP64_ORACLE
-from simdist.policy import get_policy
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.training import format_records, train
+from simdist.gradpath import families
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.families import Correction, Family
+from simdist.gradpath.oracle import FP64_ORACLE
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.moe import MoEConfig, MoEGradients, batch, gradient_errors, partition, replica_of
+from simdist.numerics.floats import bitwise_equal, unit_roundoff
+from simdist.reduce.gloo import Gloo
+from simdist.studies.training import format_records, train
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 TOLERANCE = 8 * unit_roundoff(torch.bfloat16)  # 2**-5, see the module docstring
 SPEC = ParallelSpec(4, tp=2, ep=2)

@@ -3,14 +3,15 @@
 import pytest
 import torch
 
-from simdist.families import Family
-from simdist.floats import bitwise_equal
-from simdist.gradpath import ParamSpec, PathConfig, train_rank
-from simdist.policy import Policy, get_policy, policy_names, register
-from simdist.reduction import make_model
-from simdist.repro import ReproConfig, reproduce, run
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.gradpath.catalogue import get_policy, policy_names
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.policy import Policy, register
+from simdist.numerics.floats import bitwise_equal
+from simdist.reduce import make_model
+from simdist.studies.repro import ReproConfig, reproduce, run
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 # A new policy is one `register(Policy(...))` call, here in a test file: nothing in simdist/ or policies/ changes.
 # FP32 staging as in the #8913 fix, but the DP all-reduce pre-scales by 1/dp (Megatron's gradient_scaling_factor)
@@ -109,7 +110,7 @@ def test_stochastic_writeback_is_reproducible_and_differs_from_round_to_nearest(
 
 def test_a_policy_can_carry_its_own_tp_reduction_order():
     """``Policy.tp_model`` replaces the world's order for the TP all-reduce, and only there."""
-    from simdist.reduction import Ring, Sequential
+    from simdist.reduce import Ring, Sequential
 
     spec = ParallelSpec(4, tp=4, ep=1)
     params = [ParamSpec("r", Family.ROUTER_GATE_PARTIAL, (64,))]

@@ -8,13 +8,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simdist.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
-from simdist.floats import bitwise_equal
-from simdist.gloo_model import Gloo
-from simdist.reduction import ReduceOp, Ring, Sequential, Tree, Upcast
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.numerics.floats import bitwise_equal
+from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast
+from simdist.reduce.gloo import Gloo
 from simdist.strategies import float_values, parallel_specs
+from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 MODELS = [Sequential(), Tree(), Ring(chunk_size=2), Upcast(torch.float64), Gloo()]
@@ -253,7 +253,7 @@ def test_a_non_member_group_is_rejected():
         SimWorld(SPEC).run(fn)
 
 
-SPEC_TP_OTHER = __import__("simdist.comm", fromlist=["Group"]).Group("tp", (2, 3))
+SPEC_TP_OTHER = __import__("simdist.world.groups", fromlist=["Group"]).Group("tp", (2, 3))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

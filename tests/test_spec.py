@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import given
 
-from simdist.spec import GROUP_KINDS, ParallelSpec
 from simdist.strategies import parallel_specs
+from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 
 def test_tp2_ep2_etp1_tables_match_the_folding_layout():

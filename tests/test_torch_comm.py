@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simdist.comm import Comm, Group
-from simdist.launch import RankFailure, spawn_gloo
-from simdist.reduction import ReduceOp
-from simdist.spec import ParallelSpec
+from simdist.reduce import ReduceOp
+from simdist.world.groups import Comm, Group
+from simdist.world.launch import RankFailure, spawn_gloo
+from simdist.world.spec import ParallelSpec
 
 pytestmark = pytest.mark.gloo
 

@@ -19,7 +19,7 @@ _COMM_TENSOR_NAMES = {"all_reduce": "tensor", "broadcast": "tensor"}
 
 
 class AuditedComm:
-    """A `simdist.comm.Comm` wrapper: records each collective (dtype, group kind) and pauses the audit during it.
+    """A `Comm` wrapper: records each collective (dtype, group kind) and pauses the audit during it.
 
     Works over `SimComm` (whose collectives are Python, not dispatched) and
     `TorchComm` alike, so one rank program gives the same report in both worlds.

@@ -3,10 +3,10 @@
 Two entry points, one rank-program signature ``fn(comm, *args)``:
 
 * `run_torchrun` -- called inside each process that ``torchrun`` starts (gloo
-  on CPU, NCCL when CUDA is available). ``python -m simdist.launch`` wraps it
+  on CPU, NCCL when CUDA is available). ``python -m simdist.world.launch`` wraps it
   for the command line::
 
-      torchrun --nproc-per-node 4 -m simdist.launch mypkg.study:rank_fn --tp 2 --ep 2
+      torchrun --nproc-per-node 4 -m simdist.world.launch mypkg.study:rank_fn --tp 2 --ep 2
 
 * `spawn_gloo` -- spawns ``spec.world_size`` local processes on 127.0.0.1
   (gloo, one CPU thread each), runs ``fn`` in every rank and returns the
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simdist.spec import ParallelSpec
-from simdist.torch_comm import TorchComm
+from simdist.world.spec import ParallelSpec
+from simdist.world.torch_comm import TorchComm
 
 RankFn = Callable[..., Any]
 
@@ -88,8 +88,8 @@ def _load_target(target: str) -> RankFn:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry for torchrun: ``-m simdist.launch module:function --tp T --ep E [...]``."""
-    parser = argparse.ArgumentParser(prog="python -m simdist.launch", description=main.__doc__)
+    """Command-line entry for torchrun: ``-m simdist.world.launch module:function --tp T --ep E [...]``."""
+    parser = argparse.ArgumentParser(prog="python -m simdist.world.launch", description=main.__doc__)
     parser.add_argument("target", help="rank function as package.module:function; called as fn(comm)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -140,7 +140,7 @@ def _context():
     methods = mp.get_all_start_methods()
     if "forkserver" in methods:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "simdist.launch"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "simdist.world.launch"])
         return ctx
     return mp.get_context("spawn")
 

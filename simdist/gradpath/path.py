@@ -39,21 +39,12 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from simdist.comm import Comm
-from simdist.families import Correction, Family
-from simdist.policy import Policy, Stage
-from simdist.probes import BOUNDARY, Trace
-from simdist.reduction import ReduceOp
-from simdist.rounding import stochastic_round
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter as a rank holds it: name, folding family and local shape."""
-
-    name: str
-    family: Family
-    shape: tuple[int, ...]
+from simdist.gradpath.families import Correction, Family, ParamSpec
+from simdist.gradpath.policy import Policy, Stage
+from simdist.gradpath.probes import BOUNDARY, Trace
+from simdist.numerics.rounding import stochastic_round
+from simdist.reduce import ReduceOp
+from simdist.world.groups import Comm
 
 
 @dataclass(frozen=True)

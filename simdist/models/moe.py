@@ -42,7 +42,7 @@ identity), so its shards get exact gradients and SKIP is right for them.
 (Upstream of the MoE it would not be: a column shard there sees ``tp x`` a
 slice of the gradient, which no family's correction repairs.)
 
-`MoEGradients` is the `simdist.gradpath.GradientSource` that runs this model
+`MoEGradients` is the `simdist.gradpath.path.GradientSource` that runs this model
 inside `train_rank`; `reference_gradients` is the unsharded FP64 reference.
 """
 
@@ -55,11 +55,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from simdist.comm import Comm, Group
-from simdist.families import Family
-from simdist.gradpath import ParamSpec
-from simdist.reduction import ReduceOp
-from simdist.spec import ParallelSpec
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.reduce import ReduceOp
+from simdist.world.groups import Comm, Group
+from simdist.world.spec import ParallelSpec
 
 LN_EPS = 1e-5
 
@@ -458,7 +457,7 @@ def gradient_errors(traces, spec: ParallelSpec, cfg: MoEConfig, seed: int, gas: 
     for every step but the last); step ``s`` is checked against the reference
     at the weights the ranks held then (``initial`` for step 0).
     """
-    from simdist.probes import BOUNDARY
+    from simdist.gradpath.probes import BOUNDARY
 
     steps = sorted({k[0] for k in traces[0].values if k[3] == stage})
     errors: dict[str, float] = {}

@@ -20,9 +20,8 @@ import zlib
 
 import torch
 
-from simdist.families import Family
-from simdist.gradpath import ParamSpec
-from simdist.spec import ParallelSpec
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.world.spec import ParallelSpec
 
 DEFAULT_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("router.weight", Family.ROUTER_GATE_REPLICATED, (4, 16)),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.floats import bitwise_equal
+from simdist.numerics.floats import bitwise_equal
 
 MICRO_STAGES: tuple[str, ...] = ("local", "staged", "tp_reduced", "corrected", "written_back", "hp")
 BOUNDARY_STAGES: tuple[str, ...] = (

@@ -36,10 +36,10 @@ by length, not by ``n``-way splitting of the tensor, so for ``N <= 2`` every
 element is in chunk 0 and the order is the descending fold
 ``x[n-1] + ... + x[0]``; e.g. ``n=4, N=1024``: ``L=256``, chunks 0..3 start at
 ranks 3, 0, 1, 2. ``AVG`` (which gloo lacks) is the SUM divided by ``n``
-(``postdiv``), which is what `simdist.torch_comm.TorchComm` does on gloo.
+(``postdiv``), which is what `simdist.world.torch_comm.TorchComm` does on gloo.
 
 Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
-`simdist.launch.spawn_gloo`):
+`simdist.world.launch.spawn_gloo`):
 
 * fingerprints for n = 3..8: at every element one rank holds 1.0 and two others
   hold the half-ulp (bf16 ``2**-8``, fp32 ``2**-24``), the rest 0, cycling over
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from simdist.reduction import AvgMode, ReductionModel, Tensors, as_stacked, fold
+from simdist.reduce.base import AvgMode, ReductionModel, Tensors, as_stacked, fold
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """gloo's ``AllreduceOptions::kMaxSegmentSize``."""

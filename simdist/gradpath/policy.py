@@ -22,11 +22,14 @@ from typing import Literal
 
 import torch
 
-from simdist.families import Correction, Family
-from simdist.reduction import ReductionModel
+from simdist.gradpath.families import Correction, Family
+from simdist.reduce import ReductionModel
 
 Rounding = Literal["nearest", "stochastic"]
+
+
 DpScale = Literal["postscale", "prescale", "pre_post_divide"]
+
 
 _SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -157,22 +160,3 @@ def register(policy: Policy) -> Policy:
         raise ValueError(f"a different policy is already registered as {policy.name!r}")
     _REGISTRY[policy.name] = policy
     return policy
-
-
-def _load_catalogue() -> None:
-    import policies  # noqa: F401 - importing registers every policy module
-
-
-def get_policy(name: str) -> Policy:
-    """The registered policy called ``name``; ``ValueError`` listing the valid names otherwise."""
-    _load_catalogue()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(policy_names())}") from None
-
-
-def policy_names() -> list[str]:
-    """Names of every registered policy, in registration order."""
-    _load_catalogue()
-    return list(_REGISTRY)

@@ -2,7 +2,7 @@
 
 `train_and_dump` is the rank program of ``experiments/crosscheck.py``: the
 same function runs on `SimWorld` and on real process groups (gloo, NCCL) and
-writes one safetensors dump per rank and policy (`simdist.dumps`), which
+writes one safetensors dump per rank and policy (`simdist.studies.dumps`), which
 ``simdist compare`` then compares across worlds.
 """
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from simdist.dumps import DUMP_STAGES, write_rank_dump
-from simdist.gradpath import PathConfig, train_rank
-from simdist.moe import MoEConfig, MoEGradients
-from simdist.policy import get_policy
-from simdist.spec import ParallelSpec
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.moe import MoEConfig, MoEGradients
+from simdist.studies.dumps import DUMP_STAGES, write_rank_dump
+from simdist.world.spec import ParallelSpec
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import json
 import sys
 
 from simdist.audit import add_audit_subcommand, run_audit
-from simdist.reduction import MODEL_NAMES
+from simdist.reduce import MODEL_NAMES
 
 KNOWN_ISSUES = ("8913",)
 
@@ -116,7 +116,7 @@ def _add_growth_subcommand(sub) -> None:
 
 
 def _growth(args: argparse.Namespace) -> int:
-    from simdist.growth import FILES, GrowthConfig, run_growth
+    from simdist.studies.growth import FILES, GrowthConfig, run_growth
 
     names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
     if not names:
@@ -146,8 +146,8 @@ def _growth(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    from simdist.policy import get_policy
-    from simdist.repro import ReproConfig, format_report, reproduce, to_json
+    from simdist.gradpath.catalogue import get_policy
+    from simdist.studies.repro import ReproConfig, format_report, reproduce, to_json
 
     names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
     if not names:
@@ -170,7 +170,7 @@ def _repro(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     """Exit 0 when every tensor is within the tolerance, 1 when some is not, 2 when the dumps are not one run."""
-    from simdist.dumps import compare_dumps, format_comparison
+    from simdist.studies.dumps import compare_dumps, format_comparison
 
     result = compare_dumps(args.dump_a, args.dump_b, args.tolerance_ulp)  # NotSameRun is a one-line ValueError
     print(format_comparison(result))
@@ -178,8 +178,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _policies() -> int:
-    from simdist.families import Family
-    from simdist.policy import get_policy, policy_names
+    from simdist.gradpath.catalogue import get_policy, policy_names
+    from simdist.gradpath.families import Family
 
     for name in policy_names():
         policy = get_policy(name)
@@ -205,6 +205,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simdist: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from simdist.families import Family
-from simdist.gradpath import ParamSpec
-from simdist.policy import Policy, dtype_name
-from simdist.reduction import ReductionModel
-from simdist.spec import ParallelSpec
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.policy import Policy, dtype_name
+from simdist.reduce import ReductionModel
+from simdist.world.spec import ParallelSpec
 
 
 def oracle_policy(dtype: torch.dtype = torch.float32) -> Policy:

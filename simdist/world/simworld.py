@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from simdist.comm import Group, group_for, world_group
-from simdist.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
-from simdist.reduction import ReduceOp, ReductionModel, Sequential
-from simdist.spec import ParallelSpec
+from simdist.reduce import ReduceOp, ReductionModel, Sequential
+from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
+from simdist.world.groups import Group, group_for, world_group
+from simdist.world.spec import ParallelSpec
 
 _THIS_FILE = os.path.abspath(__file__)
 
@@ -231,7 +231,7 @@ def _add_rank_note(exc: BaseException, rank: int) -> None:
 
 
 class SimComm:
-    """One rank's communicator in a `SimWorld` run (implements `simdist.comm.Comm`)."""
+    """One rank's communicator in a `SimWorld` run (implements `simdist.world.groups.Comm`)."""
 
     def __init__(self, run: _Run, rank: int) -> None:
         self._run = run

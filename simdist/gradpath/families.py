@@ -21,6 +21,7 @@ backward scales each peer's slice by ``tp``. So
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class Correction(enum.Enum):
@@ -80,3 +81,12 @@ _CORRECTIONS = {
     Family.MODEL_PARALLEL: Correction.SKIP,
     Family.EXPERT: Correction.EXPERT_TP_CANCEL,
 }
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a rank holds it: name, folding family and local shape."""
+
+    name: str
+    family: Family
+    shape: tuple[int, ...]

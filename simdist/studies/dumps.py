@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-from simdist.compare import difference
-from simdist.probes import BOUNDARY, STAGE_ORDER, Trace
+from simdist.gradpath.probes import BOUNDARY, STAGE_ORDER, Trace
+from simdist.numerics.compare import difference
 
 FORMAT = "simdist-dump/1"
 DUMP_STAGES: frozenset[str] = frozenset({"local", "corrected", "hp", "dp_reduced", "master", "adam_m", "adam_v"})

@@ -1,7 +1,7 @@
 """`TorchComm`: the `Comm` interface over real ``torch.distributed`` process groups.
 
 The same rank program that runs on `SimWorld` runs here under torchrun or
-`simdist.launch.spawn_gloo`. The communicator is built after the default
+`simdist.world.launch.spawn_gloo`. The communicator is built after the default
 process group is initialised; it creates one process group per distinct rank
 set of every group kind of the spec (all ranks create them in the same order,
 as ``dist.new_group`` requires) and maps the plain-data `Group` handles to
@@ -14,7 +14,7 @@ Backend differences handled here:
   ``dist.ReduceOp.AVG`` is passed through.
   The same holds for ``reduce_scatter_tensor`` (which gloo implements as an
   all-reduce of a copy of the input, keeping this rank's block; see
-  `simdist.gloo_model`).
+  `simdist.reduce.gloo`).
 * torch orders a group's ranks by sorting them; `ParallelSpec` lists every
   group in that same ascending order, so block ``i`` of a block collective
   belongs to ``group.ranks[i]`` in both worlds.
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from simdist.comm import Group, group_for, world_group
-from simdist.reduction import ReduceOp
-from simdist.spec import GROUP_KINDS, ParallelSpec
+from simdist.reduce import ReduceOp
+from simdist.world.groups import Group, group_for, world_group
+from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -40,7 +40,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class TorchComm:
-    """A `simdist.comm.Comm` over the initialised default ``torch.distributed`` process group."""
+    """A `simdist.world.groups.Comm` over the initialised default ``torch.distributed`` process group."""
 
     def __init__(self, spec: ParallelSpec) -> None:
         if not dist.is_initialized():

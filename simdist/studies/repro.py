@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from simdist.compare import difference
-from simdist.families import Family
-from simdist.gradpath import PathConfig, train_rank
-from simdist.oracle import FP32_ORACLE
-from simdist.policy import Policy, get_policy
-from simdist.probes import Divergence, Trace, first_divergence
-from simdist.reduction import ReductionModel, make_model
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
-from simdist.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.families import Family
+from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.policy import Policy
+from simdist.gradpath.probes import Divergence, Trace, first_divergence
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.numerics.compare import difference
+from simdist.reduce import ReductionModel, make_model
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 TENSOR_KINDS: tuple[tuple[str, str], ...] = (
     ("local grad", "local"),
@@ -80,7 +81,7 @@ class PolicyReport:
 
 
 MODELS: tuple[str, ...] = ("synthetic", "moe")
-"""Where the local gradients come from: seeded synthetic gradients, or the folded MoE block (`simdist.moe`)."""
+"""Where the local gradients come from: seeded synthetic gradients, or the folded MoE block (`simdist.models.moe`)."""
 
 
 def workload(name: str, spec: ParallelSpec, seed: int, gas: int):
@@ -88,7 +89,7 @@ def workload(name: str, spec: ParallelSpec, seed: int, gas: int):
     if name == "synthetic":
         return DEFAULT_PARAMS, InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed)
     if name == "moe":
-        from simdist.moe import MoEGradients
+        from simdist.models.moe import MoEGradients
 
         source = MoEGradients(spec, seed=seed, gas=gas)
         return tuple(source.params), source.initial, source

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from simdist.floats import bits, ulp_distance
+from simdist.numerics.floats import bits, ulp_distance
 
 
 @dataclass(frozen=True)

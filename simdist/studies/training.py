@@ -1,6 +1,6 @@
 """Training the folded MoE block: a policy against an oracle, step by step.
 
-`train` runs ``steps x gas`` micro-steps of `simdist.moe.MoEGradients` under
+`train` runs ``steps x gas`` micro-steps of `simdist.models.moe.MoEGradients` under
 any policy and reduction model, and next to it the same run under an oracle
 policy (FP32 TP-then-DP by default). The two runs are two `SimWorld` runs in
 lockstep: each rank's gradient source publishes what it sees at every
@@ -17,7 +17,7 @@ every parameter the divergence from the oracle (max ulp, max relative error,
 fraction of elements differing) of its local gradient and of its BF16 weight
 after the step's update. FP32 masters and Adam moments stay private to the
 gradient path (`train_rank` does not expose them while it runs); the per-rank
-dumps of `simdist.crosscheck.train_and_dump` hold them for short runs.
+dumps of `simdist.studies.crosscheck.train_and_dump` hold them for short runs.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.compare import difference
-from simdist.gradpath import PathConfig, train_rank
-from simdist.moe import MoEConfig, MoEGradients
-from simdist.oracle import FP32_ORACLE
-from simdist.policy import Policy, get_policy
-from simdist.reduction import ReductionModel, make_model
-from simdist.simworld import SimWorld
-from simdist.spec import ParallelSpec
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.policy import Policy
+from simdist.models.moe import MoEConfig, MoEGradients
+from simdist.numerics.compare import difference
+from simdist.reduce import ReductionModel, make_model
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 A rank program is a plain function ``fn(comm, *args)``. It asks ``comm`` for
 its rank and its groups and calls torch.distributed-shaped collectives on it.
-`simdist.simworld.SimComm` implements this interface with simulated
-collectives in one process; `simdist.torch_comm.TorchComm` implements it over
+`simdist.world.simworld.SimComm` implements this interface with simulated
+collectives in one process; `simdist.world.torch_comm.TorchComm` implements it over
 real ``torch.distributed`` process groups. Nothing in a rank program knows
 which one it has.
 
@@ -18,8 +18,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from simdist.reduction import ReduceOp
-from simdist.spec import ParallelSpec
+from simdist.reduce import ReduceOp
+from simdist.world.spec import ParallelSpec
 
 
 @dataclass(frozen=True)

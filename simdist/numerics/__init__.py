@@ -1,0 +1,1 @@
+"""Floating-point facts: formats, ulps, exact rounding, and bitwise/ulp comparison of tensors."""

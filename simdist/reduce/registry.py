@@ -1,0 +1,25 @@
+"""Reduction models by name: what ``--reduction`` and per-group settings accept."""
+
+from __future__ import annotations
+
+from simdist.reduce.base import ReductionModel
+from simdist.reduce.models import Ring, Sequential, Tree, Upcast
+
+MODEL_NAMES: tuple[str, ...] = ("sequential", "ring", "tree", "upcast", "gloo")
+
+
+def make_model(name: str, **params) -> ReductionModel:
+    """Build a reduction model by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``)."""
+    if name == "sequential":
+        return Sequential(**params)
+    if name == "tree":
+        return Tree(**params)
+    if name == "ring":
+        return Ring(**params)
+    if name == "upcast":
+        return Upcast(**params)
+    if name == "gloo":
+        from simdist.reduce.gloo import Gloo
+
+        return Gloo(**params)
+    raise ValueError(f"unknown reduction model {name!r}; valid: {', '.join(MODEL_NAMES)}")

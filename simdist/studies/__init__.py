@@ -1,0 +1,2 @@
+"""Studies built on the lab: the #8913 reproduction (`repro`), MoE training next to the oracle
+(`training`), real-backend cross-checks (`crosscheck`, `dumps`) and error growth over many steps (`growth`)."""

@@ -1,0 +1,151 @@
+"""Per-step divergence metrics of a policy from the oracle, and the metrics file. See `simdist.studies.growth`."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from simdist.studies.growth.files import atomic_write
+
+if TYPE_CHECKING:
+    from simdist.studies.growth.run import GrowthConfig
+
+TENSORS = ("master", "adam_m", "adam_v")
+
+
+METRICS = ("rel", "ulp_gmean", "ulp_max", "differ")
+
+
+COLUMNS = tuple(f"{t}_{m}" for t in TENSORS for m in METRICS)
+"""Per step, seed and policy, for each tensor: normwise relative error, geometric-mean FP32-ulp distance over
+the elements that differ (0 when none), max FP32-ulp distance, fraction of elements that differ."""
+
+
+MOE_COLUMNS = ("loss", "oracle_loss", "loss_diff", "grad_norm", "oracle_grad_norm",
+               "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max", "grad_differ")
+"""``model="moe"``, per step, seed and policy: the policy's and the oracle's loss, ``|loss - oracle_loss|``,
+both gradient norms, and for the BF16 weights after the update (``param``) and the BF16 local gradients
+(``grad``), pooled over parameters, ranks and micro-steps: normwise relative error, max BF16-ulp distance,
+fraction of elements that differ."""
+
+
+MODELS = ("synthetic", "moe")
+
+
+_MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max",
+                   "grad_differ")
+
+
+def columns(model: str) -> tuple[str, ...]:
+    """The metric columns of ``model``'s rows."""
+    return MOE_COLUMNS if model == "moe" else COLUMNS
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """FP32 values as float64 integers monotone in the value (both zeros map to 0), as `simdist.numerics.floats` orders.
+
+    ``raw ^ (sign & 0x7FFFFFFF) - sign`` with ``sign = raw >> 31`` (0 or -1) is
+    ``raw`` for positives and ``-(raw & 0x7FFFFFFF)`` for negatives; float64
+    holds every such integer and their differences exactly.
+    """
+    raw = t.to(torch.float32).contiguous().view(torch.int32)
+    sign = raw >> 31
+    return ((raw ^ (sign & 0x7FFFFFFF)) - sign).to(torch.float64)
+
+
+class Reference:
+    """The oracle's tensor ``[S, R, N]`` prepared once per step for `divergence`."""
+
+    def __init__(self, expected: torch.Tensor) -> None:
+        self.e64 = expected.to(torch.float32).double().flatten(1)
+        self.ordered = _ordered(expected).flatten(1)
+        self.norm = torch.linalg.vector_norm(self.e64, dim=1)
+        self.nan = torch.isnan(self.e64)
+
+
+def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
+    """Per seed ``[S, 4]``: normwise relative error, geometric-mean ulps of the differing elements, max ulps,
+    fraction differing.
+
+    Ulps are FP32 ulps; the geometric mean is over the elements that differ
+    (0 when every element is equal), so a policy that perturbs one parameter
+    family shows the typical error of that family's elements, and the few
+    elements near zero (many ulps for a tiny absolute error) do not dominate it.
+
+    ``actual`` is cast to FP32 (exact for FP32 and BF16 state). The metrics
+    reduce over ranks and elements within a seed only, never across seeds. An
+    element where exactly one side is NaN counts as ``inf`` ulps.
+    """
+    a64 = actual.to(torch.float32).double().flatten(1)
+    err = torch.linalg.vector_norm(a64 - reference.e64, dim=1)
+    rel = torch.where(reference.norm > 0, err / reference.norm, torch.where(err > 0, math.inf, 0.0))
+    ulps = (_ordered(actual).flatten(1) - reference.ordered).abs_()
+    if not bool(torch.isfinite(err).all()):
+        ulps = torch.where(torch.isnan(a64) ^ reference.nan, math.inf, torch.where(torch.isnan(a64), 0.0, ulps))
+    differs = ulps != 0
+    count = differs.sum(dim=1)
+    logs = torch.where(differs, ulps, 1.0).log2_().sum(dim=1)
+    gmean = torch.where(count > 0, torch.exp2(logs / count.clamp(min=1)), 0.0)
+    return torch.stack([rel, gmean, ulps.amax(dim=1), count.double() / ulps.shape[1]], dim=1)
+
+
+def write_metrics(path: Path, config: GrowthConfig, metrics: np.ndarray) -> None:
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "policy", "seed", *columns(config.model)])
+            digits = ".17g" if config.model == "moe" else ".9g"  # MoE losses: exact, so loss_diff is recomputable
+            for step in range(metrics.shape[0]):
+                for j, name in enumerate(config.policies):
+                    for s in range(metrics.shape[2]):
+                        w.writerow([step + 1, name, config.seed + s, *(format(x, digits) for x in metrics[step, j, s])])
+
+    atomic_write(path, write)
+
+
+def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
+    """``(policies, metrics[step, policy, seed, column])`` from a ``metrics.csv``.
+
+    Columns are in the file's order: `COLUMNS` for the synthetic model, `MOE_COLUMNS` for the MoE.
+    """
+    with Path(path).open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        names = [c for c in (reader.fieldnames or []) if c not in ("step", "policy", "seed")]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    steps = max(int(r["step"]) for r in rows)
+    seeds = sorted({int(r["seed"]) for r in rows})
+    out = np.zeros((steps, len(policies), len(seeds), len(names)))
+    for r in rows:
+        out[int(r["step"]) - 1, policies.index(r["policy"]), seeds.index(int(r["seed"]))] = [float(r[c])
+                                                                                             for c in names]
+    return policies, out
+
+
+def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
+    """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope).
+
+    ``model="moe"``: the exponent is that of the BF16 weights' error (``param_rel_growth_exponent``), and
+    ``bitwise_equal_to_oracle`` means every divergence column and the loss difference are 0 at every step.
+    """
+    out: dict = {"config": config.identity(), "policies": {}}
+    steps = np.arange(1, metrics.shape[0] + 1)
+    names = columns(config.model)
+    tracked = "param_rel" if config.model == "moe" else "master_rel"
+    compared = [names.index(c) for c in (_MOE_DIVERGENCE if config.model == "moe" else COLUMNS)]
+    for j, name in enumerate(config.policies):
+        final = {c: float(np.median(metrics[-1, j, :, k])) for k, c in enumerate(names)}
+        med = np.median(metrics[:, j, :, names.index(tracked)], axis=1)
+        late = (steps >= max(10, steps[-1] // 10)) & (med > 0)
+        slope = float(np.polyfit(np.log(steps[late]), np.log(med[late]), 1)[0]) if late.sum() >= 3 else None
+        out["policies"][name] = {"final_median": final, f"{tracked}_growth_exponent": slope,
+                                 "bitwise_equal_to_oracle": bool((metrics[:, j, :, compared] == 0).all())}
+    if config.model == "moe":
+        for j, name in enumerate(config.policies):
+            out["policies"][name]["max_loss_diff"] = float(metrics[:, j, :, names.index("loss_diff")].max())
+    return out

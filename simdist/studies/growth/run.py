@@ -1,0 +1,267 @@
+"""The resumable run: configuration, checkpoints, files. See `simdist.studies.growth`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.studies.growth.files import atomic_write, write_text
+from simdist.studies.growth.metrics import (
+    COLUMNS,
+    MODELS,
+    MOE_COLUMNS,
+    Reference,
+    divergence,
+    summarise,
+    write_metrics,
+)
+from simdist.studies.growth.plot import plot_growth
+from simdist.studies.growth.stream import BatchedGradients, Ensemble, peer_index
+from simdist.world.spec import ParallelSpec
+
+
+@dataclass(frozen=True)
+class GrowthConfig:
+    """One growth run. ``seeds`` ensemble members use seeds ``seed, seed+1, ...``."""
+
+    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging", "bf16_only")
+    steps: int = 10_000
+    seeds: int = 8
+    seed: int = 0
+    gas: int = 1
+    marker: str = "deepspeed"
+    model: str = "synthetic"
+    world_size: int = 4
+    tp: int = 2
+    ep: int = 2
+    checkpoint_every: int = 500
+
+    def spec(self) -> ParallelSpec:
+        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep)
+
+    def identity(self) -> dict:
+        """What must match for a checkpoint or a finished run to be reused (not ``checkpoint_every``)."""
+        out = asdict(self)
+        out.pop("checkpoint_every")
+        out["policies"] = list(self.policies)
+        return out
+
+    def validate(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"growth supports --model {' or '.join(MODELS)}; got {self.model!r}")
+        if self.steps < 1 or self.seeds < 1 or self.gas < 1 or self.checkpoint_every < 1:
+            raise ValueError("steps, seeds, gas and checkpoint_every must be >= 1")
+        for name in self.policies:
+            get_policy(name)
+        spec = self.spec()
+        if self.model == "moe":
+            from simdist.models.moe import MoEConfig
+
+            MoEConfig().validate(spec)
+            return
+        for kind in ("tp", "dp", "edp"):
+            peer_index(spec, kind)
+
+
+FILES = {"config": "config.json", "checkpoint": "checkpoint.safetensors", "metrics": "metrics.csv",
+         "plot": "growth.png", "summary": "summary.json"}
+
+
+def _hash(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Interrupted(Exception):
+    """Raised by the ``stop_after`` test hook to simulate a kill."""
+
+
+def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, progress: bool = True,
+               plot: bool = True, stop_after: int | None = None) -> dict:
+    """Run (or resume, or reuse) a growth study in ``out``; returns the summary.
+
+    ``out`` holds ``config.json``, ``checkpoint.safetensors`` (every
+    ``checkpoint_every`` steps: states of every run, metrics so far, the step
+    counter), and when finished ``metrics.csv``, ``growth.png`` and
+    ``summary.json``; each written to a temporary file and renamed. A finished
+    run with the same configuration is returned as is unless ``force``.
+    ``stop_after`` (tests) raises after that many steps of this call, as a kill would
+    (``model="moe"``: after that many finished (policy, seed) runs; its
+    checkpoint is written after each such run and holds only their rows).
+    """
+    config.validate()
+    out = Path(out)
+    identity = config.identity()
+    key = _hash(identity)
+    if force and out.exists():
+        for name in FILES.values():
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / FILES["summary"]
+    config_path = out / FILES["config"]
+    if config_path.exists():
+        previous = json.loads(config_path.read_text())
+        if previous != identity:
+            raise ValueError(f"{out} holds a different run ({config_path}); use --force or another --out")
+        if summary_path.exists():
+            return json.loads(summary_path.read_text())
+    write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
+
+    ckpt = out / FILES["checkpoint"]
+    if config.model == "moe":
+        metrics = _run_moe(config, ckpt, key, progress, stop_after)
+    else:
+        metrics = _run_synthetic(config, ckpt, key, progress, stop_after)
+    write_metrics(out / FILES["metrics"], config, metrics)
+    summary = summarise(config, metrics)
+    if plot:
+        plot_growth(config, metrics, out / FILES["plot"])
+    write_text(summary_path, json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
+                   stop_after: int | None) -> np.ndarray:
+    """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[step, policy, seed]``."""
+    from safetensors.torch import load_file, save_file
+
+    spec = config.spec()
+    seeds = [config.seed + i for i in range(config.seeds)]
+    params = DEFAULT_PARAMS
+    stream = BatchedGradients(spec, params, seeds)
+    policies = [get_policy(n) for n in config.policies]
+    runs = [Ensemble(FP32_ORACLE, spec, params, seeds, config.gas, "per_micro_step")]
+    runs += [Ensemble(p, spec, params, seeds, config.gas, config.marker) for p in policies]
+    metrics = np.zeros((config.steps, len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
+    start = 0
+    if ckpt.exists():
+        loaded = load_file(str(ckpt))
+        if loaded["key"].numpy().tobytes().decode() == key:
+            start = int(loaded["step"].item())
+            for i, run in enumerate(runs):
+                run.load({k: loaded[f"run{i}.{k}"] for k in ("master", "adam_m", "adam_v", "lp")}, start)
+            metrics[:start] = loaded["metrics"].numpy()[:start]
+
+    def save_checkpoint(step: int) -> None:
+        tensors = {"step": torch.tensor(step, dtype=torch.int64),
+                   "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+                   "metrics": torch.from_numpy(metrics[:step].copy())}
+        for i, run in enumerate(runs):
+            for k, t in run.state().items():
+                tensors[f"run{i}.{k}"] = t.contiguous()
+        atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=start, desc="growth", unit="step")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: threading costs more than it saves
+    try:
+        for step in range(start, config.steps):
+            for run in runs:
+                run.run_step(lambda micro, step=step: stream.draw(step, micro))
+            refs = [Reference(t) for t in (runs[0].master, runs[0].m, runs[0].v)]
+            for j, run in enumerate(runs[1:]):
+                metrics[step, j] = torch.cat(
+                    [divergence(t, ref) for t, ref in zip((run.master, run.m, run.v), refs, strict=True)], dim=1)
+            if bar is not None:
+                bar.update(1)
+            done = step + 1
+            if done % config.checkpoint_every == 0 or done == config.steps:
+                save_checkpoint(done)
+            if stop_after is not None and done - start >= stop_after and done < config.steps:
+                raise _Interrupted(f"stopped after step {done}")
+    finally:
+        torch.set_num_threads(threads)
+        if bar is not None:
+            bar.close()
+
+    return metrics
+
+
+def _moe_rows(records, steps: int) -> np.ndarray:
+    """``[step, MOE_COLUMNS]`` from `simdist.studies.training.StepRecord`s: losses, norms, pooled divergences."""
+    rows = np.zeros((steps, len(MOE_COLUMNS)), dtype=np.float64)
+    for record in records:
+        row = {"loss": record.loss, "oracle_loss": record.oracle_loss,
+               "loss_diff": abs(record.loss - record.oracle_loss),
+               "grad_norm": record.grad_norm, "oracle_grad_norm": record.oracle_grad_norm}
+        for kind, prefix in (("param", "param"), ("local grad", "grad")):
+            found = [d for (_, k), d in record.tensors.items() if k == kind]
+            err2 = sum(d.error_norm ** 2 for d in found)
+            ref2 = sum(d.reference_norm ** 2 for d in found)
+            numel = sum(d.numel for d in found)
+            row[f"{prefix}_rel"] = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
+            row[f"{prefix}_ulp_max"] = max((d.max_ulp for d in found), default=0)
+            row[f"{prefix}_differ"] = (sum(d.fraction_differing * d.numel for d in found) / numel) if numel else 0.0
+        rows[record.step] = [row[c] for c in MOE_COLUMNS]
+    return rows
+
+
+def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
+    """Each (policy, seed) run of the MoE block next to the FP32 oracle (`simdist.studies.training.train`), in turn.
+
+    The checkpoint holds the rows of the finished runs (``done[policy, seed]``)
+    and is rewritten after each; an unfinished run restarts from step 0.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from simdist.models.moe import MoEConfig
+    from simdist.studies.training import train
+
+    spec = config.spec()
+    metrics = np.zeros((config.steps, len(config.policies), config.seeds, len(MOE_COLUMNS)), dtype=np.float64)
+    done = np.zeros((len(config.policies), config.seeds), dtype=np.uint8)
+    if ckpt.exists():
+        loaded = load_file(str(ckpt))
+        if loaded["key"].numpy().tobytes().decode() == key and "done" in loaded:
+            done[:] = loaded["done"].numpy()
+            metrics[:] = loaded["metrics"].numpy()
+
+    def save_checkpoint() -> None:
+        tensors = {"key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+                   "done": torch.from_numpy(done.copy()), "metrics": torch.from_numpy(metrics.copy())}
+        atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=done.size * config.steps, initial=int(done.sum()) * config.steps, desc="growth moe",
+                   unit="step")
+    finished = 0
+    try:
+        for s in range(config.seeds):
+            for j, name in enumerate(config.policies):
+                if done[j, s]:
+                    continue
+                records = train(spec, name, steps=config.steps, gas=config.gas, seed=config.seed + s,
+                                marker=config.marker, model=MoEConfig())
+                metrics[:, j, s] = _moe_rows(records, config.steps)
+                done[j, s] = 1
+                save_checkpoint()
+                if bar is not None:
+                    bar.update(config.steps)
+                finished += 1
+                if stop_after is not None and finished >= stop_after and not done.all():
+                    raise _Interrupted(f"stopped after {finished} runs")
+    finally:
+        if bar is not None:
+            bar.close()
+    return metrics
+
+
+def clean(out: str | Path) -> None:
+    """Remove a growth run directory."""
+    shutil.rmtree(out, ignore_errors=True)
