@@ -92,16 +92,25 @@ def test_router_and_upstream_dense_gradients_differ_between_tp_peers():
         assert bitwise_equal(local[(0, name)], local[(1, name)]), name
 
 
-def test_hooks_and_epilogue_give_the_same_bits():
-    source = MoEGradients(SPEC, seed=2, gas=2)
-    runs = {}
-    for path in ("epilogue", "hooks"):
-        config = PathConfig(steps=2, gas=2, update_path=path)
-        runs[path] = SimWorld(SPEC, default_model=Gloo()).run(
+def test_hooks_and_epilogue_give_the_same_bits_when_every_micro_step_is_corrected():
+    """Real hooks (the MoE block's backward) and the epilogue deliver in different orders but add the same
+    values: with the per-micro-step marker, and with DeepSpeed's marker on the hooks path (which clears it
+    after every hook call), both paths give the same bits. DeepSpeed's marker on the epilogue path skips
+    the correction on micro-step 1, so there the router hp grad differs."""
+
+    def run(path, marker):
+        config = PathConfig(steps=2, gas=2, update_path=path, marker=marker)
+        return SimWorld(SPEC, default_model=Gloo()).run(
             train_rank, source.params, source.initial, source, get_policy("bf16_writeback"), config)
-    for a, b in zip(runs["epilogue"], runs["hooks"], strict=True):
-        assert a.values.keys() == b.values.keys()
-        assert all(bitwise_equal(v, b.values[k]) for k, v in a.values.items())
+
+    source = MoEGradients(SPEC, seed=2, gas=2)
+    reference = run("epilogue", "per_micro_step")
+    for path, marker in (("hooks", "per_micro_step"), ("hooks", "deepspeed")):
+        for a, b in zip(reference, run(path, marker), strict=True):
+            assert a.values.keys() == b.values.keys()
+            assert all(bitwise_equal(v, b.values[k]) for k, v in a.values.items()), (path, marker)
+    skipped = run("epilogue", "deepspeed")
+    assert not bitwise_equal(reference[0].get(0, 1, "router.weight", "hp"), skipped[0].get(0, 1, "router.weight", "hp"))
 
 
 def test_partition_covers_every_assignment_once_and_balances_each_expert():

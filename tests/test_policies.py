@@ -132,3 +132,40 @@ def test_a_policy_can_carry_its_own_tp_reduction_order():
     own_order = corrected(Sequential(), Policy(**base, tp_model=Ring(chunk_size=1)))
     assert bitwise_equal(own_order, corrected(Ring(chunk_size=1), Policy(**base)))
     assert not bitwise_equal(own_order, corrected(Sequential(), Policy(**base)))
+
+
+@pytest.mark.parametrize("gas", [2, 3])
+def test_deepspeed_marker_per_update_path(gas):
+    """As DeepSpeed 0.19.8 ships it: the hooks path clears the correction-once marker after every hook call
+    (every micro-step corrected, so #8913 alone shows), the epilogue path only at the boundary (micro-steps
+    1.. of each step are accumulated uncorrected: the marker defect)."""
+    spec = ParallelSpec(4, tp=2, ep=2)
+    policy = get_policy("fp32_staging")  # no writeback: any difference from the oracle is the marker's
+    oracle_path = PathConfig(steps=2, gas=gas, marker="per_micro_step")
+    oracle = run(spec, policy, oracle_path, make_model("gloo"))
+    for update_path, equal in (("hooks", True), ("epilogue", False)):
+        config = PathConfig(steps=2, gas=gas, marker="deepspeed", update_path=update_path)
+        traces = run(spec, policy, config, make_model("gloo"))
+        hp_equal = [
+            bitwise_equal(t.values[k], o.values[k])
+            for t, o in zip(traces, oracle, strict=True)
+            for k in t.values
+            if k[3] == "hp" and k[2] in ROUTERS
+        ]
+        assert hp_equal and all(hp_equal) is equal, update_path
+        if not equal:  # micro-step 0 is corrected on both paths; the first uncorrected one is micro-step 1
+            first = {
+                k[1]
+                for t, o in zip(traces, oracle, strict=True)
+                for k in t.values
+                if k[3] == "hp" and k[2] in ROUTERS and not bitwise_equal(t.values[k], o.values[k])
+            }
+            assert min(first) == 1
+
+
+def test_repro_verdict_names_the_marker_only_on_the_epilogue_path():
+    _, hooks = reproduce(ReproConfig(gas=2, update_path="hooks"))
+    assert hooks.startswith("#8913 REPRODUCED"), hooks
+    _, epilogue = reproduce(ReproConfig(gas=2, update_path="epilogue"))
+    assert epilogue.startswith("#8913 NOT") and "correction-once marker" in epilogue, epilogue
+    assert "epilogue update path" in epilogue

@@ -22,11 +22,21 @@ At the gradient-accumulation boundary (``engine.allreduce_gradients``):
   7. AdamW on the masters (FusedAdam's AdamW-mode arithmetic), copy of the
      masters back into the BF16 parameters (round to nearest even).
 
-Correction-once marker: DeepSpeed sets it on the first micro-step and clears
-it only in the boundary pass, so with GAS >= 2 micro-steps 2..GAS are added to
-the buffer *uncorrected* (``marker="deepspeed"``, the default, as shipped).
-``marker="per_micro_step"`` clears it after every micro-step, which is what
-the oracles and the intended semantics do.
+Correction-once marker (``marker="deepspeed"``, the default: as DeepSpeed 0.19.8 ships it, for the
+chosen update path). `auto_ep_folding.apply_folding_correction_to_grad_buffer` (auto_ep_folding.py:470-484)
+skips a parameter whose marker is set and sets it after correcting. Who clears it depends on the path:
+
+* ``update_path="hooks"`` (``immediate_grad_update=True``): the gradient hook,
+  `bf16_optimizer.accumulate_hp_grads_and_remove_lp` (bf16_optimizer.py:707-716), calls
+  ``clear_autoep_folding_gradient_corrected`` right after ``_update_hp_grad`` on every call, so
+  every micro-step is corrected;
+* ``update_path="epilogue"`` (DeepSpeed's default: ``immediate_grad_update: bool = False``,
+  runtime/precision_config.py:51): ``update_hp_grads`` never clears it; only the engine's boundary
+  pass ``_reduce_autoep_folding_tp_replicated_gradients`` (engine.py:3099-3119) does, so with
+  GAS >= 2 micro-steps 2..GAS are added to the buffer *uncorrected*.
+
+``marker="per_micro_step"`` clears it after every micro-step on either path, which is what the
+oracles and the intended semantics do.
 """
 
 from __future__ import annotations
@@ -143,6 +153,7 @@ def train_rank(
         )
     by_name = {s.spec.name: s for s in states}
     index = {s.spec.name: i for i, s in enumerate(states)}
+    hooks = config.update_path == "hooks"
     for step in range(config.steps):
         for micro in range(config.gas):
 
@@ -152,8 +163,9 @@ def train_rank(
                 trace.capture(step, micro, name, "local", grad)
                 where = (step, micro, rank, index[name])
                 _update_hp_grad(comm, tp_group, tp, dense_dp, s, grad, policy, config, trace, where)
+                if hooks:  # accumulate_hp_grads_and_remove_lp clears the marker after every hook call
+                    s.marker = False
 
-            hooks = config.update_path == "hooks"
             if isinstance(local_grads, GradientSource):
                 lp = {name: s.lp for name, s in by_name.items()}
                 local_grads.backward(comm, step, micro, lp, deliver, hooks)

@@ -169,10 +169,12 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
         for report in reports
         for d in (first_divergence_of(report),)
     )
-    if config.gas > 1 and config.marker == "deepspeed" and line.startswith("#8913 NOT") and marker_skips:
+    marker_defect = config.gas > 1 and config.marker == "deepspeed" and config.update_path == "epilogue"
+    if marker_defect and line.startswith("#8913 NOT") and marker_skips:
         line += (
-            " -- with GAS >= 2, DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the "
-            "boundary) leaves micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
+            " -- on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS >= 2, "
+            "DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the boundary) leaves "
+            "micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
         )
     return reports, line
 
