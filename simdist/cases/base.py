@@ -1,0 +1,39 @@
+"""What a case is: a question, the real code that answers it, the simdist policy it checks, a verdict.
+
+A case runs a real framework (DeepSpeed, FSDP2, ...) on a process group and
+compares what it computes, bit for bit, with simdist's transcription of the
+same path. Its ``run`` returns a verdict dataclass whose ``ok`` says whether
+every claim the case checks holds; tests assert on the dataclass, the CLI
+prints its ``summary`` (or the whole dataclass as JSON).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class Verdict(Protocol):
+    """What every case's verdict has: ``ok`` (every checked claim holds) and a one-paragraph ``summary``."""
+
+    ok: bool
+    summary: str
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case: its name, the question it answers, the real code it drives, the policies it checks."""
+
+    name: str
+    question: str
+    real_code: str
+    policies: tuple[str, ...]
+    requires: tuple[str, ...]
+    run: Callable[..., Any]
+    """``run(world="gloo", **options) -> verdict dataclass``."""
+
+    def missing(self) -> list[str]:
+        """The required packages that are not importable here."""
+        return [name for name in self.requires if importlib.util.find_spec(name) is None]

@@ -1,0 +1,207 @@
+"""Case ``deepspeed-8913``: does simdist's ``bf16_writeback`` compute what DeepSpeed's BF16_Optimizer computes?
+
+Question: under AutoEP+AutoTP folding (TP2/EP2/ETP1 on 4 ranks), are the
+high-precision gradients of DeepSpeed 0.19.8's real ``BF16_Optimizer`` after
+every micro-step bitwise equal to simdist's ``bf16_writeback`` transcription
+fed the same BF16 local gradients -- on the epilogue path (DeepSpeed's
+default, ``update_hp_grads``) and the immediate path (``immediate_grad_update``,
+``accumulate_hp_grads_and_remove_lp``), at GAS 1 and GAS 3? With the #8913
+fix patched into the real optimizer (FP32 staging), does it equal simdist's
+``fp32_staging``? And how far is DeepSpeed as shipped from the fixed code?
+
+Real code: ``BF16_Optimizer`` (``configure_autoep_folding_tp_gradient_reduction``,
+``backward_prologue``/``backward_epilogue``/``update_hp_grads``,
+``accumulate_hp_grads_and_remove_lp`` through its own gradient hooks),
+``auto_ep_folding`` (family strategies, correction marker, TP all-reduce)
+and the engine's boundary folding pass, driven by
+`simdist.cases.deepspeed_harness` on real gloo processes.
+
+Compared with: the ``bf16_writeback`` and ``fp32_staging`` policies run by
+simdist's gradient path (`simdist.gradpath.path.train_rank`) on SimWorld,
+with ``marker="deepspeed"`` and the same update path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from simdist.cases.base import Case
+from simdist.cases.compare import Figures, Match, figures, match_traces
+from simdist.cases.deepspeed_harness import CORRECTED, DsRun, RankCapture, deepspeed_rank
+from simdist.cases.world import World, run_ranks
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.path import PathConfig
+from simdist.gradpath.policy import Policy
+from simdist.gradpath.probes import Trace
+from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.numerics.floats import unit_roundoff
+from simdist.reduce import make_model
+from simdist.world.spec import ParallelSpec
+
+NAME = "deepspeed-8913"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Layout, steps and the update paths and GAS values to run."""
+
+    world_size: int = 4
+    tp: int = 2
+    ep: int = 2
+    steps: int = 2
+    seed: int = 0
+    gas: tuple[int, ...] = (1, 3)
+    update_paths: tuple[str, ...] = ("epilogue", "hooks")
+    marker: str = "deepspeed"
+
+    def spec(self) -> ParallelSpec:
+        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep)
+
+    def runs(self) -> tuple[DsRun, ...]:
+        return tuple(DsRun(path, gas, self.steps, fix)  # type: ignore[arg-type]
+                     for path in self.update_paths for gas in self.gas for fix in ("none", "fp32_staging"))
+
+
+@dataclass
+class PathResult:
+    """One update path at one GAS: real vs transcription, patched vs fix, shipped vs FP32 staging."""
+
+    update_path: str
+    gas: int
+    real_vs_bf16_writeback: Match
+    patched_vs_fp32_staging: Match
+    shipped_vs_fp32_staging: Figures
+    skipped_corrections: list[str]
+    """``step s micro-step m: params`` where the real helper skipped the TP correction (marker set)."""
+
+
+@dataclass
+class Verdict8913:
+    ok: bool
+    summary: str
+    deepspeed_version: str
+    world: str
+    layout: str
+    strategies: dict[str, str]
+    strategies_agree: bool
+    paths: list[PathResult] = field(default_factory=list)
+    bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
+
+
+def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
+    """Every run of ``config`` on real DeepSpeed, in one launch of ``world_size`` ranks."""
+    runs = config.runs()
+    per_rank = run_ranks(deepspeed_rank, config.spec(), runs, config.seed, world=world)
+    return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
+
+
+def transcription(config: Config, policy: Policy, update_path: str, gas: int) -> list[Trace]:
+    """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order)."""
+    from simdist.studies.repro import run
+
+    path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker=config.marker,  # type: ignore[arg-type]
+                      update_path=update_path)  # type: ignore[arg-type]
+    return run(config.spec(), policy, path, make_model("gloo"))
+
+
+def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:
+    """``(rank, hp key) -> sum |terms|``: what each hp element sums, as the real run corrected it."""
+    families = {p.name: p.family for p in DEFAULT_PARAMS}
+    out = {}
+    for capture in captures:
+        rank, trace = capture.trace.rank, capture.trace
+        running: dict[tuple[int, str], torch.Tensor] = {}
+        for key in sorted(k for k in trace.values if k[3] == "hp"):
+            step, micro, param, _ = key
+            correction = families[param].correction(spec.tp)
+            local = trace.values[(step, micro, param, "local")].double().abs()
+            if capture.actions.get((step, micro, param)) == CORRECTED and correction.reduces:
+                peers = spec.group_of("tp", rank)
+                local = sum(captures[p].trace.values[(step, micro, param, "local")].double().abs() for p in peers)
+            if capture.actions.get((step, micro, param)) == CORRECTED and correction.divides:
+                local = local / spec.tp
+            total = running.get((step, param), 0) + local
+            running[(step, param)] = total
+            out[(rank, key)] = total
+    return out
+
+
+def judge(config: Config, real: dict[DsRun, list[RankCapture]], writeback: Policy | None = None,
+          staging: Policy | None = None, world: str = "gloo") -> Verdict8913:
+    """The verdict from real captures and the transcription (``writeback``/``staging`` default to the catalogue's)."""
+    writeback = writeback or get_policy("bf16_writeback")
+    staging = staging or get_policy("fp32_staging")
+    spec = config.spec()
+    first = next(iter(real.values()))[0]
+    expected = {p.name: p.family.correction(spec.tp).value for p in DEFAULT_PARAMS}
+    results = []
+    for path in config.update_paths:
+        for gas in config.gas:
+            shipped = real[DsRun(path, gas, config.steps, "none")]  # type: ignore[arg-type]
+            patched = real[DsRun(path, gas, config.steps, "fp32_staging")]  # type: ignore[arg-type]
+            shipped_traces = [c.trace for c in shipped]
+            patched_traces = [c.trace for c in patched]
+            skipped = sorted({k for k, v in shipped[0].actions.items() if v.startswith("skipped")})
+            by_micro: dict[tuple[int, int], list[str]] = {}
+            for step, micro, param in skipped:
+                by_micro.setdefault((step, micro), []).append(param)
+            results.append(PathResult(
+                path, gas,
+                match_traces(shipped_traces, transcription(config, writeback, path, gas),
+                             names=("DeepSpeed", writeback.name)),
+                match_traces(patched_traces, transcription(config, staging, path, gas),
+                             names=("patched DeepSpeed", staging.name)),
+                figures(shipped_traces, patched_traces, sum_of_terms(spec, shipped)),
+                [f"step {s} micro-step {m}: {', '.join(ps)}" for (s, m), ps in sorted(by_micro.items())],
+            ))
+    agree = first.strategies == expected
+    ok = agree and all(r.real_vs_bf16_writeback.bitwise_equal and r.patched_vs_fp32_staging.bitwise_equal
+                       for r in results)
+    verdict = Verdict8913(ok, "", first.deepspeed_version, world, spec.describe(), first.strategies, agree, results)
+    verdict.summary = summarize(verdict, writeback.name, staging.name)
+    return verdict
+
+
+def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
+    """One paragraph computed from the verdict's fields."""
+    lines = [f"real DeepSpeed {v.deepspeed_version} BF16_Optimizer on {v.layout} ({v.world} processes):"]
+    if not v.strategies_agree:
+        lines.append(f"  family strategies DIFFER from simdist's corrections: {v.strategies}")
+    for r in v.paths:
+        label = f"{r.update_path} GAS {r.gas}"
+        a, b = r.real_vs_bf16_writeback, r.patched_vs_fp32_staging
+        same = "==" if a.bitwise_equal else "!="
+        lines.append(f"  {label}: DeepSpeed {same} {writeback} ({a.equal}/{a.compared} captures bitwise)"
+                     + ("" if a.bitwise_equal else f"; first: {a.first_difference}"))
+        same = "==" if b.bitwise_equal else "!="
+        lines.append(f"  {label}: DeepSpeed + FP32-staging patch {same} {staging} ({b.equal}/{b.compared})"
+                     + ("" if b.bitwise_equal else f"; first: {b.first_difference}"))
+        f = r.shipped_vs_fp32_staging
+        lines.append(f"  {label}: as shipped vs FP32 staging: {f.tensors_differing}/{f.tensors} hp grads differ "
+                     f"({', '.join(f.params_differing) or 'none'}), {100 * f.fraction_differing:.1f}% of elements, "
+                     f"max {f.max_ulp} fp32 ulp, max error / sum|terms| {f.max_error_over_terms:.2e} "
+                     f"(BF16 u = {v.bf16_unit_roundoff:.2e})")
+        if r.skipped_corrections:
+            lines.append(f"  {label}: TP correction skipped (marker set): {'; '.join(r.skipped_corrections)}")
+    lines.append("verdict: " + ("real == transcription bitwise on every path" if v.ok else "MISMATCH (see above)"))
+    return "\n".join(lines)
+
+
+def run(world: World = "gloo", **options) -> Verdict8913:
+    """Run the case: real DeepSpeed on ``world``, then judge against the catalogue's policies."""
+    config = Config(**options)
+    return judge(config, run_real(config, world), world=world)
+
+
+CASE = Case(
+    name=NAME,
+    question="Is simdist's bf16_writeback bitwise what DeepSpeed's BF16_Optimizer folding path computes, "
+             "per micro-step, on both update paths at GAS 1 and 3, and fp32_staging what the #8913 fix computes?",
+    real_code="deepspeed.runtime.bf16_optimizer.BF16_Optimizer + module_inject.auto_ep_folding + the engine's "
+              "boundary folding pass, TP2/EP2/ETP1 on 4 gloo processes",
+    policies=("bf16_writeback", "fp32_staging"),
+    requires=("deepspeed",),
+    run=run,
+)
