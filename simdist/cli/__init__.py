@@ -20,6 +20,7 @@ import json
 import sys
 
 from simdist.audit import add_audit_subcommand, run_audit
+from simdist.cases.cli import add_case_subcommand, run_case_command
 from simdist.reduce import MODEL_NAMES
 
 KNOWN_ISSUES = ("8913",)
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest ulp difference accepted (default 0: bitwise)")
     add_audit_subcommand(sub)
     _add_growth_subcommand(sub)
+    add_case_subcommand(sub)
     return parser
 
 
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             return _repro(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "case":
+            return run_case_command(args)
         if args.command == "growth":
             return _growth(args)
         return _policies()

@@ -1,0 +1,45 @@
+"""``simdist case list`` and ``simdist case run NAME [--json] [--world gloo|simdist]``.
+
+Kept here, beside the cases, so that the CLI module only adds the
+subcommand (`add_case_subcommand`) and dispatches to `run_case_command`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+
+def add_case_subcommand(sub) -> None:
+    """Add ``case`` with its ``list`` and ``run`` actions to the CLI's subparsers."""
+    from simdist.cases.world import WORLDS
+
+    case = sub.add_parser("case", help="run a real framework next to simdist's policies (simdist/cases)")
+    actions = case.add_subparsers(dest="case_action", required=True, parser_class=type(case))
+    actions.add_parser("list", help="list the cases, what they ask and what they need")
+    run = actions.add_parser("run", help="run one case and print its verdict")
+    run.add_argument("name", help="a case name (see: simdist case list)")
+    run.add_argument("--world", choices=WORLDS, default="gloo",
+                     help="real gloo processes (default) or the simdist backend in process mode")
+    run.add_argument("--json", action="store_true", help="print the verdict dataclass as JSON")
+
+
+def run_case_command(args: argparse.Namespace) -> int:
+    """Exit 0 when the case's verdict is ok, 1 when it is not (2 for bad input, raised as ValueError)."""
+    from simdist.cases import case_names, get_case, run_case
+
+    if args.case_action == "list":
+        for name in case_names():
+            case = get_case(name)
+            missing = case.missing()
+            status = f"needs {', '.join(missing)}" if missing else "runnable"
+            print(f"{name} [{status}]\n    question: {case.question}\n    real code: {case.real_code}\n"
+                  f"    compared with: {', '.join(case.policies)}")
+        return 0
+    verdict = run_case(args.name, world=args.world)
+    if args.json:
+        print(json.dumps(asdict(verdict), indent=2, default=str))
+    else:
+        print(verdict.summary)
+    return 0 if verdict.ok else 1
