@@ -56,3 +56,15 @@ def test_policies_lists_every_policy_with_its_chain(capsys):
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
     assert "fp32_staging:" in out and "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp" in out
+
+
+def test_repro_lists_only_differing_tensors_unless_asked_for_all(capsys):
+    assert main(["repro", "8913", "--steps", "1"]) == 0
+    diff_only = capsys.readouterr().out
+    assert main(["repro", "8913", "--steps", "1", "--all-tensors"]) == 0
+    every = capsys.readouterr().out
+    table = [line for line in diff_only.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert table and all(" NO " in line for line in table)
+    differing = len(table)  # 32: router and router_partial hp grad, master, m, v on 4 ranks
+    assert differing == 32 and f"{140 - differing} of 140 tensors bitwise equal to the oracle (not listed)" in diff_only
+    assert sum(" yes " in line for line in every.splitlines()) == (140 - differing) + 140  # fp32_staging: all equal

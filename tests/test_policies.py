@@ -68,12 +68,12 @@ def test_a_policy_registered_in_a_test_runs_through_the_repro_path():
     assert report.chains["router.weight"] == "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp"
     assert report.rows and all(r.bitwise_equal for r in report.rows)
     assert all(d is None for d in report.first_divergence.values())
-    assert verdict.startswith("#8913 REPRODUCED")
+    assert verdict.reproduced, verdict
 
 
 def test_the_default_repro_reproduces_8913(default_repro):
     reports, verdict = default_repro
-    assert verdict.startswith("#8913 REPRODUCED"), verdict
+    assert verdict.reproduced, verdict
     writeback, staging = (next(r for r in reports if r.name == n) for n in ("bf16_writeback", "fp32_staging"))
     ranks = {r.rank for r in writeback.rows}
     assert ranks == set(range(ReproConfig().world_size))
@@ -165,7 +165,20 @@ def test_deepspeed_marker_per_update_path(gas):
 
 def test_repro_verdict_names_the_marker_only_on_the_epilogue_path():
     _, hooks = reproduce(ReproConfig(gas=2, update_path="hooks"))
-    assert hooks.startswith("#8913 REPRODUCED"), hooks
+    assert hooks.reproduced and not hooks.marker_defect, hooks
     _, epilogue = reproduce(ReproConfig(gas=2, update_path="epilogue"))
-    assert epilogue.startswith("#8913 NOT") and "correction-once marker" in epilogue, epilogue
-    assert "epilogue update path" in epilogue
+    assert not epilogue.reproduced and epilogue.marker_defect, epilogue
+    assert "correction-once marker" in epilogue.line and "epilogue update path" in epilogue.line
+
+
+def test_error_relative_to_the_sum_of_terms_is_bounded_by_the_bf16_unit_roundoff(default_repro):
+    """The writeback rounds the FP32 router average to BF16 once: |error| <= u_bf16 |average| <= u_bf16 sum|terms|
+    (u = 2**-8; the FP32 adds around it cost a relative 2**-23 or so), however many ulps of the hp value that is
+    where the average cancels. Masters and moments are not sums: no such figure."""
+    reports, _ = default_repro
+    writeback = next(r for r in reports if r.name == "bf16_writeback")
+    router_hp = [r for r in writeback.rows if r.param in ROUTERS and r.kind == "hp grad"]
+    assert router_hp and all(not r.bitwise_equal for r in router_hp)
+    assert all(0 < r.term_relative <= 2**-8 * (1 + 2**-20) for r in router_hp), [r.term_relative for r in router_hp]
+    assert all(r.term_relative is None for r in writeback.rows if r.kind in ("fp32 master", "adam m", "adam v"))
+    assert all(r.term_relative == 0 for r in writeback.rows if r.kind == "hp grad" and r.bitwise_equal)

@@ -80,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reduction model of every group (default: gloo's order)")
     repro.add_argument("--model", choices=("synthetic", "moe"), default="synthetic",
                        help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block")
-    repro.add_argument("--json", action="store_true", help="print the report as JSON")
+    repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
+    diff = repro.add_mutually_exclusive_group()
+    diff.add_argument("--diff-only", dest="all_tensors", action="store_false", default=False,
+                      help="list only the tensors that differ from the oracle (the default)")
+    diff.add_argument("--all-tensors", dest="all_tensors", action="store_true",
+                      help="list every compared tensor, equal ones too")
 
     sub.add_parser("policies", help="list the registered precision policies and their chains")
 
@@ -162,11 +167,11 @@ def _repro(args: argparse.Namespace) -> int:
         model=args.model,
     )
     config.spec()  # a ValueError names the broken constraint and the valid values
-    reports, verdict_line = reproduce(config)
+    reports, verdict = reproduce(config)
     if args.json:
-        print(json.dumps(to_json(config, reports, verdict_line), indent=2))
+        print(json.dumps(to_json(config, reports, verdict), indent=2))
     else:
-        print(format_report(config, reports, verdict_line))
+        print(format_report(config, reports, verdict, diff_only=not args.all_tensors))
     return 0
 
 

@@ -1,7 +1,22 @@
-"""Comparing tensors from two runs: bitwise first, then ulps, relative error and differing fraction."""
+"""Comparing tensors from two runs: bitwise first, then ulps, relative figures and the differing fraction.
+
+One vocabulary for every comparison in simdist (the #8913 report, MoE training next to the oracle, dump
+comparisons, growth): `difference` measures one tensor pair, `Difference.pool` combines many (over ranks,
+steps, micro-steps or parameters) without losing what a reader needs: whether every element was bitwise
+equal, the worst ulp distance, how many elements differ, and norms from which a pooled normwise relative
+error follows.
+
+Why a figure relative to the sum of |terms|: near an element whose reduction cancels to ~0, one ulp of the
+result is tiny, so a max-ulp figure explodes (a billion ulps for an error at the level of the inputs'
+rounding). The classical bound of a recursive sum is ``|error| <= (n-1) u sum|x_i|``, so
+``|actual - expected| / sum|terms|`` is the figure that stays comparable to the unit roundoff ``u``:
+`difference` takes the per-element ``sum|terms|`` as ``magnitude`` where the caller knows it.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -11,21 +26,59 @@ from simdist.numerics.floats import bits, ulp_distance
 
 @dataclass(frozen=True)
 class Difference:
-    """How ``actual`` departs from ``expected``, measured in ``expected``'s dtype."""
+    """How ``actual`` departs from ``expected``, measured in ``expected``'s dtype.
 
-    bitwise_equal: bool
-    max_ulp: int
-    fraction_differing: float
-    max_relative: float
+    ``max_term_relative`` is ``max |a - e| / sum|terms|`` over elements with a non-zero magnitude, or
+    ``None`` when no magnitude was given (a tensor that is not the result of a reduction).
+    """
+
     numel: int
+    differing: int
+    max_ulp: int
+    max_relative: float
+    error_norm: float
+    reference_norm: float
+    max_term_relative: float | None = None
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return self.differing == 0
+
+    @property
+    def fraction_differing(self) -> float:
+        return self.differing / self.numel if self.numel else 0.0
+
+    @property
+    def norm_relative(self) -> float:
+        """``||a - e||_2 / ||e||_2`` (0 when both are 0, ``inf`` for an error against a zero reference)."""
+        if self.reference_norm:
+            return self.error_norm / self.reference_norm
+        return 0.0 if self.error_norm == 0 else math.inf
+
+    @classmethod
+    def pool(cls, parts: Iterable[Difference]) -> Difference:
+        """One `Difference` for many comparisons: counts and squared norms add, maxima take the max."""
+        parts = list(parts)
+        terms = [p.max_term_relative for p in parts if p.max_term_relative is not None]
+        return cls(
+            numel=sum(p.numel for p in parts),
+            differing=sum(p.differing for p in parts),
+            max_ulp=max((p.max_ulp for p in parts), default=0),
+            max_relative=max((p.max_relative for p in parts), default=0.0),
+            error_norm=math.sqrt(sum(p.error_norm**2 for p in parts)),
+            reference_norm=math.sqrt(sum(p.reference_norm**2 for p in parts)),
+            max_term_relative=max(terms) if terms else None,
+        )
 
     def __str__(self) -> str:
         if self.bitwise_equal:
             return "bitwise equal"
-        return f"max {self.max_ulp} ulp, {100 * self.fraction_differing:.1f}% differ, rel {self.max_relative:.2e}"
+        terms = "" if self.max_term_relative is None else f", err/sum|terms| {self.max_term_relative:.2e}"
+        return (f"max {self.max_ulp} ulp, {100 * self.fraction_differing:.1f}% differ, "
+                f"normwise rel {self.norm_relative:.2e}{terms}")
 
 
-def difference(actual: torch.Tensor, expected: torch.Tensor) -> Difference:
+def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | None = None) -> Difference:
     """Compare ``actual`` with ``expected``, after casting ``actual`` to ``expected``'s dtype.
 
     The cast is exact when ``expected`` is at least as wide (a BF16 or FP32
@@ -33,22 +86,36 @@ def difference(actual: torch.Tensor, expected: torch.Tensor) -> Difference:
     bits (so ``-0.0 != +0.0``); ``max_ulp`` counts representable values of
     ``expected.dtype`` between the two (a NaN on one side only counts as a
     differing element but adds no ulps); ``max_relative`` is
-    ``|a - e| / |e|`` over finite non-zero ``e``, in fp64.
+    ``|a - e| / |e|`` over finite non-zero ``e``, in fp64; the norms are fp64
+    2-norms of ``a - e`` and ``e``. ``magnitude`` (same shape) is the
+    per-element ``sum|terms|`` of the reduction that produced ``expected``.
     """
     if actual.shape != expected.shape:
         raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     expected = expected.detach().cpu()
     actual = actual.detach().cpu().to(expected.dtype)
     differing = bits(actual) != bits(expected)
+    numel = expected.numel()
+    if numel == 0:
+        return Difference(0, 0, 0, 0.0, 0.0, 0.0, None if magnitude is None else 0.0)
     ulps = ulp_distance(actual, expected)
     e64, a64 = expected.double(), actual.double()
+    error = (a64 - e64).abs()
     usable = (e64 != 0) & torch.isfinite(e64)
-    rel = ((a64 - e64).abs() / e64.abs())[usable]
-    numel = expected.numel()
+    rel = (error / e64.abs())[usable]
+    term_relative = None
+    if magnitude is not None:
+        if magnitude.shape != expected.shape:
+            raise ValueError(f"magnitude shape {tuple(magnitude.shape)} is not {tuple(expected.shape)}")
+        m64 = magnitude.detach().cpu().double()
+        scaled = (error / m64)[(m64 > 0) & torch.isfinite(error)]
+        term_relative = float(scaled.max()) if scaled.numel() else 0.0
     return Difference(
-        bitwise_equal=not bool(differing.any()),
-        max_ulp=int(ulps.max().item()) if numel else 0,
-        fraction_differing=float(differing.float().mean().item()) if numel else 0.0,
-        max_relative=float(rel.max().item()) if rel.numel() else 0.0,
         numel=numel,
+        differing=int(differing.sum()),
+        max_ulp=int(ulps.max()),
+        max_relative=float(rel.max()) if rel.numel() else 0.0,
+        error_norm=float(torch.linalg.vector_norm(torch.nan_to_num(error, nan=0.0, posinf=math.inf))),
+        reference_norm=float(torch.linalg.vector_norm(torch.nan_to_num(e64, nan=0.0))),
+        max_term_relative=term_relative,
     )

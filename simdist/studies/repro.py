@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
 from simdist.gradpath.oracle import FP32_ORACLE
@@ -21,7 +23,7 @@ from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Divergence, Trace, first_divergence
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
-from simdist.numerics.compare import difference
+from simdist.numerics.compare import Difference, difference
 from simdist.reduce import ReductionModel, make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
@@ -59,7 +61,12 @@ class ReproConfig:
 
 @dataclass
 class Row:
-    """One tensor of one rank compared with the oracle over every step (and micro-step)."""
+    """One tensor of one rank compared with the oracle, pooled over every step (and micro-step).
+
+    ``term_relative`` is ``max |policy - oracle| / sum|terms|`` for the gradient tensors (the terms are the
+    local gradients that the oracle's reduction adds; see `simdist.numerics.compare`), ``None`` for masters
+    and moments, which are not sums.
+    """
 
     rank: int
     param: str
@@ -67,6 +74,29 @@ class Row:
     bitwise_equal: bool
     max_ulp: int
     fraction_differing: float
+    norm_relative: float
+    term_relative: float | None
+
+    @classmethod
+    def of(cls, rank: int, param: str, kind: str, diff: Difference) -> Row:
+        return cls(rank, param, kind, diff.bitwise_equal, diff.max_ulp, diff.fraction_differing,
+                   diff.norm_relative, diff.max_term_relative)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The #8913 verdict, computed from the comparisons: whether it reproduced, and the one line that says so.
+
+    ``marker_defect`` is true when the line also names DeepSpeed's correction-once marker (GAS >= 2 on the
+    epilogue path skips the TP correction of micro-steps 1..GAS-1).
+    """
+
+    reproduced: bool
+    line: str
+    marker_defect: bool = False
+
+    def __str__(self) -> str:
+        return self.line
 
 
 @dataclass
@@ -111,33 +141,44 @@ def run(
     return SimWorld(spec, default_model=model).run(train_rank, list(params), initial, grads, policy, config)
 
 
-def compare_with_oracle(traces: list[Trace], oracle: list[Trace]) -> list[Row]:
-    """One `Row` per rank, parameter and tensor kind, aggregated over steps and micro-steps."""
+GRADIENT_STAGES = frozenset({"local", "corrected", "hp"})
+"""Captures that are sums of local gradients, so a per-element ``sum|terms|`` exists for them."""
+
+
+def compare_with_oracle(traces: list[Trace], oracle: list[Trace], magnitudes: list[Trace] | None = None) -> list[Row]:
+    """One `Row` per rank, parameter and tensor kind, pooled over steps and micro-steps.
+
+    ``magnitudes`` are the oracle's traces on ``|local gradients|``: the oracle's gradient stages are linear
+    in the local gradients (casts, sums, ``/tp``, ``+=``), so there they hold ``sum|terms|`` per element.
+    """
     rows = []
-    for trace, reference in zip(traces, oracle, strict=True):
+    for index, (trace, reference) in enumerate(zip(traces, oracle, strict=True)):
+        scale = magnitudes[index].values if magnitudes is not None else {}
         for param in trace.params():
             for kind, stage in TENSOR_KINDS:
                 keys = [k for k in trace.values if k[2] == param and k[3] == stage and k in reference.values]
                 if not keys:
                     continue
-                diffs = [difference(trace.values[k], reference.values[k]) for k in keys]
-                total = sum(d.numel for d in diffs)
-                differing = sum(d.fraction_differing * d.numel for d in diffs)
-                rows.append(
-                    Row(
-                        trace.rank,
-                        param,
-                        kind,
-                        all(d.bitwise_equal for d in diffs),
-                        max(d.max_ulp for d in diffs),
-                        differing / total if total else 0.0,
-                    )
-                )
+                diffs = [
+                    difference(trace.values[k], reference.values[k], scale.get(k) if stage in GRADIENT_STAGES else None)
+                    for k in keys
+                ]
+                rows.append(Row.of(trace.rank, param, kind, Difference.pool(diffs)))
     return rows
 
 
-def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
-    """Run the oracle and every policy; return the per-policy reports and the one-line verdict."""
+class _Magnitudes:
+    """Local gradients as their absolute values: the oracle run on these gives ``sum|terms|``."""
+
+    def __init__(self, grads) -> None:
+        self.grads = grads
+
+    def __call__(self, step: int, micro: int, rank: int, param) -> torch.Tensor:
+        return self.grads(step, micro, rank, param).abs()
+
+
+def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
+    """Run the oracle and every policy; return the per-policy reports and the verdict."""
     spec = config.spec()
     policies = [get_policy(name) for name in config.policies]
     model = make_model(config.reduction)
@@ -146,11 +187,16 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
     )
     oracle_path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed, marker="per_micro_step")
     oracle = run(spec, FP32_ORACLE, oracle_path, model, training_model=config.model)
+    magnitudes = None
+    if config.model == "synthetic":  # a model's gradients depend on its weights: no |terms| run for it
+        params, initial, grads = workload(config.model, spec, config.seed, config.gas)
+        magnitudes = SimWorld(spec, default_model=model).run(
+            train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path)
     families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas)[0]}
     reports = []
     for policy in policies:
         traces = run(spec, policy, path, model, training_model=config.model)
-        rows = compare_with_oracle(traces, oracle)
+        rows = compare_with_oracle(traces, oracle, magnitudes)
         divergence = first_divergence(traces, oracle)
         reports.append(
             PolicyReport(
@@ -163,20 +209,20 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], str]:
                 divergence,
             )
         )
-    line = verdict(reports, families) if config.model == "synthetic" else model_verdict(reports, families)
+    result = verdict(reports, families) if config.model == "synthetic" else model_verdict(reports, families)
     marker_skips = any(
         d is not None and d.micro >= 1 and d.stage == "hp"
         for report in reports
         for d in (first_divergence_of(report),)
     )
-    marker_defect = config.gas > 1 and config.marker == "deepspeed" and config.update_path == "epilogue"
-    if marker_defect and line.startswith("#8913 NOT") and marker_skips:
-        line += (
+    marker_path = config.gas > 1 and config.marker == "deepspeed" and config.update_path == "epilogue"
+    if marker_path and not result.reproduced and marker_skips:
+        result = Verdict(False, result.line + (
             " -- on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS >= 2, "
             "DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the boundary) leaves "
             "micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
-        )
-    return reports, line
+        ), marker_defect=True)
+    return reports, result
 
 
 def first_divergence_of(report: PolicyReport):
@@ -185,7 +231,7 @@ def first_divergence_of(report: PolicyReport):
     return min(found, key=lambda d: (d.step, d.micro if d.micro >= 0 else 1 << 30), default=None)
 
 
-def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> str:
+def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:
     """The #8913 verdict, computed from the comparisons (never assumed)."""
     by_name = {r.name: r for r in reports}
     routers = {n for n, f in families.items() if f in (Family.ROUTER_GATE_REPLICATED, Family.ROUTER_GATE_PARTIAL)}
@@ -196,7 +242,7 @@ def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> str:
         lines.append(f"{report.name}: {n - len(bad)}/{n} tensors bitwise equal to the FP32 oracle")
     writeback, staging = by_name.get("bf16_writeback"), by_name.get("fp32_staging")
     if writeback is None or staging is None:
-        return "; ".join(lines)
+        return Verdict(False, "; ".join(lines))
     differing = {(r.param, r.kind) for r in writeback.rows if not r.bitwise_equal}
     router_kinds = {k for p, k in differing if p in routers}
     others = {p for p, _ in differing if p not in routers}
@@ -206,15 +252,15 @@ def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> str:
         and all(r.bitwise_equal for r in staging.rows)
     )
     if reproduced:
-        return (
+        return Verdict(True, (
             "#8913 REPRODUCED: bf16_writeback departs from the FP32 oracle at the BF16 writeback (router hp grad, "
             "FP32 master, Adam m and v differ; expert and dense tensors match); fp32_staging matches bitwise in all "
             f"{len(staging.rows)} compared tensors"
-        )
-    return "#8913 NOT reproduced as described: " + "; ".join(lines)
+        ))
+    return Verdict(False, "#8913 NOT reproduced as described: " + "; ".join(lines))
 
 
-def model_verdict(reports: list[PolicyReport], families: dict[str, Family]) -> str:
+def model_verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:
     """The #8913 verdict on a model that computes its gradients from the weights (``--model moe``).
 
     There a difference in one weight changes every later gradient, so the
@@ -246,19 +292,23 @@ def model_verdict(reports: list[PolicyReport], families: dict[str, Family]) -> s
         rest = (f"{len(propagated)} other parameters ({', '.join(propagated)}) first differ only in later local "
                 "gradients, through the updated weights" if propagated else
                 "every local gradient and every expert and post-MoE tensor matches (the BF16 weights stayed equal)")
-        return (
+        return Verdict(True, (
             f"#8913 REPRODUCED on the MoE model: bf16_writeback first departs from the FP32 oracle at the BF16 "
             f"writeback on step 0 for {', '.join(p for p in at_writeback if p in routers)}{widened}; {rest}; "
             f"fp32_staging matches bitwise in all {n} compared tensors"
-        )
+        ))
     details = [str(found[p]) for p in unexplained]
-    return ("#8913 NOT reproduced as described on the MoE model: "
+    return Verdict(False, "#8913 NOT reproduced as described on the MoE model: "
             + ("; ".join(details) if details else "")
             + ("" if staging_equal else f"{'; ' if details else ''}fp32_staging differs from the oracle"))
 
 
-def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line: str) -> str:
-    """The human-readable report: config, per-policy chains, table and divergences, then the verdict."""
+def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict, diff_only: bool = True) -> str:
+    """The human-readable report: config, per-policy chains, table and divergences, then the verdict.
+
+    With ``diff_only`` (the default) the table lists only the tensors that differ from the oracle, plus one
+    line counting those that match bitwise; ``diff_only=False`` lists every tensor.
+    """
     spec = config.spec()
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
@@ -269,26 +319,40 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict_line
         out += ["", f"== {report.name}: {report.summary}"]
         for param, chain in report.chains.items():
             out.append(f"   {param:<24} {chain}")
-        out.append(f"   {'rank':>4}  {'parameter':<24} {'tensor':<15} {'bitwise':<8} {'max ulp':>8} {'differ':>7}")
-        for r in report.rows:
+        shown = [r for r in report.rows if not (diff_only and r.bitwise_equal)]
+        if shown:
+            out.append(f"   {'rank':>4}  {'parameter':<24} {'tensor':<15} {'bitwise':<8} {'max ulp':>10} "
+                       f"{'err/sum|t|':>10} {'norm rel':>9} {'differ':>7}")
+        for r in shown:
+            terms = "-" if r.term_relative is None else f"{r.term_relative:.2e}"
             out.append(
                 f"   {r.rank:>4}  {r.param:<24} {r.kind:<15} {'yes' if r.bitwise_equal else 'NO':<8} "
-                f"{r.max_ulp:>8} {100 * r.fraction_differing:>6.1f}%"
+                f"{r.max_ulp:>10} {terms:>10} {r.norm_relative:>9.2e} {100 * r.fraction_differing:>6.1f}%"
             )
+        equal = sum(r.bitwise_equal for r in report.rows)
+        if diff_only:
+            out.append(f"   {equal} of {len(report.rows)} tensors bitwise equal to the oracle (not listed)")
         for where in report.first_divergence.values():
             if where:
                 out.append(f"   first divergence: {where}")
         if not report.departs:
             out.append("   no divergence: every captured stage is bitwise equal to the oracle")
-    out += ["", f"verdict: {verdict_line}"]
+    out += [
+        "",
+        "max ulp counts values of the oracle's dtype between the two; err/sum|t| is |error| / sum|terms| of the "
+        "oracle's reduction (stays comparable to the unit roundoff where a sum cancels); norm rel is "
+        "||error|| / ||oracle||.",
+        f"verdict: {verdict.line}",
+    ]
     return "\n".join(out)
 
 
-def to_json(config: ReproConfig, reports: list[PolicyReport], verdict_line: str) -> dict:
-    """The report as plain data (for ``--json``)."""
+def to_json(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict) -> dict:
+    """The report as plain data (for ``--json``): every tensor, the verdict line and its flags."""
     policies = []
     for report in reports:
         data = asdict(report)
         data.pop("divergences")
         policies.append(data)
-    return {"config": asdict(config), "policies": policies, "verdict": verdict_line}
+    return {"config": asdict(config), "policies": policies, "verdict": verdict.line,
+            "reproduced": verdict.reproduced, "marker_defect": verdict.marker_defect}

@@ -33,31 +33,10 @@ from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.models.moe import MoEConfig, MoEGradients
-from simdist.numerics.compare import difference
+from simdist.numerics.compare import Difference, difference
 from simdist.reduce import ReductionModel, make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
-
-
-@dataclass(frozen=True)
-class TensorDivergence:
-    """How one tensor of the policy run departs from the oracle run (over ranks and micro-steps)."""
-
-    max_ulp: int
-    max_relative: float
-    fraction_differing: float
-    norm_relative: float = 0.0
-    """``|policy - oracle| / |oracle|`` (2-norms over every element of every rank and micro-step)."""
-    numel: int = 0
-    """Elements compared (over ranks and micro-steps)."""
-    error_norm: float = 0.0
-    """``|policy - oracle|`` (2-norm, fp64), so several tensors' errors can be pooled."""
-    reference_norm: float = 0.0
-    """``|oracle|`` (2-norm, fp64)."""
-
-    @property
-    def bitwise_equal(self) -> bool:
-        return self.max_ulp == 0 and self.fraction_differing == 0.0
 
 
 @dataclass
@@ -74,10 +53,10 @@ class StepRecord:
     oracle_loss: float = math.nan
     grad_norm: float = math.nan
     oracle_grad_norm: float = math.nan
-    tensors: dict[tuple[str, str], TensorDivergence] = field(default_factory=dict)
+    tensors: dict[tuple[str, str], Difference] = field(default_factory=dict)
 
     @property
-    def worst(self) -> tuple[tuple[str, str], TensorDivergence] | None:
+    def worst(self) -> tuple[tuple[str, str], Difference] | None:
         """The tensor with the largest relative error this step (None when every tensor is bitwise equal)."""
         found = [(k, d) for k, d in self.tensors.items() if not d.bitwise_equal]
         return max(found, key=lambda kd: (kd[1].norm_relative, kd[1].max_ulp), default=None)
@@ -92,7 +71,7 @@ class _Lockstep:
         self.at = {(side, r): -1 for side in ("policy", "oracle") for r in range(world_size)}
         self.pending: dict[tuple, dict[str, torch.Tensor]] = {}
         self.records = [StepRecord(s) for s in range(steps)]
-        self.sums: dict[tuple, list[float]] = {}  # (step, param, kind) -> [ulp, rel, differing, numel, err2, ref2]
+        self.sums: dict[tuple, list[Difference]] = {}  # (step, param, kind) -> one per rank and micro-step
         self.losses: dict[tuple[str, int], list[float]] = {}
         self.failed = False
         self.bar = None
@@ -123,19 +102,10 @@ class _Lockstep:
                 self.pending[slot] = tensors
                 return
         policy, oracle = (tensors, mine) if side == "policy" else (mine, tensors)
-        diffs = {}
-        for name in tensors:
-            a, e = policy[name].double(), oracle[name].double()
-            diffs[name] = (difference(policy[name], oracle[name]), float(((a - e) ** 2).sum()), float((e**2).sum()))
+        diffs = {name: difference(policy[name], oracle[name]) for name in tensors}
         with self.cond:
-            for name, (d, err2, ref2) in diffs.items():
-                acc = self.sums.setdefault((step, name, kind), [0, 0.0, 0.0, 0, 0.0, 0.0])
-                acc[0] = max(acc[0], d.max_ulp)
-                acc[1] = max(acc[1], d.max_relative)
-                acc[2] += d.fraction_differing * d.numel
-                acc[3] += d.numel
-                acc[4] += err2
-                acc[5] += ref2
+            for name, d in diffs.items():
+                self.sums.setdefault((step, name, kind), []).append(d)
 
     def loss(self, side: str, step: int, value: float) -> None:
         with self.cond:
@@ -152,10 +122,8 @@ class _Lockstep:
     def finish(self) -> list[StepRecord]:
         if self.bar is not None:
             self.bar.close()
-        for (step, name, kind), (ulp, rel, differing, numel, err2, ref2) in self.sums.items():
-            norm = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
-            self.records[step].tensors[(name, kind)] = TensorDivergence(
-                int(ulp), rel, differing / numel, norm, int(numel), math.sqrt(err2), math.sqrt(ref2))
+        for (step, name, kind), parts in self.sums.items():
+            self.records[step].tensors[(name, kind)] = Difference.pool(parts)
         for (side, step), (total, n) in self.losses.items():
             setattr(self.records[step], "loss" if side == "policy" else "oracle_loss", total / n)
         return self.records

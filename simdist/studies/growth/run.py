@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.numerics.compare import Difference
 from simdist.studies.growth.files import atomic_write, write_text
 from simdist.studies.growth.metrics import (
     COLUMNS,
@@ -198,13 +198,10 @@ def _moe_rows(records, steps: int) -> np.ndarray:
                "loss_diff": abs(record.loss - record.oracle_loss),
                "grad_norm": record.grad_norm, "oracle_grad_norm": record.oracle_grad_norm}
         for kind, prefix in (("param", "param"), ("local grad", "grad")):
-            found = [d for (_, k), d in record.tensors.items() if k == kind]
-            err2 = sum(d.error_norm ** 2 for d in found)
-            ref2 = sum(d.reference_norm ** 2 for d in found)
-            numel = sum(d.numel for d in found)
-            row[f"{prefix}_rel"] = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
-            row[f"{prefix}_ulp_max"] = max((d.max_ulp for d in found), default=0)
-            row[f"{prefix}_differ"] = (sum(d.fraction_differing * d.numel for d in found) / numel) if numel else 0.0
+            pooled = Difference.pool(d for (_, k), d in record.tensors.items() if k == kind)
+            row[f"{prefix}_rel"] = pooled.norm_relative
+            row[f"{prefix}_ulp_max"] = pooled.max_ulp
+            row[f"{prefix}_differ"] = pooled.fraction_differing
         rows[record.step] = [row[c] for c in MOE_COLUMNS]
     return rows
 
