@@ -1,15 +1,44 @@
-"""Shared test set-up: Hypothesis profiles.
+"""Shared test set-up: Hypothesis profiles, the ``slow`` marker, and a clean policy registry per test.
 
 ``ci`` (default) keeps the suite within CI's budget on 2 cores; ``nightly``
-runs the same properties with many more examples:
+runs the same properties with many more examples and also runs the tests
+marked ``slow`` (subprocess, notebook, SIGKILL and exhaustive sweeps):
 
-    HYPOTHESIS_PROFILE=nightly pytest
+    pytest                                   # the default suite
+    pytest --run-slow                        # ... plus the slow tests
+    HYPOTHESIS_PROFILE=nightly pytest        # many more examples, slow tests included
 """
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("nightly", max_examples=2000, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow") or PROFILE == "nightly":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow or HYPOTHESIS_PROFILE=nightly")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_policy_registry():
+    """A policy a test registers is gone after it: no test leaks a policy into later ones."""
+    from simdist.gradpath.catalogue import policy_names
+    from simdist.gradpath.policy import registry_scope
+
+    policy_names()  # load the catalogue first, so it is part of what is kept
+    with registry_scope():
+        yield

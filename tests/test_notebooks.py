@@ -14,6 +14,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = ("rounding_tour.ipynb", "growth_explorer.ipynb")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("SIMDIST_GROWTH_STEPS", "50")

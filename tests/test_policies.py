@@ -6,7 +6,7 @@ import torch
 from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.gradpath.policy import Policy, register
+from simdist.gradpath.policy import Policy, dtype_name, register
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import make_model
 from simdist.studies.repro import ReproConfig, reproduce, run
@@ -14,17 +14,16 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 # A new policy is one `register(Policy(...))` call, here in a test file: nothing in simdist/ or policies/ changes.
+# It is registered inside the test that uses it (conftest forgets it afterwards), so it leaks into no other test.
 # FP32 staging as in the #8913 fix, but the DP all-reduce pre-scales by 1/dp (Megatron's gradient_scaling_factor)
 # instead of dividing after the sum; with a power-of-two DP size both orders are exact.
-PRESCALED = register(
-    Policy(
-        name="test_fp32_staging_prescaled",
-        summary="#8913 fix with the DP all-reduce pre-scaled by 1/dp",
-        staging=torch.float32,
-        writeback=None,
-        expert_in_grad_dtype=False,
-        dp_scale="prescale",
-    )
+PRESCALED = Policy(
+    name="test_fp32_staging_prescaled",
+    summary="#8913 fix with the DP all-reduce pre-scaled by 1/dp",
+    staging=torch.float32,
+    writeback=None,
+    expert_in_grad_dtype=False,
+    dp_scale="prescale",
 )
 
 ROUTERS = {"router.weight", "router_partial.weight"}
@@ -36,14 +35,24 @@ def default_repro():
     return reproduce(ReproConfig())
 
 
-def test_every_registered_policy_prints_a_chain_for_every_family():
+def test_every_registered_policy_prints_a_consistent_chain_for_every_family():
+    """The chain starts in the grad dtype, every cast names a new dtype, and ``+=hp`` adds a value that is
+    already in the accumulation dtype (else the buffer would take a silent cast the chain does not show)."""
+    names = {"fp64", "fp32", "bf16", "fp16"}
     for name in policy_names():
         policy = get_policy(name)
         assert policy.name == name
         for family in Family:
             chain = policy.chain(family, 2)
-            assert chain.startswith("bf16 -> "), (name, family, chain)
-            assert "+=hp" in chain, (name, family, chain)
+            labels = chain.split(" | boundary:")[0].split(" -> ")
+            assert labels[0] == dtype_name(policy.grad_dtype), (name, family, chain)
+            dtype = labels[0]
+            for label in labels[1:]:
+                cast = label.split(" ")[0]
+                if cast in names:
+                    assert cast != dtype, (name, family, chain)  # a cast to the same dtype is not a stage
+                    dtype = cast
+            assert "+=hp" in labels and dtype == dtype_name(policy.accumulate), (name, family, chain)
 
 
 def test_router_chains_of_the_writeback_and_the_fix():
@@ -61,6 +70,8 @@ def test_an_unknown_policy_name_raises_listing_the_valid_names():
 
 
 def test_a_policy_registered_in_a_test_runs_through_the_repro_path():
+    assert PRESCALED.name not in policy_names()  # nothing leaked in from another test
+    register(PRESCALED)
     assert PRESCALED.name in policy_names()
     config = ReproConfig(policies=("bf16_writeback", "fp32_staging", PRESCALED.name), steps=2)
     reports, verdict = reproduce(config)

@@ -17,6 +17,8 @@ Policies register themselves by name (`register`); the modules in
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -152,6 +154,17 @@ class Policy:
 
 
 _REGISTRY: dict[str, Policy] = {}
+
+
+@contextlib.contextmanager
+def registry_scope() -> Iterator[None]:
+    """Policies registered inside the block are forgotten when it ends (a test or a notebook trying one out)."""
+    saved = dict(_REGISTRY)
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
 
 
 def register(policy: Policy) -> Policy:
