@@ -1,2 +1,11 @@
-"""Where ranks live: the parallel layout (`spec`), group handles (`groups`), the in-process engine
-(`simworld`), real torch.distributed process groups (`torch_comm`) and launchers (`launch`)."""
+"""Where ranks live: the parallel layout (`spec`), group handles (`groups`), the rendezvous engine
+(`engine`), SimWorld's `Comm` front end (`simworld`), the ``torch.distributed`` backend ``simdist``
+(`backend`, in-process `inproc.spawn`, `process` mode, registered by `plugin`), real torch.distributed
+process groups (`torch_comm`) and launchers (`launch`).
+
+Importing this package registers the ``simdist`` backend with ``torch.distributed``.
+"""
+
+from simdist.world.plugin import register as _register
+
+_register()

@@ -1,0 +1,507 @@
+"""The ``simdist`` backend of ``torch.distributed``: unmodified code, collectives computed by reduction models.
+
+`SimProcessGroup` is a ``torch.distributed.ProcessGroup`` written in Python.
+``torch.distributed`` (``dist.all_reduce``, ``new_group``, DeviceMesh),
+the functional collectives (``_functional_collectives``, the ``_c10d_functional``
+ops that DTensor uses) and FSDP2 all reach it through c10d's ordinary group
+machinery; the backend is registered under the name ``simdist`` by
+`register` (done on import of ``simdist.world``).
+
+Every collective is one `simdist.world.engine.Call` per member plus a
+``complete(calls, targets)`` function that computes the result from all
+members' calls (in group-rank order) and writes the outputs of the members in
+``targets``. A *transport* brings the calls together:
+
+* in-process (`simdist.world.inproc.spawn`): one thread per rank, the
+  rendezvous `simdist.world.engine.Engine`; the last member to arrive runs
+  ``complete`` for every member;
+* process mode (`simdist.world.process`): real processes; each rank gathers
+  the members' calls over an inner gloo group and runs ``complete`` for itself.
+
+Both run the same ``complete`` on the same inputs, so both give the same bits.
+Sums are the group's `ReductionModel` (the members' tensors are handed to it as
+they are): all_reduce is ``model.reduce``, reduce_scatter_tensor
+``model.reduce_scatter``, ``dist.reduce`` ``model.reduce_to`` (if the model has
+it), list reduce_scatter ``model.reduce_scatter_list`` (if it has it).
+What gloo's dispatch does around the model, found by experiment against real
+gloo (torch 2.13, 4 processes):
+
+* ``all_reduce_coalesced`` (and the functional ``all_reduce_coalesced``) is
+  ONE all-reduce of the concatenation of the flat tensors;
+* the functional ``reduce_scatter_tensor`` (gloo's
+  ``reduce_scatter_tensor_coalesced``) equals ``reduce_scatter_tensor`` per
+  tensor;
+* ``PREMUL_SUM`` raises ``RuntimeError`` on gloo; ``BAND``/``BOR``/``BXOR``
+  on a floating tensor raise ``RuntimeError`` (at the call, on every rank).
+
+Ops: SUM, AVG, PRODUCT, MIN, MAX by the model (it refuses what it does not
+model); BAND/BOR/BXOR element-wise on integer and bool tensors (exact, order
+free); PREMUL_SUM (non-gloo models) as a multiplication of every input by the
+factor in the tensor dtype, then the model's SUM.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from simdist.reduce import Gloo, ReduceOp, ReductionModel
+from simdist.world.engine import Call
+from simdist.world.errors import CollectiveMismatchError
+
+BACKEND_NAME = "simdist"
+
+Complete = Callable[[list[Call], Sequence[int]], None]
+
+_BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+
+
+class Transport(Protocol):
+    """How the members' calls of one group meet (threads of one process, or real processes)."""
+
+    def collective(self, pg: SimProcessGroup, call: Call, complete: Complete) -> None: ...
+
+    def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work: ...
+
+    def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work: ...
+
+
+class DoneWork(dist.Work):
+    """A finished collective's ``Work``: ``wait()`` returns at once; the future holds the outputs."""
+
+    def __init__(self, result: list[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self._result = result or []
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+# -- reduce ops --------------------------------------------------------------------
+
+
+def op_name(op: Any) -> str:
+    """``SUM``, ``AVG``, ..., ``PREMUL_SUM`` for a ``dist.ReduceOp`` or its ``RedOpType``."""
+    kind = getattr(op, "op", op)
+    return getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
+
+
+def _shown(op: Any) -> str:
+    name = op_name(op)
+    if name == "PREMUL_SUM":
+        return f"op=PREMUL_SUM({getattr(op, 'factor', '?')})"
+    return f"op={name}"
+
+
+def check_op(model: ReductionModel, op: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse, at the call and with gloo's error type, what real gloo refuses before communicating."""
+    name = op_name(op)
+    if name in _BITWISE:
+        for t in tensors:
+            if t.is_floating_point() or t.is_complex():
+                raise RuntimeError(f"Cannot use ReduceOp.{name} with non-integral dtype")
+    elif name == "PREMUL_SUM" and isinstance(model, Gloo):
+        raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
+
+
+def _premul(tensors: Sequence[torch.Tensor], op: Any) -> list[torch.Tensor]:
+    factor = op.factor
+    return [t * torch.as_tensor(factor, dtype=t.dtype, device=t.device) for t in tensors]
+
+
+def reduce_all(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
+    """The all-reduce of the members' ``tensors`` under ``op``."""
+    name = op_name(op)
+    if name in _BITWISE:
+        return functools.reduce(_BITWISE[name], tensors).clone()
+    if name == "PREMUL_SUM":
+        return model.reduce(_premul(tensors, op), ReduceOp.SUM)
+    return model.reduce(tensors, ReduceOp.coerce(name))
+
+
+def reduce_root(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Any, root: int) -> torch.Tensor:
+    """What ``dist.reduce`` leaves on group rank ``root``."""
+    name = op_name(op)
+    reduce_to = getattr(model, "reduce_to", None)
+    if name in _BITWISE or name == "PREMUL_SUM" or reduce_to is None:
+        return reduce_all(model, tensors, op)
+    return reduce_to(tensors, ReduceOp.coerce(name), root)
+
+
+def reduce_blocks(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
+    """reduce_scatter_tensor: ``[n, numel / n]`` blocks, block ``i`` for group rank ``i``."""
+    name = op_name(op)
+    n = len(tensors)
+    if name in _BITWISE:
+        return reduce_all(model, [t.reshape(-1) for t in tensors], op).reshape(n, -1)
+    if name == "PREMUL_SUM":
+        return model.reduce_scatter(_premul(tensors, op), ReduceOp.SUM)
+    return model.reduce_scatter(tensors, ReduceOp.coerce(name))
+
+
+def reduce_list(model: ReductionModel, lists: Sequence[Sequence[torch.Tensor]], op: Any) -> list[torch.Tensor]:
+    """List reduce_scatter: entry ``i`` of every member's list reduced, for group rank ``i``."""
+    name = op_name(op)
+    method = getattr(model, "reduce_scatter_list", None)
+    if method is not None and name not in _BITWISE and name != "PREMUL_SUM":
+        return list(method(lists, ReduceOp.coerce(name)))
+    n = len(lists)
+    return [reduce_all(model, [lst[i] for lst in lists], op) for i in range(n)]
+
+
+# -- the process group -----------------------------------------------------------------
+
+
+def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, what: str) -> tuple[int, ...]:
+    rows = t.shape[0] if t.dim() else 1
+    if sizes is None or len(sizes) == 0:
+        if rows % n:
+            raise ValueError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by the group size {n}")
+        return (rows // n,) * n
+    sizes = tuple(int(s) for s in sizes)
+    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(
+            f"all_to_all_single: {what}_split_sizes {list(sizes)} must be {n} sizes >= 0 summing to {rows}"
+        )
+    return sizes
+
+
+def _meta(tensors: Sequence[torch.Tensor]) -> tuple:
+    """Shapes and dtypes of ``tensors`` as signature details."""
+    out: list = []
+    for t in tensors:
+        out += [t.shape, t.dtype]
+    return tuple(out)
+
+
+class SimProcessGroup(dist.ProcessGroup):
+    """One rank's handle on one simulated group; collectives go through a `Transport` to the group's model.
+
+    ``ranks`` are the group's global ranks in group-rank order (torch sorts
+    them); ``label`` names the group in error messages.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        ranks: tuple[int, ...],
+        name: str,
+        label: str,
+        model: ReductionModel,
+        transport: Transport,
+    ) -> None:
+        super().__init__(rank, size)
+        self._group_rank = rank
+        self._group_size = size
+        self.ranks = ranks
+        self._name = name
+        self.label = label
+        self.model = model
+        self.transport = transport
+
+    # -- identity ---------------------------------------------------------------
+
+    def size(self) -> int:
+        return self._group_size
+
+    def rank(self) -> int:
+        return self._group_rank
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def pg_name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"SimProcessGroup({self.label}, rank {self._group_rank} of {self._group_size}, model={self.model.name})"
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _call(self, op: str, details: tuple, inputs=(), outputs=(), extra=None) -> Call:
+        frame = sys._getframe(2)
+        return Call(self.ranks[self._group_rank], (op, self.label, *details), frame, inputs, outputs, extra)
+
+    def _run(self, call: Call, complete: Complete, result: list[torch.Tensor]) -> DoneWork:
+        self.transport.collective(self, call, complete)
+        return DoneWork(result)
+
+    # -- reductions -------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = (opts or dist.AllreduceOptions()).reduceOp
+        check_op(self.model, op, tensors)
+        model = self.model
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(tensors)):
+                result = reduce_all(model, [c.inputs[k] for c in calls], op)
+                for i in targets:
+                    calls[i].inputs[k].copy_(result)
+
+        call = self._call("all_reduce", (_shown(op), *_meta(tensors)), tuple(tensors))
+        return self._run(call, complete, list(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = (opts or dist.AllreduceCoalescedOptions()).reduceOp
+        check_op(self.model, op, tensors)
+        model = self.model
+        sizes = [t.numel() for t in tensors]
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            flat = [torch.cat([t.reshape(-1) for t in c.inputs]) for c in calls]
+            pieces = reduce_all(model, flat, op).split(sizes)
+            for i in targets:
+                for t, piece in zip(calls[i].inputs, pieces, strict=True):
+                    t.copy_(piece.view(t.shape))
+
+        call = self._call("all_reduce_coalesced", (_shown(op), *_meta(tensors)), tuple(tensors))
+        return self._run(call, complete, list(tensors))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        op, root = opts.reduceOp, opts.rootRank
+        check_op(self.model, op, tensors)
+        model = self.model
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            if root not in targets:
+                return
+            for k in range(len(tensors)):
+                calls[root].inputs[k].copy_(reduce_root(model, [c.inputs[k] for c in calls], op, root))
+
+        call = self._call("reduce", (_shown(op), f"dst={self.ranks[root]}", *_meta(tensors)), tuple(tensors))
+        return self._run(call, complete, list(tensors))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_tensors([output], [input], opts, "reduce_scatter_tensor")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._reduce_scatter_tensors(list(outputs), list(inputs), opts, "reduce_scatter_tensor_coalesced")
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _reduce_scatter_tensors(self, outputs, inputs, opts, name):
+        op = (opts or dist.ReduceScatterOptions()).reduceOp
+        check_op(self.model, op, inputs)
+        n, model = self._group_size, self.model
+        for out, inp in zip(outputs, inputs, strict=True):
+            if inp.numel() != out.numel() * n or inp.dtype != out.dtype:
+                raise ValueError(
+                    f"{name} on {self.label}: input has {inp.numel()} {inp.dtype} elements, output {out.numel()} "
+                    f"{out.dtype}; need input numel = {n} x output numel, same dtype"
+                )
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(inputs)):
+                blocks = reduce_blocks(model, [c.inputs[k] for c in calls], op)
+                for i in targets:
+                    out = calls[i].outputs[k]
+                    out.copy_(blocks[i].view(out.shape))
+
+        call = self._call(name, (_shown(op), *_meta(inputs)), tuple(inputs), tuple(outputs))
+        return self._run(call, complete, list(outputs))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = (opts or dist.ReduceScatterOptions()).reduceOp
+        check_op(self.model, op, [t for lst in input_tensors for t in lst])
+        model = self.model
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(output_tensors)):
+                blocks = reduce_list(model, [c.inputs[k] for c in calls], op)
+                for i in targets:
+                    calls[i].outputs[k].copy_(blocks[i])
+
+        inputs = tuple(list(lst) for lst in input_tensors)
+        details = (_shown(op), *_meta([t for lst in input_tensors for t in lst]))
+        call = self._call("reduce_scatter", details, inputs, tuple(output_tensors))
+        return self._run(call, complete, list(output_tensors))
+
+    # -- data movement ------------------------------------------------------------
+
+    def broadcast(self, tensors, opts=None):
+        root = (opts or dist.BroadcastOptions()).rootRank
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(tensors)):
+                for i in targets:
+                    if i != root:
+                        calls[i].inputs[k].copy_(calls[root].inputs[k])
+
+        call = self._call("broadcast", (f"src={self.ranks[root]}", *_meta(tensors)), tuple(tensors))
+        return self._run(call, complete, list(tensors))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        n = self._group_size
+        for outs in output_tensors:
+            if len(outs) != n:
+                raise ValueError(f"all_gather on {self.label}: the output list needs {n} tensors, got {len(outs)}")
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(input_tensors)):
+                for i in targets:
+                    for j, out in enumerate(calls[i].outputs[k]):
+                        out.copy_(calls[j].inputs[k].view(out.shape))
+
+        call = self._call(
+            "all_gather", _meta(input_tensors), tuple(input_tensors), tuple(list(o) for o in output_tensors)
+        )
+        return self._run(call, complete, [t for o in output_tensors for t in o])
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._all_gather_tensors([output], [input], "all_gather_into_tensor")
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._all_gather_tensors(list(outputs), list(inputs), "all_gather_into_tensor_coalesced")
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _all_gather_tensors(self, outputs, inputs, name):
+        n = self._group_size
+        for out, inp in zip(outputs, inputs, strict=True):
+            if out.numel() != inp.numel() * n or inp.dtype != out.dtype:
+                raise ValueError(
+                    f"{name} on {self.label}: input has {inp.numel()} {inp.dtype} elements, output {out.numel()} "
+                    f"{out.dtype}; need output numel = {n} x input numel, same dtype"
+                )
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(inputs)):
+                gathered = torch.cat([c.inputs[k].reshape(-1) for c in calls])
+                for i in targets:
+                    out = calls[i].outputs[k]
+                    out.copy_(gathered.view(out.shape))
+
+        call = self._call(name, _meta(inputs), tuple(inputs), tuple(outputs))
+        return self._run(call, complete, list(outputs))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = (opts or dist.GatherOptions()).rootRank
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            if root in targets:
+                for k in range(len(input_tensors)):
+                    for j, out in enumerate(calls[root].outputs[k]):
+                        out.copy_(calls[j].inputs[k])
+
+        outputs = tuple(list(o) for o in output_tensors)
+        call = self._call("gather", (f"dst={self.ranks[root]}", *_meta(input_tensors)), tuple(input_tensors), outputs)
+        return self._run(call, complete, [t for o in output_tensors for t in o])
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = (opts or dist.ScatterOptions()).rootRank
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for k in range(len(output_tensors)):
+                sources = calls[root].inputs[k]
+                for i in targets:
+                    calls[i].outputs[k].copy_(sources[i])
+
+        inputs = tuple(list(lst) for lst in input_tensors)
+        call = self._call("scatter", (f"src={self.ranks[root]}", *_meta(output_tensors)), inputs, tuple(output_tensors))
+        return self._run(call, complete, list(output_tensors))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            for i in targets:
+                for j, out in enumerate(calls[i].outputs):
+                    out.copy_(calls[j].inputs[i])
+
+        dtype = input_tensors[0].dtype if input_tensors else None
+        call = self._call("all_to_all", (dtype,), tuple(input_tensors), tuple(output_tensors))
+        return self._run(call, complete, list(output_tensors))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self._group_size
+        in_splits = _splits(input, input_split_sizes, n, "input")
+        out_splits = _splits(output, output_split_sizes, n, "output")
+        trailing = tuple(input.shape[1:])
+        if tuple(output.shape[1:]) != trailing or output.dtype != input.dtype:
+            raise ValueError(
+                f"all_to_all_single on {self.label}: output {tuple(output.shape)} {output.dtype} and input "
+                f"{tuple(input.shape)} {input.dtype} must share dtype and trailing dims"
+            )
+        label = self.label
+
+        def complete(calls: list[Call], targets: Sequence[int]) -> None:
+            sent = [c.extra[0] for c in calls]
+            received = [c.extra[1] for c in calls]
+            wrong = [
+                f"rank {calls[j].rank} sends {sent[j][i]} rows to rank {calls[i].rank}, which expects {received[i][j]}"
+                for i in range(n)
+                for j in range(n)
+                if sent[j][i] != received[i][j]
+            ]
+            if wrong:
+                raise CollectiveMismatchError(
+                    f"all_to_all_single on {label}: split sizes do not match:\n  "
+                    + "\n  ".join(wrong)
+                    + "\n  calls:\n  "
+                    + "\n  ".join(c.describe() for c in calls)
+                )
+            pieces = [c.inputs[0].split(list(c.extra[0])) for c in calls]
+            for i in targets:
+                out = calls[i].outputs[0]
+                if out.numel():
+                    out.copy_(torch.cat([pieces[j][i] for j in range(n)]).view(out.shape))
+
+        details = (input.dtype, f"trailing dims={trailing}")
+        call = self._call("all_to_all_single", details, (input,), (output,), (in_splits, out_splits))
+        return self._run(call, complete, [output])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        call = self._call("barrier", ())
+        return self._run(call, lambda calls, targets: None, [])
+
+    # -- point to point -------------------------------------------------------------
+
+    def send(self, tensors, dst_rank, tag=0):
+        (tensor,) = tensors
+        call = self._call("send", (f"dst={self.ranks[dst_rank]}", f"tag={tag}", tensor.shape, tensor.dtype))
+        return self.transport.send(self, call, tensor, dst_rank, tag)
+
+    def recv(self, tensors, src_rank, tag=0):
+        (tensor,) = tensors
+        call = self._call("recv", (f"src={self.ranks[src_rank]}", f"tag={tag}", tensor.shape, tensor.dtype))
+        return self.transport.recv(self, call, tensor, src_rank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("the simdist backend does not support recv from any source (pass src)")

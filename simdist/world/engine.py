@@ -1,0 +1,430 @@
+"""The rendezvous engine: the ranks of a job as threads of one process, meeting at collectives.
+
+One engine serves both front ends: `simdist.world.simworld.SimComm` (rank
+programs written against `Comm`) and the ``torch.distributed`` backend of
+`simdist.world.backend` (unmodified code on `simdist.spawn`). Each front end
+describes a collective as a `Call` per rank and a ``complete`` function; the
+engine matches the calls and runs ``complete`` once, on the last member to
+arrive, over the calls in group-rank order. Results therefore depend only on
+the inputs and the reduction model, never on which thread arrived first.
+
+Matching: the n-th call a rank makes on a group (identified by a key, by
+default the group itself) is matched with the n-th call of every other member.
+Each arriving call is checked against the first arrival's ``signature`` (op,
+shape, dtype, reduce op, ...). Point-to-point messages go through channels
+keyed by (group, source, destination, tag), first in first out.
+
+Failure is loud and quick:
+
+* a mismatch raises `CollectiveMismatchError` listing every member's call and
+  source line;
+* an exception on one rank wakes every waiting rank, and `Engine.run`
+  re-raises the original exception with a note naming the rank;
+* a rank that returns while a peer waits for it, or a state where every live
+  rank waits (collective or receive), raises `CollectiveDeadlockError` naming
+  each waiting rank's call;
+* an error raised by ``complete`` (e.g. a reduction model refusing AVG on
+  integers) is raised by every member from its own call, like a real backend;
+* an optional ``timeout_s`` turns a rank stuck outside collectives into
+  `SimTimeoutError`.
+
+Scheduling: completed ranks are woken one at a time, each when the running rank
+blocks or returns, so only one rank thread is runnable at a time (a handoff is
+one wake-up, no contention for the interpreter lock). Rank threads disable
+autograd's per-device worker threads, so a collective called from a backward
+hook runs on the rank's own thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
+
+_WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class Aborted(BaseException):
+    """Unwinds a rank thread after another rank failed (not an `Exception`, so user code cannot swallow it)."""
+
+
+def is_internal(filename: str) -> bool:
+    """Frames of simdist's world layer and of torch are not call sites a user wants to see."""
+    path = os.path.abspath(filename)
+    return path.startswith(_WORLD_DIR) or path.startswith(_TORCH_DIR) or filename.startswith("<frozen")
+
+
+def site(frame) -> str:
+    """``file:line in function`` of the first frame outside simdist's world layer and torch."""
+    first = frame
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    frame = frame or first
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def show(detail: object) -> str:
+    """One detail of a call signature as text (``op=SUM``, ``shape=(4,)``, ``dtype=float32``)."""
+    name = type(detail).__name__
+    if name == "ReduceOp" and hasattr(detail, "name"):
+        return f"op={detail.name}"
+    if isinstance(detail, torch.Size):
+        return f"shape={tuple(detail)}"
+    if isinstance(detail, torch.dtype):
+        return f"dtype={str(detail).removeprefix('torch.')}"
+    if isinstance(detail, torch.device):
+        return f"device={detail}"
+    return str(detail)
+
+
+class Call:
+    """One rank's side of a collective.
+
+    ``signature`` is a tuple ``(op name, group, *details)`` that every member
+    must agree on; it is formatted only when an error needs it. ``frame`` is the
+    caller's frame (or an already formatted site string), ``inputs``/``outputs``
+    the rank's tensors, ``extra`` anything rank-specific (split sizes, ...).
+    """
+
+    __slots__ = ("extra", "frame", "inputs", "outputs", "rank", "signature")
+
+    def __init__(self, rank: int, signature: tuple, frame: Any, inputs: tuple = (), outputs: tuple = (), extra=None):
+        self.rank = rank
+        self.signature = signature
+        self.frame = frame
+        self.inputs = inputs
+        self.outputs = outputs
+        self.extra = extra
+
+    @property
+    def site(self) -> str:
+        return self.frame if isinstance(self.frame, str) else site(self.frame)
+
+    def describe(self) -> str:
+        op, group, *details = self.signature
+        shown = ", ".join(show(d) for d in details)
+        return f"rank {self.rank}: {op}(group={group}{', ' if shown else ''}{shown}) at {self.site}"
+
+
+class _Pending:
+    """A collective some members of a group have entered."""
+
+    __slots__ = ("calls", "error", "members")
+
+    def __init__(self, members: tuple[int, ...]) -> None:
+        self.members = members
+        self.calls: dict[int, Call] = {}
+        self.error: BaseException | None = None
+
+    def waiting_line(self, rank: int) -> str:
+        missing = [r for r in self.members if r not in self.calls]
+        return f"{self.calls[rank].describe()}  [waiting for ranks {missing}]"
+
+
+class _Recv:
+    """A posted receive: filled by a matching send, waited on by its rank."""
+
+    __slots__ = ("call", "done", "src", "tensor")
+
+    def __init__(self, call: Call, src: int, tensor: torch.Tensor) -> None:
+        self.call = call
+        self.src = src
+        self.tensor = tensor
+        self.done = False
+
+    def waiting_line(self, rank: int) -> str:
+        return f"{self.call.describe()}  [waiting for a message from rank {self.src}]"
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A new exception of the same type and arguments, to raise on another rank's thread."""
+    try:
+        copy = type(exc)(*exc.args)
+    except Exception:
+        copy = RuntimeError(f"{type(exc).__name__}: {exc}")
+    copy.__cause__ = exc
+    return copy
+
+
+class Engine:
+    """Shared state of one run of ``world_size`` rank threads: pending collectives, channels, the first error."""
+
+    def __init__(self, world_size: int, label: str = "simdist") -> None:
+        self.world_size = world_size
+        self.label = label
+        self.lock = threading.Lock()
+        self.wake = [threading.Lock() for _ in range(world_size)]
+        for w in self.wake:
+            w.acquire()
+        self.sequence: dict[tuple[int, Hashable], int] = {}
+        self.pending: dict[tuple[Hashable, int], _Pending] = {}
+        self.waiting: dict[int, _Pending | _Recv] = {}
+        self.channels: dict[Hashable, deque] = {}
+        self.ready: deque[int] = deque()
+        self.finished: set[int] = set()
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.running = world_size
+
+    # -- error handling (call with self.lock held) ---------------------------
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        while self.ready:
+            self.pass_baton()
+        for rank in list(self.waiting):
+            del self.waiting[rank]
+            self.wake[rank].release()
+
+    def check_progress(self) -> None:
+        """Fail if a pending collective or receive waits on a finished rank, or every live rank waits."""
+        for pending in self.pending.values():
+            gone = [r for r in pending.members if r in self.finished and r not in pending.calls]
+            if gone:
+                calls = "\n  ".join(c.describe() for c in pending.calls.values())
+                group = next(iter(pending.calls.values())).signature[1]
+                self.fail(CollectiveDeadlockError(f"rank(s) {gone} returned while {group} waits for them:\n  {calls}"))
+                return
+        for rank, wait in self.waiting.items():
+            if isinstance(wait, _Recv) and wait.src in self.finished:
+                self.fail(
+                    CollectiveDeadlockError(f"rank {wait.src} returned without sending:\n  {wait.waiting_line(rank)}")
+                )
+                return
+        if self.waiting and len(self.waiting) + len(self.finished) == self.world_size:
+            lines = [self.waiting[r].waiting_line(r) for r in sorted(self.waiting)]
+            self.fail(CollectiveDeadlockError("no collective can complete:\n  " + "\n  ".join(lines)))
+
+    def block(self, rank: int, wait: _Pending | _Recv) -> None:
+        """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
+        self.waiting[rank] = wait
+        self.check_progress()
+        self.pass_baton()
+        self.lock.release()
+        self.wake[rank].acquire()
+        if self.error is not None:
+            raise Aborted
+
+    def pass_baton(self) -> None:
+        """Wake one rank whose wait completed (call with the lock held, just before blocking or returning)."""
+        if self.ready:
+            self.wake[self.ready.popleft()].release()
+
+    def release(self, rank: int) -> None:
+        """Mark a parked ``rank`` runnable (lock held)."""
+        del self.waiting[rank]
+        self.ready.append(rank)
+
+    # -- collectives ----------------------------------------------------------
+
+    def collective(
+        self,
+        call: Call,
+        members: tuple[int, ...],
+        complete: Callable[[list[Call]], None],
+        key: Hashable | None = None,
+    ) -> None:
+        """Enter a collective of the global ranks ``members``; the last to arrive runs ``complete``.
+
+        ``key`` identifies the group's call sequence (default: ``members``).
+        """
+        rank = call.rank
+        key = members if key is None else key
+        self.lock.acquire()
+        try:
+            if self.error is not None:
+                raise Aborted
+            seq_key = (rank, key)
+            seq = self.sequence.get(seq_key, 0)
+            self.sequence[seq_key] = seq + 1
+            pkey = (key, seq)
+            pending = self.pending.get(pkey)
+            if pending is None:
+                pending = self.pending[pkey] = _Pending(members)
+            elif call.signature != next(iter(pending.calls.values())).signature:
+                pending.calls[rank] = call
+                lines = "\n  ".join(pending.calls[r].describe() for r in sorted(pending.calls))
+                missing = [r for r in members if r not in pending.calls]
+                tail = f"\n  (not yet arrived: ranks {missing})" if missing else ""
+                group = call.signature[1]
+                self.fail(CollectiveMismatchError(f"collective #{seq} on {group} does not match:\n  {lines}{tail}"))
+                raise Aborted
+            pending.calls[rank] = call
+            if len(pending.calls) == len(members):
+                del self.pending[pkey]
+                try:
+                    complete([pending.calls[r] for r in members])
+                except Exception as exc:
+                    pending.error = exc
+                except BaseException as exc:
+                    add_rank_note(exc, rank, self.label)
+                    self.fail(exc)
+                    raise Aborted from exc
+                for member in members:
+                    if member != rank:
+                        self.release(member)
+                if pending.error is not None:
+                    raise pending.error
+                self.lock.release()
+                return
+        except BaseException:
+            self.lock.release()
+            raise
+        self.block(rank, pending)
+        if pending.error is not None:
+            raise _fresh(pending.error)
+
+    # -- point to point -------------------------------------------------------
+
+    def send(self, call: Call, channel: Hashable, tensor: torch.Tensor) -> None:
+        """Deliver a copy of ``tensor`` on ``channel`` (to a posted receive, or queued); never blocks."""
+        with self.lock:
+            if self.error is not None:
+                raise Aborted
+            queue = self.channels.setdefault(channel, deque())
+            if queue and isinstance(queue[0], _Recv):
+                recv = queue.popleft()
+                self.deliver(recv, tensor, call)
+                recv.done = True
+                if self.waiting.get(recv.call.rank) is recv:
+                    self.release(recv.call.rank)
+            else:
+                queue.append((call, tensor.detach().clone()))
+
+    def post_recv(self, call: Call, channel: Hashable, src: int, tensor: torch.Tensor) -> _Recv:
+        """Post a receive into ``tensor``; it completes at once if a message is queued."""
+        recv = _Recv(call, src, tensor)
+        with self.lock:
+            if self.error is not None:
+                raise Aborted
+            queue = self.channels.setdefault(channel, deque())
+            if queue and not isinstance(queue[0], _Recv):
+                sent, data = queue.popleft()
+                self.deliver(recv, data, sent)
+                recv.done = True
+            else:
+                queue.append(recv)
+        return recv
+
+    def wait_recv(self, recv: _Recv) -> None:
+        """Block until ``recv`` is filled."""
+        self.lock.acquire()
+        if recv.done:
+            self.lock.release()
+            return
+        try:
+            if self.error is not None:
+                raise Aborted
+        except BaseException:
+            self.lock.release()
+            raise
+        self.block(recv.call.rank, recv)
+
+    def deliver(self, recv: _Recv, data: torch.Tensor, sent: Call) -> None:
+        """Copy a message into a receive buffer (lock held); a misfit fails the run naming both calls."""
+        if recv.tensor.shape != data.shape or recv.tensor.dtype != data.dtype:
+            self.fail(
+                CollectiveMismatchError(
+                    f"message does not fit the receive buffer:\n  {sent.describe()}\n  {recv.call.describe()}"
+                )
+            )
+            raise Aborted
+        recv.tensor.copy_(data)
+
+    # -- ranks ----------------------------------------------------------------
+
+    def rank_finished(self, rank: int, error: BaseException | None) -> None:
+        with self.lock:
+            self.pass_baton()
+            self.finished.add(rank)
+            if error is not None:
+                add_rank_note(error, rank, self.label)
+                self.fail(error)
+            elif self.error is None:
+                self.check_progress()
+            self.running -= 1
+            if self.running == 0:
+                self.done.set()
+
+    def run(
+        self,
+        body: Callable[[int], Any],
+        *,
+        timeout_s: float | None = None,
+        one_cpu: bool = True,
+        intra_op_threads: int | None = 1,
+        name: str = "simdist-rank",
+    ) -> list[Any]:
+        """Run ``body(rank)`` on one thread per rank; return the results in rank order or raise the first error.
+
+        ``one_cpu`` pins the rank threads to one CPU (a handoff is then a plain
+        context switch); ``intra_op_threads`` sets torch's intra-op threads for
+        the run (restored for the caller afterwards).
+        """
+        results: list[Any] = [None] * self.world_size
+        pin = one_cpu and hasattr(os, "sched_setaffinity")
+        cpu = min(os.sched_getaffinity(0)) if pin else None
+        caller_threads = torch.get_num_threads()
+
+        def main(rank: int) -> None:
+            error: BaseException | None = None
+            try:
+                if cpu is not None:
+                    os.sched_setaffinity(0, {cpu})
+                if intra_op_threads is not None:
+                    torch.set_num_threads(intra_op_threads)
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[rank] = body(rank)
+            except Aborted:
+                pass
+            except BaseException as exc:
+                error = exc
+            self.rank_finished(rank, error)
+
+        threads = [
+            threading.Thread(target=main, args=(rank,), name=f"{name}-{rank}", daemon=True)
+            for rank in range(self.world_size)
+        ]
+        for t in threads:
+            t.start()
+        if not self.done.wait(timeout_s):
+            with self.lock:
+                self.fail(SimTimeoutError(_where_ranks_are(threads, timeout_s)))
+            self.done.wait(1.0)
+        for t in threads:
+            t.join(timeout=1.0)
+        if intra_op_threads is not None:
+            torch.set_num_threads(caller_threads)  # torch's setting is process-wide: give the caller its own back
+        if self.error is not None:
+            raise self.error
+        return results
+
+
+def add_rank_note(exc: BaseException, rank: int, label: str = "simdist") -> None:
+    """Note on ``exc`` which rank of a simulated run raised it (once)."""
+    note = f"raised on rank {rank} of a {label} run"
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+
+
+def _where_ranks_are(threads: list[threading.Thread], timeout_s: float | None) -> str:
+    frames = sys._current_frames()
+    lines = [f"the run did not finish within {timeout_s} s; ranks still running:"]
+    for rank, t in enumerate(threads):
+        frame = frames.get(t.ident) if t.is_alive() else None
+        if frame is not None:
+            where = traceback.format_stack(frame, limit=1)[0].strip().splitlines()[0]
+            lines.append(f"  rank {rank}: {where}")
+    return "\n".join(lines)

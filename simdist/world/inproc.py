@@ -1,0 +1,243 @@
+"""In-process mode: `spawn` runs unmodified ``torch.distributed`` code on one thread per rank.
+
+    import torch, torch.distributed as dist, simdist
+
+    def step(rank):
+        t = torch.full((4,), float(rank))
+        dist.all_reduce(t)                 # summed in gloo's ring order, bit for bit
+        return t
+
+    results = simdist.spawn(step, 4)       # [rank 0's t, ..., rank 3's t]
+
+Inside ``fn`` the default process group is initialised with the ``simdist``
+backend, so ``dist.get_rank()``, ``new_group``, ``new_subgroups``,
+``init_device_mesh``, DTensor, FSDP2's ``fully_shard`` and the functional
+collectives work as under torchrun. Collectives are computed by the reduction
+model chosen for the group (`simdist.world.modelmap`), on the rendezvous
+`simdist.world.engine.Engine`; a mismatch, a deadlock or an exception on any
+rank stops every rank quickly and names each rank's call site.
+
+How ``torch.distributed``'s state is kept per rank thread: c10d keeps its
+groups in the module-level ``_world`` object and in a C++ name registry.
+While a `spawn` runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
+thread sees its own groups; other threads see the original world), and c10d's
+thread-isolation mode makes the C++ registry per thread. Both are restored
+when the last concurrent `spawn` returns. Code that keeps its own module-level
+process-group state (DeepSpeed's ``deepspeed.utils.groups``) shares it between
+the rank threads; run such code in process mode (`simdist.world.process`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
+from simdist.world.engine import Call, Engine
+from simdist.world.modelmap import Chooser, ModelChoice
+from simdist.world.spec import ParallelSpec
+
+
+class _RankState:
+    """One rank thread's c10d state (the attributes c10d reads from ``_world``)."""
+
+    def __init__(self) -> None:
+        self.default_pg = None
+        self.pg_map: dict = {}
+        self.pg_names: dict = {}
+        self.pg_group_ranks: dict = {}
+        self.pg_backend_config: dict = {}
+        self.group_count = 0
+        self.tags_to_pg: dict = {}
+        self.pg_to_tag: dict = {}
+        self.pg_coalesce_state: dict = {}
+        self.comms: list = []
+
+
+def _per_thread(name: str, settable: bool = False) -> property:
+    def get(self):
+        return getattr(self._state(), name)
+
+    def set_(self, value):
+        setattr(self._state(), name, value)
+
+    return property(get, set_ if settable else None)
+
+
+class ThreadLocalWorld(c10d._World):
+    """c10d's ``_world`` with one state per simdist rank thread; other threads see ``fallback``."""
+
+    def __init__(self, fallback: c10d._World) -> None:  # no super().__init__: all state is per thread
+        self._fallback = fallback
+        self._local = threading.local()
+
+    def _state(self):
+        return getattr(self._local, "state", None) or self._fallback
+
+    def enter_rank(self) -> None:
+        """Give the calling thread a fresh, empty c10d state."""
+        self._local.state = _RankState()
+
+    def leave_rank(self) -> None:
+        self._local.state = None
+
+    default_pg = _per_thread("default_pg", settable=True)
+    pg_map = _per_thread("pg_map")
+    pg_names = _per_thread("pg_names")
+    pg_group_ranks = _per_thread("pg_group_ranks")
+    pg_backend_config = _per_thread("pg_backend_config")
+    group_count = _per_thread("group_count", settable=True)
+    tags_to_pg = _per_thread("tags_to_pg")
+    pg_to_tag = _per_thread("pg_to_tag")
+    pg_coalesce_state = _per_thread("pg_coalesce_state")
+    comms = _per_thread("comms")
+
+
+_install_lock = threading.Lock()
+_installed: list = []  # [world, count, saved world] while spawns run; holds no process group
+
+
+def _install() -> ThreadLocalWorld:
+    with _install_lock:
+        if not _installed:
+            saved = c10d._world
+            world = ThreadLocalWorld(saved)
+            c10d._world = world
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            _installed[:] = [world, 0, saved]
+        _installed[1] += 1
+        return _installed[0]
+
+
+def _uninstall() -> None:
+    with _install_lock:
+        _installed[1] -= 1
+        if _installed[1] == 0:
+            world, _, saved = _installed
+            if c10d._world is world:
+                c10d._world = saved
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            _installed.clear()
+
+
+class _Context:
+    """What the backend's group factory needs on a rank thread: the engine, the rank, the model chooser."""
+
+    local = threading.local()
+
+    def __init__(self, engine: Engine, rank: int, chooser: Chooser) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.chooser = chooser
+
+
+def current() -> _Context | None:
+    """The in-process context of the calling thread (``None`` outside `spawn`'s rank threads)."""
+    return getattr(_Context.local, "ctx", None)
+
+
+class RecvWork(dist.Work):
+    """A posted receive; ``wait()`` blocks (deadlock-checked) until the message is there."""
+
+    def __init__(self, engine: Engine, recv) -> None:
+        super().__init__()
+        self._engine = engine
+        self._recv = recv
+
+    def wait(self, timeout=None) -> bool:
+        self._engine.wait_recv(self._recv)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._recv.done
+
+    def result(self) -> list[torch.Tensor]:
+        return [self._recv.tensor]
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result([self._recv.tensor])
+        return future
+
+
+class ThreadTransport:
+    """Calls of rank threads meet in the shared `Engine`; the last to arrive completes for all."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
+        n = len(pg.ranks)
+        self.engine.collective(call, pg.ranks, lambda calls: complete(calls, range(n)), key=(pg.group_name, pg.ranks))
+
+    def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)
+        self.engine.send(call, channel, tensor)
+        return DoneWork([tensor])
+
+    def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        channel = (pg.group_name, pg.ranks, src, pg.rank(), tag)
+        return RecvWork(self.engine, self.engine.post_recv(call, channel, pg.ranks[src], tensor))
+
+
+def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str):
+    """The backend's group for a rank thread of `spawn`."""
+    kind, model = ctx.chooser(ranks)
+    label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, ThreadTransport(ctx.engine))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    model: ModelChoice = "gloo",
+    spec: ParallelSpec | None = None,
+    timeout_s: float | None = None,
+    one_cpu: bool = True,
+    intra_op_threads: int | None = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads with ``torch.distributed`` initialised.
+
+    Returns the per-rank results in rank order. ``model`` chooses each group's
+    reduction model (a name, a model, a kind -> model mapping used with
+    ``spec``, or a callable; see `simdist.world.modelmap`). ``timeout_s``
+    bounds the whole run (deadlocks between collectives are detected without
+    it). ``one_cpu`` and ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`.
+    The default group is destroyed when ``fn`` returns.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    from simdist.world.plugin import register
+
+    register()
+    chooser = Chooser(model, world_size, spec)
+    engine = Engine(world_size, label="simdist.spawn")
+    store = dist.HashStore()
+    world = _install()
+
+    def body(rank: int) -> Any:
+        _Context.local.ctx = _Context(engine, rank, chooser)
+        world.enter_rank()
+        try:
+            dist.init_process_group(BACKEND_NAME, rank=rank, world_size=world_size, store=store)
+            try:
+                return fn(rank, *args, **kwargs)
+            finally:
+                if engine.error is None:
+                    dist.destroy_process_group()
+        finally:
+            world.leave_rank()
+            _Context.local.ctx = None
+
+    try:
+        return engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
+    finally:
+        _uninstall()

@@ -1,0 +1,152 @@
+"""Process mode: the ``simdist`` backend in real processes (torchrun, `simdist.world.launch.spawn_procs`).
+
+    torchrun --nproc-per-node 4 train.py      # train.py: dist.init_process_group("simdist")
+    SIMDIST_MODEL=ring torchrun ...           # another reduction model (default: gloo)
+
+Each ``simdist`` group owns an inner gloo group over the same store. A
+collective first all-gathers every member's call description (op, shapes,
+dtypes, split sizes, source line) and checks that they match, raising
+`CollectiveMismatchError` with every member's call site on every rank if not;
+then it all-gathers the members' input tensors (their memory footprint, so
+strided inputs reach the model with their strides) and runs the same
+``complete`` as in-process mode for this rank alone. The arithmetic is
+therefore the reduction model's, bit for bit the same as `simdist.spawn`, and
+module-global framework state (DeepSpeed's ``groups``, Megatron's
+``parallel_state``) lives in each process as usual. Point-to-point messages
+and barriers go straight over the inner gloo group.
+
+The model is chosen per process from the environment: ``SIMDIST_MODEL`` (a
+model name, default ``gloo``). Hangs are bounded by the group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from simdist.world.backend import SimProcessGroup
+from simdist.world.engine import Call
+from simdist.world.errors import CollectiveMismatchError
+from simdist.world.modelmap import as_model
+
+MODEL_ENV = "SIMDIST_MODEL"
+
+
+def _flatten(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for item in tree for t in _flatten(item)]
+
+
+def _skeleton(tree):
+    """The nesting of tuples/lists of tensors, with ``None`` for each tensor (picklable)."""
+    if isinstance(tree, torch.Tensor):
+        return None
+    return (isinstance(tree, list), [_skeleton(x) for x in tree])
+
+
+def _rebuild(skeleton, tensors: list[torch.Tensor]):
+    """A `_skeleton` filled with ``tensors`` in order."""
+    it = iter(tensors)
+
+    def walk(node):
+        if node is None:
+            return next(it)
+        is_list, children = node
+        items = [walk(x) for x in children]
+        return items if is_list else tuple(items)
+
+    return walk(skeleton)
+
+
+def _footprint(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The bytes a tensor's view spans and how to view them again (shape, stride, dtype)."""
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8), (tuple(t.shape), tuple(t.stride()), t.dtype, 0)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    flat = t.as_strided((span,), (1,))
+    return flat.contiguous().view(torch.uint8).reshape(-1), (tuple(t.shape), tuple(t.stride()), t.dtype, span)
+
+
+def _from_footprint(data: torch.Tensor, meta: tuple) -> torch.Tensor:
+    shape, stride, dtype, span = meta
+    if span == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = data.view(dtype)
+    return flat.as_strided(shape, stride)
+
+
+class ProcessTransport:
+    """Members are processes: gather every member's call over an inner gloo group, complete for this rank."""
+
+    def __init__(self, inner: dist.ProcessGroup, group_rank: int, group_size: int) -> None:
+        self.inner = inner
+        self.group_rank = group_rank
+        self.group_size = group_size
+
+    def _gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        n = self.group_size
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        lengths = torch.empty(n, dtype=torch.int64)
+        self.inner._allgather_base(lengths, length).wait()
+        width = int(lengths.max())
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = torch.empty(n * width, dtype=torch.uint8)
+        self.inner._allgather_base(gathered, padded).wait()
+        return [gathered[i * width : i * width + int(lengths[i])] for i in range(n)]
+
+    def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
+        mine = _flatten(call.inputs)
+        prints = [_footprint(t) for t in mine]
+        meta = (call.signature, call.site, call.extra, [m for _, m in prints], _skeleton(call.inputs))
+        metas = [pickle.loads(b.numpy().tobytes()) for b in self._gather_bytes(_bytes(pickle.dumps(meta)))]
+        calls: list[Call] = []
+        for i, (signature, where, extra, _, _) in enumerate(metas):
+            calls.append(Call(pg.ranks[i], signature, where, (), (), extra))
+        if any(c.signature != calls[0].signature for c in calls):
+            lines = "\n  ".join(c.describe() for c in calls)
+            raise CollectiveMismatchError(f"collective on {pg.label} does not match:\n  {lines}")
+        payload = torch.cat([p for p, _ in prints]) if prints else torch.empty(0, dtype=torch.uint8)
+        blobs = self._gather_bytes(payload)
+        for i, (c, blob) in enumerate(zip(calls, blobs, strict=True)):
+            if i == self.group_rank:
+                calls[i] = call
+                continue
+            metas_i = metas[i][3]
+            tensors, offset = [], 0
+            for m in metas_i:
+                nbytes = m[3] * torch.empty(0, dtype=m[2]).element_size()
+                tensors.append(_from_footprint(blob[offset : offset + nbytes].clone(), m))
+                offset += nbytes
+            c.inputs = _rebuild(metas[i][4], tensors)
+        complete(calls, [self.group_rank])
+
+    def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        return self.inner.send([tensor], dst, tag)
+
+    def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        return self.inner.recv([tensor], src, tag)
+
+    def barrier(self) -> None:
+        self.inner.barrier().wait()
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def process_group(store, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str, timeout):
+    """The backend's group in a real process: an inner gloo group on the same store carries the calls."""
+    inner = dist.ProcessGroupGloo(dist.PrefixStore("simdist-inner/", store), group_rank, group_size, timeout)
+    model = as_model(os.environ.get(MODEL_ENV, "gloo"))
+    world = int(os.environ.get("WORLD_SIZE", len(ranks)))
+    kind = "world" if len(ranks) == world else "group"
+    label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
+    return SimProcessGroup(
+        group_rank, group_size, ranks, name, label, model, ProcessTransport(inner, group_rank, group_size)
+    )
