@@ -1,6 +1,6 @@
 """Run a rank program on real torch.distributed process groups.
 
-Two entry points, one rank-program signature ``fn(comm, *args)``:
+Entry points:
 
 * `run_torchrun` -- called inside each process that ``torchrun`` starts (gloo
   on CPU, NCCL when CUDA is available). ``python -m simdist.world.launch`` wraps it
@@ -14,6 +14,11 @@ Two entry points, one rank-program signature ``fn(comm, *args)``:
   confirm the simulated collectives against real ones. It never hangs: a rank
   that raises stops the run and its traceback is re-raised here naming the
   rank, and a deadline kills every child.
+
+* `spawn_procs` -- the same for plain ``torch.distributed`` code ``fn(rank, *args)``
+  (no `Comm`), on ``backend="gloo"`` or on ``backend="simdist"`` (process mode:
+  gloo transport, arithmetic by a reduction model; `simdist.world.process`).
+  It is the process twin of `simdist.spawn`.
 
 Process start-up dominates small runs, so `spawn_gloo` starts children from a
 ``forkserver`` that has torch preloaded (``spawn`` where forkserver does not
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simdist.world.process import MODEL_ENV
 from simdist.world.spec import ParallelSpec
 from simdist.world.torch_comm import TorchComm
 
@@ -114,19 +120,34 @@ def _loopback_ifname() -> str | None:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, fn: RankFn, spec: ParallelSpec, args: tuple, outdir: str, timeout_s: float
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: RankFn,
+    spec: ParallelSpec | None,
+    args: tuple,
+    outdir: str,
+    timeout_s: float,
+    backend: str = "gloo",
+    model: str | None = None,
 ) -> None:
-    """Body of one spawned rank: init gloo, run ``fn``, save its result or its traceback."""
+    """Body of one spawned rank: init the group, run ``fn``, save its result or its traceback.
+
+    ``fn`` gets a `TorchComm` when ``spec`` is given, else its rank (plain ``torch.distributed`` code).
+    """
     out = Path(outdir)
     try:
         torch.set_num_threads(1)
         ifname = _loopback_ifname()
         if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname  # keep gloo on 127.0.0.1
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if model is not None:
+            os.environ[MODEL_ENV] = model
         timeout = timedelta(seconds=timeout_s + 30)  # a backstop: the parent's deadline comes first
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        result = fn(TorchComm(spec), *args)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        result = fn(TorchComm(spec), *args) if spec is not None else fn(rank, *args)
         dist.destroy_process_group()
         torch.save(result, out / f"rank{rank}.tmp")
         os.replace(out / f"rank{rank}.tmp", out / f"rank{rank}.pt")
@@ -145,7 +166,9 @@ def _context():
     return mp.get_context("spawn")
 
 
-def spawn_gloo(fn: RankFn, spec: ParallelSpec, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def spawn_gloo(
+    fn: RankFn, spec: ParallelSpec, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``spec.world_size`` local gloo processes; return the per-rank results.
 
     ``fn`` must be a picklable top-level function and its results picklable by
@@ -154,9 +177,41 @@ def spawn_gloo(fn: RankFn, spec: ParallelSpec, *args: Any, timeout_s: float = 12
     and builds a `TorchComm`. If a rank raises, every child is killed and
     `RankFailure` names the first rank that failed, with its traceback; after
     ``timeout_s`` every child is killed and ``TimeoutError`` names the ranks
-    that had not finished.
+    that had not finished. ``backend="simdist"`` runs the same processes on the
+    simdist backend in process mode (modelled arithmetic, gloo transport).
     """
-    n = spec.world_size
+    return _spawn(fn, spec.world_size, spec, args, timeout_s, backend, None)
+
+
+def spawn_procs(
+    fn: RankFn,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    model: str | None = None,
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run plain ``torch.distributed`` code ``fn(rank, *args)`` on ``world_size`` local processes.
+
+    The process-mode twin of `simdist.spawn`: each child initialises the
+    default group with ``backend`` (``"gloo"`` for real gloo, ``"simdist"`` for
+    the simdist backend in process mode, whose reduction model is the name
+    ``model``, default gloo; see `simdist.world.process`) and calls
+    ``fn(rank, *args)``. Results come back in rank order; failures and
+    timeouts are reported as by `spawn_gloo`.
+    """
+    return _spawn(fn, world_size, None, args, timeout_s, backend, model)
+
+
+def _spawn(
+    fn: RankFn,
+    n: int,
+    spec: ParallelSpec | None,
+    args: tuple,
+    timeout_s: float,
+    backend: str,
+    model: str | None,
+) -> list[Any]:
     store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="simdist-gloo-") as outdir:
@@ -164,7 +219,7 @@ def spawn_gloo(fn: RankFn, spec: ParallelSpec, *args: Any, timeout_s: float = 12
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, n, store.port, fn, spec, args, outdir, timeout_s),
+                args=(r, n, store.port, fn, spec, args, outdir, timeout_s, backend, model),
                 name=f"simdist-rank{r}",
                 daemon=True,
             )
