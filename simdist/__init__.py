@@ -7,5 +7,15 @@ The pieces most programs start from:
 * `simdist.reduce` and `simdist.reduce.gloo` -- how collectives sum and round;
 * `simdist.gradpath.policy` / ``policies/`` -- precision policies of the BF16 gradient path;
 * `simdist.gradpath.path.train_rank` -- DeepSpeed's BF16_Optimizer gradient path as a rank program;
-* `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``.
+* `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
+* `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``).
 """
+
+
+def __getattr__(name: str):
+    """``simdist.spawn`` (`simdist.world.inproc.spawn`), imported on first use."""
+    if name == "spawn":
+        from simdist.world.inproc import spawn
+
+        return spawn
+    raise AttributeError(f"module 'simdist' has no attribute {name!r}")

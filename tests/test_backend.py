@@ -1,0 +1,257 @@
+"""The ``simdist`` torch.distributed backend on `simdist.spawn` (threads): coverage, bits, failures.
+
+Bits are compared on raw integer views. The real-gloo and process-mode
+comparisons live in tests/test_backend_gloo.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import simdist
+from backend_programs import data, dtensor_2x2, fsdp2_steps, tp_mlp
+from simdist.reduce import Gloo, ReduceOp, Sequential, Tree
+from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError
+from simdist.world.spec import ParallelSpec
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+N = 4
+XS = [data(r, (1024,)) for r in range(N)]
+
+
+def _reductions(rank: int) -> dict:
+    x = XS[rank]
+    out = {}
+    t = x.clone()
+    dist.all_reduce(t)
+    out["all_reduce"] = t
+    t = x.clone()
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    out["avg"] = t
+    block = torch.empty(1024 // N)
+    dist.reduce_scatter_tensor(block, x.clone())
+    out["reduce_scatter_tensor"] = block
+    out["funcol_all_reduce"] = funcol.all_reduce(x.clone(), "sum", dist.group.WORLD) + 0
+    out["funcol_reduce_scatter"] = funcol.reduce_scatter_tensor(x.clone(), "sum", 0, dist.group.WORLD) + 0
+    pair = [x.clone(), x[:37].clone()]
+    dist.all_reduce_coalesced(pair)
+    out["coalesced"] = pair
+    t = x.clone()
+    dist.reduce(t, dst=2)
+    out["reduce"] = t
+    group = dist.new_group([3, 1])  # torch sorts: group rank 0 is global rank 1
+    if rank in (1, 3):
+        t = x.clone()
+        dist.all_reduce(t, group=group)
+        out["pair"] = (dist.get_rank(group), dist.get_world_size(group), t)
+    return out
+
+
+def test_reductions_are_the_models_bits():
+    res = simdist.spawn(_reductions, N)
+    m = Gloo()
+    full = m.reduce(XS)
+    blocks = m.reduce_scatter(XS)
+    for r in range(N):
+        assert same_bits(res[r]["all_reduce"], full)
+        assert same_bits(res[r]["funcol_all_reduce"], full)
+        assert same_bits(res[r]["avg"], m.reduce(XS, ReduceOp.AVG))
+        assert same_bits(res[r]["reduce_scatter_tensor"], blocks[r])
+        assert same_bits(res[r]["funcol_reduce_scatter"], blocks[r])
+        cat = m.reduce([torch.cat([x, x[:37]]) for x in XS])  # gloo coalesces into one all-reduce
+        assert same_bits(res[r]["coalesced"][0], cat[:1024]) and same_bits(res[r]["coalesced"][1], cat[1024:])
+    assert same_bits(res[2]["reduce"], m.reduce_to(XS, ReduceOp.SUM, 2) if hasattr(m, "reduce_to") else full)
+    assert res[1]["pair"][:2] == (0, 2) and res[3]["pair"][:2] == (1, 2)
+    assert same_bits(res[1]["pair"][2], m.reduce([XS[1], XS[3]]))
+
+
+def test_model_per_group_kind_and_by_name():
+    spec = ParallelSpec(4, tp=2, ep=1)
+
+    def prog(rank):
+        tp = dist.new_group([0, 1]), dist.new_group([2, 3])
+        mine = tp[rank // 2]
+        t, w = XS[rank].clone(), XS[rank].clone()
+        dist.all_reduce(t, group=mine)
+        dist.all_reduce(w)
+        return t, w
+
+    res = simdist.spawn(prog, N, model={"tp": "sequential", "world": Tree()}, spec=spec)
+    assert same_bits(res[0][0], Sequential().reduce(XS[:2]))
+    assert same_bits(res[3][1], Tree().reduce(XS))
+
+
+def _movement(rank: int) -> dict:
+    n = dist.get_world_size()
+    out: dict = {"rank": dist.get_rank(), "world": n}
+    lst = [torch.empty(3) for _ in range(n)]
+    dist.all_gather(lst, torch.full((3,), float(rank)))
+    out["all_gather"] = torch.stack(lst)
+    flat = torch.empty(3 * n)
+    dist.all_gather_into_tensor(flat, torch.full((3,), float(rank)))
+    out["all_gather_into_tensor"] = flat
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=3)
+    out["broadcast"] = b
+    got = torch.empty(sum(range(1, n + 1)))
+    dist.all_to_all_single(got, torch.full(((rank + 1) * n,), float(rank)), list(range(1, n + 1)), [rank + 1] * n)
+    out["all_to_all_single"] = got
+    outs = [torch.empty(2) for _ in range(n)]
+    dist.all_to_all(outs, [torch.full((2,), 10.0 * rank + j) for j in range(n)])
+    out["all_to_all"] = torch.stack(outs)
+    scattered = torch.empty(2)
+    dist.scatter(scattered, [torch.full((2,), float(i)) for i in range(n)] if rank == 0 else None, src=0)
+    out["scatter"] = scattered
+    gathered = [torch.empty(2) for _ in range(n)] if rank == 2 else None
+    dist.gather(torch.full((2,), float(rank)), gathered, dst=2)
+    out["gather"] = gathered
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": rank})
+    out["objects"] = objs
+    box = [f"from {rank}"]
+    dist.broadcast_object_list(box, src=1)
+    out["broadcast_object"] = box[0]
+    if rank == 0:
+        dist.send(torch.arange(3.0), 1)
+    elif rank == 1:
+        r = torch.empty(3)
+        dist.recv(r, 0)
+        out["recv"] = r
+    into = torch.empty(2)
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), float(rank)), (rank + 1) % n),
+        dist.P2POp(dist.irecv, into, (rank - 1) % n),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out["ring"] = into
+    sub, _ = dist.new_subgroups(2)
+    t = torch.full((1,), float(rank))
+    dist.all_reduce(t, group=sub)
+    out["subgroup"] = (dist.get_rank(sub), t.item())
+    parts = [torch.full((2,), float(rank * 10 + j)) for j in range(n)]
+    mine = torch.empty(2)
+    dist.reduce_scatter(mine, parts)
+    out["reduce_scatter_list"] = mine
+    i = torch.tensor([rank + 1, 6, 3], dtype=torch.int64)
+    dist.all_reduce(i, op=dist.ReduceOp.BAND)
+    out["band"] = i
+    dist.barrier()
+    return out
+
+
+def test_data_movement_point_to_point_objects_and_subgroups():
+    res = simdist.spawn(_movement, N)
+    for r, out in enumerate(res):
+        assert (out["rank"], out["world"]) == (r, N)
+        assert out["all_gather"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert out["all_gather_into_tensor"].tolist() == [float(j) for j in range(N) for _ in range(3)]
+        assert out["broadcast"].tolist() == [3.0, 3.0]
+        assert out["all_to_all_single"].tolist() == [float(j) for j in range(N) for _ in range(j + 1)]
+        assert out["all_to_all"][:, 0].tolist() == [10.0 * j + r for j in range(N)]
+        assert out["scatter"].tolist() == [float(r)] * 2
+        assert out["objects"] == [{"rank": j} for j in range(N)]
+        assert out["broadcast_object"] == "from 1"
+        assert out["ring"].tolist() == [float((r - 1) % N)] * 2
+        assert out["subgroup"] == (r % 2, float(sum(j for j in range(N) if j // 2 == r // 2)))
+        assert out["reduce_scatter_list"].tolist() == [float(sum(j * 10 + r for j in range(N)))] * 2
+        assert out["band"].tolist() == [0, 6 & 6 & 6 & 6, 3]
+    assert [t.tolist() for t in res[2]["gather"]] == [[float(j)] * 2 for j in range(N)]
+    assert res[1]["recv"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_device_mesh_dtensor_and_fsdp2_run_in_threads():
+    out = simdist.spawn(dtensor_2x2, N)
+    assert out[0]["shard_float32"].shape == (16, 12)
+    assert all(same_bits(o["partial_bfloat16"], out[0]["partial_bfloat16"]) for o in out)
+    shards = simdist.spawn(fsdp2_steps, N, 1)
+    assert set(shards[0]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_unsupported_ops_raise_what_gloo_raises():
+    def prog(rank):
+        caught = []
+        for op, t in ((dist.ReduceOp.BAND, torch.ones(2)), (dist._make_nccl_premul_sum(0.5), torch.ones(2))):
+            try:
+                dist.all_reduce(t, op=op)
+            except RuntimeError as exc:
+                caught.append(str(exc))
+        return caught
+
+    assert simdist.spawn(prog, 2)[0] == [
+        "Cannot use ReduceOp.BAND with non-integral dtype",
+        "Cannot use ReduceOp.PREMUL_SUM with Gloo",
+    ]
+
+    def premul(rank):
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        return t
+
+    assert simdist.spawn(premul, 2, model="sequential")[0].tolist() == [1.5] * 3
+
+
+def _skips(rank):
+    t = torch.ones(2)
+    if rank != 3:
+        dist.all_reduce(t)  # SKIPPED_BY_RANK_3
+    dist.barrier()  # RANK_3_GOES_ON
+    return t
+
+
+def _line(fn, marker: str) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def test_a_rank_that_skips_a_collective_is_named_with_both_sites():
+    with pytest.raises(CollectiveMismatchError) as info:
+        simdist.spawn(_skips, N, timeout_s=30)
+    message = str(info.value)
+    assert f"test_backend.py:{_line(_skips, 'SKIPPED_BY_RANK_3')}" in message
+    assert f"test_backend.py:{_line(_skips, 'RANK_3_GOES_ON')}" in message
+    assert "rank 3: barrier" in message
+
+
+def test_receives_that_can_never_complete_are_a_deadlock():
+    def prog(rank):
+        t = torch.empty(1)
+        dist.recv(t, 1 - rank)
+
+    with pytest.raises(CollectiveDeadlockError, match="waiting for a message from rank"):
+        simdist.spawn(prog, 2, timeout_s=30)
+
+
+def test_an_exception_on_one_rank_stops_all_and_names_the_rank():
+    def prog(rank):
+        if rank == 2:
+            raise ValueError("boom")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(ValueError, match="boom") as info:
+        simdist.spawn(prog, N, timeout_s=30)
+    assert "raised on rank 2 of a simdist.spawn run" in info.value.__notes__
+
+
+def test_the_tp_mlp_program_runs_and_the_world_is_restored():
+    res = simdist.spawn(tp_mlp, N)
+    assert all(same_bits(r["y1"], res[0]["y1"]) for r in res)
+    assert not dist.is_initialized()
+    import torch.distributed.distributed_c10d as c10d
+
+    assert type(c10d._world) is c10d._World
