@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from backend_programs import data, dtensor_2x2, fsdp2_steps, tp_mlp
 
 import simdist
-from backend_programs import data, dtensor_2x2, fsdp2_steps, tp_mlp
 from simdist.reduce import Gloo, ReduceOp, Sequential, Tree
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError
 from simdist.world.spec import ParallelSpec
