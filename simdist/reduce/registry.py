@@ -5,11 +5,11 @@ from __future__ import annotations
 from simdist.reduce.base import ReductionModel
 from simdist.reduce.models import Ring, Sequential, Tree, Upcast
 
-MODEL_NAMES: tuple[str, ...] = ("sequential", "ring", "tree", "upcast", "gloo")
+MODEL_NAMES: tuple[str, ...] = ("sequential", "ring", "tree", "upcast", "gloo", "nccl")
 
 
 def make_model(name: str, **params) -> ReductionModel:
-    """Build a reduction model by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``)."""
+    """Build a reduction model by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``, ``nccl``)."""
     if name == "sequential":
         return Sequential(**params)
     if name == "tree":
@@ -22,4 +22,8 @@ def make_model(name: str, **params) -> ReductionModel:
         from simdist.reduce.gloo import Gloo
 
         return Gloo(**params)
+    if name == "nccl":
+        from simdist.reduce.nccl import Nccl
+
+        return Nccl(**params)
     raise ValueError(f"unknown reduction model {name!r}; valid: {', '.join(MODEL_NAMES)}")
