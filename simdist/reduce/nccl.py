@@ -351,7 +351,7 @@ def _check_tree(down: TreeDown, n: int) -> tuple[int, list[int]]:
         order.append(r)
         stack.extend(down[r])
     if len(order) != n:
-        raise ValueError(f"down table {down} does not reach every rank from root {roots[0]}")
+        raise ValueError(f"down table {down} is not a tree: root {roots[0]} does not reach every rank")
     return roots[0], order[::-1]
 
 

@@ -1,0 +1,443 @@
+"""The `Nccl` reduction model's own invariants, on CPU, bit for bit.
+
+No GPU is involved: these tests pin what the model claims NCCL v2.30.7 does
+(see `simdist.reduce.nccl`), not that NCCL does it; `experiments/nccl_fingerprint.py`
+is the check against hardware. The central property test runs a literal
+message-passing simulation of NCCL's ring kernel (every rank, every loop,
+every step, as ``runRing`` in ``src/device/all_reduce.h`` walks them) and
+requires the vectorised model to give the same bits on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simdist.numerics.floats import bits
+from simdist.reduce import ReduceOp, Sequential, make_model
+from simdist.reduce.nccl import (
+    DEFAULT_BUFFSIZE,
+    PROTOCOLS,
+    Nccl,
+    btree,
+    chain_tree,
+    channel_parts,
+    double_binary_trees,
+    premul_scale,
+    ring_chunk_elements,
+    ring_segments,
+    task_channels,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMALL_BUFFERS = {"simple": ("buffsize", (1024, 2048, 8192)), "ll": ("ll_buffsize", (256, 512, 4096)),
+                 "ll128": ("ll128_buffsize", (16384, 32768))}  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    differ = (bits(actual) != bits(expected)).nonzero().flatten()
+    assert differ.numel() == 0, f"{what}: {differ.numel()} elements differ, first at {differ[:5].tolist()}"
+
+
+def fold_rows(rows: torch.Tensor, order) -> torch.Tensor:
+    acc = rows[order[0]].clone()
+    for r in order[1:]:
+        acc = acc + rows[r]
+    return acc
+
+
+# -- a literal simulation of NCCL's ring kernels (test-only, slow and obvious) ----------------
+
+
+def _span(base: int, elem: int, rem: int, chunk: int, c: int) -> slice:
+    """Elements of chunk ``c`` in the loop at ``elem`` (``nelem = min(chunk, rem - c*chunk)``, maybe empty)."""
+    lo = base + elem + c * chunk
+    return slice(lo, lo + max(0, min(chunk, rem - c * chunk)))
+
+
+def simulate_ring_allreduce(x: torch.Tensor, model: Nccl) -> list[torch.Tensor]:
+    """Every rank's output of ``runRing``: step 0 send, n-2 reduce-and-send steps, the final
+    reduce, n-2 copy steps and the last receive, per loop of every channel. Rank at ring index
+    ``i`` receives from index ``i-1``; a reduce adds its own value to what it received."""
+    n, count = x.shape
+    e = x.element_size()
+    align = max(1, 16 // e)
+    out = [torch.full((count,), float("nan"), dtype=x.dtype) for _ in range(n)]
+    full_chunk = ring_chunk_elements(model.protocol, e, model.buffsize, model.ll_buffsize, model.ll128_buffsize)
+    for channel, base, part in model.parts(count, e, n):
+        ring = model.ring_of(channel, n)
+        chunk = full_chunk
+        loop = n * chunk
+        for elem in range(0, part, loop):
+            rem = part - elem
+            if rem < loop:
+                chunk = (rem + n - 1) // n
+                chunk = (chunk + align - 1) // align * align
+            spans = [_span(base, elem, rem, chunk, c) for c in range(n)]
+            wire = [x[ring[i], spans[(i - 1) % n]].clone() for i in range(n)]  # step 0
+            for j in range(2, n):
+                wire = [x[ring[i], spans[(i - j) % n]] + wire[i - 1] for i in range(n)]
+            final = [x[ring[i], spans[i]] + wire[i - 1] for i in range(n)]
+            for i in range(n):
+                out[ring[i]][spans[i]] = final[i]
+            wire = final
+            for j in range(1, n - 1):
+                for i in range(n):
+                    out[ring[i]][spans[(i - j) % n]] = wire[i - 1]
+                wire = [wire[i - 1] for i in range(n)]
+            for i in range(n):
+                out[ring[i]][spans[(i + 1) % n]] = wire[i - 1]
+    return out
+
+
+def simulate_ring_reduce_scatter(x: torch.Tensor, model: Nccl) -> torch.Tensor:
+    """Output blocks of ``reduce_scatter.h``'s ring: block of the rank ``j`` places back, then reduce on."""
+    n, count = x.shape
+    block = count // n
+    out = torch.empty(n, block, dtype=x.dtype)
+    e = x.element_size()
+    for channel, base, part in model.parts(block, e, n, traffic_per_byte=n, nbytes=count * e):
+        ring = model.ring_of(channel, n)
+        cols = [slice(q * block + base, q * block + base + part) for q in range(n)]
+        wire = [x[ring[i], cols[ring[(i - 1) % n]]].clone() for i in range(n)]
+        for j in range(2, n):
+            wire = [x[ring[i], cols[ring[(i - j) % n]]] + wire[i - 1] for i in range(n)]
+        for i in range(n):
+            out[ring[i], base : base + part] = x[ring[i], cols[ring[i]]] + wire[i - 1]
+    return out
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+
+@st.composite
+def models(draw, n: int) -> Nccl:
+    protocol = draw(st.sampled_from(PROTOCOLS))
+    params: dict = {"protocol": protocol, "channels": draw(st.integers(1, 4))}
+    key, sizes = SMALL_BUFFERS[protocol]
+    if draw(st.booleans()):
+        params[key] = draw(st.sampled_from(sizes))
+    if draw(st.booleans()):
+        params["task_channels"] = draw(st.integers(1, params["channels"]))
+    if draw(st.booleans()):
+        perms = st.permutations(list(range(n))).map(tuple)
+        params["rings"] = tuple(draw(st.lists(perms, min_size=1, max_size=3)))
+    return Nccl(**params)
+
+
+def inputs(n: int, count: int, dtype: torch.dtype, seed: int, spread: int = 12) -> torch.Tensor:
+    """Normal values times exact powers of two (built without exp2/pow)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, count, generator=g, dtype=torch.float64)
+    k = torch.randint(-spread, spread + 1, (n, count), generator=g)
+    return torch.ldexp(x, k).to(dtype)
+
+
+@st.composite
+def cases(draw):
+    n = draw(st.integers(2, 6))
+    model = draw(models(n))
+    dtype = draw(st.sampled_from(DTYPES))
+    count = draw(st.one_of(st.integers(0, 70), st.integers(0, 12000)))
+    spread = 12 if dtype == torch.float32 else 4
+    return n, model, inputs(n, count, dtype, draw(st.integers(0, 2**31)), spread)
+
+
+# -- the ring against the literal simulation ------------------------------------------------
+
+
+@given(cases(), st.sampled_from([ReduceOp.SUM, ReduceOp.AVG]))
+def test_ring_allreduce_equals_literal_simulation_on_every_rank(case, op):
+    n, model, x = case
+    pre = x * premul_scale(n, x.dtype) if op is ReduceOp.AVG else x
+    simulated = simulate_ring_allreduce(pre, model)
+    got = model.reduce(x, op)
+    for rank, result in enumerate(simulated):
+        assert_bitwise(got, result, f"{model} {op.name} n={n} N={x.shape[1]} {x.dtype} rank {rank}")
+
+
+@given(cases())
+def test_every_element_is_a_fold_of_all_n_inputs_in_the_predicted_order(case):
+    n, model, x = case
+    count = x.shape[1]
+    orders = model.element_orders(count, x.element_size(), n)
+    assert torch.equal(orders.sort(dim=0).values, torch.arange(n).unsqueeze(1).expand(n, count))
+    got = model.sum(x)
+    for order in {tuple(col) for col in orders.T.tolist()}:
+        cols = (torch.tensor(order) == orders.T).all(dim=1)
+        assert_bitwise(got[cols], fold_rows(x[:, cols], order), f"{model} order {order}")
+
+
+@given(cases())
+def test_reduce_scatter_equals_literal_simulation(case):
+    n, model, x = case
+    count = x.shape[1] - x.shape[1] % n
+    x = x[:, :count]
+    assert_bitwise(model.reduce_scatter(x), simulate_ring_reduce_scatter(x, model), f"{model} n={n}")
+
+
+@given(cases(), st.integers(0, 5))
+def test_reduce_to_root_folds_from_the_rank_after_the_root(case, root):
+    n, model, x = case
+    root %= n
+    got = model.reduce_to(x, ReduceOp.SUM, root)
+    if x.shape[1] == 0:
+        return
+    ring = model.ring_of(0, n)
+    start = ring.index(root) + 1
+    if model.rings is None or len(set(model.rings)) == 1:
+        assert_bitwise(got, fold_rows(x, [ring[(start + j) % n] for j in range(n)]), f"{model} root {root}")
+
+
+# -- small worlds, stacked vs list, dtypes ---------------------------------------------------
+
+
+@given(cases())
+def test_two_ranks_are_one_add_and_one_rank_a_copy(case):
+    _, model, x = case
+    assert_bitwise(model.sum(x[:2]), x[0] + x[1])
+    assert_bitwise(model.reduce(x[:2], ReduceOp.AVG), x[0] * premul_scale(2, x.dtype) + x[1] * premul_scale(2, x.dtype))
+    assert_bitwise(model.sum(x[:1]), x[0])
+    assert_bitwise(model.reduce(x[:1], ReduceOp.AVG), x[0])
+
+
+@given(cases())
+def test_stacked_and_list_inputs_give_the_same_bits_and_shape_is_kept(case):
+    n, model, x = case
+    if x.shape[1] % 2 == 0 and x.shape[1]:
+        shaped = x.reshape(n, 2, -1)
+        assert_bitwise(model.sum(list(shaped)), model.sum(x).reshape(2, -1))
+
+
+def test_tree_on_one_node_is_the_fold_from_the_tail_of_the_chain():
+    x = inputs(5, 3000, torch.bfloat16, 1, spread=4)
+    assert_bitwise(Nccl(algorithm="tree").sum(x), fold_rows(x, [4, 3, 2, 1, 0]))
+    chain = (2, 0, 4, 1, 3)
+    model = Nccl(algorithm="tree", trees=(chain_tree(chain),))
+    assert_bitwise(model.sum(x), fold_rows(x, list(reversed(chain))))
+    assert not torch.equal(bits(model.sum(x)), bits(Sequential().sum(x)))
+
+
+def test_tree_channels_each_use_their_own_tree():
+    x = inputs(4, 40000, torch.float32, 2)
+    trees = (chain_tree((0, 1, 2, 3)), chain_tree((3, 2, 1, 0)))
+    model = Nccl(algorithm="tree", channels=2, task_channels=2, trees=trees)
+    parts = model.parts(40000, 4, 4)
+    assert [c for c, _, _ in parts] == [0, 1]
+    got = model.sum(x)
+    for channel, offset, part in parts:
+        order = [3, 2, 1, 0] if channel == 0 else [0, 1, 2, 3]
+        assert_bitwise(got[offset : offset + part], fold_rows(x[:, offset : offset + part], order))
+
+
+def test_multi_node_tree_adds_children_in_down_order():
+    # 3 nodes of 2 ranks, pattern "tree": heads 0, 2, 4. Over the nodes tree 0 is 0 <- 2 <- 1, so
+    # rank 0 adds its chain child 1 then node 2's head 4; rank 4 adds 5 then node 1's head 2.
+    t0, _ = double_binary_trees([[0, 1], [2, 3], [4, 5]])
+    assert btree(3, 0) == (-1, -1, 2, 0) and btree(3, 2) == (0, 1, -1, 1) and btree(3, 1) == (2, -1, -1, 0)
+    assert t0 == ((1, 4), (), (3,), (), (5, 2), ())
+    x = inputs(6, 100, torch.float32, 3)
+    model = Nccl(algorithm="tree", trees=(t0,))
+    node1 = x[2] + x[3]
+    node2 = (x[4] + x[5]) + node1
+    expected = (x[0] + x[1]) + node2
+    assert_bitwise(model.sum(x), expected)
+
+
+def test_btree_matches_the_picture_of_fourteen_ranks_in_trees_cc():
+    # 0 - 8; 8: 4, 12; 4: 2, 6; 12: 10, 13; 2: 1, 3; 6: 5, 7; 10: 9, 11.
+    down = {r: btree(14, r)[1:3] for r in range(14)}
+    assert btree(14, 0)[2] == 8
+    assert down[8] == (4, 12) and down[4] == (2, 6) and down[12] == (10, 13)
+    assert down[2] == (1, 3) and down[6] == (5, 7) and down[10] == (9, 11) and down[13] == (-1, -1)
+    assert btree(14, 13)[0] == 12 and btree(14, 12)[0] == 8
+
+
+def test_second_tree_mirrors_for_even_and_shifts_for_odd_node_counts():
+    t0, t1 = double_binary_trees([[r] for r in range(4)])
+    assert t0 == ((2,), (), (1, 3), ()) and t1 == ((), (2, 0), (), (1,))
+    t0, t1 = double_binary_trees([[r] for r in range(3)])
+    assert t0 == ((2,), (), (1,)) and t1 == ((2,), (0,), ())
+
+
+# -- schedule pins derived by hand from the source --------------------------------------------
+
+
+def test_chunk_sizes_per_protocol():
+    assert ring_chunk_elements("simple", 4) == (DEFAULT_BUFFSIZE // 2) // 4 == 524288
+    assert ring_chunk_elements("ll", 2) == 32768 // 2
+    assert ring_chunk_elements("ll128", 4) == 576000 // 4
+    assert ring_chunk_elements("simple", 2, buffsize=65536) == 16384
+    with pytest.raises(ValueError, match="too small"):
+        ring_chunk_elements("simple", 4, buffsize=512)
+
+
+def test_channel_split_examples():
+    # 4 MiB fp32 on 8 channels: 256 cells of 16 KiB, 32 per channel.
+    assert channel_parts(1 << 20, 4, "simple", 8, 8) == [(c, c * 131072, 131072) for c in range(8)]
+    # five more elements: 257 cells, 33 per channel, the last one short.
+    parts = channel_parts((1 << 20) + 5, 4, "simple", 8, 8)
+    assert [p for _, _, p in parts] == [135168] * 7 + [102405]
+    # LL: 4-KiB cells, 8x traffic.
+    assert channel_parts(1 << 20, 4, "ll", 8, 8) == [(c, c * 131072, 131072) for c in range(8)]
+    # one channel in the communicator: everything in it.
+    assert channel_parts(10**6, 2, "simple", 1, 1) == [(0, 0, 10**6)]
+    # small calls use one channel.
+    assert channel_parts(100, 4, "simple", 8, 8) == [(0, 0, 100)]
+
+
+def test_channel_split_covers_the_buffer():
+    for count, e, proto, chans, used in itertools.product(
+        (1, 4095, 4096, 4097, 100000, 3 << 20), (2, 4), PROTOCOLS, (1, 2, 3, 8), (1, 2, 8)
+    ):
+        parts = channel_parts(count, e, proto, chans, min(used, chans))
+        assert sum(p for _, _, p in parts) == count
+        assert [o for _, o, _ in parts] == list(itertools.accumulate([0] + [p for _, _, p in parts[:-1]]))
+        assert [c for c, _, _ in parts] == list(range(len(parts))) and len(parts) <= chans
+        assert all(p > 0 for _, _, p in parts)
+
+
+def test_task_channels_drop_for_small_calls():
+    assert task_channels(1 << 20, 16, 4) == 16
+    assert task_channels(65536, 16, 4) == 2  # 65536 < nc * 512 * 64 for nc > 2
+    assert task_channels(100, 16, 4) == 1
+    assert task_channels(65536, 16, 4, protocol="ll") == 4  # 65536 < nc * 512 * 8 * 4 for nc > 4
+
+
+def test_ring_segments_short_loop_aligns_to_16_bytes():
+    assert ring_segments(10, 4, 524288, 4) == [(0, 4, 1), (4, 4, 2), (8, 2, 3)]
+    assert ring_segments(10, 4, 524288, 2) == [(0, 8, 1), (8, 2, 2)]
+    # two full loops of 4 x 8 then a short loop of 5 elements (chunks of 4).
+    segs = ring_segments(69, 4, 8, 4)
+    assert segs[:4] == [(0, 8, 1), (8, 8, 2), (16, 8, 3), (24, 8, 0)]
+    assert segs[8:] == [(64, 4, 1), (68, 1, 2)]
+
+
+def test_small_tensor_order_example():
+    # n=4 fp32, 10 elements: chunks of 4 start at ring positions 1, 2, 3.
+    x = inputs(4, 10, torch.float32, 5)
+    got = Nccl().sum(x)
+    assert_bitwise(got[:4], fold_rows(x[:, :4], [1, 2, 3, 0]))
+    assert_bitwise(got[4:8], fold_rows(x[:, 4:8], [2, 3, 0, 1]))
+    assert_bitwise(got[8:], fold_rows(x[:, 8:], [3, 0, 1, 2]))
+
+
+def test_rings_are_read_from_rank_zero():
+    x = inputs(4, 1, torch.float32, 6)
+    # ring 0 -> 2 -> 1 -> 3 (as NCCL logs it); element 0 is chunk 0, which starts at position 1.
+    for ring in ((0, 2, 1, 3), (1, 3, 0, 2)):
+        assert_bitwise(Nccl(rings=(ring,)).sum(x), fold_rows(x, [2, 1, 3, 0]))
+
+
+# -- operations ------------------------------------------------------------------------------
+
+
+def test_premul_scale_bits():
+    assert bits(premul_scale(3, torch.bfloat16)).item() == 0x3EAB
+    assert bits(premul_scale(3, torch.float16)).item() == 0x3555
+    assert bits(premul_scale(3, torch.float32)).item() == 0x3EAAAAAB
+    assert bits(premul_scale(5, torch.bfloat16)).item() == 0x3E4D
+    assert premul_scale(8, torch.bfloat16).item() == 0.125
+
+
+@given(cases())
+def test_avg_is_the_sum_of_premultiplied_inputs(case):
+    n, model, x = case
+    assert_bitwise(model.reduce(x, ReduceOp.AVG), model.sum(x * premul_scale(n, x.dtype)))
+
+
+def test_avg_on_a_power_of_two_is_the_scaled_sum():
+    x = inputs(4, 5000, torch.bfloat16, 7, spread=4)
+    model = Nccl()
+    assert_bitwise(model.reduce(x, ReduceOp.AVG), model.sum(x) * 0.25)
+
+
+def test_avg_on_integers_truncates_the_sum():
+    x = torch.tensor([[7, -7, 100], [0, 0, 27], [1, -1, 0]], dtype=torch.int32)
+    assert Nccl().reduce(x, ReduceOp.AVG).tolist() == [2, -2, 42]
+
+
+def test_max_and_min_ignore_nan_unless_all_are_nan():
+    nan = float("nan")
+    x = torch.tensor([[nan, 1.0, nan], [2.0, nan, nan], [0.5, 3.0, nan]])
+    got = Nccl().reduce(x, ReduceOp.MAX)
+    assert got[:2].tolist() == [2.0, 3.0] and got[2].isnan()
+    assert Nccl().reduce(x, ReduceOp.MIN)[:2].tolist() == [0.5, 1.0]
+
+
+def test_fingerprint_distinguishes_nccl_from_rank_order():
+    # one rank holds 1.0, two others half an ulp: 1 + ulp iff the halves meet first.
+    n, count = 4, 64
+    x = torch.zeros(n, count)
+    triples = [(b, s, t) for b in range(n) for s, t in itertools.combinations(range(n), 2) if b not in (s, t)]
+    for e in range(count):
+        b, s, t = triples[e % len(triples)]
+        x[b, e], x[s, e], x[t, e] = 1.0, 2.0**-24, 2.0**-24
+    assert not torch.equal(Nccl().sum(x), Sequential().sum(x))
+
+
+# -- registry and validation -----------------------------------------------------------------
+
+
+def test_registry_and_name():
+    model = make_model("nccl", algorithm="tree", protocol="ll128", channels=4)
+    assert isinstance(model, Nccl) and model.name == "nccl(tree, ll128, channels=4)"
+    assert make_model("nccl").name == "nccl(ring, simple, channels=2)"
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"algorithm": "nvls"}, "algorithm"),
+        ({"protocol": "LL"}, "protocol"),
+        ({"channels": 0}, "channels"),
+        ({"channels": 2, "task_channels": 3}, "task_channels"),
+        ({"buffsize": 0}, "buffsize"),
+        ({"rings": ()}, "rings"),
+    ],
+)
+def test_bad_parameters_are_refused(params, match):
+    with pytest.raises(ValueError, match=match):
+        Nccl(**params)
+
+
+def test_bad_ring_or_tree_for_the_group_is_refused():
+    with pytest.raises(ValueError, match="permutation"):
+        Nccl(rings=((0, 1, 2),)).sum(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="tree"):
+        Nccl(algorithm="tree", trees=(((1,), (0,), ()),)).sum(torch.zeros(3, 3))
+
+
+def test_fingerprint_script_dry_run():
+    script = ROOT / "experiments" / "nccl_fingerprint.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--world-sizes", "3,4", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "model == real" in done.stdout and "MISMATCH" not in done.stdout
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_several_channels_loops_and_rings_against_the_simulation(protocol):
+    key, sizes = SMALL_BUFFERS[protocol]
+    model = Nccl(protocol=protocol, channels=3, task_channels=3, rings=((0, 1, 2, 3, 4), (0, 3, 1, 4, 2)),
+                 **{key: sizes[0]})  # fmt: skip
+    x = inputs(5, 60011, torch.bfloat16, 8, spread=4)
+    parts = model.parts(60011, 2, 5)
+    chunk = ring_chunk_elements(protocol, 2, model.buffsize, model.ll_buffsize, model.ll128_buffsize)
+    assert len(parts) == 3 and all(p > 5 * chunk for _, _, p in parts)  # three channels, several loops each
+    for rank, result in enumerate(simulate_ring_allreduce(x, model)):
+        assert_bitwise(model.sum(x), result, f"{protocol} rank {rank}")
