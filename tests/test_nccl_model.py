@@ -35,6 +35,12 @@ from simdist.reduce.nccl import (
     ring_segments,
     task_channels,
 )
+from simdist.reduce.nccl_sim import (
+    simulate_ring_allreduce,
+    simulate_ring_reduce,
+    simulate_ring_reduce_scatter,
+    simulate_tree_allreduce,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_BUFFERS = {"simple": ("buffsize", (1024, 2048, 8192)), "ll": ("ll_buffsize", (256, 512, 4096)),
@@ -53,67 +59,6 @@ def fold_rows(rows: torch.Tensor, order) -> torch.Tensor:
     for r in order[1:]:
         acc = acc + rows[r]
     return acc
-
-
-# -- a literal simulation of NCCL's ring kernels (test-only, slow and obvious) ----------------
-
-
-def _span(base: int, elem: int, rem: int, chunk: int, c: int) -> slice:
-    """Elements of chunk ``c`` in the loop at ``elem`` (``nelem = min(chunk, rem - c*chunk)``, maybe empty)."""
-    lo = base + elem + c * chunk
-    return slice(lo, lo + max(0, min(chunk, rem - c * chunk)))
-
-
-def simulate_ring_allreduce(x: torch.Tensor, model: Nccl) -> list[torch.Tensor]:
-    """Every rank's output of ``runRing``: step 0 send, n-2 reduce-and-send steps, the final
-    reduce, n-2 copy steps and the last receive, per loop of every channel. Rank at ring index
-    ``i`` receives from index ``i-1``; a reduce adds its own value to what it received."""
-    n, count = x.shape
-    e = x.element_size()
-    align = max(1, 16 // e)
-    out = [torch.full((count,), float("nan"), dtype=x.dtype) for _ in range(n)]
-    full_chunk = ring_chunk_elements(model.protocol, e, model.buffsize, model.ll_buffsize, model.ll128_buffsize)
-    for channel, base, part in model.parts(count, e, n):
-        ring = model.ring_of(channel, n)
-        chunk = full_chunk
-        loop = n * chunk
-        for elem in range(0, part, loop):
-            rem = part - elem
-            if rem < loop:
-                chunk = (rem + n - 1) // n
-                chunk = (chunk + align - 1) // align * align
-            spans = [_span(base, elem, rem, chunk, c) for c in range(n)]
-            wire = [x[ring[i], spans[(i - 1) % n]].clone() for i in range(n)]  # step 0
-            for j in range(2, n):
-                wire = [x[ring[i], spans[(i - j) % n]] + wire[i - 1] for i in range(n)]
-            final = [x[ring[i], spans[i]] + wire[i - 1] for i in range(n)]
-            for i in range(n):
-                out[ring[i]][spans[i]] = final[i]
-            wire = final
-            for j in range(1, n - 1):
-                for i in range(n):
-                    out[ring[i]][spans[(i - j) % n]] = wire[i - 1]
-                wire = [wire[i - 1] for i in range(n)]
-            for i in range(n):
-                out[ring[i]][spans[(i + 1) % n]] = wire[i - 1]
-    return out
-
-
-def simulate_ring_reduce_scatter(x: torch.Tensor, model: Nccl) -> torch.Tensor:
-    """Output blocks of ``reduce_scatter.h``'s ring: block of the rank ``j`` places back, then reduce on."""
-    n, count = x.shape
-    block = count // n
-    out = torch.empty(n, block, dtype=x.dtype)
-    e = x.element_size()
-    for channel, base, part in model.parts(block, e, n, traffic_per_byte=n, nbytes=count * e):
-        ring = model.ring_of(channel, n)
-        cols = [slice(q * block + base, q * block + base + part) for q in range(n)]
-        wire = [x[ring[i], cols[ring[(i - 1) % n]]].clone() for i in range(n)]
-        for j in range(2, n):
-            wire = [x[ring[i], cols[ring[(i - j) % n]]] + wire[i - 1] for i in range(n)]
-        for i in range(n):
-            out[ring[i], base : base + part] = x[ring[i], cols[ring[i]]] + wire[i - 1]
-    return out
 
 
 # -- strategies --------------------------------------------------------------------------------
@@ -186,16 +131,29 @@ def test_reduce_scatter_equals_literal_simulation(case):
 
 
 @given(cases(), st.integers(0, 5))
-def test_reduce_to_root_folds_from_the_rank_after_the_root(case, root):
+def test_reduce_to_root_equals_literal_simulation(case, root):
     n, model, x = case
     root %= n
     got = model.reduce_to(x, ReduceOp.SUM, root)
-    if x.shape[1] == 0:
-        return
-    ring = model.ring_of(0, n)
-    start = ring.index(root) + 1
-    if model.rings is None or len(set(model.rings)) == 1:
+    assert_bitwise(got, simulate_ring_reduce(x, model, root), f"{model} root {root}")
+    if x.shape[1] and (model.rings is None or len(set(model.rings)) == 1):
+        ring = model.ring_of(0, n)
+        start = ring.index(root) + 1
         assert_bitwise(got, fold_rows(x, [ring[(start + j) % n] for j in range(n)]), f"{model} root {root}")
+
+
+@given(cases(), st.booleans())
+def test_tree_allreduce_equals_literal_simulation_on_every_rank(case, chains):
+    n, model, x = case
+    trees = None
+    if chains:
+        trees = (chain_tree(range(n)), chain_tree(range(n - 1, -1, -1)))
+    elif n >= 4:
+        trees = double_binary_trees([[0, 1], list(range(2, n))])
+    model = Nccl(algorithm="tree", protocol=model.protocol, channels=model.channels, trees=trees,
+                 task_channels=model.task_channels)  # fmt: skip
+    for rank, result in enumerate(simulate_tree_allreduce(x, model)):
+        assert_bitwise(model.sum(x), result, f"{model} n={n} rank {rank}")
 
 
 # -- small worlds, stacked vs list, dtypes ---------------------------------------------------
