@@ -375,10 +375,10 @@ def test_bad_ring_or_tree_for_the_group_is_refused():
         Nccl(algorithm="tree", trees=(((1,), (0,), ()),)).sum(torch.zeros(3, 3))
 
 
-def test_fingerprint_script_dry_run():
+def test_fingerprint_script_dry_run(tmp_path):
     script = ROOT / "experiments" / "nccl_fingerprint.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--world-sizes", "3,4", "--quick"],
+        [sys.executable, str(script), "--dry-run", "--world-sizes", "3,4", "--quick", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
