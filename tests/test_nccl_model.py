@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simdist.numerics.floats import bits
+from simdist.numerics.floats import bits, float_format, unit_roundoff
 from simdist.reduce import ReduceOp, Sequential, make_model
 from simdist.reduce.nccl import (
     DEFAULT_BUFFSIZE,
@@ -41,6 +42,7 @@ from simdist.reduce.nccl_sim import (
     simulate_ring_reduce_scatter,
     simulate_tree_allreduce,
 )
+from simdist.strategies import float_values, rank_tensors
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_BUFFERS = {"simple": ("buffsize", (1024, 2048, 8192)), "ll": ("ll_buffsize", (256, 512, 4096)),
@@ -343,6 +345,22 @@ def test_fingerprint_distinguishes_nccl_from_rank_order():
     assert not torch.equal(Nccl().sum(x), Sequential().sum(x))
 
 
+@given(st.sampled_from(DTYPES), st.integers(1, 8), st.integers(1, 40), st.data())
+def test_recursive_summation_bound_and_exact_small_integers(dtype, n, numel, data):
+    values = float_values(dtype, max_exponent=float_format(dtype).emax - 4)
+    per_rank = torch.stack(data.draw(rank_tensors(n, numel, dtype, values)))
+    exact = [sum((Fraction(v) for v in col), Fraction(0)) for col in per_rank.double().T.tolist()]
+    magnitude = [sum((abs(Fraction(v)) for v in col), Fraction(0)) for col in per_rank.double().T.tolist()]
+    u = Fraction(unit_roundoff(dtype))
+    ints = torch.tensor(data.draw(st.lists(st.integers(-16, 16), min_size=n * numel, max_size=n * numel)))
+    ints = ints.reshape(n, numel).to(dtype)
+    for model in (Nccl(), Nccl(protocol="ll", channels=3, task_channels=3), Nccl(algorithm="tree")):
+        got = model.sum(per_rank).double().tolist()
+        for g, s, m in zip(got, exact, magnitude, strict=True):
+            assert abs(Fraction(g) - s) <= (n - 1) * u * m, (model, g, s)
+        assert_bitwise(model.sum(ints) + 0.0, ints.double().sum(0).to(dtype) + 0.0, str(model))
+
+
 # -- registry and validation -----------------------------------------------------------------
 
 
@@ -378,7 +396,18 @@ def test_bad_ring_or_tree_for_the_group_is_refused():
 def test_fingerprint_script_dry_run(tmp_path):
     script = ROOT / "experiments" / "nccl_fingerprint.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--world-sizes", "3,4", "--quick", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            str(script),
+            "--dry-run",
+            "--world-sizes",
+            "4",
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--knobs",
+            "ring-simple-c4-buf64k,ring-ll-c2,tree-simple-c2",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
