@@ -1,6 +1,7 @@
-"""Microseconds per all_reduce on a 4-rank group: SimWorld vs real gloo processes vs the floor.
+"""Microseconds per all_reduce on a 4-rank group: SimWorld, the simdist backend, torch's threaded group,
+LocalTensor, real gloo processes and the floor.
 
-    python bench/collectives.py [--quick]
+    python bench/collectives.py [--quick] [--no-gloo]
 
 All three run the same reduction (the `Gloo` model's order, fp32 SUM) on
 4 ranks, in one run of this script:
@@ -13,6 +14,16 @@ All three run the same reduction (the `Gloo` model's order, fp32 SUM) on
 * SimWorld -- ``comm.all_reduce`` in a loop on 4 rank threads;
 * gloo     -- the same loop in 4 real gloo processes on 127.0.0.1.
 
+A second table compares, for 1024 fp32 elements, the ways to run
+``torch.distributed``-shaped code on 4 simulated ranks in one process:
+
+* backend  -- unmodified ``dist.all_reduce`` on `simdist.spawn` (the
+              ``simdist`` backend; gloo's order, bit for bit);
+* threaded -- torch's own threaded process group (its summation order, not
+              gloo's);
+* LocalTensor -- ``dist.all_reduce`` on a LocalTensor under LocalTensorMode
+              with torch's fake group (one thread; "n/a" where unavailable).
+
 Figures are medians of repeated timed loops; ratios are taken within the run.
 Values grow by 4x per iteration and saturate at +-inf/NaN; IEEE adds on the
 CPU take the same time for those (no subnormals arise), so every world does
@@ -23,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
+import torch.distributed as dist
 
+import simdist
 from simdist.reduce.gloo import Gloo
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
@@ -72,11 +86,102 @@ def floor(numel: int, iters: int, repeats: int) -> list[float]:
     return laps
 
 
+def dist_loop(rank: int, numel: int, iters: int, repeats: int) -> list[float]:
+    """Rank program in plain torch.distributed: ``repeats`` timed loops of ``iters`` all_reduces."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    laps = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        dist.barrier()
+        laps.append((time.perf_counter() - start) / iters)
+    return laps
+
+
+def threaded(numel: int, iters: int, repeats: int) -> list[float]:
+    """`dist_loop` on torch's threaded process group (torch's test utility), 4 threads."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mt
+
+    n = SPEC.world_size
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    mt._install_threaded_pg()
+    store = dist.HashStore()
+    results: list = [None] * n
+
+    def body(rank: int) -> None:
+        torch.set_num_threads(1)
+        dist.init_process_group("threaded", rank=rank, world_size=n, store=store)
+        results[rank] = dist_loop(rank, numel, iters, repeats)
+        dist.destroy_process_group()
+
+    try:
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        mt._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    return results[0]
+
+
+def local_tensor(numel: int, iters: int, repeats: int) -> list[float] | None:
+    """``dist.all_reduce`` on a LocalTensor of 4 ranks under LocalTensorMode (fake group); None if unavailable."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        return None
+    n = SPEC.world_size
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    try:
+        with LocalTensorMode(n):
+            x = LocalTensor({r: torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)})
+            laps = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(x)
+                laps.append((time.perf_counter() - start) / iters)
+        return laps
+    except Exception:
+        return None
+    finally:
+        dist.destroy_process_group()
+
+
+def backend_table(iters: int, repeats: int) -> None:
+    """The 1024-element comparison of in-process ways to run torch.distributed code (second table)."""
+    numel = 1024
+    world = SimWorld(SPEC, default_model=Gloo())
+    floor_us = statistics.median(floor(numel, iters, repeats)) * 1e6
+    sim_us = statistics.median(world.run(timed_loop, numel, iters, repeats)[0]) * 1e6
+    backend_us = statistics.median(simdist.spawn(dist_loop, SPEC.world_size, numel, iters, repeats)[0]) * 1e6
+    threaded_us = statistics.median(threaded(numel, iters, repeats)) * 1e6
+    local = local_tensor(numel, max(10, iters // 4), repeats)
+    local_us = statistics.median(local) * 1e6 if local else float("nan")
+    print(f"\n{numel} fp32 elements, 4 ranks in one process, dist.all_reduce unless noted (us per all_reduce)")
+    print(f"{'floor':>8} {'SimWorld':>9} {'backend':>8} {'threaded':>9} {'LocalT':>8}   "
+          f"{'backend/Sim':>11} {'backend/floor':>13} {'threaded/backend':>16} {'LocalT/backend':>14}")
+    local_text = f"{local_us:>8.1f}" if local else f"{'n/a':>8}"
+    local_ratio = f"{local_us / backend_us:>13.2f}x" if local else f"{'n/a':>14}"
+    print(f"{floor_us:>8.1f} {sim_us:>9.1f} {backend_us:>8.1f} {threaded_us:>9.1f} {local_text}   "
+          f"{backend_us / sim_us:>10.2f}x {backend_us / floor_us:>12.2f}x {threaded_us / backend_us:>15.2f}x "
+          f"{local_ratio}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier figures)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-gloo", action="store_true", help="only the in-process table (no gloo processes)")
     args = parser.parse_args(argv)
+    if args.no_gloo:
+        backend_table(_iterations(1024, args.quick), args.repeats)
+        return
     world = SimWorld(SPEC, default_model=Gloo())
     rows = []
     for numel in SIZES:
@@ -94,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     for numel, floor_us, barrier_us, sim_us, gloo_us in rows:
         print(f"{numel:>9} {floor_us:>9.1f} {barrier_us:>10.1f} {sim_us:>11.1f} {gloo_us:>9.1f} "
               f"{sim_us / floor_us:>8.2f}x {gloo_us / sim_us:>8.1f}x")
+    backend_table(_iterations(1024, args.quick), args.repeats)
 
 
 if __name__ == "__main__":

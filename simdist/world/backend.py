@@ -102,71 +102,89 @@ class DoneWork(dist.Work):
 # -- reduce ops --------------------------------------------------------------------
 
 
-def op_name(op: Any) -> str:
-    """``SUM``, ``AVG``, ..., ``PREMUL_SUM`` for a ``dist.ReduceOp`` or its ``RedOpType``."""
+class Op:
+    """A ``dist.ReduceOp`` resolved once per call: its name, how errors show it, simdist's `ReduceOp`."""
+
+    __slots__ = ("factor", "name", "reduce_op", "shown")
+
+    def __init__(self, name: str, factor: Any = None) -> None:
+        self.name = name
+        self.factor = factor
+        self.shown = f"op=PREMUL_SUM({factor})" if name == "PREMUL_SUM" else f"op={name}"
+        self.reduce_op = ReduceOp[name] if name in ReduceOp.__members__ else None
+
+
+_OPS: dict[Any, Op] = {}
+
+
+def resolve_op(op: Any) -> Op:
+    """The `Op` of a ``dist.ReduceOp`` (or its ``RedOpType``)."""
     kind = getattr(op, "op", op)
-    return getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
-
-
-def _shown(op: Any) -> str:
-    name = op_name(op)
+    found = _OPS.get(kind)
+    if found is not None:
+        return found
+    name = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
     if name == "PREMUL_SUM":
-        return f"op=PREMUL_SUM({getattr(op, 'factor', '?')})"
-    return f"op={name}"
+        return Op(name, getattr(op, "factor", None))
+    found = _OPS[kind] = Op(name)
+    return found
 
 
-def check_op(model: ReductionModel, op: Any, tensors: Sequence[torch.Tensor]) -> None:
+def check_op(model: ReductionModel, op: Op, tensors: Sequence[torch.Tensor]) -> None:
     """Refuse, at the call and with gloo's error type, what real gloo refuses before communicating."""
-    name = op_name(op)
-    if name in _BITWISE:
+    if op.reduce_op is not None:
+        return
+    if op.name in _BITWISE:
         for t in tensors:
             if t.is_floating_point() or t.is_complex():
-                raise RuntimeError(f"Cannot use ReduceOp.{name} with non-integral dtype")
-    elif name == "PREMUL_SUM" and isinstance(model, Gloo):
+                raise RuntimeError(f"Cannot use ReduceOp.{op.name} with non-integral dtype")
+    elif op.name == "PREMUL_SUM" and isinstance(model, Gloo):
         raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
 
 
-def _premul(tensors: Sequence[torch.Tensor], op: Any) -> list[torch.Tensor]:
-    factor = op.factor
-    return [t * torch.as_tensor(factor, dtype=t.dtype, device=t.device) for t in tensors]
+def _model_op(op: Op) -> ReduceOp:
+    """simdist's `ReduceOp` for ``op``; the model refuses the ops it does not model (``ValueError``)."""
+    return op.reduce_op if op.reduce_op is not None else ReduceOp.coerce(op.name)
 
 
-def reduce_all(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
+def _premul(tensors: Sequence[torch.Tensor], op: Op) -> list[torch.Tensor]:
+    return [t * torch.as_tensor(op.factor, dtype=t.dtype, device=t.device) for t in tensors]
+
+
+def reduce_all(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
     """The all-reduce of the members' ``tensors`` under ``op``."""
-    name = op_name(op)
-    if name in _BITWISE:
-        return functools.reduce(_BITWISE[name], tensors).clone()
-    if name == "PREMUL_SUM":
+    if op.reduce_op is not None:
+        return model.reduce(tensors, op.reduce_op)
+    if op.name in _BITWISE:
+        return functools.reduce(_BITWISE[op.name], tensors).clone()
+    if op.name == "PREMUL_SUM":
         return model.reduce(_premul(tensors, op), ReduceOp.SUM)
-    return model.reduce(tensors, ReduceOp.coerce(name))
+    return model.reduce(tensors, _model_op(op))
 
 
-def reduce_root(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Any, root: int) -> torch.Tensor:
+def reduce_root(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Op, root: int) -> torch.Tensor:
     """What ``dist.reduce`` leaves on group rank ``root``."""
-    name = op_name(op)
     reduce_to = getattr(model, "reduce_to", None)
-    if name in _BITWISE or name == "PREMUL_SUM" or reduce_to is None:
+    if op.name in _BITWISE or op.name == "PREMUL_SUM" or reduce_to is None:
         return reduce_all(model, tensors, op)
-    return reduce_to(tensors, ReduceOp.coerce(name), root)
+    return reduce_to(tensors, _model_op(op), root)
 
 
-def reduce_blocks(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
+def reduce_blocks(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
     """reduce_scatter_tensor: ``[n, numel / n]`` blocks, block ``i`` for group rank ``i``."""
-    name = op_name(op)
     n = len(tensors)
-    if name in _BITWISE:
+    if op.name in _BITWISE:
         return reduce_all(model, [t.reshape(-1) for t in tensors], op).reshape(n, -1)
-    if name == "PREMUL_SUM":
+    if op.name == "PREMUL_SUM":
         return model.reduce_scatter(_premul(tensors, op), ReduceOp.SUM)
-    return model.reduce_scatter(tensors, ReduceOp.coerce(name))
+    return model.reduce_scatter(tensors, _model_op(op))
 
 
-def reduce_list(model: ReductionModel, lists: Sequence[Sequence[torch.Tensor]], op: Any) -> list[torch.Tensor]:
+def reduce_list(model: ReductionModel, lists: Sequence[Sequence[torch.Tensor]], op: Op) -> list[torch.Tensor]:
     """List reduce_scatter: entry ``i`` of every member's list reduced, for group rank ``i``."""
-    name = op_name(op)
     method = getattr(model, "reduce_scatter_list", None)
-    if method is not None and name not in _BITWISE and name != "PREMUL_SUM":
-        return list(method(lists, ReduceOp.coerce(name)))
+    if method is not None and op.name not in _BITWISE and op.name != "PREMUL_SUM":
+        return list(method(lists, _model_op(op)))
     n = len(lists)
     return [reduce_all(model, [lst[i] for lst in lists], op) for i in range(n)]
 
@@ -221,6 +239,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self.label = label
         self.model = model
         self.transport = transport
+        self.key = (name, ranks)  # the group's call sequence in the engine
 
     # -- identity ---------------------------------------------------------------
 
@@ -257,7 +276,7 @@ class SimProcessGroup(dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        op = (opts or dist.AllreduceOptions()).reduceOp
+        op = resolve_op((opts or dist.AllreduceOptions()).reduceOp)
         check_op(self.model, op, tensors)
         model = self.model
 
@@ -267,11 +286,11 @@ class SimProcessGroup(dist.ProcessGroup):
                 for i in targets:
                     calls[i].inputs[k].copy_(result)
 
-        call = self._call("all_reduce", (_shown(op), *_meta(tensors)), tuple(tensors))
+        call = self._call("all_reduce", (op.shown, *_meta(tensors)), tuple(tensors))
         return self._run(call, complete, list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op = (opts or dist.AllreduceCoalescedOptions()).reduceOp
+        op = resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
         check_op(self.model, op, tensors)
         model = self.model
         sizes = [t.numel() for t in tensors]
@@ -283,12 +302,12 @@ class SimProcessGroup(dist.ProcessGroup):
                 for t, piece in zip(calls[i].inputs, pieces, strict=True):
                     t.copy_(piece.view(t.shape))
 
-        call = self._call("all_reduce_coalesced", (_shown(op), *_meta(tensors)), tuple(tensors))
+        call = self._call("all_reduce_coalesced", (op.shown, *_meta(tensors)), tuple(tensors))
         return self._run(call, complete, list(tensors))
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        op, root = opts.reduceOp, opts.rootRank
+        op, root = resolve_op(opts.reduceOp), opts.rootRank
         check_op(self.model, op, tensors)
         model = self.model
 
@@ -298,7 +317,7 @@ class SimProcessGroup(dist.ProcessGroup):
             for k in range(len(tensors)):
                 calls[root].inputs[k].copy_(reduce_root(model, [c.inputs[k] for c in calls], op, root))
 
-        call = self._call("reduce", (_shown(op), f"dst={self.ranks[root]}", *_meta(tensors)), tuple(tensors))
+        call = self._call("reduce", (op.shown, f"dst={self.ranks[root]}", *_meta(tensors)), tuple(tensors))
         return self._run(call, complete, list(tensors))
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -312,7 +331,7 @@ class SimProcessGroup(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, name):
-        op = (opts or dist.ReduceScatterOptions()).reduceOp
+        op = resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
         check_op(self.model, op, inputs)
         n, model = self._group_size, self.model
         for out, inp in zip(outputs, inputs, strict=True):
@@ -329,11 +348,11 @@ class SimProcessGroup(dist.ProcessGroup):
                     out = calls[i].outputs[k]
                     out.copy_(blocks[i].view(out.shape))
 
-        call = self._call(name, (_shown(op), *_meta(inputs)), tuple(inputs), tuple(outputs))
+        call = self._call(name, (op.shown, *_meta(inputs)), tuple(inputs), tuple(outputs))
         return self._run(call, complete, list(outputs))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = (opts or dist.ReduceScatterOptions()).reduceOp
+        op = resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
         check_op(self.model, op, [t for lst in input_tensors for t in lst])
         model = self.model
 
@@ -344,7 +363,7 @@ class SimProcessGroup(dist.ProcessGroup):
                     calls[i].outputs[k].copy_(blocks[i])
 
         inputs = tuple(list(lst) for lst in input_tensors)
-        details = (_shown(op), *_meta([t for lst in input_tensors for t in lst]))
+        details = (op.shown, *_meta([t for lst in input_tensors for t in lst]))
         call = self._call("reduce_scatter", details, inputs, tuple(output_tensors))
         return self._run(call, complete, list(output_tensors))
 
