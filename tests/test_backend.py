@@ -255,3 +255,15 @@ def test_the_tp_mlp_program_runs_and_the_world_is_restored():
     import torch.distributed.distributed_c10d as c10d
 
     assert type(c10d._world) is c10d._World
+
+
+def test_the_readme_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Run your own distributed code", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert len(namespace["grads"]) == 4
