@@ -164,13 +164,17 @@ def backend_table(iters: int, repeats: int) -> None:
     local = local_tensor(numel, max(10, iters // 4), repeats)
     local_us = statistics.median(local) * 1e6 if local else float("nan")
     print(f"\n{numel} fp32 elements, 4 ranks in one process, dist.all_reduce unless noted (us per all_reduce)")
-    print(f"{'floor':>8} {'SimWorld':>9} {'backend':>8} {'threaded':>9} {'LocalT':>8}   "
-          f"{'backend/Sim':>11} {'backend/floor':>13} {'threaded/backend':>16} {'LocalT/backend':>14}")
+    print(
+        f"{'floor':>8} {'SimWorld':>9} {'backend':>8} {'threaded':>9} {'LocalT':>8}   "
+        f"{'backend/Sim':>11} {'backend/floor':>13} {'threaded/backend':>16} {'LocalT/backend':>14}"
+    )
     local_text = f"{local_us:>8.1f}" if local else f"{'n/a':>8}"
     local_ratio = f"{local_us / backend_us:>13.2f}x" if local else f"{'n/a':>14}"
-    print(f"{floor_us:>8.1f} {sim_us:>9.1f} {backend_us:>8.1f} {threaded_us:>9.1f} {local_text}   "
-          f"{backend_us / sim_us:>10.2f}x {backend_us / floor_us:>12.2f}x {threaded_us / backend_us:>15.2f}x "
-          f"{local_ratio}")
+    print(
+        f"{floor_us:>8.1f} {sim_us:>9.1f} {backend_us:>8.1f} {threaded_us:>9.1f} {local_text}   "
+        f"{backend_us / sim_us:>10.2f}x {backend_us / floor_us:>12.2f}x {threaded_us / backend_us:>15.2f}x "
+        f"{local_ratio}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,11 +198,15 @@ def main(argv: list[str] | None = None) -> None:
         gloo_us = statistics.median(gloo_laps) * 1e6
         rows.append((numel, floor_us, barrier_us, sim_us, gloo_us))
     print(f"all_reduce fp32 SUM on 4 ranks, gloo order; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'elements':>9} {'floor us':>9} {'barrier us':>10} {'SimWorld us':>11} {'gloo us':>9} "
-          f"{'Sim/floor':>9} {'gloo/Sim':>9}")
+    print(
+        f"{'elements':>9} {'floor us':>9} {'barrier us':>10} {'SimWorld us':>11} {'gloo us':>9} "
+        f"{'Sim/floor':>9} {'gloo/Sim':>9}"
+    )
     for numel, floor_us, barrier_us, sim_us, gloo_us in rows:
-        print(f"{numel:>9} {floor_us:>9.1f} {barrier_us:>10.1f} {sim_us:>11.1f} {gloo_us:>9.1f} "
-              f"{sim_us / floor_us:>8.2f}x {gloo_us / sim_us:>8.1f}x")
+        print(
+            f"{numel:>9} {floor_us:>9.1f} {barrier_us:>10.1f} {sim_us:>11.1f} {gloo_us:>9.1f} "
+            f"{sim_us / floor_us:>8.2f}x {gloo_us / sim_us:>8.1f}x"
+        )
     backend_table(_iterations(1024, args.quick), args.repeats)
 
 

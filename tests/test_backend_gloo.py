@@ -2,12 +2,10 @@
 
 The programs (tests/backend_programs.py) know nothing of simdist. The TP-MLP
 check runs in the default suite (it is the one real-gloo check kept there);
-DTensor and FSDP2 against real gloo are slow (``HYPOTHESIS_PROFILE=nightly``).
+DTensor and FSDP2 against real gloo are marked slow (``pytest --run-slow``).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -17,10 +15,6 @@ import simdist
 from simdist.world.launch import RankFailure, spawn_procs
 
 pytestmark = pytest.mark.gloo
-
-slow = pytest.mark.skipif(
-    os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci", reason="slow: runs with HYPOTHESIS_PROFILE=nightly"
-)
 
 N = 4
 
@@ -54,20 +48,17 @@ def _mismatch(rank):
     dist.all_reduce(t)
 
 
-@slow
 @pytest.mark.slow
 def test_process_mode_reports_a_mismatch_with_every_site():
     with pytest.raises(RankFailure, match=r"rank 1: all_reduce\(.*shape=\(3,\)"):
         spawn_procs(_mismatch, 2, backend="simdist", timeout_s=60)
 
 
-@slow
 @pytest.mark.slow
 def test_dtensor_on_a_2x2_mesh_equals_real_gloo():
     _assert_same(simdist.spawn(dtensor_2x2, N), spawn_procs(dtensor_2x2, N, backend="gloo"), "DTensor vs gloo")
 
 
-@slow
 @pytest.mark.slow
 def test_fsdp2_mixed_precision_three_steps_equal_real_gloo():
     _assert_same(simdist.spawn(fsdp2_steps, N), spawn_procs(fsdp2_steps, N, backend="gloo"), "FSDP2 vs gloo")

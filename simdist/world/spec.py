@@ -66,8 +66,7 @@ class ParallelSpec:
             raise ValueError(f"ep_layout={self.ep_layout!r} is unknown; valid: {', '.join(EP_LAYOUTS)}")
         if self.world_size % self.pp:
             raise ValueError(
-                f"pp={self.pp} must divide world_size={self.world_size}; "
-                f"valid pp values: {_divisors(self.world_size)}"
+                f"pp={self.pp} must divide world_size={self.world_size}; valid pp values: {_divisors(self.world_size)}"
             )
         stage = self.world_size // self.pp
         if stage % self.tp:
