@@ -1,4 +1,4 @@
-"""Error growth: the batched emulation is bitwise the SimWorld gradient path; runs resume bitwise; CLI."""
+"""Error growth: batched runs at any layout, states are the batched engine's, runs resume bitwise; CLI."""
 
 from __future__ import annotations
 
@@ -16,18 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from simdist.cli import main
+from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.catalogue import get_policy
-from simdist.gradpath.oracle import FP32_ORACLE
-from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.path import PathConfig
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
-from simdist.numerics.floats import bitwise_equal, ulp_distance
+from simdist.numerics.floats import ulp_distance
 from simdist.reduce.gloo import Gloo
 from simdist.studies.growth import (
     COLUMNS,
     FILES,
     MOE_COLUMNS,
     BatchedGradients,
-    Ensemble,
     GrowthConfig,
     Reference,
     divergence,
@@ -35,65 +34,34 @@ from simdist.studies.growth import (
     run_growth,
 )
 from simdist.studies.growth.run import _Interrupted
-from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
-CAPTURES = ("master", "adam_m", "adam_v", "param")
 
 
-def _simworld(policy, stream, seed_index, seed, steps, gas, marker):
-    config = PathConfig(steps=steps, gas=gas, seed=seed, marker=marker)
-    return SimWorld(SPEC, default_model=Gloo()).run(
-        train_rank, list(DEFAULT_PARAMS), InitialWeights(SPEC, seed), stream.local(seed_index), policy, config,
-        frozenset(CAPTURES))
+@pytest.mark.parametrize("world", [ParallelSpec(8, tp=2, ep=2), ParallelSpec(8, tp=4, ep=2)])
+def test_growth_runs_at_world_8(tmp_path, world):
+    """DP4 (TP2 on 8 ranks) and TP4 on 8: groups of four ranks, summed in gloo's order."""
+    config = GrowthConfig(steps=6, seeds=2, world_size=world.world_size, tp=world.tp, ep=world.ep)
+    summary = run_growth(config, tmp_path, progress=False, plot=False)
+    assert summary["policies"]["fp32_staging"]["bitwise_equal_to_oracle"] is True
+    _, metrics = read_metrics(tmp_path / FILES["metrics"])
+    assert metrics.shape == (6, 3, 2, len(COLUMNS))
+    assert (metrics[-1, 0, :, COLUMNS.index("master_rel")] > 0).all()
 
 
-@pytest.mark.parametrize(
-    ("name", "gas", "marker"),
-    [
-        ("bf16_writeback", 1, "deepspeed"),
-        ("fp32_staging", 1, "deepspeed"),
-        ("bf16_only", 1, "deepspeed"),
-        ("oracle", 1, "per_micro_step"),
-        ("stochastic_writeback", 1, "deepspeed"),
-        ("bf16_writeback", 2, "deepspeed"),
-        ("megatron_grad_reduce_fp32", 2, "per_micro_step"),
-        ("fsdp2_reduce_dtype", 1, "deepspeed"),
-    ],
-)
-def test_batched_emulation_is_bitwise_the_simworld_path(name, gas, marker):
-    """Every step's masters, Adam moments and BF16 params of every rank and seed equal train_rank's bits."""
-    policy = FP32_ORACLE if name == "oracle" else get_policy(name)
-    seeds, steps = [3, 11], 3
-    stream = BatchedGradients(SPEC, DEFAULT_PARAMS, seeds)
-    ensemble = Ensemble(policy, SPEC, DEFAULT_PARAMS, seeds, gas, marker)
-    batched = []
-    for step in range(steps):
-        ensemble.run_step(lambda micro, step=step: stream.draw(step, micro))
-        batched.append({c: ensemble.per_param("lp" if c == "param" else c) for c in CAPTURES})
-    for s, seed in enumerate(seeds):
-        traces = _simworld(policy, stream, s, seed, steps, gas, marker)
-        for step in range(steps):
-            for rank, trace in enumerate(traces):
-                for p in DEFAULT_PARAMS:
-                    for capture in CAPTURES:
-                        expected = trace.get(step, -1, p.name, capture)
-                        actual = batched[step][capture][p.name][s, rank]
-                        assert bitwise_equal(actual, expected), (name, seed, step, rank, p.name, capture)
-
-
-def test_the_comparison_is_not_vacuous():
-    """bf16_writeback departs from the oracle (so bitwise agreement above says something); fp32_staging does not."""
-    seeds = [0, 1]
-    stream = BatchedGradients(SPEC, DEFAULT_PARAMS, seeds)
-    runs = {n: Ensemble(get_policy(n), SPEC, DEFAULT_PARAMS, seeds) for n in ("bf16_writeback", "fp32_staging")}
-    oracle = Ensemble(FP32_ORACLE, SPEC, DEFAULT_PARAMS, seeds, marker="per_micro_step")
-    for step in range(3):
-        for run in (*runs.values(), oracle):
-            run.run_step(lambda micro, step=step: stream.draw(step, micro))
-    assert not torch.equal(runs["bf16_writeback"].master, oracle.master)
-    assert bitwise_equal(runs["fp32_staging"].master, oracle.master)
+def test_growth_states_are_the_batched_paths_states(tmp_path):
+    """The checkpointed masters are `BatchedPath`'s (which `tests/test_gradpath_batched.py` ties to train_rank)."""
+    config = GrowthConfig(policies=("bf16_writeback",), steps=4, seeds=2, checkpoint_every=4)
+    run_growth(config, tmp_path, progress=False, plot=False)
+    saved = load_file(str(tmp_path / FILES["checkpoint"]))
+    stream = BatchedGradients(SPEC, DEFAULT_PARAMS, [0, 1])
+    initial = [InitialWeights(SPEC, s) for s in (0, 1)]
+    path = BatchedPath(SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=4), initial, [0, 1],
+                       default_model=Gloo())
+    path.run(stream.draw)
+    for key, value in path.state().items():
+        assert torch.equal(_raw(saved[f"run1.{key}"]), _raw(value)), key
 
 
 def test_dense_gradients_are_identical_on_tp_peers_and_seeds_differ():
@@ -222,7 +190,7 @@ def test_cli_growth_writes_metrics_plot_and_summary(tmp_path, capsys):
     ("argv", "needle"),
     [
         (["--policies", "nope"], "unknown policy"),
-        (["--tp", "4"], "at most 2 ranks"),
+        (["--tp", "3"], "tp=3 must divide"),
     ],
 )
 def test_cli_growth_bad_input_is_one_line(tmp_path, capsys, argv, needle):

@@ -57,9 +57,10 @@ def test_every_registered_policy_prints_a_consistent_chain_for_every_family():
 
 def test_router_chains_of_the_writeback_and_the_fix():
     router = Family.ROUTER_GATE_REPLICATED
+    boundary = " | boundary: fp32 -> all_reduce[dp] -> *1/dp -> adamw(fp32)"
     writeback = "bf16 -> fp32 -> all_reduce[tp] -> /2 -> bf16 -> fp32 -> +=hp"
-    assert get_policy("bf16_writeback").chain(router, 2) == writeback
-    assert get_policy("fp32_staging").chain(router, 2) == "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp"
+    assert get_policy("bf16_writeback").chain(router, 2) == writeback + boundary
+    assert get_policy("fp32_staging").chain(router, 2) == "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp" + boundary
 
 
 def test_an_unknown_policy_name_raises_listing_the_valid_names():
@@ -76,7 +77,8 @@ def test_a_policy_registered_in_a_test_runs_through_the_repro_path():
     config = ReproConfig(policies=("bf16_writeback", "fp32_staging", PRESCALED.name), steps=2)
     reports, verdict = reproduce(config)
     report = next(r for r in reports if r.name == PRESCALED.name)
-    assert report.chains["router.weight"] == "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp"
+    assert report.chains["router.weight"] == (
+        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp | boundary: fp32 -> *1/dp -> all_reduce[dp] -> adamw(fp32)")
     assert report.rows and all(r.bitwise_equal for r in report.rows)
     assert all(d is None for d in report.first_divergence.values())
     assert verdict.reproduced, verdict

@@ -85,8 +85,14 @@ _CORRECTIONS = {
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter as a rank holds it: name, folding family and local shape."""
+    """One parameter as a rank holds it: name, folding family and local shape.
+
+    ``frozen`` parameters get no gradient (a gradient source must not deliver
+    one) and no optimizer step; every other parameter must get a gradient on
+    every micro-step.
+    """
 
     name: str
     family: Family
     shape: tuple[int, ...]
+    frozen: bool = False

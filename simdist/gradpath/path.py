@@ -4,7 +4,7 @@
 on `TorchComm` alike. Per optimizer step it does what DeepSpeed does, with
 each precision choice taken from a `Policy`:
 
-Every micro-step, for every parameter with a gradient (``_update_hp_grad``):
+Every micro-step, for every parameter (``_update_hp_grad``):
   1. unless the correction-once marker is set, apply the family's TP
      correction (the policy's stages: staging cast, all_reduce[tp], ``/tp``,
      writeback) and set the marker;
@@ -37,24 +37,37 @@ skips a parameter whose marker is set and sets it after correcting. Who clears i
 
 ``marker="per_micro_step"`` clears it after every micro-step on either path, which is what the
 oracles and the intended semantics do.
+
+The stage logic is written once, in `simdist.gradpath.kernel.GradPath`; `train_rank` is its per-rank
+adapter (`CommOps`: collectives on the rank's process groups) and `simdist.gradpath.batched.BatchedPath`
+its rank-batched one. Inputs are strict: ``marker`` and ``update_path`` are `Marker` / `UpdatePath`
+values (or their strings; anything else raises ``ValueError`` listing the valid ones); a delivered
+gradient must have the parameter's dtype (``policy.grad_dtype``) and shape, be delivered once per
+micro-step, and every parameter not declared frozen (``ParamSpec(..., frozen=True)``) must get one on
+every micro-step -- else ``ValueError`` naming the parameter, what was expected and what was got.
 """
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from simdist.gradpath.families import Correction, Family, ParamSpec
-from simdist.gradpath.policy import Policy, Stage
-from simdist.gradpath.probes import BOUNDARY, Trace
+from simdist.gradpath.families import ParamSpec
+from simdist.gradpath.kernel import GradPath, Marker, UpdatePath, adamw_step, coerce
+from simdist.gradpath.policy import Policy, predivide_factor
+from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
-from simdist.reduce import ReduceOp
+from simdist.reduce import ReduceOp, ReductionModel
 from simdist.world.groups import Comm
+
+__all__ = [
+    "AdamW", "CommOps", "GradPath", "GradientSource", "LocalGrads", "Marker", "PathConfig", "UpdatePath",
+    "adamw_step", "predivide_factor", "stochastic_generator", "train_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -75,14 +88,17 @@ class PathConfig:
     steps: int = 3
     gas: int = 1
     max_norm: float = 0.0
-    marker: Literal["deepspeed", "per_micro_step"] = "deepspeed"
-    update_path: Literal["epilogue", "hooks"] = "epilogue"
+    marker: Marker = Marker.DEEPSPEED
+    update_path: UpdatePath = UpdatePath.EPILOGUE
     seed: int = 0
     adam: AdamW = field(default_factory=AdamW)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.gas < 1:
             raise ValueError(f"steps and gas must be >= 1, got steps={self.steps}, gas={self.gas}")
+        # strings are accepted and checked: a typo raises instead of running as the default
+        object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
+        object.__setattr__(self, "update_path", coerce(UpdatePath, self.update_path, "update_path"))
 
 
 LocalGrads = Callable[[int, int, int, ParamSpec], torch.Tensor]
@@ -112,16 +128,44 @@ class GradientSource(Protocol):
     ) -> None: ...
 
 
-@dataclass
-class _ParamState:
-    spec: ParamSpec
-    lp: torch.Tensor
-    master: torch.Tensor
-    m: torch.Tensor
-    v: torch.Tensor
-    hp: torch.Tensor
-    marker: bool = False
-    has_grad: bool = False
+class CommOps:
+    """`simdist.gradpath.kernel.Ops` over a `Comm`: one rank's tensors, collectives on its process groups.
+
+    Works on `SimWorld` threads and on `TorchComm` (real torch.distributed process groups) alike.
+    """
+
+    batch: tuple[int, ...] = ()
+
+    def __init__(self, comm: Comm, seed: int) -> None:
+        self.comm, self.seed = comm, seed
+        self.rank = comm.get_rank()
+        self.groups = {kind: comm.group(kind) for kind in ("tp", "dp", "edp", "ep")}
+        self.tp_root = self.groups["tp"].rank_of(self.rank) == 0
+
+    def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
+        group = self.groups[kind]
+        if model is not None:  # the policy's own order: gather every member's value (exact), then model's sum
+            gathered = torch.empty((group.size, *value.shape), dtype=value.dtype, device=value.device)
+            self.comm.all_gather_into_tensor(gathered, value.contiguous(), group=group)
+            return model.reduce(gathered)
+        out = value.clone()
+        self.comm.all_reduce(out, op=ReduceOp.SUM, group=group)
+        return out
+
+    def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:
+        step, micro, index = key
+        return stochastic_round(value, dtype, stochastic_generator(self.seed, step, micro, self.rank, index))
+
+    def on_tp_root(self, value: torch.Tensor) -> torch.Tensor | None:
+        return value if self.tp_root else None
+
+    def grad_norm(self, total: torch.Tensor) -> float:
+        return float(total.item()) ** 0.5
+
+
+def stochastic_generator(seed: int, step: int, micro: int, rank: int, index: int) -> torch.Generator:
+    """The generator of stochastic rounding for one rank, step, micro-step and parameter index."""
+    return torch.Generator().manual_seed(zlib.crc32(repr((seed, step, micro, rank, index)).encode()))
 
 
 def train_rank(
@@ -133,200 +177,40 @@ def train_rank(
     config: PathConfig,
     keep: frozenset[str] | None = None,
 ) -> Trace:
-    """Run ``config.steps`` optimizer steps of the gradient path on this rank; return its captures."""
-    rank = comm.get_rank()
-    tp_group, tp = comm.group("tp"), comm.get_world_size(comm.group("tp"))
-    dense_dp = comm.get_world_size(comm.group("dp"))
+    """Run ``config.steps`` optimizer steps of the gradient path on this rank; return its captures.
+
+    The stage logic is `simdist.gradpath.kernel.GradPath`; this is its per-rank adapter (`CommOps`).
+    """
+    ops = CommOps(comm, config.seed)
+    rank = ops.rank
     trace = Trace(rank, keep)
-    states = []
-    for p in params:
-        lp = initial(rank, p).to(policy.grad_dtype)
-        states.append(
-            _ParamState(
-                p,
-                lp,
-                lp.to(policy.master),
-                torch.zeros(p.shape, dtype=policy.moments),
-                torch.zeros(p.shape, dtype=policy.moments),
-                torch.zeros(p.shape, dtype=policy.accumulate),
-            )
-        )
-    by_name = {s.spec.name: s for s in states}
-    index = {s.spec.name: i for i, s in enumerate(states)}
-    hooks = config.update_path == "hooks"
+    lp = torch.cat([initial(rank, p).to(policy.grad_dtype).reshape(-1) for p in params]) if params else \
+        torch.zeros(0, dtype=policy.grad_dtype)
+    tp = comm.get_world_size(ops.groups["tp"])
+    dp = comm.get_world_size(ops.groups["dp"])
+
+    def scalar(step: int, name: str, value: float) -> None:
+        trace.scalars[(step, name)] = value
+
+    path = GradPath(ops, params, policy, config, lp, tp, dp, trace.capture, scalar)
+    hooks = config.update_path is UpdatePath.HOOKS
     for step in range(config.steps):
         for micro in range(config.gas):
+            path.begin_micro()
 
             def deliver(name: str, grad: torch.Tensor, step=step, micro=micro) -> None:
-                s = by_name[name]
-                grad = grad.to(policy.grad_dtype)
-                trace.capture(step, micro, name, "local", grad)
-                where = (step, micro, rank, index[name])
-                _update_hp_grad(comm, tp_group, tp, dense_dp, s, grad, policy, config, trace, where)
-                if hooks:  # accumulate_hp_grads_and_remove_lp clears the marker after every hook call
-                    s.marker = False
+                path.deliver(name, grad, step, micro)
 
             if isinstance(local_grads, GradientSource):
-                lp = {name: s.lp for name, s in by_name.items()}
-                local_grads.backward(comm, step, micro, lp, deliver, hooks)
+                local_grads.backward(comm, step, micro, path.params("lp"), deliver, hooks)
             else:
-                for s in reversed(states) if hooks else states:
-                    deliver(s.spec.name, local_grads(step, micro, rank, s.spec))
-            if config.marker == "per_micro_step":
-                for s in states:
-                    s.marker = False
-        _boundary(comm, tp_group, tp, dense_dp, states, policy, config, trace, step)
+                for slot in path.delivery_order():
+                    deliver(slot.spec.name, local_grads(step, micro, rank, slot.spec))
+            path.end_micro(step, micro)
+        path.boundary(step)
     return trace
 
 
-def _update_hp_grad(comm, tp_group, tp, dense_dp, s: _ParamState, grad, policy, config, trace, where) -> None:
-    step, micro, rank, index = where
-    correction = s.spec.family.correction(tp)
-    stages = _micro_step_stages(policy, correction, tp)
-    correcting = not s.marker and correction is not Correction.SKIP
-    if not correcting:
-        stages = _uncorrected(policy, grad.dtype)
-    value = grad
-    for stage in stages:
-        if stage.kind == "accumulate":
-            if policy.dp_at == "micro_step":
-                value = _dp_reduce(comm, value, s.spec.family, dense_dp, policy)
-            s.hp.add_(value)
-            s.has_grad = True
-        else:
-            value = _apply(comm, tp_group, stage, value, policy, seed=(config.seed, step, micro, rank, index))
-        if stage.capture:
-            trace.capture(step, micro, s.spec.name, stage.capture, s.hp if stage.kind == "accumulate" else value)
-    if correcting and policy.correct_at == "micro_step":
-        s.marker = True
-
-
-@functools.lru_cache(maxsize=1024)
-def _micro_step_stages(policy: Policy, correction: Correction, tp: int) -> tuple[Stage, ...]:
-    """`Policy.stages_for`, derived once per policy, correction and TP size (it runs every micro-step)."""
-    return tuple(policy.stages_for(correction, tp))
-
-
-def _uncorrected(policy: Policy, dtype: torch.dtype) -> list[Stage]:
-    """A micro-step that skips the TP correction: cast to the buffer dtype and accumulate."""
-    stages = [Stage("cast", "", policy.accumulate)] if dtype != policy.accumulate else []
-    return [*stages, Stage("accumulate", "hp", policy.accumulate)]
-
-
-def _apply(comm, tp_group, stage: Stage, value: torch.Tensor, policy: Policy, seed) -> torch.Tensor:
-    if stage.kind == "cast":
-        if stage.rounding == "stochastic":
-            return stochastic_round(value, stage.dtype, _generator(seed))
-        return value.to(stage.dtype)
-    if stage.kind == "all_reduce":
-        if policy.tp_model is not None:
-            return _all_reduce_with(policy.tp_model, comm, tp_group, value)
-        value = value.clone()
-        comm.all_reduce(value, op=ReduceOp.SUM, group=tp_group)
-        return value
-    if stage.kind == "divide":
-        return value / stage.divisor
-    raise ValueError(f"unknown stage kind {stage.kind!r}")
-
-
-def _all_reduce_with(model, comm, group, value: torch.Tensor) -> torch.Tensor:
-    """An all-reduce in the policy's own order: gather every member's value (exact), then ``model``'s sum."""
-    gathered = torch.empty((group.size, *value.shape), dtype=value.dtype, device=value.device)
-    comm.all_gather_into_tensor(gathered, value.contiguous(), group=group)
-    return model.reduce(gathered)
-
-
-def _generator(seed: tuple) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
-
-
-def _dp_reduce(comm, value: torch.Tensor, family: Family, dense_dp: int, policy: Policy) -> torch.Tensor:
-    """Data-parallel reduction: over dp (dense) or edp (experts), normalised by the dense DP size."""
-    group = comm.group(family.dp_group)
-    x = value.to(policy.dp_reduce, copy=True)
-    if policy.dp_scale == "prescale":
-        x.mul_(1.0 / dense_dp)
-        comm.all_reduce(x, op=ReduceOp.SUM, group=group)
-    elif policy.dp_scale == "pre_post_divide":
-        pre = _predivide_factor(dense_dp)
-        x.div_(pre)
-        comm.all_reduce(x, op=ReduceOp.SUM, group=group)
-        x.div_(dense_dp / pre)
-    else:
-        comm.all_reduce(x, op=ReduceOp.SUM, group=group)
-        x.mul_(1.0 / dense_dp)
-    return x.to(value.dtype)
-
-
-def _predivide_factor(world: int) -> int:
-    """FSDP's split of ``1/world`` into a pre- and post-divide factor (powers of two)."""
-    factor = 1
-    while world % factor == 0 and world / factor > factor:
-        factor *= 2
-    return factor
-
-
-def _boundary(comm, tp_group, tp, dense_dp, states: list[_ParamState], policy, config, trace, step) -> None:
-    for s in states:  # the engine's folding pass at the boundary: it only clears markers that are set
-        s.marker = False
-    for s in states:
-        for stage in policy.boundary_stages(s.spec.family, tp):
-            s.hp.copy_(_apply(comm, tp_group, stage, s.hp, policy, seed=(config.seed, step, BOUNDARY, 0, 0)))
-        if policy.correct_at == "boundary":
-            trace.capture(step, BOUNDARY, s.spec.name, "boundary_corrected", s.hp)
-        if policy.dp_at == "boundary":
-            s.hp.copy_(_dp_reduce(comm, s.hp, s.spec.family, dense_dp, policy))
-        trace.capture(step, BOUNDARY, s.spec.name, "dp_reduced", s.hp)
-    norm = global_norm(comm, states, tp_group)
-    trace.scalars[(step, "grad_norm")] = norm
-    if config.max_norm > 0:
-        coef = config.max_norm / (norm + 1e-6)
-        if coef < 1:
-            for s in states:
-                s.hp.mul_(coef)
-    for s in states:
-        trace.capture(step, BOUNDARY, s.spec.name, "clipped", s.hp)
-        adamw_step(s.master, s.hp.to(s.master.dtype), s.m, s.v, step + 1, config.adam)
-        s.lp.copy_(s.master)  # round to nearest even into the low-precision parameter
-        for stage, value in (("master", s.master), ("adam_m", s.m), ("adam_v", s.v), ("param", s.lp)):
-            trace.capture(step, BOUNDARY, s.spec.name, stage, value)
-        s.hp.zero_()
-        s.has_grad = False
-
-
-def global_norm(comm, states: list[_ParamState], tp_group) -> float:
-    """DeepSpeed's de-duplicated global L2 norm of the high-precision gradients, as a Python float.
-
-    Replicated parameters count on TP rank 0 only; model-parallel and expert
-    parameters on every rank. Squared norms are summed in fp32, dense ones
-    all-reduced over TP and expert ones over EP, and the two norms combined
-    in double precision.
-    """
-    tp_rank = tp_group.rank_of(comm.get_rank())
-    dense = torch.zeros(1, dtype=torch.float32)
-    expert = torch.zeros(1, dtype=torch.float32)
-    for s in states:
-        if not s.has_grad or not (tp_rank == 0 or s.spec.family.counted_on_every_tp_rank):
-            continue
-        square = s.hp.float().norm(2) ** 2
-        (expert if s.spec.family is Family.EXPERT else dense).add_(square)
-    comm.all_reduce(dense, group=tp_group)
-    comm.all_reduce(expert, group=comm.group("ep"))
-    norms = torch.cat([dense.sqrt(), expert.sqrt()])
-    return float((norms**2).sum().item()) ** 0.5
-
-
-def adamw_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h: AdamW) -> None:
-    """One AdamW step in the parameter's dtype, in FusedAdam's AdamW-mode order of operations.
-
-    ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
-    ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p)`` with
-    ``bc_i = 1 - b_i**step`` computed in double and used in the tensor dtype.
-    """
-    bc1 = 1.0 - h.beta1**step
-    bc2 = 1.0 - h.beta2**step
-    m.mul_(h.beta1).add_(g.to(m.dtype), alpha=1.0 - h.beta1)
-    v.mul_(h.beta2).addcmul_(g.to(v.dtype), g.to(v.dtype), value=1.0 - h.beta2)
-    denom = (v.to(p.dtype) / bc2).sqrt_().add_(h.eps)
-    update = (m.to(p.dtype) / bc1).div_(denom).add_(p, alpha=h.weight_decay)
-    p.add_(update, alpha=-h.lr)
+def global_norm(path: GradPath) -> float | torch.Tensor:
+    """DeepSpeed's de-duplicated global L2 norm of a path's high-precision gradients (see `GradPath.global_norm`)."""
+    return path.global_norm()

@@ -43,26 +43,39 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the gradient path: ``kind`` in cast, all_reduce, divide, accumulate.
+    """One step of the gradient path: ``kind`` in cast, all_reduce, divide, scale, accumulate.
+
+    * ``cast`` -- round to ``dtype`` (``rounding``: nearest or stochastic);
+    * ``all_reduce`` -- SUM over the rank's group of kind ``group`` (tp, dp, edp) in the value's dtype;
+    * ``divide`` -- ``value / divisor``; ``scale`` -- ``value * (1 / divisor)`` (the factor is computed in
+      double and rounded to the value's dtype by torch, as ``x.mul_(1.0 / n)`` does);
+    * ``accumulate`` -- ``hp += value`` (``+=hp``).
 
     ``capture`` names the probe point after this stage (``staged``,
     ``tp_reduced``, ``corrected``, ``written_back``, ``hp``), or is empty.
+    ``symbol`` replaces the number in the label when a chain is printed
+    without a DP size (``*1/dp``).
     """
 
-    kind: Literal["cast", "all_reduce", "divide", "accumulate"]
+    kind: Literal["cast", "all_reduce", "divide", "scale", "accumulate"]
     capture: str = ""
     dtype: torch.dtype | None = None
     rounding: Rounding = "nearest"
-    divisor: int = 1
+    divisor: float = 1
+    group: str = "tp"
+    symbol: str = ""
 
     @property
     def label(self) -> str:
         if self.kind == "cast":
             return dtype_name(self.dtype) + (" (stochastic)" if self.rounding == "stochastic" else "")
         if self.kind == "all_reduce":
-            return "all_reduce[tp]"
+            return f"all_reduce[{self.group}]"
+        number = self.symbol or f"{self.divisor:g}"
         if self.kind == "divide":
-            return f"/{self.divisor}"
+            return f"/{number}"
+        if self.kind == "scale":
+            return f"*1/{number}"
         return "+=hp"
 
 
@@ -115,12 +128,19 @@ class Policy:
             stages[-1] = Stage("all_reduce", "corrected", dtype)
         return stages
 
-    def micro_step_stages(self, family: Family, tp: int) -> list[Stage]:
-        """Stages one micro-step runs for ``family`` on a TP group of ``tp`` ranks, ending in ``+=hp``."""
-        return self.stages_for(family.correction(tp), tp)
+    def micro_step_stages(self, family: Family, tp: int, dp: int | None = None) -> list[Stage]:
+        """Stages one micro-step runs for ``family`` on a TP group of ``tp`` ranks, ending in ``+=hp``.
 
-    def stages_for(self, correction: Correction, tp: int) -> list[Stage]:
-        """Stages one micro-step runs for a gradient whose TP correction is ``correction``."""
+        With ``dp_at="micro_step"`` they include the DP reduction (over ``dp`` ranks; symbolic when None).
+        """
+        return self.stages_for(family.correction(tp), tp, family.dp_group, dp)
+
+    def stages_for(self, correction: Correction, tp: int, dp_group: str = "dp", dp: int | None = None) -> list[Stage]:
+        """Stages one micro-step runs for a gradient whose TP correction is ``correction``.
+
+        ``Correction.SKIP`` gives the uncorrected micro-step (a cast to the buffer dtype and ``+=hp``), which is
+        also what a parameter whose correction-once marker is set runs.
+        """
         if self.correct_at != "micro_step":
             correction = Correction.SKIP
         stages: list[Stage] = []
@@ -135,22 +155,69 @@ class Policy:
             dtype = self.writeback
         if dtype != self.accumulate:
             stages.append(Stage("cast", "", self.accumulate))
+        if self.dp_at == "micro_step":
+            stages += self.dp_stages(dp_group, dp, self.accumulate)
         stages.append(Stage("accumulate", "hp", self.accumulate))
         return stages
 
-    def boundary_stages(self, family: Family, tp: int) -> list[Stage]:
-        """Stages run once on the accumulated buffer at the boundary, before the DP reduction."""
+    def dp_stages(self, group: str, dp: int | None, dtype: torch.dtype) -> list[Stage]:
+        """The data-parallel reduction of a ``dtype`` value over ``group`` (``dp`` or ``edp``), normalised by the
+        dense DP size ``dp`` (symbolic labels when None): cast to ``dp_reduce``, scale and all_reduce in the order
+        ``dp_scale`` names, cast back."""
+        stages: list[Stage] = []
+        if self.dp_reduce != dtype:
+            stages.append(Stage("cast", "", self.dp_reduce))
+        reduce = Stage("all_reduce", "", self.dp_reduce, group=group)
+        n = dp or 1
+        if self.dp_scale == "prescale":
+            stages += [Stage("scale", "", self.dp_reduce, divisor=n, symbol="" if dp else "dp"), reduce]
+        elif self.dp_scale == "pre_post_divide":
+            pre = predivide_factor(n)
+            stages += [
+                Stage("divide", "", self.dp_reduce, divisor=pre, symbol="" if dp else "pre"),
+                reduce,
+                Stage("divide", "", self.dp_reduce, divisor=n / pre, symbol="" if dp else "post"),
+            ]
+        else:
+            stages += [reduce, Stage("scale", "", self.dp_reduce, divisor=n, symbol="" if dp else "dp")]
+        if self.dp_reduce != dtype:
+            stages.append(Stage("cast", "", dtype))
+        return stages
+
+    def boundary_correction_stages(self, family: Family, tp: int) -> list[Stage]:
+        """The TP correction run once on the accumulated buffer at the boundary (``correct_at="boundary"``)."""
         if self.correct_at != "boundary":
             return []
         return self.correction_stages(family.correction(tp), tp, self.accumulate)
 
-    def chain(self, family: Family, tp: int) -> str:
-        """The printable chain, e.g. ``bf16 -> fp32 -> all_reduce[tp] -> /2 -> bf16 -> fp32 -> +=hp``."""
-        labels = [dtype_name(self.grad_dtype)] + [s.label for s in self.micro_step_stages(family, tp)]
-        boundary = self.boundary_stages(family, tp)
-        if boundary:
-            labels += ["| boundary:"] + [s.label for s in boundary]
-        return " -> ".join(labels).replace("-> | boundary: ->", "| boundary:")
+    def boundary_stages(self, family: Family, tp: int, dp: int | None = None) -> list[Stage]:
+        """Stages run once on the accumulated buffer at the boundary: TP correction, then the DP reduction."""
+        stages = self.boundary_correction_stages(family, tp)
+        if self.dp_at == "boundary":
+            stages += self.dp_stages(family.dp_group, dp, self.accumulate)
+        return stages
+
+    def chain(self, family: Family, tp: int, dp: int | None = None) -> str:
+        """The printable chain of every stage that runs, with the dtype each runs in, e.g.
+
+        ``bf16 -> fp32 -> all_reduce[tp] -> /2 -> bf16 -> fp32 -> +=hp | boundary: fp32 -> all_reduce[dp] -> *1/dp
+        -> adamw(fp32)``: the micro-step from the BF16 local gradient to the buffer, then the boundary from
+        the buffer's dtype (TP correction if it runs there, DP reduction, optimizer on the masters).
+        ``dp`` fills in the DP normalisation; without it the labels are symbolic.
+        """
+        micro = [dtype_name(self.grad_dtype)] + [s.label for s in self.micro_step_stages(family, tp, dp)]
+        boundary = [dtype_name(self.accumulate)] + [s.label for s in self.boundary_stages(family, tp, dp)]
+        boundary.append(f"adamw({dtype_name(self.master)})" if self.moments == self.master
+                        else f"adamw({dtype_name(self.master)}, moments {dtype_name(self.moments)})")
+        return " -> ".join(micro) + " | boundary: " + " -> ".join(boundary)
+
+
+def predivide_factor(world: int) -> int:
+    """FSDP's split of ``1/world`` into a pre- and post-divide factor: the pre-divide factor (a power of two)."""
+    factor = 1
+    while world % factor == 0 and world / factor > factor:
+        factor *= 2
+    return factor
 
 
 _REGISTRY: dict[str, Policy] = {}

@@ -141,7 +141,9 @@ class _Probe:
         if micro == 0 and step > 0:
             weights = {name: t.detach().clone() for name, t in lp.items()}
             self.lockstep.put(self.side, rank, step - 1, "param", 0, weights)
-        if step >= self.steps:  # the extra step only shows the weights after the last update
+        if step >= self.steps:  # the extra step only shows the weights after the last update; its gradients
+            for name, weight in lp.items():  # are zeros (train_rank needs every gradient) and its update is unread
+                deliver(name, torch.zeros_like(weight))
             return
         grads: dict[str, torch.Tensor] = {}
 

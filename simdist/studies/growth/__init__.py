@@ -12,32 +12,34 @@ each policy's FP32 masters and Adam moments are from the oracle's.
 How it is batched, and why that is exact
 ----------------------------------------
 Threads of `SimWorld` cost tens of microseconds per collective; 10,000 steps
-x 8 seeds x 4 runs would take hours. `Ensemble` instead holds every tensor
-of every rank of every seed in one tensor with a leading ``[seed, rank]``
-dimension and executes the *same stage list* that `train_rank` executes
-(`Policy.micro_step_stages`, `Policy.boundary_stages`, the DP reduction of
-`simdist.gradpath.path._dp_reduce`, and `simdist.gradpath.path.adamw_step` itself):
+x 8 seeds x 4 runs would take hours. Each run is instead a
+`simdist.gradpath.batched.BatchedPath`: the one implementation of the
+gradient path (`simdist.gradpath.kernel.GradPath`, which `train_rank` also
+runs) on the rank-batched operations, where every tensor of every rank of
+every seed sits in one tensor with leading ``[seed, rank]`` dimensions:
 
 * casts, ``/tp``, ``* 1/dp``, ``+=hp`` and every AdamW operation are
   element-wise, so applying them to a batched tensor gives each element the
   bits it gets in a rank's own tensor (batch-invariance of element-wise ops);
-* a collective over a group of two ranks is one addition ``a + b``, which is
-  commutative in IEEE arithmetic, so every reduction model (gloo, ring, tree,
-  sequential) gives ``x + x[peer]``; groups of more than two ranks are
-  refused (their result depends on the modelled order);
-* no reduction ever runs over the seed or rank dimension inside the
-  arithmetic; only the *metrics* reduce, within one seed.
+* a collective gathers each group's members along the rank dimension and
+  applies the group's reduction model (``reduction``, default ``gloo``) to the
+  stacked members, with the model's per-element order of one member's tensor
+  -- so any group size and layout (DP4 on 8 ranks, TP4, ...) gives the bits a
+  real run in that order gives;
+* nothing reduces over the seed dimension inside the arithmetic; only the
+  *metrics* reduce, within one seed.
 
 What batching changes: nothing in the bits of masters, moments or BF16
-params (``tests/test_growth.py`` proves bitwise identity with `train_rank` on
-`SimWorld` at every step, every rank and seed, for eight policies including
-the oracle, GAS 2 and stochastic rounding; and that a seed gives the same
-bits alone and inside an ensemble). Not emulated: the gradient-norm scalar
-and clipping (growth runs use ``max_norm = 0``, the `PathConfig` default),
-and layouts with groups of more than two ranks. The stream has the
-distribution of `simdist.models.synthetic.SyntheticGradients` but its own draws (one
-generator call per seed and step instead of one per rank and parameter).
-Cost: 8 seeds take about 1.8-2.8x the time of one seed (``bench/growth.py``).
+params (``tests/test_gradpath_batched.py`` proves rank-batched == `train_rank`
+on `SimWorld` threads at every step, rank, seed and captured tensor, for every
+registered policy and the oracle, several layouts and every reduction model;
+``tests/test_growth.py`` that a seed gives the same bits alone and inside an
+ensemble). Not recorded: the gradient-norm scalar (growth runs use
+``max_norm = 0``, the `PathConfig` default, so no norm is computed). The
+stream has the distribution of `simdist.models.synthetic.SyntheticGradients`
+but its own draws (one generator call per seed and step instead of one per
+rank and parameter). ``bench/growth.py`` prints the cost of 8 seeds against one
+and of world 8 against world 4.
 The MoE block's backward runs collectives inside autograd and has no batched
 emulation: ``model="moe"`` runs unbatched (see below).
 
@@ -102,14 +104,13 @@ files equal those of an uninterrupted run.
 from simdist.studies.growth.metrics import COLUMNS, MOE_COLUMNS, Reference, divergence, read_metrics, summarise
 from simdist.studies.growth.plot import plot_growth
 from simdist.studies.growth.run import FILES, GrowthConfig, clean, run_growth
-from simdist.studies.growth.stream import BatchedGradients, Ensemble
+from simdist.studies.growth.stream import BatchedGradients
 
 __all__ = [
     "COLUMNS",
     "FILES",
     "MOE_COLUMNS",
     "BatchedGradients",
-    "Ensemble",
     "GrowthConfig",
     "Reference",
     "clean",

@@ -11,10 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.oracle import FP32_ORACLE
-from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.gradpath.path import PathConfig
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import Difference
+from simdist.reduce import make_model
 from simdist.studies.growth.files import atomic_write, write_text
 from simdist.studies.growth.metrics import (
     COLUMNS,
@@ -26,7 +29,7 @@ from simdist.studies.growth.metrics import (
     write_metrics,
 )
 from simdist.studies.growth.plot import plot_growth
-from simdist.studies.growth.stream import BatchedGradients, Ensemble, peer_index
+from simdist.studies.growth.stream import BatchedGradients
 from simdist.world.spec import ParallelSpec
 
 
@@ -44,6 +47,7 @@ class GrowthConfig:
     world_size: int = 4
     tp: int = 2
     ep: int = 2
+    reduction: str = "gloo"
     checkpoint_every: int = 500
 
     def spec(self) -> ParallelSpec:
@@ -63,14 +67,13 @@ class GrowthConfig:
             raise ValueError("steps, seeds, gas and checkpoint_every must be >= 1")
         for name in self.policies:
             get_policy(name)
+        make_model(self.reduction)
+        PathConfig(marker=self.marker)
         spec = self.spec()
         if self.model == "moe":
             from simdist.models.moe import MoEConfig
 
             MoEConfig().validate(spec)
-            return
-        for kind in ("tp", "dp", "edp"):
-            peer_index(spec, kind)
 
 
 FILES = {"config": "config.json", "checkpoint": "checkpoint.safetensors", "metrics": "metrics.csv",
@@ -139,8 +142,14 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
     params = DEFAULT_PARAMS
     stream = BatchedGradients(spec, params, seeds)
     policies = [get_policy(n) for n in config.policies]
-    runs = [Ensemble(FP32_ORACLE, spec, params, seeds, config.gas, "per_micro_step")]
-    runs += [Ensemble(p, spec, params, seeds, config.gas, config.marker) for p in policies]
+    initial = [InitialWeights(spec, seed) for seed in seeds]
+    model = make_model(config.reduction)
+
+    def batched(policy, marker: str) -> BatchedPath:
+        path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
+        return BatchedPath(spec, params, policy, path, initial, seeds, default_model=model)
+
+    runs = [batched(FP32_ORACLE, "per_micro_step")] + [batched(p, config.marker) for p in policies]
     metrics = np.zeros((config.steps, len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
     start = 0
     if ckpt.exists():
@@ -170,11 +179,12 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
     try:
         for step in range(start, config.steps):
             for run in runs:
-                run.run_step(lambda micro, step=step: stream.draw(step, micro))
-            refs = [Reference(t) for t in (runs[0].master, runs[0].m, runs[0].v)]
+                run.run_step(stream.draw)
+            oracle = runs[0].path
+            refs = [Reference(t) for t in (oracle.master, oracle.m, oracle.v)]
             for j, run in enumerate(runs[1:]):
-                metrics[step, j] = torch.cat(
-                    [divergence(t, ref) for t, ref in zip((run.master, run.m, run.v), refs, strict=True)], dim=1)
+                state = (run.path.master, run.path.m, run.path.v)
+                metrics[step, j] = torch.cat([divergence(t, ref) for t, ref in zip(state, refs, strict=True)], dim=1)
             if bar is not None:
                 bar.update(1)
             done = step + 1

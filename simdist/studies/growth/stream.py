@@ -1,19 +1,14 @@
-"""The batched synthetic gradient stream and the batched gradient-path emulation. See `simdist.studies.growth`."""
+"""The batched synthetic gradient stream: BF16 local gradients for every ``[seed, rank]`` at once."""
 
 from __future__ import annotations
 
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from simdist.gradpath.families import Correction, Family, ParamSpec
-from simdist.gradpath.path import AdamW, _predivide_factor, adamw_step
-from simdist.gradpath.policy import Policy, Stage
-from simdist.models.synthetic import InitialWeights
-from simdist.numerics.rounding import stochastic_round
+from simdist.gradpath.families import ParamSpec
 from simdist.world.spec import ParallelSpec
 
 
@@ -68,152 +63,3 @@ class BatchedGradients:
             return self.draw(step, micro)[param.name][seed_index, rank].clone()
 
         return grads
-
-
-def peer_index(spec: ParallelSpec, kind: str) -> torch.Tensor | None:
-    """``peer[r]``: the other rank of ``r``'s group of ``kind``; None for groups of one rank."""
-    size = spec.size(kind)
-    if size == 1:
-        return None
-    if size != 2:
-        raise ValueError(f"the batched emulation needs {kind} groups of at most 2 ranks (an order-free sum); "
-                         f"{kind}={size}")
-    peer = [0] * spec.world_size
-    for group in spec.groups(kind):
-        a, b = group
-        peer[a], peer[b] = b, a
-    return torch.tensor(peer)
-
-
-def _group_sum(x: torch.Tensor, peer: torch.Tensor | None) -> torch.Tensor:
-    """The all_reduce SUM of a group of at most two ranks, for every rank (dim 1): ``a + b`` is order-free."""
-    return x.clone() if peer is None else x + x[:, peer]
-
-
-@dataclass
-class Ensemble:
-    """One policy's state for every seed and rank: masters, moments, low-precision params (``[S, R, N]``)."""
-
-    policy: Policy
-    spec: ParallelSpec
-    params: tuple[ParamSpec, ...]
-    seeds: list[int]
-    gas: int = 1
-    marker: str = "deepspeed"
-    adam: AdamW = field(default_factory=AdamW)
-    step: int = 0
-
-    def __post_init__(self) -> None:
-        self.slices: dict[str, slice] = {}
-        start = 0
-        for p in self.params:
-            n = math.prod(p.shape)
-            self.slices[p.name] = slice(start, start + n)
-            start += n
-        self.numel = start
-        self.tp = self.spec.tp
-        self.dense_dp = self.spec.dp
-        self.peers = {kind: peer_index(self.spec, kind) for kind in ("tp", "dp", "edp")}
-        inits = [InitialWeights(self.spec, seed) for seed in self.seeds]
-        lp = torch.stack([
-            torch.stack([torch.cat([init(r, p).to(self.policy.grad_dtype).reshape(-1) for p in self.params])
-                         for r in range(self.spec.world_size)])
-            for init in inits])
-        self.lp = lp
-        self.master = lp.to(self.policy.master)
-        self.m = torch.zeros(lp.shape, dtype=self.policy.moments)
-        self.v = torch.zeros(lp.shape, dtype=self.policy.moments)
-        self.hp = torch.zeros(lp.shape, dtype=self.policy.accumulate)
-
-    # state for checkpoints
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"master": self.master, "adam_m": self.m, "adam_v": self.v, "lp": self.lp}
-
-    def load(self, state: dict[str, torch.Tensor], step: int) -> None:
-        self.master, self.m, self.v, self.lp = (state[k].clone() for k in ("master", "adam_m", "adam_v", "lp"))
-        self.hp.zero_()
-        self.step = step
-
-    def run_step(self, grads: Callable[[int], dict[str, torch.Tensor]]) -> None:
-        """One optimizer step: ``gas`` micro-steps of ``_update_hp_grad``, then the boundary."""
-        step = self.step
-        markers = dict.fromkeys(self.slices, False)
-        for micro in range(self.gas):
-            local = grads(micro)
-            for index, p in enumerate(self.params):
-                self._micro(p, index, local[p.name].reshape(len(self.seeds), self.spec.world_size, -1),
-                            markers, step, micro)
-            if self.marker == "per_micro_step":
-                markers = dict.fromkeys(self.slices, False)
-        self._boundary(step)
-        self.step += 1
-
-    def _micro(self, p: ParamSpec, index: int, grad: torch.Tensor, markers, step: int, micro: int) -> None:
-        policy = self.policy
-        stages = policy.micro_step_stages(p.family, self.tp)
-        correcting = not markers[p.name] and p.family.correction(self.tp) is not Correction.SKIP
-        if not correcting:
-            stages = [Stage("cast", "", policy.accumulate)] if grad.dtype != policy.accumulate else []
-            stages.append(Stage("accumulate", "hp", policy.accumulate))
-        hp = self.hp[..., self.slices[p.name]]
-        value = grad.to(policy.grad_dtype)
-        for stage in stages:
-            if stage.kind == "accumulate":
-                if policy.dp_at == "micro_step":
-                    value = self._dp_reduce(value, p.family)
-                hp.add_(value)
-            else:
-                value = self._apply(stage, value, p, index, step, micro)
-        if correcting and policy.correct_at == "micro_step":
-            markers[p.name] = True
-
-    def _apply(self, stage: Stage, value: torch.Tensor, p: ParamSpec, index: int, step: int, micro) -> torch.Tensor:
-        if stage.kind == "cast":
-            if stage.rounding == "stochastic":
-                out = torch.empty(value.shape, dtype=stage.dtype)
-                for s, seed in enumerate(self.seeds):
-                    for r in range(self.spec.world_size):
-                        g = torch.Generator().manual_seed(zlib.crc32(repr((seed, step, micro, r, index)).encode()))
-                        out[s, r] = stochastic_round(value[s, r].reshape(p.shape), stage.dtype, g).reshape(-1)
-                return out
-            return value.to(stage.dtype)
-        if stage.kind == "all_reduce":
-            return _group_sum(value, self.peers["tp"])
-        if stage.kind == "divide":
-            return value / stage.divisor
-        raise ValueError(f"unknown stage kind {stage.kind!r}")
-
-    def _dp_reduce(self, value: torch.Tensor, family: Family) -> torch.Tensor:
-        """`simdist.gradpath.path._dp_reduce`, batched: same casts and scalings, a two-rank (order-free) sum."""
-        peer = self.peers[family.dp_group]
-        x = value.to(self.policy.dp_reduce, copy=True)
-        if self.policy.dp_scale == "prescale":
-            x.mul_(1.0 / self.dense_dp)
-            x = _group_sum(x, peer)
-        elif self.policy.dp_scale == "pre_post_divide":
-            pre = _predivide_factor(self.dense_dp)
-            x.div_(pre)
-            x = _group_sum(x, peer)
-            x.div_(self.dense_dp / pre)
-        else:
-            x = _group_sum(x, peer)
-            x.mul_(1.0 / self.dense_dp)
-        return x.to(value.dtype)
-
-    def _boundary(self, step: int) -> None:
-        for index, p in enumerate(self.params):
-            hp = self.hp[..., self.slices[p.name]]
-            for stage in self.policy.boundary_stages(p.family, self.tp):
-                hp.copy_(self._apply(stage, hp, p, index, step, -1))
-            if self.policy.dp_at == "boundary":
-                hp.copy_(self._dp_reduce(hp, p.family))
-        # AdamW is element-wise: one call on the flat [S, R, N] state gives every element its per-rank bits
-        adamw_step(self.master, self.hp.to(self.master.dtype), self.m, self.v, step + 1, self.adam)
-        self.lp.copy_(self.master)
-        self.hp.zero_()
-
-    def per_param(self, which: str) -> dict[str, torch.Tensor]:
-        """``{param: copy [seed, rank, *shape]}`` of ``master``, ``adam_m``, ``adam_v`` or ``lp``."""
-        flat = self.state()[which]
-        return {p.name: flat[..., self.slices[p.name]].reshape(*flat.shape[:2], *p.shape).clone()
-                for p in self.params}

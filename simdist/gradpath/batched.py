@@ -1,0 +1,253 @@
+"""The rank-batched engine: every rank of a job, and a batch of independent runs, in one thread.
+
+`BatchedOps` is the `simdist.gradpath.kernel.Ops` of tensors with leading
+``[batch, rank]`` dimensions. A group collective gathers each group's members
+along the rank dimension, in group-rank order, and applies the group's
+`ReductionModel` to the stacked members -- for any group size and any layout a
+`ParallelSpec` derives -- then hands every member its group's result. Nothing
+reduces across the batch dimension: batch item ``b`` holds the bits a separate
+run would hold (``tests/test_gradpath_batched.py`` proves this against
+`simdist.gradpath.path.train_rank` on `SimWorld` threads, for every policy,
+reduction model and several layouts).
+
+`BatchedPath` runs `simdist.gradpath.kernel.GradPath` (the one implementation
+of the stage logic) on `BatchedOps`: the growth study and the Hypothesis
+properties use it.
+
+Reduction models see each reduction's members in their logical shape: models
+whose order depends on an element's position (ring chunks, gloo's segments)
+are applied with the position plan of one member, vectorised over the batch
+(`batched_sum`), never to a tensor whose flat length includes the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from simdist.gradpath.families import ParamSpec
+from simdist.gradpath.kernel import GradPath
+from simdist.gradpath.path import PathConfig, stochastic_generator
+from simdist.gradpath.policy import Policy
+from simdist.gradpath.probes import Trace
+from simdist.numerics.rounding import stochastic_round
+from simdist.reduce import Gloo, ReductionModel, Ring, Sequential, Tree, Upcast, fold
+from simdist.world.spec import ParallelSpec
+
+__all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum"]
+
+
+def batched_sum(model: ReductionModel, stacked: torch.Tensor) -> torch.Tensor:
+    """``model``'s SUM of ``M`` independent reductions at once: ``[k, M, *shape] -> [M, *shape]``.
+
+    Equal, bit for bit, to ``torch.stack([model.reduce(stacked[:, i]) for i in range(M)])``: models whose
+    order is the same at every element run on the stacked tensor directly; ring and gloo orders, which
+    depend on an element's position in the member's flat tensor, use their per-element plan of one
+    member; any other model is applied to each reduction in turn.
+    """
+    k, count = stacked.shape[0], stacked.shape[1]
+    shape = tuple(stacked.shape[2:])
+    numel = math.prod(shape)
+    kind = type(model)
+    if kind in (Sequential, Tree, Upcast) or (kind in (Gloo, Ring) and k <= 2) or k == 1 or numel == 0:
+        return model.sum(stacked)
+    if kind is Ring:
+        from simdist.reduce.models import _ring_index
+
+        ring = tuple(range(k)) if model.ring is None else tuple(model.ring)
+        if sorted(ring) != list(range(k)):
+            return model.sum(stacked[:, 0])  # raises the model's own error
+        index = _ring_index(numel, k, model.chunk_size, model.shift, ring, stacked.device)
+        return _ordered_fold(stacked, index, count, shape)
+    if kind is Gloo:
+        from simdist.reduce.gloo import _plan
+
+        length, chunks, rows = _plan(k, numel, stacked.element_size(), model.max_segment_bytes, stacked.device)
+        if rows is None:  # one chunk: x[k-1] + ... + x[0]
+            return fold(stacked.unbind(0)[::-1])
+        ranks = rows.view(k, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
+        index = ranks.repeat_interleave(length, dim=1)[:, :numel]
+        return _ordered_fold(stacked, index, count, shape)
+    return torch.stack([model.reduce(stacked[:, i]) for i in range(count)])
+
+
+def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Left fold where hop ``j`` of element ``e`` adds member ``index[j, e]`` (every reduction alike)."""
+    k = stacked.shape[0]
+    flat = stacked.reshape(k, count, -1)
+    ordered = flat.gather(0, index.unsqueeze(1).expand(k, count, index.shape[1]))
+    return fold(ordered).reshape(count, *shape)
+
+
+class BatchedOps:
+    """`simdist.gradpath.kernel.Ops` for ``[batch, rank, ...]`` tensors of a `ParallelSpec`.
+
+    ``models`` maps a group kind to its reduction model, ``default_model`` the
+    rest (as `SimWorld` does); ``seeds`` are the per-batch-item seeds of
+    stochastic rounding (``PathConfig.seed`` of each run).
+    """
+
+    def __init__(
+        self,
+        spec: ParallelSpec,
+        seeds: Sequence[int],
+        models: Mapping[str, ReductionModel] | None = None,
+        default_model: ReductionModel | None = None,
+    ) -> None:
+        self.spec, self.seeds = spec, list(seeds)
+        self.batch = (len(self.seeds), spec.world_size)
+        self.models = dict(models or {})
+        self.default_model = default_model or Sequential()
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        for kind in ("tp", "dp", "edp", "ep"):
+            groups = spec.groups(kind)
+            members = torch.tensor(groups)  # [G, k]
+            where = torch.empty(spec.world_size, dtype=torch.long)
+            for g, group in enumerate(groups):
+                where[list(group)] = g
+            self._tables[kind] = (members.reshape(-1), where, len(groups), len(groups[0]))
+        tp_root = torch.zeros(spec.world_size, dtype=torch.bool)
+        for group in spec.groups("tp"):
+            tp_root[group[0]] = True
+        self._tp_root = tp_root
+
+    def model_for(self, kind: str) -> ReductionModel:
+        return self.models.get(kind, self.default_model)
+
+    def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
+        model = model or self.model_for(kind)
+        members, where, groups, k = self._tables[kind]
+        batch, ranks, *shape = value.shape
+        if k == 1:
+            return batched_sum(model, value.reshape(1, batch * ranks, *shape)).reshape(value.shape)
+        stacked = value.index_select(1, members).view(batch, groups, k, *shape).movedim(2, 0)
+        reduced = batched_sum(model, stacked.reshape(k, batch * groups, *shape)).view(batch, groups, *shape)
+        return reduced.index_select(1, where)
+
+    def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:
+        step, micro, index = key
+        out = torch.empty(value.shape, dtype=dtype)
+        for b, seed in enumerate(self.seeds):
+            for rank in range(self.spec.world_size):
+                generator = stochastic_generator(seed, step, micro, rank, index)
+                out[b, rank] = stochastic_round(value[b, rank], dtype, generator)
+        return out
+
+    def on_tp_root(self, value: torch.Tensor) -> torch.Tensor:
+        mask = self._tp_root.view(1, -1, *([1] * (value.dim() - 2)))
+        return torch.where(mask, value, torch.zeros((), dtype=value.dtype))
+
+    def grad_norm(self, total: torch.Tensor) -> torch.Tensor:
+        # the per-rank adapter's ``float(total) ** 0.5``, element by element (Python's pow, not torch's sqrt)
+        values = [[[float(x) ** 0.5 for x in rank] for rank in item] for item in total.tolist()]
+        return torch.tensor(values, dtype=torch.float64)
+
+
+class BatchedTrace:
+    """Captures of a batched run: ``values[(step, micro, param, stage)] = [batch, rank, *shape]`` copies."""
+
+    def __init__(self, keep: frozenset[str] | None = None) -> None:
+        self.keep = keep
+        self.values: dict[tuple[int, int, str, str], torch.Tensor] = {}
+        self.scalars: dict[tuple[int, str], torch.Tensor] = {}
+
+    def capture(self, step: int, micro: int, param: str, stage: str, value: torch.Tensor) -> None:
+        if self.keep is None or stage in self.keep:
+            self.values[(step, micro, param, stage)] = value.detach().clone()
+
+    def scalar(self, step: int, name: str, value: torch.Tensor) -> None:
+        self.scalars[(step, name)] = value.reshape(value.shape[:2]).clone()
+
+    def rank_traces(self, item: int) -> list[Trace]:
+        """Batch item ``item`` as one `Trace` per rank, comparable with `train_rank`'s traces."""
+        ranks = next(iter(self.values.values())).shape[1] if self.values else 0
+        if not ranks and self.scalars:
+            ranks = next(iter(self.scalars.values())).shape[1]
+        traces = [Trace(rank, self.keep) for rank in range(ranks)]
+        for key, value in self.values.items():
+            for rank, trace in enumerate(traces):
+                trace.values[key] = value[item, rank]
+        for key, value in self.scalars.items():
+            for rank, trace in enumerate(traces):
+                trace.scalars[key] = float(value[item, rank])
+        return traces
+
+
+BatchedGrads = Callable[[int, int], Mapping[str, torch.Tensor]]
+"""``(step, micro) -> {param: BF16 local gradient [batch, rank, *shape]}``."""
+
+
+class BatchedPath:
+    """`GradPath` on `BatchedOps`: one policy's runs for every batch item and rank, stepped together.
+
+    ``initial`` gives each batch item's ``(rank, param) -> initial weight`` (one callable per item, e.g.
+    `simdist.models.synthetic.InitialWeights` per seed); ``seeds`` are the items' ``PathConfig.seed``
+    (default: ``config.seed`` for every item). ``keep`` selects captures (default none);
+    ``norm`` computes the global gradient norm (always when ``config.max_norm > 0``).
+    """
+
+    def __init__(
+        self,
+        spec: ParallelSpec,
+        params: Sequence[ParamSpec],
+        policy: Policy,
+        config: PathConfig,
+        initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]],
+        seeds: Sequence[int] | None = None,
+        *,
+        models: Mapping[str, ReductionModel] | None = None,
+        default_model: ReductionModel | None = None,
+        keep: frozenset[str] | None = frozenset(),
+        norm: bool = False,
+    ) -> None:
+        seeds = [config.seed] * len(initial) if seeds is None else list(seeds)
+        if len(seeds) != len(initial):
+            raise ValueError(f"{len(initial)} initial-weight functions but {len(seeds)} seeds")
+        self.spec, self.config = spec, config
+        self.ops = BatchedOps(spec, seeds, models, default_model)
+        self.trace = BatchedTrace(keep)
+        lp = torch.stack([
+            torch.stack([
+                torch.cat([init(rank, p).to(policy.grad_dtype).reshape(-1) for p in params])
+                if params else torch.zeros(0, dtype=policy.grad_dtype)
+                for rank in range(spec.world_size)
+            ])
+            for init in initial
+        ])
+        self.path = GradPath(self.ops, params, policy, config, lp, spec.tp, spec.dp, self.trace.capture,
+                             self.trace.scalar, norm=norm)
+        self.step = 0
+
+    def run_step(self, grads: BatchedGrads) -> None:
+        """One optimizer step: ``config.gas`` micro-steps of ``grads(step, micro)``, then the boundary."""
+        path, step = self.path, self.step
+        for micro in range(self.config.gas):
+            local = grads(step, micro)
+            path.begin_micro()
+            for slot in path.delivery_order():
+                path.deliver(slot.spec.name, local[slot.spec.name], step, micro)
+            path.end_micro(step, micro)
+        path.boundary(step)
+        self.step += 1
+
+    def run(self, grads: BatchedGrads, steps: int | None = None) -> BatchedTrace:
+        """``steps`` (default ``config.steps``) optimizer steps; the captures."""
+        for _ in range(self.config.steps if steps is None else steps):
+            self.run_step(grads)
+        return self.trace
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.path.state()
+
+    def load(self, state: dict[str, torch.Tensor], step: int) -> None:
+        self.path.load(state)
+        self.step = step
+
+    def per_param(self, which: str) -> dict[str, torch.Tensor]:
+        """``{param: copy [batch, rank, *shape]}`` of ``master``, ``adam_m``, ``adam_v`` or ``lp``."""
+        attr = {"master": "master", "adam_m": "m", "adam_v": "v", "lp": "lp"}[which]
+        return {name: value.clone() for name, value in self.path.params(attr).items()}
+
+

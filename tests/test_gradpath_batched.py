@@ -1,0 +1,157 @@
+"""One kernel, two adapters: the rank-batched engine gives `train_rank`'s bits on SimWorld threads.
+
+`simdist.gradpath.batched.BatchedPath` runs every rank of a layout and a batch
+of seeds in one thread; `train_rank` runs one rank per thread with modelled
+collectives. Both execute `simdist.gradpath.kernel.GradPath`. Here they are
+compared on raw bits: every step, rank, seed and captured tensor (every stage
+of every micro-step and of the boundary), and the gradient norm.
+
+The default suite runs a representative subset (every policy and the oracle,
+every layout, every reduction model, both update paths, both markers,
+clipping); the whole cross product is marked slow and runs with
+``HYPOTHESIS_PROFILE=nightly`` or ``SIMDIST_SLOW=1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+
+import pytest
+import torch
+
+from simdist.gradpath.batched import BatchedPath, batched_sum
+from simdist.gradpath.catalogue import get_policy, policy_names
+from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
+from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
+from simdist.reduce.gloo import Gloo
+from simdist.studies.growth import BatchedGradients
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
+
+LAYOUTS = {
+    "tp2-ep2-on-4": ParallelSpec(4, tp=2, ep=2),
+    "tp2-on-8-dp4": ParallelSpec(8, tp=2, ep=2),
+    "tp4-on-8": ParallelSpec(8, tp=4, ep=2),
+}
+POLICIES = [*policy_names(), "oracle"]
+SEEDS = (3, 11)
+SLOW = pytest.mark.skipif(
+    os.environ.get("HYPOTHESIS_PROFILE") != "nightly" and not os.environ.get("SIMDIST_SLOW"),
+    reason="the full cross product runs with HYPOTHESIS_PROFILE=nightly or SIMDIST_SLOW=1",
+)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its width."""
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", max_norm=0.0) -> int:
+    """Run ``name`` both ways on ``spec`` with every group reducing in ``model_name``; count compared tensors."""
+    policy = FP32_ORACLE if name == "oracle" else get_policy(name)
+    marker = "per_micro_step" if name == "oracle" else "deepspeed"
+    model = make_model(model_name)
+    stream = BatchedGradients(spec, DEFAULT_PARAMS, list(SEEDS))
+    configs = [PathConfig(steps=steps, gas=gas, seed=s, marker=marker, update_path=update_path, max_norm=max_norm)
+               for s in SEEDS]
+    batched = BatchedPath(spec, DEFAULT_PARAMS, policy, configs[0], [InitialWeights(spec, s) for s in SEEDS], SEEDS,
+                          default_model=model, keep=None, norm=True)
+    trace = batched.run(stream.draw)
+    compared = 0
+    for item, seed in enumerate(SEEDS):
+        threads = SimWorld(spec, default_model=model).run(
+            train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), stream.local(item), policy, configs[item])
+        for rank, (expected, got) in enumerate(zip(threads, trace.rank_traces(item), strict=True)):
+            assert expected.values.keys() == got.values.keys(), (name, seed, rank)
+            for key, value in expected.values.items():
+                assert same_bits(got.values[key], value), (name, model_name, seed, rank, key)
+                compared += 1
+            assert expected.scalars.keys() == got.scalars.keys()
+            for key, value in expected.scalars.items():  # Python floats: compare their bits
+                assert struct.pack("<d", value) == struct.pack("<d", got.scalars[key]), (name, seed, rank, key)
+    return compared
+
+
+# Every policy once, cycling through layouts and models so that each layout and each model meets several
+# policies; update path, clipping and GAS vary too.
+REPRESENTATIVE = [
+    (name, layout, MODEL_NAMES[i % len(MODEL_NAMES)], "hooks" if i % 3 == 2 else "epilogue",
+     0.01 if i % 2 else 0.0)
+    for i, (name, layout) in enumerate(zip(POLICIES, itertools.cycle(LAYOUTS), strict=False))
+]
+
+
+@pytest.mark.parametrize(("name", "layout", "model", "update_path", "max_norm"), REPRESENTATIVE)
+def test_rank_batched_equals_per_rank_threads(name, layout, model, update_path, max_norm):
+    """Every captured tensor of every step, micro-step, rank and seed, and the gradient norm, bit for bit."""
+    assert compare(LAYOUTS[layout], name, model, update_path=update_path, max_norm=max_norm) > 0
+
+
+def test_the_representative_subset_covers_every_policy_layout_and_model():
+    assert {c[0] for c in REPRESENTATIVE} == set(POLICIES)
+    assert {c[1] for c in REPRESENTATIVE} == set(LAYOUTS)
+    assert {c[2] for c in REPRESENTATIVE} == set(MODEL_NAMES)
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", MODEL_NAMES)
+@pytest.mark.parametrize("name", POLICIES)
+def test_rank_batched_equals_per_rank_threads_everywhere(name, layout, model):
+    """The whole cross product: every policy and the oracle x layouts x reduction models (GAS 2, clipping)."""
+    assert compare(LAYOUTS[layout], name, model, max_norm=0.01) > 0
+
+
+def test_the_comparison_is_not_vacuous():
+    """bf16_writeback departs from the oracle in the batched engine; fp32_staging does not."""
+    spec = LAYOUTS["tp2-ep2-on-4"]
+    stream = BatchedGradients(spec, DEFAULT_PARAMS, [0, 1])
+    initial = [InitialWeights(spec, s) for s in (0, 1)]
+
+    def master(policy, marker="deepspeed"):
+        path = BatchedPath(spec, DEFAULT_PARAMS, policy, PathConfig(steps=3, marker=marker), initial, [0, 1])
+        path.run(stream.draw)
+        return path.path.master
+
+    oracle = master(FP32_ORACLE, "per_micro_step")
+    assert not torch.equal(master(get_policy("bf16_writeback")), oracle)
+    assert same_bits(master(get_policy("fp32_staging")), oracle)
+
+
+# -- the batched reduction --------------------------------------------------------------------------------------------
+
+
+class _Reversed(Sequential):
+    """A model the batched reduction does not know: it must fall back to one reduction at a time."""
+
+    def sum(self, tensors):
+        return super().sum(list(tensors)[::-1])
+
+
+BATCHED_MODELS = [make_model(n) for n in MODEL_NAMES] + [
+    Ring(chunk_size=3, shift=2), Ring(chunk_size=1, ring=(2, 0, 1, 3)), Gloo(max_segment_bytes=16), _Reversed()]
+
+
+@pytest.mark.parametrize("model", BATCHED_MODELS, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_sum_is_each_reduction_in_turn(model, dtype):
+    """``batched_sum`` over ``M`` reductions == ``model.reduce`` of each, bit for bit (any group size, shape)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = (4,) if isinstance(model, Ring) and model.ring is not None else (1, 2, 3, 4, 5, 8)
+    for k in sizes:
+        for shape in [(1,), (3,), (4, 16), (7, 5), (0,), (16, 32)]:
+            x = torch.randn(k, 6, *shape, generator=gen) * torch.exp2(torch.randint(-20, 20, (k, 6, *shape),
+                                                                                 generator=gen).float())
+            x = x.to(dtype)
+            expected = torch.stack([model.reduce(x[:, i]) for i in range(6)])
+            assert same_bits(batched_sum(model, x), expected), (k, shape)
