@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import simdist.gradpath.path
+import simdist.gradpath.kernel
 import simdist.models.synthetic
 from simdist.audit import AuditReport, audit, audited, narrows, run_audit
 from simdist.audit import add_audit_subcommand as _add_audit
@@ -29,7 +29,7 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 HERE = str(Path(__file__).resolve())
-GRADPATH = str(Path(simdist.gradpath.path.__file__).resolve())
+GRADPATH = str(Path(simdist.gradpath.kernel.__file__).resolve())  # the stage logic (casts, optimizer)
 SYNTHETIC = str(Path(simdist.models.synthetic.__file__).resolve())
 SPEC = ParallelSpec(4, tp=2, ep=2)
 
@@ -160,7 +160,7 @@ def _one_step(policy: str) -> AuditReport:
 
 
 def test_bf16_writeback_names_the_writeback_and_fp32_staging_has_none():
-    writeback, copy_back = _at(GRADPATH, "return value.to(stage.dtype)"), _at(GRADPATH, "s.lp.copy_(s.master)")
+    writeback, copy_back = _at(GRADPATH, "return value.to(stage.dtype)"), _at(GRADPATH, "self.lp.copy_(self.master)")
     reports = {name: _one_step(name) for name in ("bf16_writeback", "fp32_staging")}
     in_gradpath = {
         name: {(s.where, s.kind, s.op) for s in r.narrowings("fp32", "bf16") if s.file == GRADPATH}
@@ -169,10 +169,11 @@ def test_bf16_writeback_names_the_writeback_and_fp32_staging_has_none():
     assert in_gradpath["bf16_writeback"] == {(writeback, "cast", "aten._to_copy"), (copy_back, "cast", "aten.copy_")}
     assert in_gradpath["fp32_staging"] == {(copy_back, "cast", "aten.copy_")}
     site = next(s for s in reports["bf16_writeback"].sites if s.where == writeback and s.dtypes == "fp32->bf16")
-    assert site.function == "_apply" and site.ranks == [0, 1, 2, 3] and 0 < site.max_rel_error <= 2.0**-8
+    assert site.function == "apply" and site.ranks == [0, 1, 2, 3] and 0 < site.max_rel_error <= 2.0**-8
     for report in reports.values():  # every other fp32 -> bf16 narrowing generates the synthetic data
         assert {s.file for s in report.narrowings()} == {GRADPATH, SYNTHETIC}
-        tp = [s for s in report.sites if s.kind == "collective" and s.context == "group=tp" and s.function == "_apply"]
+        tp = [s for s in report.sites
+              if s.kind == "collective" and s.context == "group=tp" and s.function == "all_reduce"]
         assert [(s.op, s.dtypes) for s in tp] == [("comm.all_reduce", "fp32")]
 
 
@@ -352,4 +353,4 @@ def test_example_script_reports_the_writeback(capsys):
     namespace = runpy.run_path(str(example))
     assert namespace["main"]([]) == 0
     out = capsys.readouterr().out
-    assert f"simdist/gradpath/path.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in _apply" in out
+    assert f"simdist/gradpath/kernel.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in apply" in out

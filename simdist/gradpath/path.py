@@ -210,7 +210,3 @@ def train_rank(
         path.boundary(step)
     return trace
 
-
-def global_norm(path: GradPath) -> float | torch.Tensor:
-    """DeepSpeed's de-duplicated global L2 norm of a path's high-precision gradients (see `GradPath.global_norm`)."""
-    return path.global_norm()
