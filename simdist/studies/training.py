@@ -71,7 +71,7 @@ class _Lockstep:
         self.at = {(side, r): -1 for side in ("policy", "oracle") for r in range(world_size)}
         self.pending: dict[tuple, dict[str, torch.Tensor]] = {}
         self.records = [StepRecord(s) for s in range(steps)]
-        self.sums: dict[tuple, list[Difference]] = {}  # (step, param, kind) -> one per rank and micro-step
+        self.sums: dict[tuple, list] = {}  # (step, param, kind) -> [((rank, micro), Difference)]
         self.losses: dict[tuple[str, int], list[float]] = {}
         self.failed = False
         self.bar = None
@@ -105,7 +105,7 @@ class _Lockstep:
         diffs = {name: difference(policy[name], oracle[name]) for name in tensors}
         with self.cond:
             for name, d in diffs.items():
-                self.sums.setdefault((step, name, kind), []).append(d)
+                self.sums.setdefault((step, name, kind), []).append(((rank, micro), d))
 
     def loss(self, side: str, step: int, value: float) -> None:
         with self.cond:
@@ -123,7 +123,8 @@ class _Lockstep:
         if self.bar is not None:
             self.bar.close()
         for (step, name, kind), parts in self.sums.items():
-            self.records[step].tensors[(name, kind)] = Difference.pool(parts)
+            # pooled in (rank, micro) order, not arrival order, so the float sums are the same every run
+            self.records[step].tensors[(name, kind)] = Difference.pool(d for _, d in sorted(parts, key=lambda p: p[0]))
         for (side, step), (total, n) in self.losses.items():
             setattr(self.records[step], "loss" if side == "policy" else "oracle_loss", total / n)
         return self.records
