@@ -205,3 +205,29 @@ CASE = Case(
     requires=("deepspeed",),
     run=run,
 )
+
+
+ENGINE_POLICIES = {"bf16_writeback": "none", "fp32_staging": "fp32_staging"}
+"""What ``simdist repro 8913 --engine deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
+
+
+def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
+    """Real DeepSpeed's traces (``local`` and ``hp`` per micro-step) for a `simdist.studies.repro.ReproConfig`.
+
+    One launch runs every requested policy: ``bf16_writeback`` is DeepSpeed as
+    shipped, ``fp32_staging`` is DeepSpeed with the #8913 fix patched in.
+    """
+    unknown = [name for name in config.policies if name not in ENGINE_POLICIES]
+    if unknown:
+        raise ValueError(f"--engine deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
+                         f"patched), not {', '.join(unknown)}")
+    fixed = {"marker": ("deepspeed", "the real optimizer clears its marker as it ships"),
+             "model": ("synthetic", "the real optimizer is fed the synthetic local gradients"),
+             "reduction": ("gloo", "the real run reduces on real gloo processes"), "etp": (1, "DeepSpeed needs ETP 1")}
+    for option, (value, why) in fixed.items():
+        if getattr(config, option) != value:
+            raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {getattr(config, option)!r}")
+    runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name])
+                 for name in config.policies)
+    per_rank = run_ranks(deepspeed_rank, config.spec(), runs, config.seed, world=world)
+    return {name: [captures[i].trace for captures in per_rank] for i, name in enumerate(config.policies)}

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reduction model of every group (default: gloo's order)")
     repro.add_argument("--model", choices=("synthetic", "moe"), default="synthetic",
                        help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block")
+    repro.add_argument("--engine", choices=("transcribed", "deepspeed"), default="transcribed",
+                       help="simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
+                            "(bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)")
     repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
     diff = repro.add_mutually_exclusive_group()
     diff.add_argument("--diff-only", dest="all_tensors", action="store_false", default=False,
@@ -164,7 +167,7 @@ def _repro(args: argparse.Namespace) -> int:
     config = ReproConfig(
         world_size=args.world_size, tp=args.tp, ep=args.ep, etp=args.etp, steps=args.steps, gas=args.gas,
         seed=args.seed, policies=names, marker=args.marker, reduction=args.reduction, update_path=args.update_path,
-        model=args.model,
+        model=args.model, engine=args.engine,
     )
     config.spec()  # a ValueError names the broken constraint and the valid values
     reports, verdict = reproduce(config)

@@ -54,6 +54,9 @@ class ReproConfig:
     reduction: str = "gloo"
     update_path: str = "epilogue"
     model: str = "synthetic"
+    engine: str = "transcribed"
+    """``transcribed`` (simdist's gradient path) or ``deepspeed`` (DeepSpeed's real BF16_Optimizer, see
+    `simdist.cases.deepspeed_8913.repro_traces`; it captures local and hp gradients only)."""
 
     def spec(self) -> ParallelSpec:
         return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, etp=self.etp)
@@ -194,8 +197,9 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
             train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path)
     families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas)[0]}
     reports = []
+    real = _engine_traces(config)
     for policy in policies:
-        traces = run(spec, policy, path, model, training_model=config.model)
+        traces = real[policy.name] if real else run(spec, policy, path, model, training_model=config.model)
         rows = compare_with_oracle(traces, oracle, magnitudes)
         divergence = first_divergence(traces, oracle)
         reports.append(
@@ -225,6 +229,20 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
     return reports, result
 
 
+ENGINES: tuple[str, ...] = ("transcribed", "deepspeed")
+
+
+def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
+    """The policies' traces from a real framework (``{}`` for the transcribed engine)."""
+    if config.engine == "transcribed":
+        return {}
+    if config.engine == "deepspeed":
+        from simdist.cases.deepspeed_8913 import repro_traces
+
+        return repro_traces(config)
+    raise ValueError(f"unknown engine {config.engine!r}; valid: {', '.join(ENGINES)}")
+
+
 def first_divergence_of(report: PolicyReport):
     """The earliest recorded divergence of a report (by step, then micro-step), or None."""
     found = [d for d in report.divergences.values() if d is not None]
@@ -246,15 +264,18 @@ def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict
     differing = {(r.param, r.kind) for r in writeback.rows if not r.bitwise_equal}
     router_kinds = {k for p, k in differing if p in routers}
     others = {p for p, _ in differing if p not in routers}
+    captured = {r.kind for r in writeback.rows}  # the real engines capture gradients only
     reproduced = (
-        {"hp grad", "fp32 master", "adam m", "adam v"} <= router_kinds
+        "hp grad" in captured
+        and {"hp grad", "fp32 master", "adam m", "adam v"} & captured <= router_kinds
         and not others
         and all(r.bitwise_equal for r in staging.rows)
     )
     if reproduced:
         return Verdict(True, (
-            "#8913 REPRODUCED: bf16_writeback departs from the FP32 oracle at the BF16 writeback (router hp grad, "
-            "FP32 master, Adam m and v differ; expert and dense tensors match); fp32_staging matches bitwise in all "
+            "#8913 REPRODUCED: bf16_writeback departs from the FP32 oracle at the BF16 writeback (router "
+            + ("hp grad, FP32 master, Adam m and v" if "fp32 master" in captured else "hp grad") + " differ; "
+            "expert and dense tensors match); fp32_staging matches bitwise in all "
             f"{len(staging.rows)} compared tensors"
         ))
     return Verdict(False, "#8913 NOT reproduced as described: " + "; ".join(lines))
@@ -312,7 +333,8 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
     spec = config.spec()
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
-        f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}",
+        f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}"
+        + ("" if config.engine == "transcribed" else f", engine {config.engine} (real code, gradients only)"),
         f"oracle: {FP32_ORACLE.summary}, TP correction on every micro-step",
     ]
     for report in reports:
