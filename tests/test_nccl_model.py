@@ -428,3 +428,25 @@ def test_several_channels_loops_and_rings_against_the_simulation(protocol):
     assert len(parts) == 3 and all(p > 5 * chunk for _, _, p in parts)  # three channels, several loops each
     for rank, result in enumerate(simulate_ring_allreduce(x, model)):
         assert_bitwise(model.sum(x), result, f"{protocol} rank {rank}")
+
+
+def test_channels_last_tensors_are_reduced_in_memory_order():
+    g = torch.Generator().manual_seed(9)
+    per_rank = [torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last) for _ in range(3)]
+    model = Nccl()
+    got = model.sum(per_rank)
+    assert got.shape == (2, 3, 4, 5) and got.is_contiguous(memory_format=torch.channels_last)
+    in_memory = torch.stack([t.permute(0, 2, 3, 1).reshape(-1) for t in per_rank])
+    assert_bitwise(got.permute(0, 2, 3, 1).reshape(-1), model.sum(in_memory))
+    logical = model.sum(torch.stack([t.contiguous() for t in per_rank]))
+    assert not torch.equal(bits(got.contiguous()), bits(logical))  # chunk boundaries fall elsewhere
+
+
+def test_tensors_torch_nccl_refuses_are_refused():
+    with pytest.raises(ValueError, match="Tensors must be contiguous"):
+        Nccl().sum([torch.zeros(4, 4).T] * 3)
+    with pytest.raises(ValueError, match="Tensors must be contiguous"):
+        Nccl().reduce_scatter([torch.zeros(6, 2)[::2]] * 3)
+    with pytest.raises(ValueError, match="different memory formats"):
+        t = torch.zeros(1, 2, 3, 3)
+        Nccl().sum([t, t.to(memory_format=torch.channels_last).add(0).contiguous(memory_format=torch.channels_last)])

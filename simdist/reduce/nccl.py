@@ -82,6 +82,11 @@ and symmetric-memory kernels off):
    they are exact; with several rings this model assumes the same protocol
    knob for these calls.
 
+7. **Layout.** torch's NCCL backend passes NCCL the storage of a tensor that is
+   contiguous in its suggested memory format, so a channels-last tensor is
+   chunked in memory order; other strided tensors it refuses with
+   ``ValueError("Tensors must be contiguous")``, as `storage_flat` does.
+
 Consequences: 2 ranks are one add in every configuration. For small tensors on
 the default Simple ring the chunks are ``roundup(ceil(N_channel / n), 16 / e)``
 elements, so up to ``n`` different starting ranks appear within a few hundred
@@ -498,12 +503,8 @@ class Nccl(ReductionModel):
         return self.reduce(tensors, ReduceOp.SUM)
 
     def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        stacked = as_stacked(tensors)
-        n = stacked.shape[0]
-        if n == 0:
-            raise ValueError("a reduction needs the tensors of at least one rank")
-        shape = stacked.shape[1:]
-        flat = stacked.reshape(n, -1)
+        flat, restore = storage_flat(tensors)
+        n = flat.shape[0]
         flat, finish = self._prepare(flat, op)
         combine = _combine(op, flat.dtype)
         if n == 1:
@@ -519,12 +520,12 @@ class Nccl(ReductionModel):
                 root, order = _check_tree(self.tree_of(channel, n), n)
                 down = self.tree_of(channel, n)
                 out[offset : offset + part] = _tree_fold(flat[:, offset : offset + part], down, root, order, combine)
-        return finish(out).reshape(shape)
+        return restore(finish(out))
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Per-rank output blocks ``[n, numel / n]`` of NCCL's ring reduce-scatter."""
-        n = len(tensors)
-        flat = as_stacked(tensors).reshape(n, -1)
+        flat, _ = storage_flat(tensors)
+        n = flat.shape[0]
         if flat.shape[1] % n:
             raise ValueError(f"reduce_scatter needs numel divisible by the group size {n}, got {flat.shape[1]}")
         block = flat.shape[1] // n
@@ -543,20 +544,20 @@ class Nccl(ReductionModel):
 
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """What ``dist.reduce`` leaves on group rank ``root``: NCCL's ring pipeline ending at the root."""
-        stacked = as_stacked(tensors)
-        n = stacked.shape[0]
+        flat, restore = storage_flat(tensors)
+        n = flat.shape[0]
         if not 0 <= root < n:
             raise ValueError(f"root {root} is not a rank of a group of {n}")
-        flat, finish = self._prepare(stacked.reshape(n, -1), op)
+        flat, finish = self._prepare(flat, op)
         combine = _combine(op, flat.dtype)
         if n <= 2:
             out = flat[0].clone() if n == 1 else combine(flat[0], flat[1])
-            return finish(out).reshape(stacked.shape[1:])
+            return restore(finish(out))
         plan = []
         for channel, offset, part in self.parts(flat.shape[1], flat.element_size(), n, traffic_per_byte=1):
             ring = self.ring_of(channel, n)
             plan.append((offset, part, ring, (ring.index(root) + 1) % n))
-        return finish(self._fold_plan(flat, plan, combine)).reshape(stacked.shape[1:])
+        return restore(finish(self._fold_plan(flat, plan, combine)))
 
     def _prepare(self, flat: torch.Tensor, op: ReduceOp):
         """Apply AVG's premultiply; return the inputs and the step applied to the result."""
@@ -598,6 +599,48 @@ class Nccl(ReductionModel):
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+_CHANNELS_LAST = {4: (torch.channels_last, (0, 2, 3, 1)), 5: (torch.channels_last_3d, (0, 2, 3, 4, 1))}
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dims of ``t`` in memory order when torch's NCCL backend accepts it; None for row-major."""
+    if t.is_contiguous():
+        return None
+    fmt, perm = _CHANNELS_LAST.get(t.dim(), (None, None))
+    if fmt is not None and t.is_contiguous(memory_format=fmt):
+        return perm
+    raise ValueError(
+        f"Tensors must be contiguous: torch's NCCL backend refuses a tensor of shape {tuple(t.shape)} and "
+        f"strides {t.stride()} (only row-major and channels-last tensors reach NCCL)"
+    )
+
+
+def storage_flat(tensors: Tensors) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``[n, N]``: each rank's elements in memory order (what NCCL reads), and the map of a flat result back.
+
+    torch's NCCL backend hands NCCL the storage of a tensor that is contiguous in
+    its suggested memory format (row-major, or channels-last for 4-d/5-d
+    tensors), so chunks and channels are cut in memory order; it refuses
+    anything else with ``ValueError("Tensors must be contiguous")``, and so does this.
+    """
+    per_rank = list(tensors.unbind(0)) if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not per_rank:
+        raise ValueError("a reduction needs the tensors of at least one rank")
+    orders = {_memory_order(t) for t in per_rank}
+    if len(orders) > 1:
+        raise ValueError("Tensors must be contiguous: the ranks' tensors have different memory formats")
+    perm = orders.pop()
+    n = len(per_rank)
+    if perm is None:
+        stacked = as_stacked(tensors)
+        shape = stacked.shape[1:]
+        return stacked.reshape(n, -1), lambda out: out.reshape(shape)
+    stacked = torch.stack([t.permute(perm) for t in per_rank])
+    shape = stacked.shape[1:]
+    inverse = tuple(sorted(range(len(perm)), key=perm.__getitem__))
+    return stacked.reshape(n, -1), lambda out: out.reshape(shape).permute(inverse)
 
 
 def _tree_fold(rows: torch.Tensor, down: TreeDown, root: int, order: list[int], combine) -> torch.Tensor:
