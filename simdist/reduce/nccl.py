@@ -107,6 +107,7 @@ into an FMA (for ``n`` a power of two the product is exact and it cannot matter)
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -512,8 +513,7 @@ class Nccl(ReductionModel):
         elif n == 2:  # one combination: every order agrees
             out = combine(flat[0], flat[1])
         elif self.algorithm == "ring":
-            plan = self.ring_plan(flat.shape[1], flat.element_size(), n)
-            out = self._fold_plan(flat, [(o, ln, self.ring_of(c, n), s) for o, ln, c, s in plan], combine)
+            out = _fold_groups(flat, _groups(self, "all_reduce", flat.shape[1], flat.element_size(), n), combine)
         else:
             out = torch.empty_like(flat[0])
             for channel, offset, part in self.parts(flat.shape[1], flat.element_size(), n):
@@ -534,13 +534,8 @@ class Nccl(ReductionModel):
         if n <= 2:
             out = flat[0].clone() if n == 1 else combine(flat[0], flat[1])
             return finish(out).reshape(n, block)
-        plan = []
-        parts = self.parts(block, flat.element_size(), n, traffic_per_byte=n, nbytes=block * n * flat.element_size())
-        for channel, offset, part in parts:
-            ring = self.ring_of(channel, n)
-            for q in range(n):
-                plan.append((q * block + offset, part, ring, (ring.index(q) + 1) % n))
-        return finish(self._fold_plan(flat, plan, combine)).reshape(n, block)
+        groups = _groups(self, "reduce_scatter", flat.shape[1], flat.element_size(), n)
+        return finish(_fold_groups(flat, groups, combine)).reshape(n, block)
 
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """What ``dist.reduce`` leaves on group rank ``root``: NCCL's ring pipeline ending at the root."""
@@ -553,11 +548,8 @@ class Nccl(ReductionModel):
         if n <= 2:
             out = flat[0].clone() if n == 1 else combine(flat[0], flat[1])
             return restore(finish(out))
-        plan = []
-        for channel, offset, part in self.parts(flat.shape[1], flat.element_size(), n, traffic_per_byte=1):
-            ring = self.ring_of(channel, n)
-            plan.append((offset, part, ring, (ring.index(root) + 1) % n))
-        return restore(finish(self._fold_plan(flat, plan, combine)))
+        groups = _groups(self, f"reduce:{root}", flat.shape[1], flat.element_size(), n)
+        return restore(finish(_fold_groups(flat, groups, combine)))
 
     def _prepare(self, flat: torch.Tensor, op: ReduceOp):
         """Apply AVG's premultiply; return the inputs and the step applied to the result."""
@@ -570,31 +562,59 @@ class Nccl(ReductionModel):
             return flat, lambda out: out / n
         return flat * premul_scale(n, flat.dtype).to(flat.device), _identity
 
-    @staticmethod
-    def _fold_plan(flat: torch.Tensor, plan, combine) -> torch.Tensor:
-        """Fold ``flat[:, offset:offset+length]`` round ``ring`` from ``start`` for each plan entry."""
-        n = flat.shape[0]
-        out = torch.empty_like(flat[0])
-        by_order: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        for offset, length, ring, start in plan:
-            order = tuple(ring[(start + j) % n] for j in range(n))
-            by_order.setdefault(order, []).append((offset, length))
-        for order, spans in by_order.items():
-            if len(spans) <= 4:
-                for offset, length in spans:
-                    rows = flat[:, offset : offset + length]
-                    acc = combine(rows[order[0]], rows[order[1]])
-                    for r in order[2:]:
-                        acc = combine(acc, rows[r])
-                    out[offset : offset + length] = acc
-                continue
-            index = torch.cat([torch.arange(o, o + ln) for o, ln in spans]).to(flat.device)
-            rows = flat.index_select(1, index)
-            acc = combine(rows[order[0]], rows[order[1]])
-            for r in order[2:]:
-                acc = combine(acc, rows[r])
-            out.index_copy_(0, index, acc)
-        return out
+
+Groups = tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...], torch.Tensor | None], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(model: Nccl, fn: str, count: int, element_size: int, n: int) -> Groups:
+    """The ring plan of a call grouped by fold order: ``(order, spans, column index or None)``.
+
+    ``fn`` is ``all_reduce``, ``reduce_scatter`` (``count`` = the whole input)
+    or ``reduce:<root>``. Cached: a call's plan depends only on these arguments.
+    """
+    plan: list[tuple[int, int, tuple[int, ...], int]] = []
+    if fn == "all_reduce":
+        plan = [(o, ln, model.ring_of(c, n), s) for o, ln, c, s in model.ring_plan(count, element_size, n)]
+    elif fn == "reduce_scatter":
+        block = count // n
+        for channel, offset, part in model.parts(block, element_size, n, traffic_per_byte=n,
+                                                 nbytes=count * element_size):  # fmt: skip
+            ring = model.ring_of(channel, n)
+            plan.extend((q * block + offset, part, ring, (ring.index(q) + 1) % n) for q in range(n))
+    else:
+        root = int(fn.split(":")[1])
+        for channel, offset, part in model.parts(count, element_size, n, traffic_per_byte=1):
+            ring = model.ring_of(channel, n)
+            plan.append((offset, part, ring, (ring.index(root) + 1) % n))
+    by_order: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for offset, length, ring, start in plan:
+        by_order.setdefault(tuple(ring[(start + j) % n] for j in range(n)), []).append((offset, length))
+    return tuple(
+        (order, tuple(spans), None if len(spans) <= 4 else torch.cat([torch.arange(o, o + ln) for o, ln in spans]))
+        for order, spans in by_order.items()
+    )
+
+
+def _fold_groups(flat: torch.Tensor, groups: Groups, combine) -> torch.Tensor:
+    """Fold the columns of each group in its order: ``combine(...combine(x[o0], x[o1])..., x[o_last])``."""
+    out = torch.empty_like(flat[0])
+    for order, spans, index in groups:
+        if index is None:
+            for offset, length in spans:
+                rows = flat[:, offset : offset + length]
+                acc = combine(rows[order[0]], rows[order[1]])
+                for r in order[2:]:
+                    acc = combine(acc, rows[r])
+                out[offset : offset + length] = acc
+            continue
+        index = index.to(flat.device)
+        rows = flat.index_select(1, index)
+        acc = combine(rows[order[0]], rows[order[1]])
+        for r in order[2:]:
+            acc = combine(acc, rows[r])
+        out.index_copy_(0, index, acc)
+    return out
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
