@@ -590,16 +590,27 @@ def _groups(model: Nccl, fn: str, count: int, element_size: int, n: int) -> Grou
     by_order: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for offset, length, ring, start in plan:
         by_order.setdefault(tuple(ring[(start + j) % n] for j in range(n)), []).append((offset, length))
+    cache_index = count <= _CACHED_INDEX_LIMIT
     return tuple(
-        (order, tuple(spans), None if len(spans) <= 4 else torch.cat([torch.arange(o, o + ln) for o, ln in spans]))
+        (order, tuple(spans), _span_index(spans) if len(spans) > 4 and cache_index else None)
         for order, spans in by_order.items()
     )
+
+
+_CACHED_INDEX_LIMIT = 1 << 22
+"""Column indexes of calls up to this many elements are kept in the plan cache."""
+
+
+def _span_index(spans) -> torch.Tensor:
+    return torch.cat([torch.arange(o, o + ln) for o, ln in spans])
 
 
 def _fold_groups(flat: torch.Tensor, groups: Groups, combine) -> torch.Tensor:
     """Fold the columns of each group in its order: ``combine(...combine(x[o0], x[o1])..., x[o_last])``."""
     out = torch.empty_like(flat[0])
     for order, spans, index in groups:
+        if index is None and len(spans) > 4:
+            index = _span_index(spans)
         if index is None:
             for offset, length in spans:
                 rows = flat[:, offset : offset + length]
