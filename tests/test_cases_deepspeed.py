@@ -109,3 +109,12 @@ def test_mutated_staging_policy_fails_the_case(real):
     assert not verdict.ok
     assert not verdict.paths[0].patched_vs_fp32_staging.bitwise_equal
     assert verdict.paths[0].real_vs_bf16_writeback.bitwise_equal
+
+
+@pytest.mark.slow
+def test_real_deepspeed_on_the_simdist_backend_in_process_mode_is_the_transcription():
+    from simdist.cases.deepspeed_8913 import run
+
+    verdict = run(world="simdist", gas=(3,), steps=1)
+    assert verdict.world == "simdist"
+    assert verdict.ok, verdict.summary
