@@ -39,8 +39,10 @@ simulation of NCCL's kernels, on non-trivial rings and trees, whose init log
 is written in NCCL's format and parsed back. It checks this script and the
 model against the simulation; it says nothing about hardware.
 
-The model follows NCCL v2.30.7; the driver prints the NCCL version torch
-was built with (``torch.cuda.nccl.version()``).
+The model follows NCCL v2.30.7 (same ordering code back to 2.26; the channel
+split differs before 2.29); the driver prints the NCCL version torch was
+built with (``torch.cuda.nccl.version()``) and sets the model's
+``nccl_version`` from it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,15 @@ import torch
 
 from simdist.numerics.floats import bits
 from simdist.reduce.base import ReduceOp
-from simdist.reduce.nccl import NCCL_VERSION, Nccl, TreeDown, chain_tree, double_binary_trees, premul_scale
+from simdist.reduce.nccl import (
+    NCCL_VERSION,
+    VERSIONS,
+    Nccl,
+    TreeDown,
+    chain_tree,
+    double_binary_trees,
+    premul_scale,
+)
 from simdist.reduce.nccl_sim import (
     simulate_ring_allreduce,
     simulate_ring_reduce,
@@ -108,9 +118,10 @@ class Knobs:
             env["NCCL_BUFFSIZE"] = str(self.buffsize)
         return env
 
-    def model(self, rings=None, trees=None) -> Nccl:
+    def model(self, rings=None, trees=None, nccl_version: tuple[int, int] = (2, 30)) -> Nccl:
         extra = {} if self.buffsize is None else {"buffsize": self.buffsize}
-        return Nccl(self.algorithm, self.protocol, self.channels, rings=rings, trees=trees, **extra)
+        return Nccl(self.algorithm, self.protocol, self.channels, rings=rings, trees=trees,
+                    nccl_version=nccl_version, **extra)  # fmt: skip
 
 
 KNOBS = (
@@ -272,7 +283,7 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
     log_dir = Path(os.environ["NCCL_DEBUG_FILE"]).parent
     lines = read_logs(log_dir) if rank == 0 else []
     rings, trees = parse_rings(lines), parse_trees(lines, n)
-    model = knobs.model(rings=rings, trees=trees if knobs.algorithm == "tree" else None)
+    model = knobs.model(rings=rings, trees=trees if knobs.algorithm == "tree" else None, nccl_version=model_version())
     rows = []
     for case in cases(n, knobs, quick):
         x = build_inputs(case, n)
@@ -325,6 +336,15 @@ def _traffic(case: Case, n: int, e: int) -> dict:
     if case.fn == "reduce_scatter":
         return {"traffic_per_byte": n, "nbytes": case.length * e}
     return {"traffic_per_byte": 1} if case.fn == "reduce" else {}
+
+
+def model_version() -> tuple[int, int]:
+    """The model's ``nccl_version`` for torch's NCCL: itself when read, else the nearest release read."""
+    try:
+        major, minor = torch.cuda.nccl.version()[:2]
+    except Exception:  # no CUDA build
+        return VERSIONS[-1]
+    return min(VERSIONS, key=lambda v: abs((v[0] - major) * 100 + v[1] - minor))
 
 
 def _nccl_version() -> str:
@@ -437,7 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         if gpus < 2:
             raise SystemExit(f"needs 2 or more GPUs (found {gpus}); use --dry-run for the CPU self-check")
         sizes = [int(s) for s in ns.world_sizes.split(",")] if ns.world_sizes else list(range(2, gpus + 1))
-        print(f"torch {torch.__version__}, NCCL {_nccl_version()}; the model follows {NCCL_VERSION}")
+        print(f"torch {torch.__version__}, NCCL {_nccl_version()}; the model follows {NCCL_VERSION}, "
+              f"with the channel split of {'.'.join(map(str, model_version()))}")  # fmt: skip
+        if model_version() != tuple(torch.cuda.nccl.version()[:2]):
+            print(f"WARNING: NCCL {_nccl_version()} is outside the releases the model was read from")
     out.mkdir(parents=True, exist_ok=True)
     bad = total = 0
     started = time.perf_counter()

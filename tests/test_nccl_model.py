@@ -26,6 +26,7 @@ from simdist.reduce import ReduceOp, Sequential, make_model
 from simdist.reduce.nccl import (
     DEFAULT_BUFFSIZE,
     PROTOCOLS,
+    VERSIONS,
     Nccl,
     btree,
     chain_tree,
@@ -75,6 +76,8 @@ def models(draw, n: int) -> Nccl:
         params[key] = draw(st.sampled_from(sizes))
     if draw(st.booleans()):
         params["task_channels"] = draw(st.integers(1, params["channels"]))
+    if draw(st.booleans()):
+        params["nccl_version"] = draw(st.sampled_from(VERSIONS))
     if draw(st.booleans()):
         perms = st.permutations(list(range(n))).map(tuple)
         params["rings"] = tuple(draw(st.lists(perms, min_size=1, max_size=3)))
@@ -255,11 +258,20 @@ def test_channel_split_examples():
     assert channel_parts(100, 4, "simple", 8, 8) == [(0, 0, 100)]
 
 
+def test_channel_split_before_2_29_uses_16_kib():
+    # 8-KiB cells (16 KiB / 2 traffic per byte), 65 per channel, the last one short.
+    parts = channel_parts((1 << 20) + 5, 4, "simple", 8, 8, nccl_version=(2, 28))
+    assert [p for _, _, p in parts] == [133120] * 7 + [116741]
+    assert Nccl(nccl_version=(2, 27)).parts((1 << 20) + 5, 4, 2)[0][2] != Nccl().parts((1 << 20) + 5, 4, 2)[0][2]
+    with pytest.raises(ValueError, match="nccl_version"):
+        Nccl(nccl_version=(2, 18))
+
+
 def test_channel_split_covers_the_buffer():
-    for count, e, proto, chans, used in itertools.product(
-        (1, 4095, 4096, 4097, 100000, 3 << 20), (2, 4), PROTOCOLS, (1, 2, 3, 8), (1, 2, 8)
+    for count, e, proto, chans, used, version in itertools.product(
+        (1, 4095, 4096, 4097, 100000, 3 << 20), (2, 4), PROTOCOLS, (1, 2, 3, 8), (1, 2, 8), ((2, 28), (2, 30))
     ):
-        parts = channel_parts(count, e, proto, chans, min(used, chans))
+        parts = channel_parts(count, e, proto, chans, min(used, chans), nccl_version=version)
         assert sum(p for _, _, p in parts) == count
         assert [o for _, o, _ in parts] == list(itertools.accumulate([0] + [p for _, _, p in parts[:-1]]))
         assert [c for c, _, _ in parts] == list(range(len(parts))) and len(parts) <= chans

@@ -7,7 +7,11 @@ against real NCCL (it runs fingerprint inputs under torchrun and reports model
 on this model as a prediction.
 
 Source followed: NCCL ``v2.30.7-1`` (commit ``73cf112295c3``; master at
-``5067397c`` has the same text in every file below). Files read:
+``5067397c`` has the same text in every file below). The kernels, trees and
+chunking read the same, up to formatting, back to ``v2.26.6``; the one change
+in that range is the channel split (step 2): before 2.29 the smallest channel
+traffic is 16 KiB and the per-channel traffic is not rounded to 16 bytes
+(``nccl_version``). Files read:
 ``src/device/all_reduce.h`` (ring and tree kernels), ``src/device/reduce_scatter.h``,
 ``src/device/reduce.h``, ``src/device/prims_simple.h`` / ``prims_ll.h`` /
 ``prims_ll128.h`` and ``common_kernel.h`` (how a step combines its sources),
@@ -35,7 +39,8 @@ and symmetric-memory kernels off):
 2. **Split across channels** ("continuous byte distribution"). Traffic per byte
    is 2 for an all-reduce (times 4 for LL); the buffer is cut in *cells* of
    ``roundup16(ceil(32 KiB / traffic_per_byte))`` bytes; each channel gets about
-   ``roundup16(max(32 KiB, traffic) / nc)`` bytes of traffic, i.e. a whole number of
+   ``roundup16(max(32 KiB, traffic) / nc)`` bytes of traffic (16 KiB and
+   ``max(16 KiB, traffic / nc)`` before 2.29), i.e. a whole number of
    cells: a first channel, middle channels of equal size and a last channel
    that takes the remainder (the last cell is short when ``N*e`` is not a
    multiple of the cell). Channels are contiguous in the buffer, in channel order.
@@ -136,6 +141,9 @@ DEFAULT_LL128_BUFFSIZE = 120 * 640 * NCCL_STEPS * 8
 GRAIN_BYTES = {"simple": 512, "ll": 16, "ll128": 32 * 8 // 16 * 15 * 8}
 """Chunk sizes are whole multiples of these (``ncclProtoGrainSize``)."""
 MIN_TRAFFIC_PER_CHANNEL = 32 << 10
+"""Smallest traffic a channel is given (NCCL 2.29 and later; 16 KiB in 2.26-2.28)."""
+VERSIONS: tuple[tuple[int, int], ...] = ((2, 26), (2, 27), (2, 28), (2, 29), (2, 30))
+"""NCCL releases whose source this model was checked against (the ordering code is the same in all)."""
 MAX_CHANNELS = 64
 _DEFAULT_THREADS = {"simple": 512, "ll": 512, "ll128": 640}
 _THREAD_THRESHOLD = {"simple": 64, "ll": 8, "ll128": 8}
@@ -178,6 +186,7 @@ def channel_parts(
     channels: int,
     used_channels: int,
     traffic_per_byte: int = 2,
+    nccl_version: tuple[int, int] = (2, 30),
 ) -> list[tuple[int, int, int]]:
     """``(channel, offset, count)`` of each channel's part of a ``count``-element buffer.
 
@@ -188,9 +197,15 @@ def channel_parts(
     if count == 0:
         return []
     per_byte = traffic_per_byte * (4 if protocol == "ll" else 1)
-    traffic = max(MIN_TRAFFIC_PER_CHANNEL, count * element_size * per_byte)
-    per_channel = _div_up(traffic // min(used_channels, channels), 16) * 16
-    cell = _div_up(_div_up(MIN_TRAFFIC_PER_CHANNEL, per_byte), 16) * 16
+    if nccl_version >= (2, 29):
+        min_traffic = MIN_TRAFFIC_PER_CHANNEL
+        traffic = max(min_traffic, count * element_size * per_byte)
+        per_channel = _div_up(traffic // min(used_channels, channels), 16) * 16
+    else:  # 2.26-2.28: 16 KiB minimum, no rounding of the per-channel traffic
+        min_traffic = 16 << 10
+        traffic = max(min_traffic, count * element_size * per_byte)
+        per_channel = max(min_traffic, traffic // min(used_channels, channels))
+    cell = _div_up(_div_up(min_traffic, per_byte), 16) * 16
     per_cell = cell // element_size
     cells = _div_up(count * element_size, cell)
     cell_traffic = cell * per_byte
@@ -393,7 +408,8 @@ class Nccl(ReductionModel):
     table of each channel's tree (default the chain ``0 <- 1 <- ... <- n-1``);
     ``buffsize``/``ll_buffsize``/``ll128_buffsize`` the ``NCCL_*BUFFSIZE``
     values; ``nthreads`` NCCL's threads per block for the chosen algorithm and
-    protocol (only used to drop channels for small calls).
+    protocol (only used to drop channels for small calls); ``nccl_version``
+    the release (2.26 to 2.30; only the channel split differs, see `channel_parts`).
     """
 
     algorithm: Algorithm = "ring"
@@ -406,6 +422,7 @@ class Nccl(ReductionModel):
     ll_buffsize: int = DEFAULT_LL_BUFFSIZE
     ll128_buffsize: int = DEFAULT_LL128_BUFFSIZE
     nthreads: int | None = None
+    nccl_version: tuple[int, int] = (2, 30)
     avg: AvgMode = "premul"
 
     def __post_init__(self) -> None:
@@ -420,6 +437,10 @@ class Nccl(ReductionModel):
         for name in ("buffsize", "ll_buffsize", "ll128_buffsize"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        object.__setattr__(self, "nccl_version", tuple(int(v) for v in self.nccl_version)[:2])
+        if self.nccl_version not in VERSIONS:
+            valid = ", ".join(f"{a}.{b}" for a, b in VERSIONS)
+            raise ValueError(f"nccl_version must be one of {valid} (the releases read), got {self.nccl_version}")
         if self.avg not in ("premul", "postdiv"):
             raise ValueError(f"avg must be 'premul' or 'postdiv', got {self.avg!r}")
         if self.rings is not None:
@@ -449,6 +470,8 @@ class Nccl(ReductionModel):
                 extra += f", {name}={getattr(self, name)}"
         if self.nthreads is not None:
             extra += f", nthreads={self.nthreads}"
+        if self.nccl_version != (2, 30):
+            extra += f", nccl_version={self.nccl_version[0]}.{self.nccl_version[1]}"
         if self.avg != "premul":
             extra += f", avg={self.avg}"
         return f"nccl({self.algorithm}, {self.protocol}, channels={self.channels}{extra})"
@@ -476,7 +499,9 @@ class Nccl(ReductionModel):
             size = count * element_size if nbytes is None else nbytes
             algorithm = self.algorithm if traffic_per_byte == 2 else "ring"
             used = task_channels(size, self.channels, n, algorithm, self.protocol, self.nthreads)
-        return channel_parts(count, element_size, self.protocol, self.channels, used, traffic_per_byte)
+        return channel_parts(
+            count, element_size, self.protocol, self.channels, used, traffic_per_byte, self.nccl_version
+        )
 
     def ring_plan(self, count: int, element_size: int, n: int) -> list[tuple[int, int, int, int]]:
         """``(offset, length, channel, start position)`` of every ring chunk of an all-reduce."""
