@@ -8,6 +8,13 @@ are divided by ``tp`` in place in BF16. The DP reduction of the FP32 buffers
 is modelled with ``communication_data_type: fp32`` (see
 ``bf16_writeback_bf16_comm`` for DeepSpeed's default BF16 communication).
 This is the #8913 boundary: FP32 reduction -> BF16 writeback -> FP32 accumulation.
+
+Confirmed bitwise against DeepSpeed 0.19.8's real ``BF16_Optimizer`` by the case
+``deepspeed-8913`` (high-precision gradients after every micro-step, epilogue
+and immediate paths, GAS 1 and 3, TP2/EP2/ETP1, on gloo and on the simdist
+backend in process mode) and ``deepspeed-gas-marker`` (GAS 4). Not confirmed:
+the DP reduction and the optimizer step (the cases stop at the hp gradient),
+and ``bf16_writeback_bf16_comm``.
 """
 
 import torch

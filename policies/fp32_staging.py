@@ -5,6 +5,11 @@ the existing folding correction to the staging tensor (TP all-reduce and
 ``/tp`` for AVERAGE, ``/tp`` for routed experts) and adds it to the FP32
 buffer with no BF16 conversion in between. Readiness flags, the
 correction-once marker and the clearing of ``lp.grad`` are kept as they are.
+
+Confirmed bitwise against DeepSpeed 0.19.8 with this fix patched into the real
+``BF16_Optimizer._update_hp_grad`` by the case ``deepspeed-8913`` (hp gradients
+after every micro-step, both update paths, GAS 1 and 3); the DP reduction and
+the step are not confirmed.
 """
 
 import torch

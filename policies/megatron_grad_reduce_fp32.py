@@ -9,6 +9,9 @@ gradients), then the buffer is scaled by ``1/dp`` before an FP32 all-reduce
 (``gradient_scaling_factor``, i.e. ``average_in_collective=False``).
 Simplification: Megatron's bucketing and distributed optimizer sharding do
 not change the per-element arithmetic and are not modelled.
+
+Not confirmed by a case: megatron-core 0.16.1 installs and imports on CPU
+without Transformer Engine, but no case drives its DDP yet.
 """
 
 import torch

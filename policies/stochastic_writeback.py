@@ -4,6 +4,9 @@ The FP32 TP result is rounded to BF16 up or down with probability
 proportional to its distance from each neighbour (unbiased in expectation),
 using a generator seeded per step, micro-step, rank and parameter, so runs
 are reproducible bit for bit.
+
+Not a DeepSpeed behaviour (0.19.8 rounds to nearest even, see the case
+``deepspeed-8913``); no case confirms it against real code.
 """
 
 import torch
