@@ -19,6 +19,11 @@ Results go to ``OUT/n{n}-{knobs}.json``; the driver prints one line per case,
 ``model == real`` or ``MISMATCH`` with the count and first positions, and
 exits 1 on any mismatch.
 
+AVG cases that do not match are compared again with the model's fused
+premultiply (``premul_fma=True``: the compiler may fuse NCCL's premultiply
+with the first add into one FMA); a match is reported as such, and tells
+which of the two the installed NCCL build does.
+
 Inputs per case: ``fingerprint`` -- at every element one rank holds 1.0 and
 two others half an ulp of 1.0, the rest 0, cycling over every (big, small,
 small) choice of ranks (the result is ``1 + ulp`` exactly when the two halves
@@ -48,6 +53,7 @@ built with (``torch.cuda.nccl.version()``) and sets the model's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -261,6 +267,17 @@ def compare(real: torch.Tensor, expected: torch.Tensor) -> dict:
     return {"elements": int(real.numel()), "mismatches": int(differ.numel()), "first": differ[:8].tolist()}
 
 
+def judge(model: Nccl, case: Case, x: torch.Tensor, root: int, real: torch.Tensor) -> dict:
+    """Compare with the model; for AVG also with the fused-premultiply variant and say which one matched."""
+    result = {**compare(real, predict(model, case, x, root)), "variant": "plain"}
+    if case.op == "avg" and result["mismatches"] and x.dtype != torch.float64:
+        fused = dataclasses.replace(model, premul_fma=True)
+        other = compare(real, predict(fused, case, x, root))
+        if other["mismatches"] == 0:
+            result = {**other, "variant": "fused premultiply (premul_fma=True)"}
+    return result
+
+
 def record(case: Case, result: dict, agree: bool, model_channels: int, logged: str | None) -> dict:
     return {**asdict(case), **result, "ranks_agree": agree, "model_channels": model_channels, "logged": logged}
 
@@ -314,10 +331,9 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
             real, agree = every, True
         else:
             real, agree = every[root], True
-        expected = predict(model, case, x, root)
         count = case.length // n if case.fn == "reduce_scatter" else case.length
         parts = model.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
-        rows.append(record(case, compare(real, expected), agree, len(parts), logged))
+        rows.append(record(case, judge(model, case, x, root, real), agree, len(parts), logged))
     if rank == 0:
         meta = {
             "n": n,
@@ -383,7 +399,7 @@ def dry_run_job(n: int, knobs: Knobs, quick: bool, log_dir: Path) -> dict:
             real, agree = simulate_ring_reduce(pre, truth, root), True
         count = case.length // n if case.fn == "reduce_scatter" else case.length
         parts = model.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
-        rows.append(record(case, compare(real, predict(model, case, x, root)), agree, len(parts), None))
+        rows.append(record(case, judge(model, case, x, root, real), agree, len(parts), None))
     meta = {"n": n, "knobs": asdict(knobs), "model": model.name, "nccl": "simulation", "model_follows": NCCL_VERSION}
     return {"meta": meta, "cases": rows}
 
@@ -404,6 +420,8 @@ def report(job: dict) -> int:
         ok = row["mismatches"] == 0 and row["ranks_agree"]
         bad += not ok
         verdict = "model == real" if ok else f"MISMATCH {row['mismatches']}/{row['elements']} first {row['first']}"
+        if ok and row.get("variant", "plain") != "plain":
+            verdict += f" with {row['variant']}"
         if not row["ranks_agree"]:
             verdict += " (ranks disagree)"
         chans = f"channels model {row['model_channels']}"

@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simdist.numerics.floats import bits, float_format, unit_roundoff
+from simdist.numerics.floats import bits, float_format, round_exact, unit_roundoff
 from simdist.reduce import ReduceOp, Sequential, make_model
 from simdist.reduce.nccl import (
     DEFAULT_BUFFSIZE,
@@ -32,6 +32,7 @@ from simdist.reduce.nccl import (
     chain_tree,
     channel_parts,
     double_binary_trees,
+    fma_round,
     premul_scale,
     ring_chunk_elements,
     ring_segments,
@@ -48,6 +49,7 @@ from simdist.strategies import float_values, rank_tensors
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_BUFFERS = {"simple": ("buffsize", (1024, 2048, 8192)), "ll": ("ll_buffsize", (256, 512, 4096)),
                  "ll128": ("ll128_buffsize", (16384, 32768))}  # fmt: skip
+SPREAD_FOR = {torch.float32: 12, torch.bfloat16: 4, torch.float16: 4}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -462,3 +464,64 @@ def test_tensors_torch_nccl_refuses_are_refused():
     with pytest.raises(ValueError, match="different memory formats"):
         t = torch.zeros(1, 2, 3, 3)
         Nccl().sum([t, t.to(memory_format=torch.channels_last).add(0).contiguous(memory_format=torch.channels_last)])
+
+
+@given(st.sampled_from(DTYPES), st.integers(0, 2**31), st.integers(3, 7))
+def test_fma_round_is_one_correct_rounding(dtype, seed, n):
+    x, acc = inputs(2, 200, dtype, seed, spread=SPREAD_FOR[dtype])
+    scale = premul_scale(n, dtype)
+    got = fma_round(x, scale, acc).double().tolist()
+    s = Fraction(scale.item())
+    for g, a, b in zip(got, x.double().tolist(), acc.double().tolist(), strict=True):
+        assert g == round_exact(Fraction(a) * s + Fraction(b), dtype), (a, b, g)
+
+
+def test_fma_round_ties_and_specials():
+    one, half_ulp = torch.tensor([1.0]), torch.tensor([2.0**-24])
+    # 1 * 1 + 2**-24 is a tie: to even (1.0); a tiny extra product pushes it up.
+    assert fma_round(one, torch.tensor(1.0), half_ulp).item() == 1.0
+    # x * s = 2**-24 - 2**-60 lands the fp64 sum exactly on the midpoint 1 + 3 * 2**-24: the exact value is
+    # below it, so the answer is 1 + 2**-23, where rounding the fp64 sum would give the even 1 + 2**-22.
+    x, s, acc = torch.tensor([1 + 2.0**-18]), torch.tensor((1 - 2.0**-18) * 2.0**-24), torch.tensor([1 + 2.0**-23])
+    assert fma_round(x, s, acc).item() == 1 + 2.0**-23
+    assert (x.double() * s.double() + acc.double()).float().item() == 1 + 2.0**-22
+    assert fma_round(torch.tensor([2.0**-30]), torch.tensor(1.0), torch.tensor([1.0])).item() == 1.0
+    special = fma_round(torch.tensor([float("inf"), 1.0]), torch.tensor(1.0), torch.tensor([1.0, float("nan")]))
+    assert special[0].item() == float("inf") and special[1].isnan()
+    with pytest.raises(ValueError, match="fused"):
+        fma_round(torch.zeros(1, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64), torch.zeros(1))
+
+
+@given(cases())
+def test_fused_premultiply_folds_exactly_in_the_element_order(case):
+    n, model, x = case
+    count = min(x.shape[1], 64)
+    x = x[:, :count]
+    fused = Nccl(**{**_params(model), "premul_fma": True})
+    got = fused.reduce(x, ReduceOp.AVG).double().tolist()
+    orders = model.element_orders(count, x.element_size(), n).T.tolist()
+    s = Fraction(premul_scale(n, x.dtype).item())
+    values = x.double().T.tolist()
+    for e in range(count):
+        order, col = orders[e], values[e]
+        acc = round_exact(Fraction(col[order[0]]) * s, x.dtype)
+        for r in order[1:]:
+            acc = round_exact(Fraction(col[r]) * s + Fraction(acc), x.dtype)
+        assert got[e] == acc, (e, order)
+
+
+def test_fused_premultiply_matters_only_when_the_product_rounds():
+    x = inputs(4, 4000, torch.float32, 11)
+    assert_bitwise(Nccl(premul_fma=True).reduce(x, ReduceOp.AVG), Nccl().reduce(x, ReduceOp.AVG))
+    x = inputs(3, 4000, torch.float32, 11)
+    fused, plain = Nccl(premul_fma=True).reduce(x, ReduceOp.AVG), Nccl().reduce(x, ReduceOp.AVG)
+    assert not torch.equal(bits(fused), bits(plain))
+    tree = Nccl(algorithm="tree", premul_fma=True)
+    expected = fma_round(x[0], premul_scale(3, x.dtype), fma_round(x[1], premul_scale(3, x.dtype),
+                                                                    x[2] * premul_scale(3, x.dtype)))  # fmt: skip
+    assert_bitwise(tree.reduce(x, ReduceOp.AVG), expected)
+    assert_bitwise(Nccl(premul_fma=True).sum(x), Nccl().sum(x))  # SUM has no premultiply
+
+
+def _params(model: Nccl) -> dict:
+    return {f: getattr(model, f) for f in model.__dataclass_fields__}

@@ -76,7 +76,15 @@ and symmetric-memory kernels off):
    each rank multiplies its own value by ``1/n`` (computed as a double, rounded
    to float, then to the dtype) as it first reads it, and the products are summed
    in the order above; on integer types it is the wrapped sum divided by ``n``
-   (truncating) once at the end. PRODUCT folds in the same order. MAX/MIN use
+   (truncating) once at the end. In a step, NCCL's reduce loads the rank's own
+   value, premultiplies it, then adds the received partials one by one. The
+   premultiply is a plain ``*`` for fp32/fp64 and ``__hmul``/``__hmul2`` for
+   fp16/bf16, none of which forbids the compiler from fusing it with the add
+   that follows into one FMA; whether the shipped binary does is a fact of the
+   build, not the source, so it is the knob ``premul_fma`` (default: not fused,
+   two roundings). For ``n`` a power of two the product is exact and the knob
+   cannot matter; the fingerprint's AVG cases tell which holds. PRODUCT folds
+   in the same order. MAX/MIN use
    ``fmaxf``/``fminf``-like functions that *ignore* NaN unless every input is NaN,
    so they are order-free (signed zeros are not claimed). With ``n == 1`` NCCL
    only copies (AVG multiplies by 1).
@@ -86,7 +94,6 @@ and symmetric-memory kernels off):
    channel split only through the rings, so with one ring for all channels
    they are exact; with several rings this model assumes the same protocol
    knob for these calls.
-
 7. **Layout.** torch's NCCL backend passes NCCL the storage of a tensor that is
    contiguous in its suggested memory format, so a channels-last tensor is
    chunked in memory order; other strided tensors it refuses with
@@ -105,9 +112,8 @@ search; the algorithm and protocol NCCL's tuner would pick (``algorithm``,
 ``protocol``; pin ``NCCL_ALGO``/``NCCL_PROTO``); the threads per block for the
 channel-dropping rule (``nthreads``). Also not modelled: aggregation of several
 collectives in one group (they share channels), tuner plugins
-(``NCCL_TUNER_PLUGIN=none``), NaN payloads (CUDA returns a canonical NaN) and
-whether nvcc contracts the fp32/fp64 premultiply of AVG with the following add
-into an FMA (for ``n`` a power of two the product is exact and it cannot matter).
+(``NCCL_TUNER_PLUGIN=none``), NaN payloads (CUDA returns a canonical NaN), and
+a fused premultiply for fp64 (``premul_fma`` covers fp32, bf16 and fp16).
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ from typing import Literal
 
 import torch
 
+from simdist.numerics.rounding import round_to
 from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, as_stacked
 
 NCCL_VERSION = "v2.30.7-1"
@@ -396,6 +403,45 @@ def _combine(op: ReduceOp, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.
     raise ValueError(f"unsupported reduce op {op!r}")
 
 
+def fma_round(x: torch.Tensor, s: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """``x * s + acc`` rounded once to the dtype (fp32, bf16 or fp16), as a fused multiply-add does.
+
+    The product is exact in fp64; the sum is split into its fp64 rounding and
+    the exact error (TwoSum), turned into the round-to-odd fp64 value, and
+    rounded from there, which is correct for any format of 24 bits or fewer.
+    """
+    dtype = x.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a fused premultiply is modelled for fp32, bf16 and fp16, not {dtype}")
+    p = x.double() * s.double()
+    a = acc.double()
+    total = p + a
+    back = total - p
+    error = (p - (total - back)) + (a - back)
+    even = (total.view(torch.int64) & 1) == 0
+    toward = torch.where(error > 0, float("inf"), float("-inf")).to(torch.float64)
+    odd = torch.where((error != 0) & even & torch.isfinite(total), torch.nextafter(total, toward), total)
+    return round_to(odd, dtype)
+
+
+@dataclass(frozen=True)
+class _Arith:
+    """How one step combines values: a rank's own value alone, own value plus the first received
+    partial, and a further received partial (NCCL's reduceCopy: sources in order, own value first)."""
+
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scale: torch.Tensor | None = None  # set for a premultiply fused with the first add
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.scale is None else x * self.scale
+
+    def own_plus(self, x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        return self.combine(x, received) if self.scale is None else fma_round(x, self.scale, received)
+
+    def plus(self, acc: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        return self.combine(acc, received)
+
+
 @dataclass(frozen=True, repr=False)
 class Nccl(ReductionModel):
     """NCCL's all-reduce order for pinned knobs (see the module docstring; unconfirmed on hardware).
@@ -409,7 +455,9 @@ class Nccl(ReductionModel):
     ``buffsize``/``ll_buffsize``/``ll128_buffsize`` the ``NCCL_*BUFFSIZE``
     values; ``nthreads`` NCCL's threads per block for the chosen algorithm and
     protocol (only used to drop channels for small calls); ``nccl_version``
-    the release (2.26 to 2.30; only the channel split differs, see `channel_parts`).
+    the release (2.26 to 2.30; only the channel split differs, see `channel_parts`);
+    ``premul_fma`` whether AVG's premultiply of a rank's own value is fused with
+    the add of the first partial it receives (one rounding; see the module docstring).
     """
 
     algorithm: Algorithm = "ring"
@@ -424,6 +472,7 @@ class Nccl(ReductionModel):
     nthreads: int | None = None
     nccl_version: tuple[int, int] = (2, 30)
     avg: AvgMode = "premul"
+    premul_fma: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -474,6 +523,8 @@ class Nccl(ReductionModel):
             extra += f", nccl_version={self.nccl_version[0]}.{self.nccl_version[1]}"
         if self.avg != "premul":
             extra += f", avg={self.avg}"
+        if self.premul_fma:
+            extra += ", premul_fma=True"
         return f"nccl({self.algorithm}, {self.protocol}, channels={self.channels}{extra})"
 
     # -- schedule ---------------------------------------------------------------------------
@@ -531,20 +582,19 @@ class Nccl(ReductionModel):
     def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         flat, restore = storage_flat(tensors)
         n = flat.shape[0]
-        flat, finish = self._prepare(flat, op)
-        combine = _combine(op, flat.dtype)
+        flat, arith, finish = self._prepare(flat, op)
         if n == 1:
-            out = flat[0].clone()
-        elif n == 2:  # one combination: every order agrees
-            out = combine(flat[0], flat[1])
+            out = arith.own(flat[0]).clone()
+        elif n == 2 and arith.scale is None:  # one combination: every order agrees
+            out = arith.combine(flat[0], flat[1])
         elif self.algorithm == "ring":
-            out = _fold_groups(flat, _groups(self, "all_reduce", flat.shape[1], flat.element_size(), n), combine)
+            out = _fold_groups(flat, _groups(self, "all_reduce", flat.shape[1], flat.element_size(), n), arith)
         else:
             out = torch.empty_like(flat[0])
             for channel, offset, part in self.parts(flat.shape[1], flat.element_size(), n):
-                root, order = _check_tree(self.tree_of(channel, n), n)
                 down = self.tree_of(channel, n)
-                out[offset : offset + part] = _tree_fold(flat[:, offset : offset + part], down, root, order, combine)
+                root, order = _check_tree(down, n)
+                out[offset : offset + part] = _tree_fold(flat[:, offset : offset + part], down, root, order, arith)
         return restore(finish(out))
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -554,13 +604,11 @@ class Nccl(ReductionModel):
         if flat.shape[1] % n:
             raise ValueError(f"reduce_scatter needs numel divisible by the group size {n}, got {flat.shape[1]}")
         block = flat.shape[1] // n
-        flat, finish = self._prepare(flat, op)
-        combine = _combine(op, flat.dtype)
-        if n <= 2:
-            out = flat[0].clone() if n == 1 else combine(flat[0], flat[1])
-            return finish(out).reshape(n, block)
+        flat, arith, finish = self._prepare(flat, op)
+        if n == 1:
+            return finish(arith.own(flat[0]).clone()).reshape(1, block)
         groups = _groups(self, "reduce_scatter", flat.shape[1], flat.element_size(), n)
-        return finish(_fold_groups(flat, groups, combine)).reshape(n, block)
+        return finish(_fold_groups(flat, groups, arith)).reshape(n, block)
 
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """What ``dist.reduce`` leaves on group rank ``root``: NCCL's ring pipeline ending at the root."""
@@ -568,24 +616,26 @@ class Nccl(ReductionModel):
         n = flat.shape[0]
         if not 0 <= root < n:
             raise ValueError(f"root {root} is not a rank of a group of {n}")
-        flat, finish = self._prepare(flat, op)
-        combine = _combine(op, flat.dtype)
-        if n <= 2:
-            out = flat[0].clone() if n == 1 else combine(flat[0], flat[1])
-            return restore(finish(out))
+        flat, arith, finish = self._prepare(flat, op)
+        if n == 1:
+            return restore(finish(arith.own(flat[0]).clone()))
         groups = _groups(self, f"reduce:{root}", flat.shape[1], flat.element_size(), n)
-        return restore(finish(_fold_groups(flat, groups, combine)))
+        return restore(finish(_fold_groups(flat, groups, arith)))
 
     def _prepare(self, flat: torch.Tensor, op: ReduceOp):
-        """Apply AVG's premultiply; return the inputs and the step applied to the result."""
+        """The inputs as the kernels combine them, the step arithmetic, and the step applied to the result."""
         n = flat.shape[0]
+        combine = _combine(op, flat.dtype)
         if op is not ReduceOp.AVG:
-            return flat, _identity
+            return flat, _Arith(combine), _identity
         if not flat.dtype.is_floating_point:
-            return flat, lambda out: torch.div(out, n, rounding_mode="trunc")
+            return flat, _Arith(combine), lambda out: torch.div(out, n, rounding_mode="trunc")
         if self.avg == "postdiv":
-            return flat, lambda out: out / n
-        return flat * premul_scale(n, flat.dtype).to(flat.device), _identity
+            return flat, _Arith(combine), lambda out: out / n
+        scale = premul_scale(n, flat.dtype).to(flat.device)
+        if self.premul_fma:
+            return flat, _Arith(combine, scale), _identity
+        return flat * scale, _Arith(combine), _identity
 
 
 Groups = tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...], torch.Tensor | None], ...]
@@ -630,27 +680,27 @@ def _span_index(spans) -> torch.Tensor:
     return torch.cat([torch.arange(o, o + ln) for o, ln in spans])
 
 
-def _fold_groups(flat: torch.Tensor, groups: Groups, combine) -> torch.Tensor:
-    """Fold the columns of each group in its order: ``combine(...combine(x[o0], x[o1])..., x[o_last])``."""
+def _fold_groups(flat: torch.Tensor, groups: Groups, arith: _Arith) -> torch.Tensor:
+    """Fold the columns of each group in its order: the first rank's own value, then each next rank's own
+    value plus the partial it received."""
     out = torch.empty_like(flat[0])
     for order, spans, index in groups:
         if index is None and len(spans) > 4:
             index = _span_index(spans)
         if index is None:
             for offset, length in spans:
-                rows = flat[:, offset : offset + length]
-                acc = combine(rows[order[0]], rows[order[1]])
-                for r in order[2:]:
-                    acc = combine(acc, rows[r])
-                out[offset : offset + length] = acc
+                out[offset : offset + length] = _fold_rows(flat[:, offset : offset + length], order, arith)
             continue
         index = index.to(flat.device)
-        rows = flat.index_select(1, index)
-        acc = combine(rows[order[0]], rows[order[1]])
-        for r in order[2:]:
-            acc = combine(acc, rows[r])
-        out.index_copy_(0, index, acc)
+        out.index_copy_(0, index, _fold_rows(flat.index_select(1, index), order, arith))
     return out
+
+
+def _fold_rows(rows: torch.Tensor, order: tuple[int, ...], arith: _Arith) -> torch.Tensor:
+    acc = arith.own(rows[order[0]])
+    for r in order[1:]:
+        acc = arith.own_plus(rows[r], acc)
+    return acc
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -699,13 +749,14 @@ def storage_flat(tensors: Tensors) -> tuple[torch.Tensor, Callable[[torch.Tensor
     return stacked.reshape(n, -1), lambda out: out.reshape(shape).permute(inverse)
 
 
-def _tree_fold(rows: torch.Tensor, down: TreeDown, root: int, order: list[int], combine) -> torch.Tensor:
-    """Each rank's own value combined with its children's partial sums in ``down`` order, leaves first."""
+def _tree_fold(rows: torch.Tensor, down: TreeDown, root: int, order: list[int], arith: _Arith) -> torch.Tensor:
+    """Each rank's own value plus its children's partial sums in ``down`` order, leaves first."""
     partial: dict[int, torch.Tensor] = {}
     for r in order:
-        acc = rows[r]
-        for child in down[r]:
-            acc = combine(acc, partial.pop(child))
+        children = [partial.pop(child) for child in down[r]]
+        acc = arith.own_plus(rows[r], children[0]) if children else arith.own(rows[r])
+        for child in children[1:]:
+            acc = arith.plus(acc, child)
         partial[r] = acc
     out = partial[root]
     return out.clone() if out.data_ptr() == rows[root].data_ptr() else out
