@@ -525,3 +525,18 @@ def test_fused_premultiply_matters_only_when_the_product_rounds():
 
 def _params(model: Nccl) -> dict:
     return {f: getattr(model, f) for f in model.__dataclass_fields__}
+
+
+def test_list_reduce_scatter_is_one_reduce_scatter_of_the_flattened_lists():
+    x = inputs(3, 3 * 20, torch.bfloat16, 12, spread=4)
+    lists = [list(row.reshape(3, 4, 5).unbind(0)) for row in x]
+    model = Nccl(rings=((0, 2, 1),))
+    got = model.reduce_scatter_list(lists)
+    blocks = model.reduce_scatter(x)
+    for i in range(3):
+        assert got[i].shape == (4, 5)
+        assert_bitwise(got[i].reshape(-1), blocks[i])
+    uneven = [[row[:5], row[5:12], row[12:]] for row in x]
+    got = model.reduce_scatter_list(uneven)
+    for i in range(3):
+        assert_bitwise(got[i], model.reduce_to([lst[i] for lst in uneven], ReduceOp.SUM, i))

@@ -610,6 +610,27 @@ class Nccl(ReductionModel):
         groups = _groups(self, "reduce_scatter", flat.shape[1], flat.element_size(), n)
         return finish(_fold_groups(flat, groups, arith)).reshape(n, block)
 
+    def reduce_scatter_list(
+        self, lists: Sequence[Sequence[torch.Tensor]], op: ReduceOp = ReduceOp.SUM
+    ) -> list[torch.Tensor]:
+        """``dist.reduce_scatter(out, in_list)``: entry ``i`` of every member's list reduced, for group rank ``i``.
+
+        torch's NCCL backend copies a list of same-shaped tensors into one buffer
+        and runs one ``ncclReduceScatter`` (so this is `reduce_scatter` of the
+        concatenations); other lists it turns into one ``ncclReduce`` per
+        rank in a group (`reduce_to` each entry to its rank; the calls share
+        channels there, which matters only when channels have different rings).
+        """
+        n = len(lists)
+        if any(len(lst) != n for lst in lists):
+            raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
+        shapes = [lists[0][i].shape for i in range(n)]
+        if len(set(shapes)) > 1:
+            return [self.reduce_to([lst[i] for lst in lists], op, i) for i in range(n)]
+        flat = torch.stack([torch.cat([t.reshape(-1) for t in lst]) for lst in lists])
+        blocks = self.reduce_scatter(flat, op)
+        return [blocks[i].reshape(shapes[i]) for i in range(n)]
+
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """What ``dist.reduce`` leaves on group rank ``root``: NCCL's ring pipeline ending at the root."""
         flat, restore = storage_flat(tensors)
