@@ -540,3 +540,34 @@ def test_list_reduce_scatter_is_one_reduce_scatter_of_the_flattened_lists():
     got = model.reduce_scatter_list(uneven)
     for i in range(3):
         assert_bitwise(got[i], model.reduce_to([lst[i] for lst in uneven], ReduceOp.SUM, i))
+
+
+def _collectives(rank: int) -> dict:
+    import torch.distributed as dist
+
+    x = inputs(4, 3000, torch.bfloat16, 13, spread=4)[rank].clone()
+    out = {"sum": x.clone(), "avg": x.clone(), "root": x.clone()}
+    dist.all_reduce(out["sum"])
+    dist.all_reduce(out["avg"], op=dist.ReduceOp.AVG)
+    dist.reduce(out["root"], dst=2)
+    out["rs"] = torch.empty(750, dtype=x.dtype)
+    dist.reduce_scatter_tensor(out["rs"], x)
+    out["rs_list"] = torch.empty(750, dtype=x.dtype)
+    dist.reduce_scatter(out["rs_list"], list(x.chunk(4)))
+    return out
+
+
+def test_the_simdist_backend_runs_the_nccl_model_end_to_end():
+    import simdist
+
+    model = Nccl(channels=2, rings=((0, 2, 3, 1),))
+    results = simdist.spawn(_collectives, 4, model=model)
+    x = inputs(4, 3000, torch.bfloat16, 13, spread=4)
+    blocks = model.reduce_scatter(x)
+    for rank, out in enumerate(results):
+        assert_bitwise(out["sum"], model.sum(x))
+        assert_bitwise(out["avg"], model.reduce(x, ReduceOp.AVG))
+        assert_bitwise(out["rs"], blocks[rank])
+        assert_bitwise(out["rs_list"], blocks[rank])
+    assert_bitwise(results[2]["root"], model.reduce_to(x, ReduceOp.SUM, 2))
+    assert not torch.equal(bits(model.sum(x)), bits(model.reduce_to(x, ReduceOp.SUM, 2)))
