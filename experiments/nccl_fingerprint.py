@@ -375,7 +375,8 @@ def _nccl_version() -> str:
 
 def dry_run_job(n: int, knobs: Knobs, quick: bool, log_dir: Path) -> dict:
     """The worker's bookkeeping on CPU, with the step-by-step simulation standing in for NCCL."""
-    rings = tuple(tuple([0, *perm]) for perm in itertools.islice(itertools.permutations(range(1, n)), 1, 3))
+    perms = itertools.islice(itertools.permutations(range(1, n)), 1, 3)
+    rings = tuple(tuple([0, *perm]) for perm in perms) or (tuple(range(n)),)
     trees = double_binary_trees([[0, 1], list(range(2, n))]) if n >= 4 else (chain_tree(range(n - 1, -1, -1)),)
     truth = knobs.model(rings=rings, trees=trees)
     log_dir.mkdir(parents=True, exist_ok=True)
