@@ -19,6 +19,7 @@ import os
 import sys
 
 from simdist.models.moe import MoEConfig
+from simdist.reduce import MODEL_NAMES
 from simdist.studies.crosscheck import CrossCheck, train_and_dump
 
 
@@ -28,7 +29,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sim: SimWorld; gloo: spawn 4 local gloo processes; torch: this process is a torchrun rank")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="torchrun backend (default: gloo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--reduction", default="gloo", help="SimWorld reduction model (gloo, sequential, ring, tree)")
+    p.add_argument("--reduction", default="gloo", choices=MODEL_NAMES, help="SimWorld reduction model")
     p.add_argument("--out", required=True, help="directory for OUT/<policy>/rank{r}.safetensors")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
