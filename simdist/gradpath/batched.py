@@ -39,28 +39,33 @@ from simdist.world.spec import ParallelSpec
 __all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum"]
 
 
-def batched_sum(model: ReductionModel, stacked: torch.Tensor) -> torch.Tensor:
-    """``model``'s SUM of ``M`` independent reductions at once: ``[k, M, *shape] -> [M, *shape]``.
+def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``model``'s SUM of many independent reductions at once: ``[k, *batch, *shape] -> [*batch, *shape]``.
 
-    Equal, bit for bit, to ``torch.stack([model.reduce(stacked[:, i]) for i in range(M)])``: models whose
-    order is the same at every element run on the stacked tensor directly; ring and gloo orders, which
-    depend on an element's position in the member's flat tensor, use their per-element plan of one
-    member; any other model is applied to each reduction in turn.
+    ``shape`` is one member's logical shape (default: everything after dim 1, i.e. one batch dimension).
+    Equal, bit for bit, to ``model.reduce`` of each reduction ``stacked[:, i]`` in turn: models whose order
+    is the same at every element run on the stacked tensor directly (a view: nothing is copied); ring and
+    gloo orders, which depend on an element's position in the member's flat tensor, use their per-element
+    plan of one member; any other model is applied to each reduction in turn.
     """
-    k, count = stacked.shape[0], stacked.shape[1]
-    shape = tuple(stacked.shape[2:])
+    k = stacked.shape[0]
+    shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
+    batch = tuple(stacked.shape[1 : stacked.dim() - len(shape)])
     numel = math.prod(shape)
     kind = type(model)
-    if kind in (Sequential, Tree, Upcast) or (kind in (Gloo, Ring) and k <= 2) or k == 1 or numel == 0:
+    if kind in (Sequential, Tree, Upcast) or k == 1 or numel == 0:
         return model.sum(stacked)
+    if kind in (Gloo, Ring) and k <= 2:  # one addition: every order gives the same bits
+        return fold(stacked)
+    count = math.prod(batch)
     if kind is Ring:
         from simdist.reduce.models import _ring_index
 
         ring = tuple(range(k)) if model.ring is None else tuple(model.ring)
         if sorted(ring) != list(range(k)):
-            return model.sum(stacked[:, 0])  # raises the model's own error
+            return model.sum(stacked.reshape(k, count, *shape)[:, 0])  # raises the model's own error
         index = _ring_index(numel, k, model.chunk_size, model.shift, ring, stacked.device)
-        return _ordered_fold(stacked, index, count, shape)
+        return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
     if kind is Gloo:
         from simdist.reduce.gloo import _plan
 
@@ -69,16 +74,16 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor) -> torch.Tensor:
             return fold(stacked.unbind(0)[::-1])
         ranks = rows.view(k, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
         index = ranks.repeat_interleave(length, dim=1)[:, :numel]
-        return _ordered_fold(stacked, index, count, shape)
-    return torch.stack([model.reduce(stacked[:, i]) for i in range(count)])
+        return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
+    flat = stacked.reshape(k, count, *shape)
+    return torch.stack([model.reduce(flat[:, i]) for i in range(count)]).reshape(*batch, *shape)
 
 
-def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Left fold where hop ``j`` of element ``e`` adds member ``index[j, e]`` (every reduction alike)."""
+def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """Left fold where hop ``j`` of element ``e`` adds member ``index[j, e]``, for every reduction alike."""
     k = stacked.shape[0]
     flat = stacked.reshape(k, count, -1)
-    ordered = flat.gather(0, index.unsqueeze(1).expand(k, count, index.shape[1]))
-    return fold(ordered).reshape(count, *shape)
+    return fold(flat.gather(0, index.unsqueeze(1).expand(k, count, index.shape[1])))
 
 
 class BatchedOps:
@@ -100,14 +105,21 @@ class BatchedOps:
         self.batch = (len(self.seeds), spec.world_size)
         self.models = dict(models or {})
         self.default_model = default_model or Sequential()
-        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._tables: dict[str, tuple[str, torch.Tensor, torch.Tensor, int, int]] = {}
         for kind in ("tp", "dp", "edp", "ep"):
             groups = spec.groups(kind)
-            members = torch.tensor(groups)  # [G, k]
+            count, k = len(groups), len(groups[0])
+            if all(group == tuple(range(g * k, (g + 1) * k)) for g, group in enumerate(groups)):
+                layout = "blocks"  # rank = g * k + j: the groups are a view [G, k] of the rank dimension
+            elif all(group == tuple(range(g, count * k, count)) for g, group in enumerate(groups)):
+                layout = "strided"  # rank = j * G + g: a view [k, G]
+            else:
+                layout = "index"
+            members = torch.tensor(groups).reshape(-1)
             where = torch.empty(spec.world_size, dtype=torch.long)
             for g, group in enumerate(groups):
                 where[list(group)] = g
-            self._tables[kind] = (members.reshape(-1), where, len(groups), len(groups[0]))
+            self._tables[kind] = (layout, members, where, count, k)
         tp_root = torch.zeros(spec.world_size, dtype=torch.bool)
         for group in spec.groups("tp"):
             tp_root[group[0]] = True
@@ -118,12 +130,21 @@ class BatchedOps:
 
     def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
         model = model or self.model_for(kind)
-        members, where, groups, k = self._tables[kind]
-        batch, ranks, *shape = value.shape
+        layout, members, where, count, k = self._tables[kind]
+        batch, shape = value.shape[0], tuple(value.shape[2:])
         if k == 1:
-            return batched_sum(model, value.reshape(1, batch * ranks, *shape)).reshape(value.shape)
-        stacked = value.index_select(1, members).view(batch, groups, k, *shape).movedim(2, 0)
-        reduced = batched_sum(model, stacked.reshape(k, batch * groups, *shape)).view(batch, groups, *shape)
+            return batched_sum(model, value.unsqueeze(0), shape)
+        if layout == "blocks":
+            stacked = value.reshape(batch, count, k, *shape).movedim(2, 0)
+        elif layout == "strided":
+            stacked = value.reshape(batch, k, count, *shape).movedim(1, 0)
+        else:
+            stacked = value.index_select(1, members).view(batch, count, k, *shape).movedim(2, 0)
+        reduced = batched_sum(model, stacked, shape)  # [batch, G, *shape]
+        if layout == "blocks":
+            return reduced.unsqueeze(2).expand(batch, count, k, *shape).reshape(value.shape)
+        if layout == "strided":
+            return reduced.unsqueeze(1).expand(batch, k, count, *shape).reshape(value.shape)
         return reduced.index_select(1, where)
 
     def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:

@@ -149,12 +149,17 @@ class GradPath:
         self.frozen = [s for s in self.slots if s.spec.frozen]
         self.trained = [s for s in self.slots if not s.spec.frozen]
         self._stages: dict[tuple[Family, bool], tuple[Stage, ...]] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- views -----------------------------------------------------------------------------------------------------
 
     def view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
-        """``slot``'s elements of a flat buffer, as ``[*batch, *shape]`` (a view)."""
-        return buffer[..., slot.start : slot.stop].view(*self.batch, *slot.spec.shape)
+        """``slot``'s elements of a flat buffer, as ``[*batch, *shape]`` (a view; cached per buffer)."""
+        key = (id(buffer), slot.index)
+        found = self._views.get(key)
+        if found is None or found[0] is not buffer:
+            found = self._views[key] = (buffer, buffer[..., slot.start : slot.stop].view(*self.batch, *slot.spec.shape))
+        return found[1]
 
     def params(self, which: str = "lp") -> dict[str, torch.Tensor]:
         """``{name: view}`` of ``lp``, ``master``, ``m``, ``v`` or ``hp`` (views: they follow the run)."""

@@ -12,6 +12,9 @@ from simdist.gradpath.families import ParamSpec
 from simdist.world.spec import ParallelSpec
 
 
+_POWERS = torch.tensor([2.0**k for k in range(-3, 4)])
+
+
 class BatchedGradients:
     """BF16 local gradients for every ``[seed, rank]`` at once; counter-based (no RNG state to checkpoint).
 
@@ -44,15 +47,17 @@ class BatchedGradients:
         """``{param: bf16 tensor [seed, rank, *shape]}`` for this step and micro-step."""
         if self._cache is not None and self._cache[0] == (step, micro):
             return self._cache[1]
-        per_seed: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.params}
+        normal, spread = [], []
         for seed in self.seeds:
             g = torch.Generator().manual_seed(zlib.crc32(repr(("growth", seed, step, micro)).encode()))
-            spread = torch.randint(-3, 4, (self._total,), generator=g).to(torch.float32)
-            flat = (torch.randn(self._total, generator=g) * self.scale * torch.pow(2.0, spread)).to(torch.bfloat16)
-            for p, (start, stop), owners in zip(self.params, self._spans, self._owners, strict=True):
-                value = flat[start:stop].reshape(owners, *p.shape)
-                per_seed[p.name].append(value[self.owner_index[p.name]])
-        out = {name: torch.stack(values) for name, values in per_seed.items()}
+            spread.append(torch.randint(-3, 4, (self._total,), generator=g))
+            normal.append(torch.randn(self._total, generator=g))
+        # 2**spread from a table of exact powers of two (the same values torch.pow gives, without its kernels)
+        flat = (torch.stack(normal) * self.scale * _POWERS[torch.stack(spread) + 3]).to(torch.bfloat16)
+        out = {}
+        for p, (start, stop), owners in zip(self.params, self._spans, self._owners, strict=True):
+            value = flat[:, start:stop].reshape(len(self.seeds), owners, *p.shape)
+            out[p.name] = value.index_select(1, self.owner_index[p.name])
         self._cache = ((step, micro), out)
         return out
 
