@@ -1,9 +1,13 @@
 """Properties of the BF16 gradient path (DeepSpeed #8913) against the FP32 oracle, found and checked by Hypothesis.
 
-Every property runs `train_rank` on a `SimWorld` for a drawn topology, drawn
-BF16 local gradients (`simdist.strategies.gradient_streams`: subnormals, huge
-magnitudes, cancellation between TP peers, TP averages on BF16 rounding ties)
-and compares captures bit for bit, or against a stated rounding bound.
+Every property runs the gradient path on the rank-batched engine
+(`simdist.gradpath.batched.BatchedPath`: every rank in one thread, the same
+kernel `train_rank` runs, proven bitwise equal to it in
+``tests/test_gradpath_batched.py``) for a drawn topology and drawn BF16 local
+gradients (`simdist.strategies.gradient_batches`: bytes read as BF16 bits --
+zeros, small integers, subnormals, huge magnitudes -- with cancellation between
+TP peers and TP averages on BF16 rounding ties) and compares captures bit for
+bit, or against a stated rounding bound.
 """
 
 import functools
@@ -15,23 +19,25 @@ import torch
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
+from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Correction, Family, ParamSpec
 from simdist.gradpath.oracle import FP32_ORACLE, reference_reduced_gradients
-from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY, first_divergence
 from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
 from simdist.reduce import Ring, Sequential, Tree
 from simdist.reduce.gloo import Gloo
 from simdist.strategies import (
+    PEER_LAYOUTS,
+    VALUE_MODES,
+    GradientBatch,
     bf16_gradients,
     bf16_values,
-    float_values,
-    gradient_streams,
+    gradient_batches,
     parallel_specs,
     policies,
 )
-from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
@@ -60,9 +66,31 @@ def initial(rank: int, param: ParamSpec) -> torch.Tensor:
     return _initial(tuple(param.shape)).clone()
 
 
-def run(spec, policy, grads, config, keep=None, model=SEQUENTIAL, params=PARAMS):
-    """Every rank's `Trace` of ``policy`` on ``spec``, every group reducing with ``model``."""
-    return SimWorld(spec, default_model=model).run(train_rank, params, initial, grads, policy, config, keep)
+@functools.lru_cache(maxsize=64)
+def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.Tensor:
+    return initial_buffer(spec, params, [initial], BF16)
+
+
+def run(spec, policy, grads, config, keep=None, model=SEQUENTIAL, params=PARAMS, norm=True):
+    """Every rank's `Trace` of ``policy`` on ``spec`` (rank-batched engine), every group reducing with ``model``.
+
+    ``grads`` is a `GradientBatch` or a ``(step, micro, rank, param) -> tensor`` function.
+    """
+    return run_batched(spec, policy, grads, config, keep, model, params, norm).rank_traces(0)
+
+
+def run_batched(spec, policy, grads, config, keep=None, model=SEQUENTIAL, params=PARAMS, norm=True):
+    """`run`'s captures as one `simdist.gradpath.batched.BatchedTrace` (``[1, rank, ...]`` tensors)."""
+    params = tuple(params)
+    if isinstance(grads, GradientBatch):
+        batch = grads.batch
+    else:
+        def batch(step, micro):
+            return {p.name: torch.stack([grads(step, micro, r, p) for r in range(spec.world_size)]).unsqueeze(0)
+                    for p in params}
+    path = BatchedPath(spec, params, policy, config, _initial_buffer(spec, params), default_model=model, keep=keep,
+                       norm=norm)
+    return path.run(batch)
 
 
 def assert_bitwise(traces, oracle, stages) -> None:
@@ -89,15 +117,17 @@ def oracle_cases(draw, max_world_size: int = 8):
     spec = draw(parallel_specs(max_world_size=max_world_size, tp=2))
     gas = draw(st.integers(1, 4))
     steps = draw(st.integers(1, 2))
-    return spec, gas, steps, draw(gradient_streams(spec, PARAMS, steps, gas))
+    return spec, gas, steps, draw(gradient_batches(spec, PARAMS, steps, gas))
 
 
 def check_fp32_staging_matches_oracle(spec, gas, steps, grads) -> None:
     """The body of property (a), shared with ``bench/properties.py``."""
     config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
-    staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES)
-    oracle = run(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES)
-    assert_bitwise(staging, oracle, OPTIMIZER_STAGES)
+    staging = run_batched(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, norm=False)
+    oracle = run_batched(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES, norm=False)
+    assert staging.values.keys() == oracle.values.keys() and staging.values
+    for key, value in staging.values.items():  # every rank at once: [1, rank, *shape]
+        assert bitwise_equal(value, oracle.values[key]), key
 
 
 @SUITE
@@ -117,10 +147,9 @@ def marker_cases(draw):
     """TP2 layouts, GAS 2..4, small-integer gradients whose router peers differ on micro-step 1."""
     spec = draw(parallel_specs(max_world_size=8, tp=2))
     gas = draw(st.integers(2, 4))
-    small = st.integers(-16, 16).map(float)
-    grads = draw(gradient_streams(spec, PARAMS, 1, gas, small, layouts=("independent",)))
+    grads = draw(gradient_batches(spec, PARAMS, 1, gas, modes=("integers",), layouts=("independent",)))
     differ = any(
-        not torch.equal(grads.values[(0, 1, group[0], ROUTER.name)], grads.values[(0, 1, r, ROUTER.name)])
+        not torch.equal(grads.get(0, 1, group[0], ROUTER.name), grads.get(0, 1, r, ROUTER.name))
         for group in spec.groups("tp")
         for r in group
     )
@@ -170,7 +199,7 @@ def test_bf16_writeback_is_one_round_to_nearest_of_the_corrected_value(data):
     """
     spec = data.draw(parallel_specs(max_world_size=8, tp=2))
     gas = data.draw(st.integers(1, 3))
-    grads = data.draw(gradient_streams(spec, PARAMS, 1, gas))
+    grads = data.draw(gradient_batches(spec, PARAMS, 1, gas))
     keep = frozenset({"corrected", "written_back"})
     config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
     writeback = run(spec, get_policy("bf16_writeback"), grads, config, keep)
@@ -202,7 +231,7 @@ def router_hp_departs(peers) -> bool:
 
     def hp(policy):
         config = PathConfig(steps=1, marker=PER_MICRO)
-        traces = SimWorld(spec).run(train_rank, [param], initial, grads, policy, config, frozenset({"hp"}))
+        traces = run(spec, policy, grads, config, frozenset({"hp"}), params=[param], norm=False)
         return [t.get(0, 0, "router", "hp") for t in traces]
 
     return any(not bitwise_equal(a, b) for a, b in zip(hp(get_policy("bf16_writeback")), hp(FP32_ORACLE), strict=True))
@@ -253,12 +282,7 @@ def comparable_capture(policy, trace, param: ParamSpec):
 @SUITE
 @given(
     parallel_specs(max_world_size=4, tp=2),
-    st.sampled_from(
-        [
-            ("independent", st.integers(-64, 64).map(float)),
-            ("identical", float_values(BF16, min_exponent=-100, max_exponent=100)),
-        ]
-    ),
+    st.sampled_from([("independent", ("integers",)), ("identical", ("integers", "near_one", "huge"))]),
     st.data(),
 )
 def test_every_policy_matches_the_oracle_when_the_tp_average_is_bf16_representable(spec, kind, data):
@@ -270,11 +294,11 @@ def test_every_policy_matches_the_oracle_when_the_tp_average_is_bf16_representab
     rounds nothing, the BF16-only arithmetic is exact (integer sums of 8 bits or fewer, division by 2) and
     stochastic rounding of an exact value is exact. The defect needs TP peers whose average has a ninth
     significant bit (see `test_hypothesis_finds_where_bf16_writeback_departs`). Identical values are drawn
-    without subnormals and at most 2**101, so that ``x / 2`` (experts, in BF16) stays normal and ``x + x``
-    stays finite.
+    without subnormals (small integers, binades near one, the top binades below ``2**121``), so that ``x / 2``
+    (experts, in BF16) stays normal and ``x + x`` stays finite.
     """
-    layout, elements = kind
-    grads = data.draw(gradient_streams(spec, PARAMS, 1, 1, elements, layouts=(layout,)))
+    layout, modes = kind
+    grads = data.draw(gradient_batches(spec, PARAMS, 1, 1, modes=modes, layouts=(layout,)))
     config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
     keep = frozenset({"hp", "corrected", "boundary_corrected"})
     oracle = run(spec, FP32_ORACLE, grads, config, keep)
@@ -304,15 +328,14 @@ def test_nan_and_inf_in_one_local_router_grad_reach_tp_peers_and_masters(spec, n
     """A NaN/Inf in one rank's local router gradient shows up in the corrected value and hp of every TP peer
     (NaN, or an infinity of the sign IEEE-754 arithmetic gives) and makes the FP32 masters of every rank that
     DP-reduces with those peers NaN; the other elements stay finite."""
-    finite = bf16_values(max_exponent=50)
-    grads = data.draw(gradient_streams(spec, PARAMS, 1, 1, finite))
+    grads = data.draw(gradient_batches(spec, PARAMS, 1, 1, modes=("zeros", "integers", "near_one", "tiny")))
     rank = data.draw(st.integers(0, spec.world_size - 1))
     index = data.draw(st.integers(0, ROUTER.shape[0] - 1))
-    grads.values[(0, 0, rank, ROUTER.name)][index] = bad
+    grads.get(0, 0, rank, ROUTER.name)[index] = bad
     keep = frozenset({"corrected", "hp", "master"})
     traces = run(spec, get_policy(name), grads, PathConfig(steps=1, marker=PER_MICRO), keep)
     peers = spec.group_of("tp", rank)
-    exact = sum(grads.values[(0, 0, r, ROUTER.name)][index].double() for r in peers) / spec.tp
+    exact = sum(grads.get(0, 0, r, ROUTER.name)[index].double() for r in peers) / spec.tp
     others = [i for i in range(ROUTER.shape[0]) if i != index]
     for r in peers:
         for stage in ("corrected", "hp"):
@@ -353,7 +376,7 @@ def test_every_policy_captures_exactly_the_stages_of_its_chain(policy, family, d
     """What is printed is what runs: a micro-step captures exactly the probe points its stage list names."""
     spec = ParallelSpec(2, tp=2, ep=1)
     param = ParamSpec("p", family, (2,))
-    grads = data.draw(gradient_streams(spec, [param], 1, 1, st.integers(-4, 4).map(float)))
+    grads = data.draw(gradient_batches(spec, [param], 1, 1, modes=("integers",)))
     traces = run(spec, policy, grads, PathConfig(steps=1, marker=PER_MICRO), params=[param])
     expected = {"local"} | {s.capture for s in policy.micro_step_stages(family, spec.tp) if s.capture}
     for trace in traces:
@@ -369,7 +392,7 @@ TP4_SPECS = [ParallelSpec(4, tp=4, ep=2), ParallelSpec(8, tp=4, ep=2)]
 @given(st.sampled_from(TP4_SPECS), st.sampled_from(MODELS), st.integers(1, 2), st.data())
 def test_fp32_staging_matches_the_oracle_under_the_same_reduction_model(spec, model, gas, data):
     """TP4: with one reduction model for both runs, fp32_staging equals the oracle bit for bit."""
-    grads = data.draw(gradient_streams(spec, PARAMS, 1, gas))
+    grads = data.draw(gradient_batches(spec, PARAMS, 1, gas))
     config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
     staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, model=model)
     oracle = run(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES, model=model)
@@ -383,7 +406,7 @@ def test_a_different_reduction_order_stays_within_the_summation_bound(spec, mode
     corrected value within the recursive-summation bound ``(tp-1) * u_fp32 * sum|x_i|`` of the exact TP sum
     (divided by ``tp`` for AVERAGE: the division by 4 is exact), so they differ by at most twice that; the hp
     buffer (``0 + corrected``) inherits the same bound."""
-    grads = data.draw(gradient_streams(spec, PARAMS, 1, 1))
+    grads = data.draw(gradient_batches(spec, PARAMS, 1, 1))
     config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
     keep = frozenset({"corrected", "hp"})
     staging = run(spec, get_policy("fp32_staging"), grads, config, keep, model=model)
@@ -395,7 +418,7 @@ def test_a_different_reduction_order_stays_within_the_summation_bound(spec, mode
             continue
         scale = Fraction(1, spec.tp) if correction.divides else Fraction(1)
         for group in spec.groups("tp"):
-            local = [grads.values[(0, 0, r, param.name)].double().reshape(-1).tolist() for r in group]
+            local = [grads.get(0, 0, r, param.name).double().reshape(-1).tolist() for r in group]
             columns = list(zip(*local, strict=True))
             exact = [sum(map(Fraction, col), Fraction(0)) * scale for col in columns]
             bound = [(spec.tp - 1) * u * sum(abs(Fraction(v)) for v in col) * scale for col in columns]
@@ -425,10 +448,49 @@ def test_engine_dp_reduced_gradients_equal_the_reference_transcription(spec, mod
     """fp32_staging's DP-reduced gradients (correction every micro-step) equal `reference_reduced_gradients`,
     which loops over the TP and DP groups explicitly with no rank program, bit for bit, for every step."""
     steps = 2
-    grads = data.draw(gradient_streams(spec, PARAMS, steps, gas))
+    grads = data.draw(gradient_batches(spec, PARAMS, steps, gas))
     config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
     traces = run(spec, get_policy("fp32_staging"), grads, config, frozenset({"dp_reduced"}), model=model)
     for step in range(steps):
         expected = reference_reduced_gradients(spec, PARAMS, grads, step, gas, torch.float32, model, model)
         for (rank, name), value in expected.items():
             assert bitwise_equal(traces[rank].get(step, BOUNDARY, name, "dp_reduced"), value), (step, rank, name)
+
+
+# -- the cheap gradient strategy itself -------------------------------------------------------------------------------
+
+
+@SUITE
+@given(parallel_specs(max_world_size=8, tp=2), st.sampled_from(PEER_LAYOUTS), st.sampled_from(VALUE_MODES), st.data())
+def test_gradient_batches_hold_what_their_modes_and_layouts_say(spec, layout, mode, data):
+    """Finite BF16 values below the overflow-safe bound, in the drawn mode, with the TP peers laid out as asked."""
+    grads = data.draw(gradient_batches(spec, PARAMS, 1, 2, modes=(mode,), layouts=(layout,)))
+    assert set(grads.values) == {(0, m, p.name) for m in range(2) for p in PARAMS}
+    for (_, _, name), value in grads.values.items():
+        shape = next(p.shape for p in PARAMS if p.name == name)
+        assert value.dtype == BF16 and value.shape == (spec.world_size, *shape)
+        assert bool(torch.isfinite(value).all()) and bool((value.double().abs() < 2.0**121).all())
+        for group in spec.groups("tp"):
+            a, b = value[group[0]].double(), value[group[1]].double()
+            if layout == "identical":
+                assert torch.equal(a, b)
+            elif layout == "cancellation":
+                assert torch.equal(a, -b)
+            elif layout == "ties":  # x in {1, 1.5, 3} x 2**k and half a BF16 ulp of x: |x| + h is a rounding tie
+                _, exponent = torch.frexp(a)
+                assert torch.equal(b, torch.ldexp(torch.ones_like(a), exponent - 9))
+                assert bool(((a.abs() + b).to(BF16).double() != a.abs() + b).all())
+            elif layout == "midpoint":  # neighbours: their mean is half-way between two BF16 values
+                assert bool(((a - b).abs() > 0).all() | (a == b).all() | (a.abs() == 2.0**121).any())
+        if layout in ("independent", "identical", "cancellation") and mode == "zeros":
+            assert not bool(value.any())
+        if layout == "independent" and mode == "integers":
+            assert bool((value.double() == value.double().round()).all() & (value.double().abs() <= 16).all())
+
+
+def test_gradient_batches_refuse_unknown_modes_and_layouts():
+    spec = ParallelSpec(2, tp=2, ep=1)
+    with pytest.raises(ValueError, match="unknown value mode 'bit'; valid: zeros, integers"):
+        gradient_batches(spec, PARAMS, 1, 1, modes=("bit",))
+    with pytest.raises(ValueError, match="unknown peer layout 'tie'; valid: independent"):
+        gradient_batches(spec, PARAMS, 1, 1, layouts=("tie",))

@@ -22,6 +22,7 @@ are applied with the position plan of one member, vectorised over the batch
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -36,7 +37,7 @@ from simdist.numerics.rounding import stochastic_round
 from simdist.reduce import Gloo, ReductionModel, Ring, Sequential, Tree, Upcast, fold
 from simdist.world.spec import ParallelSpec
 
-__all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum"]
+__all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum", "initial_buffer"]
 
 
 def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -86,6 +87,34 @@ def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int) -> tor
     return fold(flat.gather(0, index.unsqueeze(1).expand(k, count, index.shape[1])))
 
 
+GroupTable = tuple[str, torch.Tensor, torch.Tensor, int, int]
+
+
+@functools.lru_cache(maxsize=64)
+def _group_tables(spec: ParallelSpec) -> tuple[dict[str, GroupTable], torch.Tensor]:
+    """Per group kind: how the groups sit in the rank dimension (``blocks``, ``strided`` or ``index``), the
+    member and group-of-rank index tensors, the group count and size; and the TP-rank-0 mask."""
+    tables = {}
+    for kind in ("tp", "dp", "edp", "ep"):
+        groups = spec.groups(kind)
+        count, k = len(groups), len(groups[0])
+        if all(group == tuple(range(g * k, (g + 1) * k)) for g, group in enumerate(groups)):
+            layout = "blocks"  # rank = g * k + j: the groups are a view [G, k] of the rank dimension
+        elif all(group == tuple(range(g, count * k, count)) for g, group in enumerate(groups)):
+            layout = "strided"  # rank = j * G + g: a view [k, G]
+        else:
+            layout = "index"
+        members = torch.tensor(groups).reshape(-1)
+        where = torch.empty(spec.world_size, dtype=torch.long)
+        for g, group in enumerate(groups):
+            where[list(group)] = g
+        tables[kind] = (layout, members, where, count, k)
+    tp_root = torch.zeros(spec.world_size, dtype=torch.bool)
+    for group in spec.groups("tp"):
+        tp_root[group[0]] = True
+    return tables, tp_root
+
+
 class BatchedOps:
     """`simdist.gradpath.kernel.Ops` for ``[batch, rank, ...]`` tensors of a `ParallelSpec`.
 
@@ -105,25 +134,7 @@ class BatchedOps:
         self.batch = (len(self.seeds), spec.world_size)
         self.models = dict(models or {})
         self.default_model = default_model or Sequential()
-        self._tables: dict[str, tuple[str, torch.Tensor, torch.Tensor, int, int]] = {}
-        for kind in ("tp", "dp", "edp", "ep"):
-            groups = spec.groups(kind)
-            count, k = len(groups), len(groups[0])
-            if all(group == tuple(range(g * k, (g + 1) * k)) for g, group in enumerate(groups)):
-                layout = "blocks"  # rank = g * k + j: the groups are a view [G, k] of the rank dimension
-            elif all(group == tuple(range(g, count * k, count)) for g, group in enumerate(groups)):
-                layout = "strided"  # rank = j * G + g: a view [k, G]
-            else:
-                layout = "index"
-            members = torch.tensor(groups).reshape(-1)
-            where = torch.empty(spec.world_size, dtype=torch.long)
-            for g, group in enumerate(groups):
-                where[list(group)] = g
-            self._tables[kind] = (layout, members, where, count, k)
-        tp_root = torch.zeros(spec.world_size, dtype=torch.bool)
-        for group in spec.groups("tp"):
-            tp_root[group[0]] = True
-        self._tp_root = tp_root
+        self._tables, self._tp_root = _group_tables(spec)
 
     def model_for(self, kind: str) -> ReductionModel:
         return self.models.get(kind, self.default_model)
@@ -196,6 +207,19 @@ class BatchedTrace:
         return traces
 
 
+def initial_buffer(spec: ParallelSpec, params: Sequence[ParamSpec],
+                   initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """The flat ``[batch, rank, N]`` initial parameter buffer: ``initial[b](rank, param)`` for every item, rank,
+    parameter (in parameter order), in ``dtype``."""
+    return torch.stack([
+        torch.stack([
+            torch.cat([init(rank, p).to(dtype).reshape(-1) for p in params]) if params else torch.zeros(0, dtype=dtype)
+            for rank in range(spec.world_size)
+        ])
+        for init in initial
+    ])
+
+
 BatchedGrads = Callable[[int, int], Mapping[str, torch.Tensor]]
 """``(step, micro) -> {param: BF16 local gradient [batch, rank, *shape]}``."""
 
@@ -204,7 +228,8 @@ class BatchedPath:
     """`GradPath` on `BatchedOps`: one policy's runs for every batch item and rank, stepped together.
 
     ``initial`` gives each batch item's ``(rank, param) -> initial weight`` (one callable per item, e.g.
-    `simdist.models.synthetic.InitialWeights` per seed); ``seeds`` are the items' ``PathConfig.seed``
+    `simdist.models.synthetic.InitialWeights` per seed), or is the flat ``[batch, rank, N]`` buffer
+    (`initial_buffer`; it is copied); ``seeds`` are the items' ``PathConfig.seed``
     (default: ``config.seed`` for every item). ``keep`` selects captures (default none);
     ``norm`` computes the global gradient norm (always when ``config.max_norm > 0``).
     """
@@ -215,7 +240,7 @@ class BatchedPath:
         params: Sequence[ParamSpec],
         policy: Policy,
         config: PathConfig,
-        initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]],
+        initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]] | torch.Tensor,
         seeds: Sequence[int] | None = None,
         *,
         models: Mapping[str, ReductionModel] | None = None,
@@ -225,18 +250,14 @@ class BatchedPath:
     ) -> None:
         seeds = [config.seed] * len(initial) if seeds is None else list(seeds)
         if len(seeds) != len(initial):
-            raise ValueError(f"{len(initial)} initial-weight functions but {len(seeds)} seeds")
+            raise ValueError(f"{len(initial)} initial-weight sets but {len(seeds)} seeds")
         self.spec, self.config = spec, config
         self.ops = BatchedOps(spec, seeds, models, default_model)
         self.trace = BatchedTrace(keep)
-        lp = torch.stack([
-            torch.stack([
-                torch.cat([init(rank, p).to(policy.grad_dtype).reshape(-1) for p in params])
-                if params else torch.zeros(0, dtype=policy.grad_dtype)
-                for rank in range(spec.world_size)
-            ])
-            for init in initial
-        ])
+        if isinstance(initial, torch.Tensor):
+            lp = initial.to(policy.grad_dtype, copy=True)
+        else:
+            lp = initial_buffer(spec, params, initial, policy.grad_dtype)
         self.path = GradPath(self.ops, params, policy, config, lp, spec.tp, spec.dp, self.trace.capture,
                              self.trace.scalar, norm=norm)
         self.step = 0

@@ -11,7 +11,6 @@ import torch
 from simdist.gradpath.families import ParamSpec
 from simdist.world.spec import ParallelSpec
 
-
 _POWERS = torch.tensor([2.0**k for k in range(-3, 4)])
 
 
