@@ -17,6 +17,7 @@ _MODULES: dict[str, str] = {
     "deepspeed-8913": "simdist.cases.deepspeed_8913",
     "deepspeed-gas-marker": "simdist.cases.deepspeed_gas_marker",
     "fsdp2-reduce-dtype": "simdist.cases.fsdp2_reduce_dtype",
+    "fsdp2-reduce-dtype-tp": "simdist.cases.fsdp2_tp_mesh",
 }
 
 

@@ -20,8 +20,13 @@ def add_case_subcommand(sub) -> None:
     actions.add_parser("list", help="list the cases, what they ask and what they need")
     run = actions.add_parser("run", help="run one case and print its verdict")
     run.add_argument("name", help="a case name (see: simdist case list)")
-    run.add_argument("--world", choices=WORLDS, default="gloo",
-                     help="real gloo processes (default) or the simdist backend in process mode")
+    run.add_argument(
+        "--world",
+        choices=WORLDS,
+        default="gloo",
+        help="real gloo processes (default), the simdist backend in process mode, or simdist "
+        "threads (cases whose framework allows it)",
+    )
     run.add_argument("--json", action="store_true", help="print the verdict dataclass as JSON")
 
 
@@ -34,8 +39,10 @@ def run_case_command(args: argparse.Namespace) -> int:
             case = get_case(name)
             missing = case.missing()
             status = f"needs {', '.join(missing)}" if missing else "runnable"
-            print(f"{name} [{status}]\n    question: {case.question}\n    real code: {case.real_code}\n"
-                  f"    compared with: {', '.join(case.policies)}")
+            print(
+                f"{name} [{status}]\n    question: {case.question}\n    real code: {case.real_code}\n"
+                f"    compared with: {', '.join(case.policies)}"
+            )
         return 0
     verdict = run_case(args.name, world=args.world)
     if args.json:

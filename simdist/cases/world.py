@@ -27,15 +27,23 @@ from typing import Any, Literal
 
 from simdist.world.spec import ParallelSpec
 
-World = Literal["gloo", "simdist"]
-WORLDS: tuple[str, ...] = ("gloo", "simdist")
+World = Literal["gloo", "simdist", "threads"]
+WORLDS: tuple[str, ...] = ("gloo", "simdist", "threads")
+"""``threads`` (`simdist.spawn`, one thread per rank) is for cases whose framework keeps no per-rank module
+globals (FSDP2, DTensor); `run_ranks` refuses it."""
 
 
-def run_ranks(fn: Callable[..., Any], spec: ParallelSpec, *args: Any, world: World = "gloo",
-              timeout_s: float = 300.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], spec: ParallelSpec, *args: Any, world: World = "gloo", timeout_s: float = 300.0
+) -> list[Any]:
     """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``world``; return the per-rank results."""
     if world not in WORLDS:
         raise ValueError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
+    if world == "threads":
+        raise ValueError(
+            "this case runs in processes only (world 'gloo' or 'simdist'): its framework keeps "
+            "per-rank state in module globals that threads would share"
+        )
     from simdist.world.launch import spawn_gloo
 
     return spawn_gloo(fn, spec, *args, timeout_s=timeout_s, backend=world)
