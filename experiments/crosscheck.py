@@ -18,9 +18,11 @@ import argparse
 import os
 import sys
 
+from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.models.moe import MoEConfig
 from simdist.reduce import MODEL_NAMES
 from simdist.studies.crosscheck import CrossCheck, train_and_dump
+from simdist.world.spec import EP_LAYOUTS, ParallelSpec
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,13 +36,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--ep", type=int, default=2)
-    p.add_argument("--ep-layout", choices=("contiguous", "tp_lane_major"), default="contiguous")
+    p.add_argument("--ep-layout", choices=EP_LAYOUTS, default="contiguous")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="bf16_writeback,fp32_staging")
-    p.add_argument("--marker", choices=("deepspeed", "per_micro_step"), default="deepspeed")
-    p.add_argument("--update-path", choices=("epilogue", "hooks"), default="epilogue")
+    p.add_argument("--marker", choices=[m.value for m in Marker], default=Marker.DEEPSPEED.value)
+    p.add_argument("--update-path", choices=[u.value for u in UpdatePath], default=UpdatePath.EPILOGUE.value)
     p.add_argument("--tokens", type=int, default=MoEConfig.tokens, help="tokens per rank and micro-step")
     return p.parse_args(argv)
 
@@ -54,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     world_size = int(os.environ.get("WORLD_SIZE", ns.world_size)) if ns.world == "torch" else ns.world_size
     check = CrossCheck(
-        world_size=world_size, tp=ns.tp, ep=ns.ep, ep_layout=ns.ep_layout, steps=ns.steps, gas=ns.gas, seed=ns.seed,
+        spec=ParallelSpec(world_size, tp=ns.tp, ep=ns.ep, ep_layout=ns.ep_layout), steps=ns.steps, gas=ns.gas,
+        seed=ns.seed,
         policies=tuple(n.strip() for n in ns.policies.split(",") if n.strip()), marker=ns.marker,
         update_path=ns.update_path, device=ns.device, model=MoEConfig(tokens=ns.tokens),
     )
-    spec = check.spec()
+    spec = check.spec
     if ns.world == "sim":
         from simdist.reduce import make_model
         from simdist.world.simworld import SimWorld

@@ -32,7 +32,7 @@ def both_checks(comm, out: str, where: dict) -> list[str]:
 
 @pytest.mark.gloo
 def test_real_gloo_and_simworld_dumps_are_bitwise_equal(tmp_path):
-    spec = CHECK.spec()
+    spec = CHECK.spec
     real = spawn_gloo(both_checks, spec, str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"},
                       timeout_s=240)
     simulated = SimWorld(spec, default_model=Gloo()).run(
@@ -53,7 +53,7 @@ def test_cuda_simworld_dump_runs_and_is_deterministic(tmp_path):
     """One GPU: the rank program on CUDA tensors in SimWorld, twice, bitwise equal."""
     check = CrossCheck(steps=2, policies=("fp32_staging",), device="cuda")
     for run in ("a", "b"):
-        SimWorld(check.spec()).run(train_and_dump, check, str(tmp_path / run), {"world": "sim"})
+        SimWorld(check.spec).run(train_and_dump, check, str(tmp_path / run), {"world": "sim"})
     assert compare_dumps(tmp_path / "a" / "fp32_staging", tmp_path / "b" / "fp32_staging").ok
 
 

@@ -42,7 +42,7 @@ SPEC = ParallelSpec(4, tp=2, ep=2)
 @pytest.mark.parametrize("world", [ParallelSpec(8, tp=2, ep=2), ParallelSpec(8, tp=4, ep=2)])
 def test_growth_runs_at_world_8(tmp_path, world):
     """DP4 (TP2 on 8 ranks) and TP4 on 8: groups of four ranks, summed in gloo's order."""
-    config = GrowthConfig(steps=6, seeds=2, world_size=world.world_size, tp=world.tp, ep=world.ep)
+    config = GrowthConfig(steps=6, seeds=2, spec=world)
     summary = run_growth(config, tmp_path, progress=False, plot=False)
     assert summary["policies"]["fp32_staging"]["bitwise_equal_to_oracle"] is True
     _, metrics = read_metrics(tmp_path / FILES["metrics"])

@@ -89,7 +89,7 @@ def test_the_default_repro_reproduces_8913(default_repro):
     assert verdict.reproduced, verdict
     writeback, staging = (next(r for r in reports if r.name == n) for n in ("bf16_writeback", "fp32_staging"))
     ranks = {r.rank for r in writeback.rows}
-    assert ranks == set(range(ReproConfig().world_size))
+    assert ranks == set(range(ReproConfig().spec.world_size))
     for rank in ranks:
         for router in ROUTERS:
             differing = {r.kind for r in writeback.rows if r.rank == rank and r.param == router and not r.bitwise_equal}

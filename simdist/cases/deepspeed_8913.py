@@ -32,13 +32,14 @@ from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.deepspeed_harness import CORRECTED, DsRun, RankCapture, deepspeed_rank
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import unit_roundoff
 from simdist.reduce import make_model
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-8913"
 
@@ -47,17 +48,17 @@ NAME = "deepspeed-8913"
 class Config:
     """Layout, steps and the update paths and GAS values to run."""
 
-    world_size: int = 4
-    tp: int = 2
-    ep: int = 2
+    spec: ParallelSpec = DEFAULT_SPEC
     steps: int = 2
     seed: int = 0
     gas: tuple[int, ...] = (1, 3)
-    update_paths: tuple[str, ...] = ("epilogue", "hooks")
-    marker: str = "deepspeed"
+    update_paths: tuple[UpdatePath, ...] = (UpdatePath.EPILOGUE, UpdatePath.HOOKS)
+    marker: Marker = Marker.DEEPSPEED
 
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep)
+    def __post_init__(self) -> None:
+        paths = tuple(coerce(UpdatePath, path, "update path") for path in self.update_paths)
+        object.__setattr__(self, "update_paths", paths)
+        object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
 
     def runs(self) -> tuple[DsRun, ...]:
         return tuple(DsRun(path, gas, self.steps, fix)  # type: ignore[arg-type]
@@ -93,7 +94,7 @@ class Verdict8913:
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     """Every run of ``config`` on real DeepSpeed, in one launch of ``world_size`` ranks."""
     runs = config.runs()
-    per_rank = run_ranks(deepspeed_rank, config.spec(), runs, config.seed, world=world)
+    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
@@ -103,7 +104,7 @@ def transcription(config: Config, policy: Policy, update_path: str, gas: int) ->
 
     path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker=config.marker,  # type: ignore[arg-type]
                       update_path=update_path)  # type: ignore[arg-type]
-    return run(config.spec(), policy, path, make_model("gloo"))
+    return run(config.spec, policy, path, make_model("gloo"))
 
 
 def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:
@@ -133,7 +134,7 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], writeback: Polic
     """The verdict from real captures and the transcription (``writeback``/``staging`` default to the catalogue's)."""
     writeback = writeback or get_policy("bf16_writeback")
     staging = staging or get_policy("fp32_staging")
-    spec = config.spec()
+    spec = config.spec
     first = next(iter(real.values()))[0]
     expected = {p.name: p.family.correction(spec.tp).value for p in DEFAULT_PARAMS}
     results = []
@@ -221,13 +222,14 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
     if unknown:
         raise ValueError(f"--engine deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
                          f"patched), not {', '.join(unknown)}")
-    fixed = {"marker": ("deepspeed", "the real optimizer clears its marker as it ships"),
-             "model": ("synthetic", "the real optimizer is fed the synthetic local gradients"),
-             "reduction": ("gloo", "the real run reduces on real gloo processes"), "etp": (1, "DeepSpeed needs ETP 1")}
-    for option, (value, why) in fixed.items():
-        if getattr(config, option) != value:
-            raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {getattr(config, option)!r}")
+    fixed = {"marker": (config.marker, "deepspeed", "the real optimizer clears its marker as it ships"),
+             "model": (config.model, "synthetic", "the real optimizer is fed the synthetic local gradients"),
+             "reduction": (config.reduction, "gloo", "the real run reduces on real gloo processes"),
+             "etp": (config.spec.etp, 1, "DeepSpeed needs ETP 1")}
+    for option, (got, value, why) in fixed.items():
+        if got != value:
+            raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
     runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name])
                  for name in config.policies)
-    per_rank = run_ranks(deepspeed_rank, config.spec(), runs, config.seed, world=world)
+    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
     return {name: [captures[i].trace for captures in per_rank] for i, name in enumerate(config.policies)}

@@ -38,6 +38,7 @@ from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
+from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-gas-marker"
 REPRODUCER = Path(__file__).parent / "reproducers" / "deepspeed_gas_marker.py"
@@ -45,15 +46,13 @@ REPRODUCER = Path(__file__).parent / "reproducers" / "deepspeed_gas_marker.py"
 
 @dataclass(frozen=True)
 class Config:
-    world_size: int = 4
-    tp: int = 2
-    ep: int = 2
+    spec: ParallelSpec = DEFAULT_SPEC
     gas: int = 4
     steps: int = 1
     seed: int = 0
 
     def base(self, marker: str) -> Config8913:
-        return Config8913(self.world_size, self.tp, self.ep, self.steps, self.seed, (self.gas,), marker=marker)
+        return Config8913(self.spec, self.steps, self.seed, (self.gas,), marker=marker)
 
     def runs(self) -> tuple[DsRun, ...]:
         return tuple(DsRun(path, self.gas, self.steps) for path in ("epilogue", "hooks"))  # type: ignore[arg-type]
@@ -168,7 +167,7 @@ def write_reproducer(path: str | Path) -> Path:
 
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     runs = config.runs()
-    per_rank = run_ranks(deepspeed_rank, config.base("deepspeed").spec(), runs, config.seed, world=world)
+    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 

@@ -53,9 +53,9 @@ from typing import Literal
 import torch
 
 from simdist.gradpath.families import Family
+from simdist.gradpath.kernel import UpdatePath
 from simdist.gradpath.probes import Trace
 
-UpdatePath = Literal["epilogue", "hooks"]
 Fix = Literal["none", "fp32_staging"]
 
 CORRECTED = "corrected"
@@ -67,7 +67,7 @@ SKIPPED_FAMILY = "skip"
 class DsRun:
     """One run of the real optimizer: update path, micro-steps, steps and whether the #8913 fix is applied."""
 
-    update_path: UpdatePath = "epilogue"
+    update_path: UpdatePath = UpdatePath.EPILOGUE
     gas: int = 1
     steps: int = 2
     fix: Fix = "none"
@@ -217,7 +217,7 @@ def _drive(rank, spec, folding, params, initial, local_grads, run: DsRun, versio
     module, param_groups = _module(params, initial, rank, spec.ep)
     names = {p: n for n, p in module.named_parameters()}
     by_name = {n: p for p, n in names.items()}
-    config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=run.update_path == "hooks")
+    config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=run.update_path == UpdatePath.HOOKS)
     optimizer = BF16_Optimizer(torch.optim.SGD(param_groups, lr=0.0), names, config,
                                dp_process_group=groups.get_data_parallel_group(), grad_acc_dtype=torch.float32,
                                has_moe_layers=any(g.get("moe") for g in param_groups))
@@ -241,7 +241,7 @@ def _drive(rank, spec, folding, params, initial, local_grads, run: DsRun, versio
                 grads = {p.name: local_grads(step, micro, rank, p) for p in params}
                 optimizer.backward_prologue()
                 loss = sum((by_name[name] * grad).sum() for name, grad in grads.items())
-                if run.update_path == "epilogue":
+                if run.update_path == UpdatePath.EPILOGUE:
                     loss.backward()
                     for name, p in by_name.items():
                         capture.trace.capture(step, micro, name, "local", p.grad)

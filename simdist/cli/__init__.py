@@ -16,12 +16,17 @@ one line naming the valid choices and exits with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 
 from simdist.audit import add_audit_subcommand, run_audit
 from simdist.cases.cli import add_case_subcommand, run_case_command
-from simdist.reduce import MODEL_NAMES
+from simdist.gradpath.kernel import Marker, UpdatePath
+from simdist.models import GradientModel
+from simdist.reduce import Reduction
+from simdist.studies.repro import Engine
+from simdist.world.spec import ParallelSpec
 
 KNOWN_ISSUES = ("8913",)
 
@@ -46,6 +51,11 @@ def _int_at_least(minimum: int, what: str):
     return parse
 
 
+def _values(choices: type[enum.Enum]) -> list[str]:
+    """The command-line spellings of an enum's members: the choices come from the types the configs use."""
+    return [member.value for member in choices]
+
+
 _positive = _int_at_least(1, "positive")
 _non_negative = _int_at_least(0, "non-negative")
 
@@ -66,21 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--policies", default="bf16_writeback,fp32_staging", help="comma-separated policy names")
     repro.add_argument(
         "--marker",
-        choices=("deepspeed", "per_micro_step"),
-        default="deepspeed",
+        choices=_values(Marker),
+        default=Marker.DEEPSPEED.value,
         help="when the correction-once marker is cleared: at the boundary as DeepSpeed does, or every micro-step",
     )
     repro.add_argument(
         "--update-path",
-        choices=("epilogue", "hooks"),
-        default="epilogue",
+        choices=_values(UpdatePath),
+        default=UpdatePath.EPILOGUE.value,
         help="when _update_hp_grad runs: after backward (default) or from gradient hooks (immediate_grad_update)",
     )
-    repro.add_argument("--reduction", choices=[m for m in MODEL_NAMES if m != "upcast"], default="gloo",
+    repro.add_argument("--reduction", choices=[m for m in _values(Reduction) if m != Reduction.UPCAST],
+                       default=Reduction.GLOO.value,
                        help="reduction model of every group (default: gloo's order)")
-    repro.add_argument("--model", choices=("synthetic", "moe"), default="synthetic",
+    repro.add_argument("--model", choices=_values(GradientModel), default=GradientModel.SYNTHETIC.value,
                        help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block")
-    repro.add_argument("--engine", choices=("transcribed", "deepspeed"), default="transcribed",
+    repro.add_argument("--engine", choices=_values(Engine), default=Engine.TRANSCRIBED.value,
                        help="simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
                             "(bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)")
     repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
@@ -111,9 +122,9 @@ def _add_growth_subcommand(sub) -> None:
     growth.add_argument("--seeds", type=_positive, default=8, help="ensemble size, run batched (default 8)")
     growth.add_argument("--seed", type=int, default=0, help="first seed of the ensemble")
     growth.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
-    growth.add_argument("--marker", choices=("deepspeed", "per_micro_step"), default="deepspeed",
+    growth.add_argument("--marker", choices=_values(Marker), default=Marker.DEEPSPEED.value,
                         help="when the correction-once marker is cleared (matters for --gas >= 2)")
-    growth.add_argument("--model", choices=("synthetic", "moe"), default="synthetic",
+    growth.add_argument("--model", choices=_values(GradientModel), default=GradientModel.SYNTHETIC.value,
                         help="gradient source: the synthetic stream (batched over seeds) or the folded MoE block "
                              "(each seed and policy run in turn next to the FP32 oracle; resumes per run)")
     growth.add_argument("--world-size", type=_positive, default=4)
@@ -132,7 +143,8 @@ def _growth(args: argparse.Namespace) -> int:
     if not names:
         raise ValueError("--policies needs at least one policy name")
     config = GrowthConfig(policies=names, steps=args.steps, seeds=args.seeds, seed=args.seed, gas=args.gas,
-                          marker=args.marker, model=args.model, world_size=args.world_size, tp=args.tp, ep=args.ep,
+                          marker=args.marker, model=args.model,
+                          spec=ParallelSpec(args.world_size, tp=args.tp, ep=args.ep),
                           checkpoint_every=args.checkpoint_every)
     summary = run_growth(config, args.out, force=args.force, progress=not args.no_progress)
     for name, info in summary["policies"].items():
@@ -165,11 +177,10 @@ def _repro(args: argparse.Namespace) -> int:
     for name in names:
         get_policy(name)  # a ValueError names the valid policies
     config = ReproConfig(
-        world_size=args.world_size, tp=args.tp, ep=args.ep, etp=args.etp, steps=args.steps, gas=args.gas,
-        seed=args.seed, policies=names, marker=args.marker, reduction=args.reduction, update_path=args.update_path,
-        model=args.model, engine=args.engine,
+        spec=ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp),  # ValueError names the constraint
+        steps=args.steps, gas=args.gas, seed=args.seed, policies=names, marker=args.marker,
+        reduction=args.reduction, update_path=args.update_path, model=args.model, engine=args.engine,
     )
-    config.spec()  # a ValueError names the broken constraint and the valid values
     reports, verdict = reproduce(config)
     if args.json:
         print(json.dumps(to_json(config, reports, verdict), indent=2))

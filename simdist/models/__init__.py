@@ -1,1 +1,14 @@
 """Gradient sources: the seeded synthetic stream (`synthetic`) and the folded MoE block (`moe`)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class GradientModel(enum.StrEnum):
+    """Where a study's local gradients come from (``--model`` on the command line)."""
+
+    SYNTHETIC = "synthetic"
+    """Seeded synthetic gradients with every folding family present (`simdist.models.synthetic`)."""
+    MOE = "moe"
+    """The folded MoE block: gradients from a real forward and backward (`simdist.models.moe`)."""

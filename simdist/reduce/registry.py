@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import enum
+
 from simdist.reduce.base import ReductionModel
 from simdist.reduce.models import Ring, Sequential, Tree, Upcast
 
-MODEL_NAMES: tuple[str, ...] = ("sequential", "ring", "tree", "upcast", "gloo", "nccl")
+
+class Reduction(enum.StrEnum):
+    """The registered reduction models, by the name ``--reduction`` and per-group settings accept."""
+
+    SEQUENTIAL = "sequential"
+    RING = "ring"
+    TREE = "tree"
+    UPCAST = "upcast"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+MODEL_NAMES: tuple[str, ...] = tuple(member.value for member in Reduction)
 
 
 def make_model(name: str, **params) -> ReductionModel:

@@ -15,31 +15,31 @@ from pathlib import Path
 import torch
 
 from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.moe import MoEConfig, MoEGradients
 from simdist.studies.dumps import DUMP_STAGES, write_rank_dump
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 
 @dataclass(frozen=True)
 class CrossCheck:
     """One cross-check run: layout, model, data, policies and engine semantics."""
 
-    world_size: int = 4
-    tp: int = 2
-    ep: int = 2
-    ep_layout: str = "contiguous"
+    spec: ParallelSpec = DEFAULT_SPEC
     steps: int = 3
     gas: int = 1
     seed: int = 0
     policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
-    marker: str = "deepspeed"
-    update_path: str = "epilogue"
+    marker: Marker = Marker.DEEPSPEED
+    update_path: UpdatePath = UpdatePath.EPILOGUE
     device: str = "cpu"
     model: MoEConfig = field(default_factory=MoEConfig)
 
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, ep_layout=self.ep_layout)  # type: ignore[arg-type]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
+        object.__setattr__(self, "update_path", coerce(UpdatePath, self.update_path, "update path"))
+        object.__setattr__(self, "policies", tuple(self.policies))
 
 
 def train_and_dump(comm, check: CrossCheck, out: str, where: dict) -> list[str]:
@@ -51,8 +51,8 @@ def train_and_dump(comm, check: CrossCheck, out: str, where: dict) -> list[str]:
     spec = comm.spec
     source = MoEGradients(spec, check.model, check.seed, check.gas, check.device)
     shapes = {p.name: list(p.shape) for p in source.params}
-    config = PathConfig(steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker,  # type: ignore[arg-type]
-                        update_path=check.update_path)  # type: ignore[arg-type]
+    config = PathConfig(steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker,
+                        update_path=check.update_path)
     written = []
     device = contextlib.nullcontext() if check.device == "cpu" else torch.device(check.device)
     for name in check.policies:

@@ -12,21 +12,24 @@ verdict computed from those comparisons.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
+from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Divergence, Trace, first_divergence
+from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.compare import Difference, difference
-from simdist.reduce import ReductionModel, make_model
+from simdist.reduce import Reduction, ReductionModel, make_model
 from simdist.world.simworld import SimWorld
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 TENSOR_KINDS: tuple[tuple[str, str], ...] = (
     ("local grad", "local"),
@@ -38,28 +41,38 @@ TENSOR_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
+class Engine(enum.StrEnum):
+    """Which code computes the policies' gradients."""
+
+    TRANSCRIBED = "transcribed"
+    """simdist's gradient path (`simdist.gradpath`)."""
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed's real BF16_Optimizer (`simdist.cases.deepspeed_8913.repro_traces`; local and hp gradients only)."""
+
+
 @dataclass(frozen=True)
 class ReproConfig:
-    """What to run: layout, steps, GAS, seed, policies, marker semantics and reduction model."""
+    """What to run: layout, steps, GAS, seed, policies, marker semantics, reduction model and engine.
 
-    world_size: int = 4
-    tp: int = 2
-    ep: int = 2
-    etp: int = 1
+    The choices accept their enum members or their string values; an unknown value raises ``ValueError``.
+    """
+
+    spec: ParallelSpec = DEFAULT_SPEC
     steps: int = 3
     gas: int = 1
     seed: int = 0
     policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
-    marker: str = "deepspeed"
-    reduction: str = "gloo"
-    update_path: str = "epilogue"
-    model: str = "synthetic"
-    engine: str = "transcribed"
-    """``transcribed`` (simdist's gradient path) or ``deepspeed`` (DeepSpeed's real BF16_Optimizer, see
-    `simdist.cases.deepspeed_8913.repro_traces`; it captures local and hp gradients only)."""
+    marker: Marker = Marker.DEEPSPEED
+    reduction: Reduction = Reduction.GLOO
+    update_path: UpdatePath = UpdatePath.EPILOGUE
+    model: GradientModel = GradientModel.SYNTHETIC
+    engine: Engine = Engine.TRANSCRIBED
 
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep, etp=self.etp)
+    def __post_init__(self) -> None:
+        for name, kind in (("marker", Marker), ("reduction", Reduction), ("update_path", UpdatePath),
+                           ("model", GradientModel), ("engine", Engine)):
+            object.__setattr__(self, name, coerce(kind, getattr(self, name), name.replace("_", " ")))
+        object.__setattr__(self, "policies", tuple(self.policies))
 
 
 @dataclass
@@ -113,20 +126,14 @@ class PolicyReport:
     divergences: dict[str, Divergence | None] = field(default_factory=dict, repr=False)
 
 
-MODELS: tuple[str, ...] = ("synthetic", "moe")
-"""Where the local gradients come from: seeded synthetic gradients, or the folded MoE block (`simdist.models.moe`)."""
-
-
-def workload(name: str, spec: ParallelSpec, seed: int, gas: int):
-    """``(params, initial, gradients)`` of the training model ``name`` (one of `MODELS`)."""
-    if name == "synthetic":
+def workload(name: GradientModel | str, spec: ParallelSpec, seed: int, gas: int):
+    """``(params, initial, gradients)`` of the training model ``name``."""
+    if coerce(GradientModel, name, "model") == GradientModel.SYNTHETIC:
         return DEFAULT_PARAMS, InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed)
-    if name == "moe":
-        from simdist.models.moe import MoEGradients
+    from simdist.models.moe import MoEGradients
 
-        source = MoEGradients(spec, seed=seed, gas=gas)
-        return tuple(source.params), source.initial, source
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    source = MoEGradients(spec, seed=seed, gas=gas)
+    return tuple(source.params), source.initial, source
 
 
 def run(
@@ -134,11 +141,11 @@ def run(
     policy: Policy,
     config: PathConfig,
     model: ReductionModel,
-    training_model: str = "synthetic",
+    training_model: GradientModel | str = GradientModel.SYNTHETIC,
 ) -> list[Trace]:
     """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``model``.
 
-    ``training_model`` picks where the local gradients come from (`MODELS`).
+    ``training_model`` picks where the local gradients come from (`GradientModel`).
     """
     params, initial, grads = workload(training_model, spec, config.seed, config.gas)
     return SimWorld(spec, default_model=model).run(train_rank, list(params), initial, grads, policy, config)
@@ -182,7 +189,7 @@ class _Magnitudes:
 
 def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
     """Run the oracle and every policy; return the per-policy reports and the verdict."""
-    spec = config.spec()
+    spec = config.spec
     policies = [get_policy(name) for name in config.policies]
     model = make_model(config.reduction)
     path = PathConfig(
@@ -191,7 +198,7 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
     oracle_path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed, marker="per_micro_step")
     oracle = run(spec, FP32_ORACLE, oracle_path, model, training_model=config.model)
     magnitudes = None
-    if config.model == "synthetic":  # a model's gradients depend on its weights: no |terms| run for it
+    if config.model == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
         params, initial, grads = workload(config.model, spec, config.seed, config.gas)
         magnitudes = SimWorld(spec, default_model=model).run(
             train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path)
@@ -213,13 +220,13 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
                 divergence,
             )
         )
-    result = verdict(reports, families) if config.model == "synthetic" else model_verdict(reports, families)
+    result = verdict(reports, families) if config.model == GradientModel.SYNTHETIC else model_verdict(reports, families)
     marker_skips = any(
         d is not None and d.micro >= 1 and d.stage == "hp"
         for report in reports
         for d in (first_divergence_of(report),)
     )
-    marker_path = config.gas > 1 and config.marker == "deepspeed" and config.update_path == "epilogue"
+    marker_path = config.gas > 1 and config.marker == Marker.DEEPSPEED and config.update_path == UpdatePath.EPILOGUE
     if marker_path and not result.reproduced and marker_skips:
         result = Verdict(False, result.line + (
             " -- on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS >= 2, "
@@ -229,18 +236,13 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
     return reports, result
 
 
-ENGINES: tuple[str, ...] = ("transcribed", "deepspeed")
-
-
 def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
     """The policies' traces from a real framework (``{}`` for the transcribed engine)."""
-    if config.engine == "transcribed":
+    if config.engine == Engine.TRANSCRIBED:
         return {}
-    if config.engine == "deepspeed":
-        from simdist.cases.deepspeed_8913 import repro_traces
+    from simdist.cases.deepspeed_8913 import repro_traces
 
-        return repro_traces(config)
-    raise ValueError(f"unknown engine {config.engine!r}; valid: {', '.join(ENGINES)}")
+    return repro_traces(config)
 
 
 def first_divergence_of(report: PolicyReport):
@@ -330,11 +332,11 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
     With ``diff_only`` (the default) the table lists only the tensors that differ from the oracle, plus one
     line counting those that match bitwise; ``diff_only=False`` lists every tensor.
     """
-    spec = config.spec()
+    spec = config.spec
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
         f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}"
-        + ("" if config.engine == "transcribed" else f", engine {config.engine} (real code, gradients only)"),
+        + ("" if config.engine == Engine.TRANSCRIBED else f", engine {config.engine} (real code, gradients only)"),
         f"oracle: {FP32_ORACLE.summary}, TP correction on every micro-step",
     ]
     for report in reports:

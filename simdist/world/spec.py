@@ -146,3 +146,7 @@ class ParallelSpec:
         if self.pp > 1:
             parts += f"/PP{self.pp}"
         return f"{parts} on {self.world_size} ranks"
+
+
+DEFAULT_SPEC = ParallelSpec(4, tp=2, ep=2)
+"""TP2/EP2/ETP1 on 4 ranks: the layout of DeepSpeed #8913 and every study's default."""

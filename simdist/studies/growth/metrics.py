@@ -34,8 +34,6 @@ both gradient norms, and for the BF16 weights after the update (``param``) and t
 fraction of elements that differ."""
 
 
-MODELS = ("synthetic", "moe")
-
 
 _MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max",
                    "grad_differ")

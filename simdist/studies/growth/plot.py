@@ -58,7 +58,7 @@ def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> 
             ax.grid(True, which="major", alpha=0.3)
     handles, names = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
-    spec = config.spec()
+    spec = config.spec
     dtypes = _dtypes(config)
     fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {spec.describe()}, "
                  f"model {config.model} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
@@ -135,7 +135,7 @@ def _plot_moe(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> No
     handles, names = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
     cfg = MoEConfig()
-    fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {config.spec().describe()}, model moe (folded "
+    fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {config.spec.describe()}, model moe (folded "
                  f"MoE block: hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens/rank; "
                  f"BF16 weights and local grads), {config.seeds} seeds, GAS {config.gas}\n{_dtypes(config)}",
                  fontsize=9)

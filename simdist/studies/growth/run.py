@@ -13,15 +13,16 @@ import torch
 
 from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.kernel import Marker, coerce
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig
+from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import Difference
-from simdist.reduce import make_model
+from simdist.reduce import Reduction, make_model
 from simdist.studies.growth.files import atomic_write, write_text
 from simdist.studies.growth.metrics import (
     COLUMNS,
-    MODELS,
     MOE_COLUMNS,
     Reference,
     divergence,
@@ -30,7 +31,7 @@ from simdist.studies.growth.metrics import (
 )
 from simdist.studies.growth.plot import plot_growth
 from simdist.studies.growth.stream import BatchedGradients
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,18 @@ class GrowthConfig:
     seeds: int = 8
     seed: int = 0
     gas: int = 1
-    marker: str = "deepspeed"
-    model: str = "synthetic"
-    world_size: int = 4
-    tp: int = 2
-    ep: int = 2
-    reduction: str = "gloo"
+    marker: Marker = Marker.DEEPSPEED
+    model: GradientModel = GradientModel.SYNTHETIC
+    spec: ParallelSpec = DEFAULT_SPEC
+    reduction: Reduction = Reduction.GLOO
     checkpoint_every: int = 500
 
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(self.world_size, tp=self.tp, ep=self.ep)
+    def __post_init__(self) -> None:
+        # strings are accepted and checked: a typo raises instead of running as a default
+        object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
+        object.__setattr__(self, "model", coerce(GradientModel, self.model, "model"))
+        object.__setattr__(self, "reduction", coerce(Reduction, self.reduction, "reduction model"))
+        object.__setattr__(self, "policies", tuple(self.policies))
 
     def identity(self) -> dict:
         """What must match for a checkpoint or a finished run to be reused (not ``checkpoint_every``)."""
@@ -61,19 +64,14 @@ class GrowthConfig:
         return out
 
     def validate(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"growth supports --model {' or '.join(MODELS)}; got {self.model!r}")
         if self.steps < 1 or self.seeds < 1 or self.gas < 1 or self.checkpoint_every < 1:
             raise ValueError("steps, seeds, gas and checkpoint_every must be >= 1")
         for name in self.policies:
             get_policy(name)
-        make_model(self.reduction)
-        PathConfig(marker=self.marker)
-        spec = self.spec()
-        if self.model == "moe":
+        if self.model == GradientModel.MOE:
             from simdist.models.moe import MoEConfig
 
-            MoEConfig().validate(spec)
+            MoEConfig().validate(self.spec)
 
 
 FILES = {"config": "config.json", "checkpoint": "checkpoint.safetensors", "metrics": "metrics.csv",
@@ -120,7 +118,7 @@ def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, pr
     write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
 
     ckpt = out / FILES["checkpoint"]
-    if config.model == "moe":
+    if config.model == GradientModel.MOE:
         metrics = _run_moe(config, ckpt, key, progress, stop_after)
     else:
         metrics = _run_synthetic(config, ckpt, key, progress, stop_after)
@@ -137,7 +135,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
     """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[step, policy, seed]``."""
     from safetensors.torch import load_file, save_file
 
-    spec = config.spec()
+    spec = config.spec
     seeds = [config.seed + i for i in range(config.seeds)]
     params = DEFAULT_PARAMS
     stream = BatchedGradients(spec, params, seeds)
@@ -227,7 +225,7 @@ def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_af
     from simdist.models.moe import MoEConfig
     from simdist.studies.training import train
 
-    spec = config.spec()
+    spec = config.spec
     metrics = np.zeros((config.steps, len(config.policies), config.seeds, len(MOE_COLUMNS)), dtype=np.float64)
     done = np.zeros((len(config.policies), config.seeds), dtype=np.uint8)
     if ckpt.exists():
