@@ -106,7 +106,7 @@ def test_compare_reports_ulps_and_exits_1_beyond_the_tolerance(dumps, tmp_path, 
     a = str(dumps / "a" / "bf16_writeback")
     assert main(["compare", a, str(tampered)]) == 1
     out = capsys.readouterr().out
-    assert "router.weight    master           1/4 tensors differ: max 3 ulp" in out
+    assert "router.weight    fp32 master      1/4 tensors differ: max 3 ulp" in out
     assert "first at rank 2, step 0, boundary  BEYOND TOLERANCE" in out
     assert main(["compare", a, str(tampered), "--tolerance-ulp", "3"]) == 0
 

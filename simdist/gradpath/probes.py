@@ -4,22 +4,63 @@ A `Trace` maps ``(step, micro, param, stage)`` to a CPU copy of the tensor
 after that stage; boundary stages use ``micro = -1``. The three captures the
 #8913 report asks for are ``local`` (the BF16 local gradient), ``corrected``
 (the TP-corrected value before any low-precision writeback) and ``hp`` (the
-high-precision gradient after the update).
+high-precision gradient after the update). `Capture` names every stage, in path order,
+with the label reports print.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
 
 from simdist.numerics.floats import bitwise_equal
 
-MICRO_STAGES: tuple[str, ...] = ("local", "staged", "tp_reduced", "corrected", "written_back", "hp")
-BOUNDARY_STAGES: tuple[str, ...] = (
-    "boundary_corrected", "dp_reduced", "clipped", "master", "adam_m", "adam_v", "param",
-)
-STAGE_ORDER: tuple[str, ...] = MICRO_STAGES + BOUNDARY_STAGES
+
+class Capture(enum.StrEnum):
+    """A captured stage of the gradient path, declared in path order (micro-step stages, then the boundary's).
+
+    Members are strings, so a trace key's stage may be written either way (``Capture.HP == "hp"``).
+    """
+
+    LOCAL = "local"
+    STAGED = "staged"
+    TP_REDUCED = "tp_reduced"
+    CORRECTED = "corrected"
+    WRITTEN_BACK = "written_back"
+    HP = "hp"
+    BOUNDARY_CORRECTED = "boundary_corrected"
+    DP_REDUCED = "dp_reduced"
+    CLIPPED = "clipped"
+    MASTER = "master"
+    ADAM_M = "adam_m"
+    ADAM_V = "adam_v"
+    PARAM = "param"
+
+    @property
+    def label(self) -> str:
+        """How reports name the tensor (``hp grad``, ``fp32 master``, ...)."""
+        return _LABELS.get(self, self.value.replace("_", " "))
+
+    @property
+    def order(self) -> int:
+        """Position in the path: a micro-step's stages come before the boundary's."""
+        return _ORDER[self]
+
+    @property
+    def at_boundary(self) -> bool:
+        """Captured once per step (``micro = BOUNDARY``) rather than once per micro-step."""
+        return self.order >= _ORDER[Capture.BOUNDARY_CORRECTED]
+
+
+_LABELS = {"local": "local grad", "corrected": "corrected grad", "hp": "hp grad", "dp_reduced": "dp-reduced grad",
+           "master": "fp32 master", "param": "bf16 param"}
+_ORDER = {member: index for index, member in enumerate(Capture)}
+
+MICRO_STAGES: tuple[Capture, ...] = tuple(c for c in Capture if not c.at_boundary)
+BOUNDARY_STAGES: tuple[Capture, ...] = tuple(c for c in Capture if c.at_boundary)
+STAGE_ORDER: tuple[Capture, ...] = tuple(Capture)
 BOUNDARY = -1
 
 Key = tuple[int, int, str, str]
@@ -52,7 +93,7 @@ class Trace:
 def path_order(key: Key) -> tuple[int, int, int]:
     """Sort key of a capture: step, then micro-step with the boundary last, then stage."""
     step, micro, _, stage = key
-    return step, micro if micro != BOUNDARY else 1 << 30, STAGE_ORDER.index(stage)
+    return step, micro if micro != BOUNDARY else 1 << 30, Capture(stage).order
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-from simdist.gradpath.probes import BOUNDARY, STAGE_ORDER, Trace
+from simdist.gradpath.probes import BOUNDARY, Capture, Trace
 from simdist.numerics.compare import difference
 
 FORMAT = "simdist-dump/1"
-DUMP_STAGES: frozenset[str] = frozenset({"local", "corrected", "hp", "dp_reduced", "master", "adam_m", "adam_v"})
+DUMP_STAGES: frozenset[str] = frozenset(
+    {Capture.LOCAL, Capture.CORRECTED, Capture.HP, Capture.DP_REDUCED, Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V}
+)
 """Stages a dump keeps: local grad, corrected grad, hp grad, DP-reduced grad, master, Adam m and v."""
 RUN_FIELDS: tuple[str, ...] = ("spec", "policy", "steps", "gas", "seed", "marker", "update_path", "model", "shapes")
 """Metadata that must agree for two dumps to describe the same run (where and how it ran may differ)."""
@@ -154,7 +156,7 @@ def compare_dumps(dir_a: str | Path, dir_b: str | Path, tolerance_ulp: int = 0) 
                                                                 str(metas_b[0].get("world"))))
     order = {n: i for i, n in enumerate(metas_a[0].get("shapes", {}))}
     for (param, stage), diffs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0],
-                                                                         STAGE_ORDER.index(kv[0][1]))):
+                                                                         Capture(kv[0][1]).order)):
         differing = [(w, d) for w, d in diffs if not d.bitwise_equal]
         numel = sum(d.numel for _, d in diffs)
         first = ""
@@ -175,18 +177,14 @@ def _micro(micro: int) -> int:
 
 def _order(parsed: tuple[str, str, int, int]) -> tuple:
     param, stage, step, micro = parsed
-    return step, _micro(micro), param, STAGE_ORDER.index(stage)
-
-
-_LABELS = {"local": "local grad", "corrected": "corrected grad", "hp": "hp grad", "dp_reduced": "dp-reduced grad",
-           "master": "master", "adam_m": "adam m", "adam_v": "adam v"}
+    return step, _micro(micro), param, Capture(stage).order
 
 
 def format_comparison(cmp: DumpComparison) -> str:
     """One line per (parameter, stage): bitwise equal, or max ulp and the fraction of elements differing."""
     out = [f"{'parameter':<16} {'tensor':<16} result"]
     for r in cmp.rows:
-        label = _LABELS.get(r.stage, r.stage)
+        label = Capture(r.stage).label
         if r.bitwise == r.tensors:
             text = f"bitwise equal ({r.tensors} tensors)"
         else:

@@ -23,7 +23,7 @@ from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
-from simdist.gradpath.probes import Divergence, Trace, first_divergence
+from simdist.gradpath.probes import Capture, Divergence, Trace, first_divergence
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.compare import Difference, difference
@@ -31,14 +31,10 @@ from simdist.reduce import Reduction, ReductionModel, make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
-TENSOR_KINDS: tuple[tuple[str, str], ...] = (
-    ("local grad", "local"),
-    ("corrected grad", "corrected"),
-    ("hp grad", "hp"),
-    ("fp32 master", "master"),
-    ("adam m", "adam_m"),
-    ("adam v", "adam_v"),
+COMPARED: tuple[Capture, ...] = (
+    Capture.LOCAL, Capture.CORRECTED, Capture.HP, Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V,
 )
+"""The captures the report compares with the oracle, in path order (a `Row`'s ``kind`` is the capture's label)."""
 
 
 class Engine(enum.StrEnum):
@@ -151,7 +147,7 @@ def run(
     return SimWorld(spec, default_model=model).run(train_rank, list(params), initial, grads, policy, config)
 
 
-GRADIENT_STAGES = frozenset({"local", "corrected", "hp"})
+GRADIENT_STAGES = frozenset({Capture.LOCAL, Capture.CORRECTED, Capture.HP})
 """Captures that are sums of local gradients, so a per-element ``sum|terms|`` exists for them."""
 
 
@@ -165,7 +161,7 @@ def compare_with_oracle(traces: list[Trace], oracle: list[Trace], magnitudes: li
     for index, (trace, reference) in enumerate(zip(traces, oracle, strict=True)):
         scale = magnitudes[index].values if magnitudes is not None else {}
         for param in trace.params():
-            for kind, stage in TENSOR_KINDS:
+            for stage in COMPARED:
                 keys = [k for k in trace.values if k[2] == param and k[3] == stage and k in reference.values]
                 if not keys:
                     continue
@@ -173,7 +169,7 @@ def compare_with_oracle(traces: list[Trace], oracle: list[Trace], magnitudes: li
                     difference(trace.values[k], reference.values[k], scale.get(k) if stage in GRADIENT_STAGES else None)
                     for k in keys
                 ]
-                rows.append(Row.of(trace.rank, param, kind, Difference.pool(diffs)))
+                rows.append(Row.of(trace.rank, param, stage.label, Difference.pool(diffs)))
     return rows
 
 
