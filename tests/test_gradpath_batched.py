@@ -8,14 +8,12 @@ of every micro-step and of the boundary), and the gradient norm.
 
 The default suite runs a representative subset (every policy and the oracle,
 every layout, every reduction model, both update paths, both markers,
-clipping); the whole cross product is marked slow and runs with
-``HYPOTHESIS_PROFILE=nightly`` or ``SIMDIST_SLOW=1``.
+clipping); the whole cross product is marked slow (``pytest --run-slow``, run by ``.ci/run``).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import struct
 
 import pytest
@@ -39,10 +37,6 @@ LAYOUTS = {
 }
 POLICIES = [*policy_names(), "oracle"]
 SEEDS = (3, 11)
-SLOW = pytest.mark.skipif(
-    os.environ.get("HYPOTHESIS_PROFILE") != "nightly" and not os.environ.get("SIMDIST_SLOW"),
-    reason="the full cross product runs with HYPOTHESIS_PROFILE=nightly or SIMDIST_SLOW=1",
-)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +97,6 @@ def test_the_representative_subset_covers_every_policy_layout_and_model():
 
 
 @pytest.mark.slow
-@SLOW
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", MODEL_NAMES)
 @pytest.mark.parametrize("name", POLICIES)

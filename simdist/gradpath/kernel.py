@@ -302,8 +302,9 @@ class GradPath:
 
         Replicated parameters count on TP rank 0 only; model-parallel and expert
         parameters on every rank. Squared norms are summed in fp32, dense ones
-        all-reduced over TP and expert ones over EP, and the two norms combined
-        in double precision.
+        all-reduced over TP and expert ones over EP; the two norms are combined
+        as ``sqrt(dense^2 + expert^2)`` with the squares summed in fp32 and the
+        square root taken in Python floats (double precision).
         """
         ops = self.ops
         dense = torch.zeros((*self.batch, 1), dtype=torch.float32)

@@ -2,14 +2,17 @@
 
 A `Policy` says, for each rounding boundary between a BF16 local gradient and
 an FP32 master weight, which dtype and rounding mode it uses. From those
-settings `Policy.micro_step_stages` derives the named stages one micro-step
-runs for a parameter family -- the same list the engine executes and the chain
-that is printed, so what is shown is what runs::
+settings `Policy.micro_step_stages` and `Policy.boundary_stages` derive the
+named stages a micro-step and a boundary run for a parameter family -- the same
+lists the kernel (`simdist.gradpath.kernel`) executes and the chain that is
+printed (tested: a run captures exactly the stages its chain names)::
 
     bf16_writeback, router (AVERAGE, tp=2):
         bf16 -> fp32 -> all_reduce[tp] -> /2 -> bf16 -> fp32 -> +=hp
+        | boundary: fp32 -> all_reduce[dp] -> *1/dp -> adamw(fp32)
     fp32_staging, same parameter:
         bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp
+        | boundary: fp32 -> all_reduce[dp] -> *1/dp -> adamw(fp32)
 
 Policies register themselves by name (`register`); the modules in
 ``policies/`` are the catalogue. A new policy is one `Policy(...)` call.

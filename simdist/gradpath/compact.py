@@ -1,0 +1,112 @@
+"""A compact workload: one small parameter of every folding family, run rank-batched on drawn gradients.
+
+What the gradient-path properties (``tests/test_gradpath_properties.py``) and
+their benchmark (``bench/properties.py``) share: the parameters, replicated
+initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
+and property (a) -- ``fp32_staging`` equals the FP32 oracle bit for bit -- as a
+function that returns where the two first differ (``None`` when they do not).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+from hypothesis import strategies as st
+
+from simdist.gradpath.batched import BatchedPath, BatchedTrace, initial_buffer
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.kernel import Marker
+from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.path import PathConfig
+from simdist.gradpath.policy import Policy
+from simdist.gradpath.probes import Capture
+from simdist.numerics.floats import bitwise_equal
+from simdist.reduce import ReductionModel, Sequential
+from simdist.strategies import GradientBatch, gradient_batches, parallel_specs
+from simdist.world.spec import ParallelSpec
+
+ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
+PARTIAL = ParamSpec("router_partial", Family.ROUTER_GATE_PARTIAL, (2,))
+DENSE = ParamSpec("dense", Family.DENSE, (2,))
+SHARD = ParamSpec("attn_tp", Family.MODEL_PARALLEL, (2,))
+EXPERT = ParamSpec("expert", Family.EXPERT, (2,))
+PARAMS: tuple[ParamSpec, ...] = (ROUTER, PARTIAL, DENSE, SHARD, EXPERT)
+"""One compact parameter of every folding family."""
+
+OPTIMIZER_STAGES = frozenset({Capture.HP, Capture.DP_REDUCED, Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V})
+"""What property (a) compares: hp buffers after every micro-step, DP-reduced gradients, masters and moments."""
+
+Gradients = GradientBatch | Callable[[int, int, int, ParamSpec], torch.Tensor]
+"""A drawn `GradientBatch`, or a ``(step, micro, rank, param) -> BF16 tensor`` function."""
+
+
+@functools.lru_cache(maxsize=64)
+def _initial(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, math.prod(shape)).reshape(shape).to(torch.bfloat16)
+
+
+def initial(rank: int, param: ParamSpec) -> torch.Tensor:
+    """Replicated, small, non-trivial BF16 initial weights (-0.5 .. 0.5); a fresh copy (the engine writes to it)."""
+    return _initial(tuple(param.shape)).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.Tensor:
+    return initial_buffer(spec, params, [initial], torch.bfloat16)
+
+
+def run_batched(
+    spec: ParallelSpec,
+    policy: Policy,
+    grads: Gradients,
+    config: PathConfig,
+    keep: frozenset[str] | None = None,
+    model: ReductionModel | None = None,
+    params: tuple[ParamSpec, ...] = PARAMS,
+    norm: bool = True,
+) -> BatchedTrace:
+    """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``model`` (sequential)."""
+    params = tuple(params)
+    if isinstance(grads, GradientBatch):
+        batch = grads.batch
+    else:
+        def batch(step: int, micro: int) -> dict[str, torch.Tensor]:
+            return {p.name: torch.stack([grads(step, micro, r, p) for r in range(spec.world_size)]).unsqueeze(0)
+                    for p in params}
+    path = BatchedPath(spec, params, policy, config, _initial_buffer(spec, params),
+                       default_model=model or Sequential(), keep=keep, norm=norm)
+    return path.run(batch)
+
+
+@st.composite
+def oracle_cases(draw, spec: ParallelSpec | None = None, max_world_size: int = 8):
+    """``(spec, gas, steps, gradients)`` for property (a): a layout with 2-rank TP groups (or ``spec``),
+    GAS 1..4, 1..2 steps, and a `GradientBatch` drawn cheaply (`simdist.strategies.gradient_batches`)."""
+    if spec is None:
+        spec = draw(parallel_specs(max_world_size=max_world_size, tp=2))
+    gas = draw(st.integers(1, 4))
+    steps = draw(st.integers(1, 2))
+    return spec, gas, steps, draw(gradient_batches(spec, PARAMS, steps, gas))
+
+
+def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads: Gradients) -> str | None:
+    """Property (a): where ``fp32_staging`` first differs from the FP32 oracle, or ``None`` if it never does.
+
+    Both runs correct every micro-step (``per_micro_step``) and capture `OPTIMIZER_STAGES`; every capture
+    is compared bit for bit on every rank at once.
+    """
+    config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
+    staging = run_batched(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, norm=False)
+    oracle = run_batched(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES, norm=False)
+    if not staging.values:
+        return "nothing was captured"
+    if staging.values.keys() != oracle.values.keys():
+        return f"different captures: {sorted(staging.values.keys() ^ oracle.values.keys())[:3]}"
+    for key, value in staging.values.items():  # every rank at once: [1, rank, *shape]
+        if not bitwise_equal(value, oracle.values[key]):
+            return f"(step, micro, param, stage) = {key}"
+    return None
