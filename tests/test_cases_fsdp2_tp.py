@@ -64,6 +64,7 @@ def test_mutated_policy_fails_the_case(real, reduce_dtype, mutation):
 
 
 @pytest.mark.gloo
+@pytest.mark.slow
 def test_simdist_threads_compute_what_real_gloo_computes(real):
     gloo = run_real(CONFIG, "gloo")
     for threads_rank, gloo_rank in zip(real, gloo, strict=True):

@@ -18,6 +18,7 @@ _MODULES: dict[str, str] = {
     "deepspeed-gas-marker": "simdist.cases.deepspeed_gas_marker",
     "fsdp2-reduce-dtype": "simdist.cases.fsdp2_reduce_dtype",
     "fsdp2-reduce-dtype-tp": "simdist.cases.fsdp2_tp_mesh",
+    "megatron-grad-reduce-fp32": "simdist.cases.megatron_grad_reduce",
 }
 
 

@@ -1,0 +1,400 @@
+"""Case ``megatron-grad-reduce-fp32``: Megatron-Core's DDP with ``grad_reduce_in_fp32`` True and False.
+
+Question: is Megatron-Core's real ``DistributedDataParallel`` (``megatron.core.distributed``) plus its
+``finalize_model_grads`` bitwise what simdist's ``megatron_grad_reduce_fp32`` stage chain computes from the
+same BF16 local gradients -- the ``main_grad`` buffer after every micro-step (GAS 2) and after the
+boundary -- with ``grad_reduce_in_fp32=True`` (FP32 buffer and reduction) and ``False`` (BF16 buffer and
+reduction, the policy with ``accumulate=dp_reduce=bf16``), on DP2 and on TP2 x DP2?
+
+Real code: ``parallel_state.initialize_model_parallel`` on the process group, a
+``TransformerConfig``-configured ``DistributedDataParallel`` (its gradient hooks add ``param.grad`` into
+``param.main_grad``; ``finish_grad_sync`` scales each bucket by ``1/dp`` and all-reduces it with SUM;
+``average_in_collective=False``, the default) and ``finalize_model_grads`` (after the DP all-reduce: a TP
+SUM all-reduce of the parameters marked ``sequence_parallel`` and a TP AVG all-reduce of those marked
+``average_gradients_across_tp_domain``). The local gradient is exact: the forward is ``sum(p * g)`` with
+``g`` simdist's seeded BF16 gradient. Families map to Megatron's markings: ``router_gate_replicated`` ->
+``average_gradients_across_tp_domain`` (TP average), ``router_gate_partial`` -> ``sequence_parallel`` (TP
+sum), ``dense`` (identical on TP peers) and ``model_parallel`` -> no TP reduction.
+
+One shim: megatron-core 0.16.1 allocates its gradient buffers on ``torch.cuda.current_device()``, which
+raises ``AssertionError: Torch not compiled with CUDA enabled`` on a CPU-only torch; each rank process
+makes that function answer ``"cpu"``. Megatron's arithmetic is untouched. Megatron keeps its process
+groups in module globals (``megatron.core.parallel_state``), so the ranks are processes (``gloo`` or the
+simdist backend in process mode), one world per process.
+
+Where the chains claim equality: every parameter on DP2, and the parameters without a TP reduction on
+TP2 x DP2 (for ``dense`` the policy's TP average of bitwise identical peers is exact). Where they do not:
+the policy runs the TP correction at the boundary *before* the DP reduction; Megatron runs it after
+(``finalize_model_grads``), so the four-term sums on TP2 x DP2 round in a different order. The case
+reports that distance and checks bitwise that the policy's own stages run in Megatron's order (DP stages,
+then the TP correction stages) give what Megatron computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from simdist.cases.base import Case
+from simdist.cases.compare import Figures, Match, figures, match_traces
+from simdist.cases.world import World, run_ranks
+from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.path import CommOps, PathConfig, train_rank
+from simdist.gradpath.policy import Policy, Stage
+from simdist.gradpath.probes import BOUNDARY, Trace
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.numerics.floats import unit_roundoff
+from simdist.reduce import make_model
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
+
+NAME = "megatron-grad-reduce-fp32"
+LAYOUTS = {"dp2": (2, 1), "tp2dp2": (4, 2)}
+"""Layout name -> (world size, TP size); DP is the rest."""
+PARAMS: tuple[ParamSpec, ...] = tuple(p for p in DEFAULT_PARAMS if p.family is not Family.EXPERT)
+"""simdist's synthetic parameters without the routed expert (Megatron's expert path is not driven here)."""
+TP_MARK = {
+    Family.ROUTER_GATE_REPLICATED: "average_gradients_across_tp_domain",
+    Family.ROUTER_GATE_PARTIAL: "sequence_parallel",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    gas: int = 2
+    seed: int = 0
+    layouts: tuple[str, ...] = ("dp2", "tp2dp2")
+    fp32_reduce: tuple[bool, ...] = (True, False)
+
+    def spec(self, layout: str) -> ParallelSpec:
+        world, tp = LAYOUTS[layout]
+        return ParallelSpec(world, tp=tp, ep=1)
+
+
+@dataclass
+class RealRun:
+    trace: Trace
+    megatron_version: str = ""
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    main_grad_dtype: str = ""
+
+
+def _holder(initial: InitialWeights, rank: int) -> torch.nn.Module:
+    """A BF16 module holding `PARAMS` (TP-reduced ones marked as Megatron marks them) with forward ``sum(p*g)``."""
+
+    class Holder(torch.nn.Module):
+        def forward(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+            return sum((p * grads[name]).float().sum() for name, p in self.named_parameters())
+
+    root = Holder()
+    for p in PARAMS:
+        *path, leaf = p.name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        param = torch.nn.Parameter(initial(rank, p).to(torch.bfloat16))
+        if p.family in TP_MARK:
+            setattr(param, TP_MARK[p.family], True)
+        owner.register_parameter(leaf, param)
+    return root
+
+
+def megatron_rank(comm, config: Config, layout: str) -> dict[bool, RealRun]:
+    """Rank program: for grad_reduce_in_fp32 True/False, GAS micro-steps of Megatron's DDP, then finalize."""
+    import importlib.metadata
+
+    torch.cuda.current_device = lambda: "cpu"  # the one shim: megatron-core allocates its buffers there
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.transformer import TransformerConfig
+
+    rank = comm.get_rank()
+    spec = comm.spec
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec.tp)
+    groups = {
+        "tp": dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()),
+        "dp": dist.get_process_group_ranks(parallel_state.get_data_parallel_group()),
+    }
+    grads_of = SyntheticGradients(spec, seed=config.seed)
+    initial = InitialWeights(spec, config.seed)
+    out = {}
+    for fp32 in config.fp32_reduce:
+        run = RealRun(Trace(rank), importlib.metadata.version("megatron-core"), groups)
+        transformer = TransformerConfig(
+            num_layers=1,
+            hidden_size=16,
+            num_attention_heads=spec.tp,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            tensor_model_parallel_size=spec.tp,
+            sequence_parallel=spec.tp > 1,
+        )
+        ddp = DistributedDataParallel(
+            transformer, DistributedDataParallelConfig(grad_reduce_in_fp32=fp32), _holder(initial, rank)
+        )
+        named = dict(ddp.module.named_parameters())
+        run.main_grad_dtype = str(named[PARAMS[0].name].main_grad.dtype)
+        for micro in range(config.gas):
+            ddp({p.name: grads_of(0, micro, rank, p) for p in PARAMS}).backward()
+            for p in PARAMS:
+                run.trace.capture(0, micro, p.name, "hp", named[p.name].main_grad)
+        finalize_model_grads([ddp])
+        for p in PARAMS:
+            run.trace.capture(0, BOUNDARY, p.name, "dp_reduced", named[p.name].main_grad)
+        out[fp32] = run
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def run_real(config: Config, layout: str, world: World = "gloo") -> list[dict[bool, RealRun]]:
+    return run_ranks(megatron_rank, config.spec(layout), config, layout, world=world)
+
+
+# -- the simdist side ---------------------------------------------------------------------------------------------
+
+
+def policy_for(fp32: bool) -> Policy:
+    """``megatron_grad_reduce_fp32`` for ``grad_reduce_in_fp32=True``; with a BF16 buffer and reduction for False."""
+    policy = get_policy("megatron_grad_reduce_fp32")
+    if fp32:
+        return policy
+    return dataclasses.replace(
+        policy,
+        name="megatron_grad_reduce_fp32[accumulate=dp_reduce=bf16]",
+        accumulate=torch.bfloat16,
+        dp_reduce=torch.bfloat16,
+    )
+
+
+def _zeros(rank: int, param: ParamSpec) -> torch.Tensor:
+    return torch.zeros(param.shape, dtype=torch.bfloat16)
+
+
+def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
+    """The policy on simdist's gradient path (SimWorld, gloo's order): hp per micro-step, dp_reduced."""
+    spec = config.spec(layout)
+    path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker="per_micro_step")
+    return SimWorld(spec, default_model=make_model("gloo")).run(
+        train_rank,
+        list(PARAMS),
+        _zeros,
+        SyntheticGradients(spec, seed=config.seed),
+        policy,
+        path,
+        frozenset({"hp", "dp_reduced"}),
+    )
+
+
+def _apply(ops: CommOps, stage: Stage, value: torch.Tensor) -> torch.Tensor:
+    """One stage as `simdist.gradpath.kernel.GradPath.apply` runs it (nearest rounding)."""
+    if stage.kind == "cast":
+        return value.to(stage.dtype)
+    if stage.kind == "all_reduce":
+        return ops.all_reduce(value, stage.group)
+    if stage.kind == "divide":
+        return value / stage.divisor
+    if stage.kind == "scale":
+        return value * (1.0 / stage.divisor)
+    raise ValueError(f"unexpected boundary stage {stage.kind!r}")
+
+
+def _megatron_order_rank(comm, traces: list[Trace], policy: Policy, gas: int) -> Trace:
+    """The policy's boundary stages in Megatron's order on the accumulated buffer: DP stages, then TP stages."""
+    ops = CommOps(comm, 0)
+    rank = comm.get_rank()
+    tp, dp = comm.get_world_size(ops.groups["tp"]), comm.get_world_size(ops.groups["dp"])
+    out = Trace(rank)
+    for p in PARAMS:
+        value = traces[rank].get(0, gas - 1, p.name, "hp")
+        for stage in policy.dp_stages(p.family.dp_group, dp, value.dtype) + policy.boundary_correction_stages(
+            p.family, tp
+        ):
+            value = _apply(ops, stage, value)
+        out.capture(0, BOUNDARY, p.name, "dp_reduced", value)
+    return out
+
+
+def megatron_order(config: Config, layout: str, policy: Policy, traces: list[Trace]) -> list[Trace]:
+    return SimWorld(config.spec(layout), default_model=make_model("gloo")).run(
+        _megatron_order_rank, traces, policy, config.gas
+    )
+
+
+def _only(traces: list[Trace], names: set[str], stages: set[str]) -> list[Trace]:
+    out = []
+    for trace in traces:
+        kept = Trace(trace.rank)
+        kept.values = {k: v for k, v in trace.values.items() if k[2] in names and k[3] in stages}
+        out.append(kept)
+    return out
+
+
+def sum_of_terms(config: Config, layout: str, traces: list[Trace]) -> dict:
+    """``(rank, boundary key) -> sum |terms|``: |local gradients| over micro-steps, DP peers / dp, TP peers."""
+    spec = config.spec(layout)
+    grads_of = SyntheticGradients(spec, seed=config.seed)
+    by_name = {p.name: p for p in PARAMS}
+    out = {}
+    for trace in traces:
+        for key in trace.values:
+            p = by_name[key[2]]
+            peers = set(spec.group_of("dp", trace.rank))
+            if p.family in TP_MARK:
+                peers = {t for d in peers for t in spec.group_of("tp", d)}
+            scale = len(spec.group_of("dp", trace.rank)) * (spec.tp if p.family is Family.ROUTER_GATE_REPLICATED else 1)
+            out[(trace.rank, key)] = (
+                sum(grads_of(0, m, r, p).double().abs() for m in range(config.gas) for r in peers) / scale
+            )
+    return out
+
+
+@dataclass
+class RunResult:
+    layout: str
+    grad_reduce_in_fp32: bool
+    main_grad_dtype: str
+    groups_match_spec: bool
+    claimed: Match
+    """Real vs the policy: every capture on DP2; on TP2 x DP2 the parameters without a TP reduction."""
+    tp_reduced_vs_policy: Figures | None
+    """TP-reduced parameters at the boundary (TP2 x DP2): real vs the policy's order (TP, then DP)."""
+    tp_reduced_vs_megatron_order: Match | None
+    """The same parameters vs the policy's stages in Megatron's order (DP, then TP), bitwise."""
+    simdist_chains: dict[str, str]
+
+
+@dataclass
+class MegatronVerdict:
+    ok: bool
+    summary: str
+    megatron_version: str
+    world: str
+    results: list[RunResult]
+    bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
+
+
+def judge_run(config: Config, layout: str, fp32: bool, runs: list[RealRun], policy: Policy) -> RunResult:
+    spec = config.spec(layout)
+    real = [r.trace for r in runs]
+    model = transcription(config, layout, policy)
+    tp_reduced = {p.name for p in PARAMS if p.family in TP_MARK} if spec.tp > 1 else set()
+    claimed_names = {p.name for p in PARAMS} - tp_reduced
+    stages = {"hp", "dp_reduced"}
+    claimed = match_traces(
+        _only(real, claimed_names, stages),
+        _only(model, claimed_names, stages),
+        stages=tuple(stages),
+        names=("Megatron", policy.name),
+    )
+    versus = reordered = None
+    if tp_reduced:
+        at_boundary = _only(real, tp_reduced, {"dp_reduced"})
+        versus = figures(
+            at_boundary,
+            _only(model, tp_reduced, {"dp_reduced"}),
+            sum_of_terms(config, layout, at_boundary),
+            stage="dp_reduced",
+        )
+        reordered = match_traces(
+            at_boundary,
+            _only(megatron_order(config, layout, policy, model), tp_reduced, {"dp_reduced"}),
+            stages=("dp_reduced",),
+            names=("Megatron", f"{policy.name} in Megatron's order"),
+        )
+        # the micro-step accumulation of the TP-reduced parameters is claimed too
+        hp = _only(real, tp_reduced, {"hp"})
+        claimed_hp = match_traces(hp, _only(model, tp_reduced, {"hp"}), stages=("hp",))
+        claimed = Match(
+            claimed.compared + claimed_hp.compared,
+            claimed.equal + claimed_hp.equal,
+            claimed.first_difference or claimed_hp.first_difference,
+        )
+    groups_ok = all(
+        set(r.groups["tp"]) == set(spec.group_of("tp", rank)) and set(r.groups["dp"]) == set(spec.group_of("dp", rank))
+        for rank, r in enumerate(runs)
+    )
+    families = sorted({p.family for p in PARAMS}, key=lambda f: f.value)
+    chains = {f.value: policy.chain(f, spec.tp, spec.dp) for f in families}
+    return RunResult(layout, fp32, runs[0].main_grad_dtype, groups_ok, claimed, versus, reordered, chains)
+
+
+def judge(
+    config: Config,
+    real: dict[str, list[dict[bool, RealRun]]],
+    policies: dict[bool, Policy] | None = None,
+    world: str = "gloo",
+) -> MegatronVerdict:
+    policies = policies or {fp32: policy_for(fp32) for fp32 in config.fp32_reduce}
+    results = [
+        judge_run(config, layout, fp32, [r[fp32] for r in real[layout]], policies[fp32])
+        for layout in config.layouts
+        for fp32 in config.fp32_reduce
+    ]
+    ok = all(
+        r.claimed.bitwise_equal
+        and r.groups_match_spec
+        and (r.tp_reduced_vs_megatron_order is None or r.tp_reduced_vs_megatron_order.bitwise_equal)
+        for r in results
+    )
+    first = real[config.layouts[0]][0][config.fp32_reduce[0]]
+    verdict = MegatronVerdict(ok, "", first.megatron_version, world, results)
+    verdict.summary = summarize(verdict)
+    return verdict
+
+
+def summarize(v: MegatronVerdict) -> str:
+    lines = [
+        f"real Megatron-Core {v.megatron_version} DistributedDataParallel + finalize_model_grads, GAS 2, "
+        f"{v.world} processes:"
+    ]
+    for r in v.results:
+        head = f"  [{r.layout}, grad_reduce_in_fp32={r.grad_reduce_in_fp32}]"
+        same = "==" if r.claimed.bitwise_equal else "!="
+        lines.append(
+            f"{head} main_grad {r.main_grad_dtype}; where the chains claim equality: Megatron {same} "
+            f"simdist ({r.claimed.equal}/{r.claimed.compared} captures bitwise)"
+            + ("" if r.claimed.bitwise_equal else f"; first: {r.claimed.first_difference}")
+        )
+        if r.tp_reduced_vs_policy is not None:
+            f, m = r.tp_reduced_vs_policy, r.tp_reduced_vs_megatron_order
+            lines.append(
+                f"{head} TP-reduced grads at the boundary: Megatron reduces over DP, then TP; the policy "
+                f"TP, then DP: {f.tensors_differing}/{f.tensors} differ, {100 * f.fraction_differing:.1f}% "
+                f"of elements, max {f.max_ulp} ulp, max error / sum|terms| {f.max_error_over_terms:.2e}; "
+                f"the policy's stages in Megatron's order: {m.equal}/{m.compared} bitwise"
+                + ("" if m.bitwise_equal else f"; first: {m.first_difference}")
+            )
+    lines.append(
+        "verdict: "
+        + (
+            "megatron_grad_reduce_fp32's stages are bitwise what Megatron computes (in "
+            "Megatron's boundary order for TP-reduced grads)"
+            if v.ok
+            else "MISMATCH"
+        )
+    )
+    return "\n".join(lines)
+
+
+def run(world: World = "gloo", **options) -> MegatronVerdict:
+    config = dataclasses.replace(Config(), **options)
+    real = {layout: run_real(config, layout, world) for layout in config.layouts}
+    return judge(config, real, world=world)
+
+
+CASE = Case(
+    name=NAME,
+    question="Is megatron_grad_reduce_fp32's chain (grad_reduce_in_fp32 True, and False as a BF16 buffer) bitwise "
+    "what Megatron-Core's DistributedDataParallel + finalize_model_grads compute on DP2 and TP2 x DP2?",
+    real_code="megatron.core.distributed.DistributedDataParallel, finalize_model_grads (megatron-core), "
+    "2 and 4 gloo processes",
+    policies=("megatron_grad_reduce_fp32",),
+    requires=("megatron",),
+    run=run,
+)
