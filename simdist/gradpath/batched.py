@@ -68,23 +68,55 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
         index = _ring_index(numel, k, model.chunk_size, model.shift, ring, stacked.device)
         return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
     if kind is Gloo:
-        from simdist.reduce.gloo import _plan
-
-        length, chunks, rows = _plan(k, numel, stacked.element_size(), model.max_segment_bytes, stacked.device)
-        if rows is None:  # one chunk: x[k-1] + ... + x[0]
+        index = _gloo_index(k, numel, stacked.element_size(), model.max_segment_bytes, stacked.device)
+        if index is None:  # one chunk: x[k-1] + ... + x[0]
             return fold(stacked.unbind(0)[::-1])
-        ranks = rows.view(k, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
-        index = ranks.repeat_interleave(length, dim=1)[:, :numel]
         return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
     flat = stacked.reshape(k, count, *shape)
     return torch.stack([model.reduce(flat[:, i]) for i in range(count)]).reshape(*batch, *shape)
 
 
+@functools.lru_cache(maxsize=256)
+def _gloo_index(k: int, numel: int, element_size: int, max_segment_bytes: int,
+                device: torch.device) -> torch.Tensor | None:
+    """``index[j, e]``: the member that hop ``j`` of gloo's fold adds at element ``e`` (None: one chunk)."""
+    from simdist.reduce.gloo import _plan
+
+    length, chunks, rows = _plan(k, numel, element_size, max_segment_bytes, device)
+    if rows is None:
+        return None
+    ranks = rows.view(k, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
+    return ranks.repeat_interleave(length, dim=1)[:, :numel].contiguous()
+
+
 def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """Left fold where hop ``j`` of element ``e`` adds member ``index[j, e]``, for every reduction alike."""
+    """Left fold where hop ``j`` of element ``e`` adds member ``index[j, e]``, for every reduction alike.
+
+    The members are put in fold order by one ``index_select`` of the flat ``[k * count * numel]`` input (a
+    third of ``gather``'s cost at 4 x 1024 elements), with the linear index cached per ``(index, count)``.
+    """
     k = stacked.shape[0]
-    flat = stacked.reshape(k, count, -1)
-    return fold(flat.gather(0, index.unsqueeze(1).expand(k, count, index.shape[1])))
+    numel = index.shape[1]
+    ordered = stacked.reshape(-1).index_select(0, _linear_index(index, count)).view(k, count, numel)
+    return fold(ordered)
+
+
+_LINEAR: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _linear_index(index: torch.Tensor, count: int) -> torch.Tensor:
+    """``lin[j, b, e] = (index[j, e] * count + b) * numel + e``: positions in the flat ``[k, count, numel]``."""
+    key = (id(index), count)
+    entry = _LINEAR.get(key)
+    if entry is None or entry[0] is not index:  # the plan caches keep ``index`` alive; ids are checked anyway
+        numel = index.shape[1]
+        batch = torch.arange(count, device=index.device).view(1, count, 1)
+        element = torch.arange(numel, device=index.device).view(1, 1, numel)
+        linear = ((index.unsqueeze(1) * count + batch) * numel + element).reshape(-1)
+        if len(_LINEAR) > 1024:
+            _LINEAR.clear()
+        entry = _LINEAR[key] = (index, linear)
+    return entry[1]
 
 
 GroupTable = tuple[str, torch.Tensor, torch.Tensor, int, int]

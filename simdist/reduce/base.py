@@ -117,9 +117,10 @@ def as_stacked(tensors: Tensors) -> torch.Tensor:
 
 def fold(ordered: Tensors) -> torch.Tensor:
     """Left fold over the leading dimension, rounding each partial sum to the tensor dtype."""
-    if len(ordered) == 1:
-        return ordered[0].clone()
-    acc = ordered[0] + ordered[1]
-    for i in range(2, len(ordered)):
-        acc += ordered[i]
+    parts = ordered.unbind(0) if isinstance(ordered, torch.Tensor) else ordered  # one call, not n indexings
+    if len(parts) == 1:
+        return parts[0].clone()
+    acc = parts[0] + parts[1]
+    for part in parts[2:]:
+        acc += part
     return acc
