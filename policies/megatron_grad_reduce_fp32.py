@@ -4,14 +4,29 @@ Modelled on Megatron-Core 0.8-0.12 (``distributed_data_parallel.py``,
 ``param_and_grad_buffer.py``, ``finalize_model_grads.py``): each micro-step's
 BF16 gradient is added into the FP32 ``main_grad`` buffer; at the
 accumulation boundary the TP corrections of replicated parameters run once on
-that FP32 buffer (as ``finalize_model_grads`` all-reduces replicated
-gradients), then the buffer is scaled by ``1/dp`` before an FP32 all-reduce
-(``gradient_scaling_factor``, i.e. ``average_in_collective=False``).
-Simplification: Megatron's bucketing and distributed optimizer sharding do
-not change the per-element arithmetic and are not modelled.
+that FP32 buffer, then the buffer is scaled by ``1/dp`` before an FP32
+all-reduce (``gradient_scaling_factor``, i.e. ``average_in_collective=False``).
+Bucketing and distributed-optimizer sharding are not modelled.
 
-Not confirmed by a case: megatron-core 0.16.1 installs and imports on CPU
-without Transformer Engine, but no case drives its DDP yet.
+Confirmed bitwise against megatron-core 0.16.1's real ``DistributedDataParallel``
+and ``finalize_model_grads`` by the case ``megatron-grad-reduce-fp32`` (GAS 2, the
+``main_grad`` after every micro-step and after the boundary, gloo and the
+simdist backend in process mode), for ``grad_reduce_in_fp32=True`` and -- with
+``accumulate=dp_reduce=bf16`` -- ``False``: every parameter on DP2, on
+TP2 x DP2 every parameter without a TP reduction, and the micro-step
+accumulation everywhere. Not what Megatron 0.16.1
+does: ``finalize_model_grads`` runs the TP reduction (SUM for
+``sequence_parallel`` parameters, AVG for ``average_gradients_across_tp_domain``)
+*after* the DP all-reduce, this chain before it; the four-term sums then round
+in another order (BF16 buffer: 41% of those elements differ, max error /
+sum|terms| 7.4e-3; FP32 buffer: equal on the case's gradients, whose sums are
+exact). The same stages in Megatron's order are bitwise what it computes.
+On DP4 the boundary differs too: Megatron all-reduces a bucket as one flat
+buffer (parameters in reverse order) and gloo orders an element's sum by its
+offset, while this chain reduces each parameter alone (BF16 buffer: 26% of
+elements differ, max error / sum|terms| 8.1e-3); the chain's DP stages on the
+flat bucket are bitwise what Megatron computes. Not confirmed: expert
+parameters, the distributed optimizer and the optimizer step.
 """
 
 import torch

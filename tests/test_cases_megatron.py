@@ -76,6 +76,19 @@ def test_tp2dp2_bitwise_in_megatrons_boundary_order():
 
 
 @pytest.mark.slow
+def test_dp4_boundary_is_the_flat_bucket_reduction():
+    config = Config(layouts=("dp4",))
+    verdict = judge(config, {"dp4": run_real(config, "dp4")})
+    assert verdict.ok, verdict.summary
+    results = {r.grad_reduce_in_fp32: r for r in verdict.results}
+    for r in results.values():
+        assert r.boundary_vs_flat_bucket.bitwise_equal and r.boundary_vs_flat_bucket.compared == 4 * 5
+    # BF16: reducing each parameter alone (the policy) sums in another order than the flat bucket
+    assert results[False].boundary_vs_policy.tensors_differing > 0
+    assert results[False].boundary_vs_policy.max_error_over_terms < 3 * verdict.bf16_unit_roundoff
+
+
+@pytest.mark.slow
 def test_simdist_process_mode_gives_the_same_verdict():
     config = Config()
     real = {layout: run_real(config, layout, "simdist") for layout in config.layouts}

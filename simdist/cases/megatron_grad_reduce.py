@@ -4,7 +4,7 @@ Question: is Megatron-Core's real ``DistributedDataParallel`` (``megatron.core.d
 ``finalize_model_grads`` bitwise what simdist's ``megatron_grad_reduce_fp32`` stage chain computes from the
 same BF16 local gradients -- the ``main_grad`` buffer after every micro-step (GAS 2) and after the
 boundary -- with ``grad_reduce_in_fp32=True`` (FP32 buffer and reduction) and ``False`` (BF16 buffer and
-reduction, the policy with ``accumulate=dp_reduce=bf16``), on DP2 and on TP2 x DP2?
+reduction, the policy with ``accumulate=dp_reduce=bf16``), on DP2, TP2 x DP2 and DP4?
 
 Real code: ``parallel_state.initialize_model_parallel`` on the process group, a
 ``TransformerConfig``-configured ``DistributedDataParallel`` (its gradient hooks add ``param.grad`` into
@@ -27,7 +27,11 @@ TP2 x DP2 (for ``dense`` the policy's TP average of bitwise identical peers is e
 the policy runs the TP correction at the boundary *before* the DP reduction; Megatron runs it after
 (``finalize_model_grads``), so the four-term sums on TP2 x DP2 round in a different order. The case
 reports that distance and checks bitwise that the policy's own stages run in Megatron's order (DP stages,
-then the TP correction stages) give what Megatron computes.
+then the TP correction stages) give what Megatron computes. On DP4 the boundary is not claimed either:
+Megatron all-reduces each bucket as one flat buffer (parameters in reverse order), the policy each
+parameter alone, and gloo's summation order of an element depends on its offset; the case checks
+bitwise that the policy's DP stages applied to the flat bucket, reduced by simdist's gloo model, are
+what Megatron computes.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 NAME = "megatron-grad-reduce-fp32"
-LAYOUTS = {"dp2": (2, 1), "tp2dp2": (4, 2)}
+LAYOUTS = {"dp2": (2, 1), "tp2dp2": (4, 2), "dp4": (4, 1)}
 """Layout name -> (world size, TP size); DP is the rest."""
 PARAMS: tuple[ParamSpec, ...] = tuple(p for p in DEFAULT_PARAMS if p.family is not Family.EXPERT)
 """simdist's synthetic parameters without the routed expert (Megatron's expert path is not driven here)."""
@@ -66,7 +70,7 @@ TP_MARK = {
 class Config:
     gas: int = 2
     seed: int = 0
-    layouts: tuple[str, ...] = ("dp2", "tp2dp2")
+    layouts: tuple[str, ...] = ("dp2", "tp2dp2", "dp4")
     fp32_reduce: tuple[bool, ...] = (True, False)
 
     def spec(self, layout: str) -> ParallelSpec:
@@ -191,7 +195,7 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     )
 
 
-def _apply(ops: CommOps, stage: Stage, value: torch.Tensor) -> torch.Tensor:
+def _apply(ops: CommOps | None, stage: Stage, value: torch.Tensor) -> torch.Tensor:
     """One stage as `simdist.gradpath.kernel.GradPath.apply` runs it (nearest rounding)."""
     if stage.kind == "cast":
         return value.to(stage.dtype)
@@ -224,6 +228,35 @@ def megatron_order(config: Config, layout: str, policy: Policy, traces: list[Tra
     return SimWorld(config.spec(layout), default_model=make_model("gloo")).run(
         _megatron_order_rank, traces, policy, config.gas
     )
+
+
+def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]) -> list[Trace]:
+    """The policy's DP stages on one flat bucket per rank (parameters in reverse order, as Megatron lays out its
+    buffer), reduced with simdist's gloo model: the boundary as Megatron runs it when DP is the whole world."""
+    spec = config.spec(layout)
+    if spec.tp != 1 or spec.dp != spec.world_size:
+        raise ValueError("the flat-bucket boundary is modelled for DP-only layouts")
+    order = [p for p in reversed(PARAMS)]
+    stages = policy.dp_stages("dp", spec.dp, policy.accumulate)
+    at = next(i for i, stage in enumerate(stages) if stage.kind == "all_reduce")
+    buffers = []
+    for trace in traces:
+        value = torch.cat([trace.get(0, config.gas - 1, p.name, "hp").flatten() for p in order])
+        for stage in stages[:at]:
+            value = _apply(None, stage, value)
+        buffers.append(value)
+    value = make_model("gloo").reduce(torch.stack(buffers))
+    for stage in stages[at + 1 :]:
+        value = _apply(None, stage, value)
+    out = []
+    for trace in traces:
+        result, offset = Trace(trace.rank), 0
+        for p in order:
+            numel = trace.get(0, config.gas - 1, p.name, "hp").numel()
+            result.capture(0, BOUNDARY, p.name, "dp_reduced", value[offset : offset + numel].reshape(p.shape))
+            offset += numel
+        out.append(result)
+    return out
 
 
 def _only(traces: list[Trace], names: set[str], stages: set[str]) -> list[Trace]:
@@ -266,7 +299,11 @@ class RunResult:
     """TP-reduced parameters at the boundary (TP2 x DP2): real vs the policy's order (TP, then DP)."""
     tp_reduced_vs_megatron_order: Match | None
     """The same parameters vs the policy's stages in Megatron's order (DP, then TP), bitwise."""
-    simdist_chains: dict[str, str]
+    boundary_vs_policy: Figures | None = None
+    """DP > 2: the boundary captures (not claimed: the policy reduces each parameter alone) vs the policy."""
+    boundary_vs_flat_bucket: Match | None = None
+    """DP > 2: the same vs the policy's DP stages on Megatron's flat bucket, reduced by simdist's gloo model."""
+    simdist_chains: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -285,7 +322,8 @@ def judge_run(config: Config, layout: str, fp32: bool, runs: list[RealRun], poli
     model = transcription(config, layout, policy)
     tp_reduced = {p.name for p in PARAMS if p.family in TP_MARK} if spec.tp > 1 else set()
     claimed_names = {p.name for p in PARAMS} - tp_reduced
-    stages = {"hp", "dp_reduced"}
+    bucketed = spec.dp > 2  # an element's sum order may depend on its offset in the flat bucket
+    stages = {"hp"} if bucketed else {"hp", "dp_reduced"}
     claimed = match_traces(
         _only(real, claimed_names, stages),
         _only(model, claimed_names, stages),
@@ -315,13 +353,30 @@ def judge_run(config: Config, layout: str, fp32: bool, runs: list[RealRun], poli
             claimed.equal + claimed_hp.equal,
             claimed.first_difference or claimed_hp.first_difference,
         )
+    boundary = bucket = None
+    if bucketed:
+        at_boundary = _only(real, claimed_names, {"dp_reduced"})
+        boundary = figures(
+            at_boundary,
+            _only(model, claimed_names, {"dp_reduced"}),
+            sum_of_terms(config, layout, at_boundary),
+            stage="dp_reduced",
+        )
+        bucket = match_traces(
+            at_boundary,
+            flat_bucket(config, layout, policy, model),
+            stages=("dp_reduced",),
+            names=("Megatron", f"{policy.name} on the flat bucket"),
+        )
     groups_ok = all(
         set(r.groups["tp"]) == set(spec.group_of("tp", rank)) and set(r.groups["dp"]) == set(spec.group_of("dp", rank))
         for rank, r in enumerate(runs)
     )
     families = sorted({p.family for p in PARAMS}, key=lambda f: f.value)
     chains = {f.value: policy.chain(f, spec.tp, spec.dp) for f in families}
-    return RunResult(layout, fp32, runs[0].main_grad_dtype, groups_ok, claimed, versus, reordered, chains)
+    return RunResult(
+        layout, fp32, runs[0].main_grad_dtype, groups_ok, claimed, versus, reordered, boundary, bucket, chains
+    )
 
 
 def judge(
@@ -368,6 +423,15 @@ def summarize(v: MegatronVerdict) -> str:
                 f"TP, then DP: {f.tensors_differing}/{f.tensors} differ, {100 * f.fraction_differing:.1f}% "
                 f"of elements, max {f.max_ulp} ulp, max error / sum|terms| {f.max_error_over_terms:.2e}; "
                 f"the policy's stages in Megatron's order: {m.equal}/{m.compared} bitwise"
+                + ("" if m.bitwise_equal else f"; first: {m.first_difference}")
+            )
+        if r.boundary_vs_flat_bucket is not None:
+            f, m = r.boundary_vs_policy, r.boundary_vs_flat_bucket
+            lines.append(
+                f"{head} boundary (DP > 2): Megatron all-reduces one flat bucket, the policy each parameter: "
+                f"{f.tensors_differing}/{f.tensors} differ, {100 * f.fraction_differing:.1f}% of elements, max "
+                f"{f.max_ulp} ulp, max error / sum|terms| {f.max_error_over_terms:.2e}; the policy's DP stages on "
+                f"the flat bucket: {m.equal}/{m.compared} bitwise"
                 + ("" if m.bitwise_equal else f"; first: {m.first_difference}")
             )
     lines.append(
