@@ -164,8 +164,9 @@ def test_reduce_op_accepts_torch_distributed_ops_and_names():
 
     assert ReduceOp.coerce(dist.ReduceOp.SUM) is ReduceOp.SUM
     assert ReduceOp.coerce("avg") is ReduceOp.AVG
-    with pytest.raises(ValueError, match="valid: SUM, AVG, MAX, MIN"):
-        ReduceOp.coerce("product")
+    assert ReduceOp.coerce(dist.ReduceOp.PRODUCT) is ReduceOp.PRODUCT
+    with pytest.raises(ValueError, match="valid: SUM, AVG, PRODUCT, MAX, MIN"):
+        ReduceOp.coerce("band")
 
 
 def test_unknown_model_names_the_valid_ones():

@@ -19,7 +19,10 @@ Operations (`ReduceOp`):
   tensor dtype (``postdiv``, one extra rounding); or, with ``avg="premul"``,
   each input multiplied by ``1/n`` rounded to the dtype, before the SUM
   (NCCL's ``ncclAvg`` pre-multiplies floating types in this way).
-* ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates.
+* ``PRODUCT`` -- the model's order with multiplication in place of addition
+  (`ReductionModel.product`; a model that does not define it refuses ``PRODUCT``).
+* ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates (a model may
+  override this: `simdist.reduce.gloo.Gloo` folds with gloo's comparison).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class ReduceOp(enum.Enum):
 
     SUM = "sum"
     AVG = "avg"
+    PRODUCT = "product"
     MAX = "max"
     MIN = "min"
 
@@ -76,6 +80,10 @@ class ReductionModel(ABC):
         sequence of ``n`` tensors of one shape; both give the same bits.
         """
 
+    def product(self, tensors: Tensors) -> torch.Tensor:
+        """Multiply the per-rank ``tensors`` in this model's order, rounding each partial product."""
+        raise ValueError(f"the {self.name} reduction model does not model ReduceOp.PRODUCT")
+
     def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """The reduced tensor for ``op`` over the per-rank ``tensors`` (stacked or a sequence)."""
         n = len(tensors)
@@ -83,6 +91,8 @@ class ReductionModel(ABC):
             raise ValueError("a reduction needs the tensors of at least one rank")
         if op is ReduceOp.SUM:
             return self.sum(tensors)
+        if op is ReduceOp.PRODUCT:
+            return self.product(tensors)
         if op is ReduceOp.MAX:
             return torch.amax(as_stacked(tensors), dim=0)  # propagates NaN
         if op is ReduceOp.MIN:
@@ -115,11 +125,16 @@ def as_stacked(tensors: Tensors) -> torch.Tensor:
     return tensors if isinstance(tensors, torch.Tensor) else torch.stack(list(tensors))
 
 
-def fold(ordered: Tensors) -> torch.Tensor:
-    """Left fold over the leading dimension, rounding each partial sum to the tensor dtype."""
+def fold(ordered: Tensors, multiply: bool = False) -> torch.Tensor:
+    """Left fold over the leading dimension, rounding each partial sum (or product) to the tensor dtype."""
     parts = ordered.unbind(0) if isinstance(ordered, torch.Tensor) else ordered  # one call, not n indexings
     if len(parts) == 1:
         return parts[0].clone()
+    if multiply:
+        acc = parts[0] * parts[1]
+        for part in parts[2:]:
+            acc *= part
+        return acc
     acc = parts[0] + parts[1]
     for part in parts[2:]:
         acc += part

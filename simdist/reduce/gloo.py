@@ -59,11 +59,12 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from simdist.reduce.base import AvgMode, ReductionModel, Tensors, as_stacked, fold
+from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, fold
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """gloo's ``AllreduceOptions::kMaxSegmentSize``."""
@@ -121,13 +122,139 @@ def _zeros(n: int, width: int, like: torch.Tensor) -> torch.Tensor:
     return pad
 
 
+# -- how gloo reads the ranks' tensors ------------------------------------------------
+
+
+def memory_rows(tensors: Tensors) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``[n, N]``: each rank's elements in the order gloo reads them, and the map of a flat result back.
+
+    torch's gloo backend hands gloo ``numel`` elements from the tensor's data
+    pointer, whatever its strides. For a dense tensor (contiguous, or a
+    permutation of a contiguous one, e.g. ``x.t()``) that is its storage in
+    memory order, so chunks are cut in memory order; that is modelled, and the
+    result comes back with the tensor's strides. A stacked ``[n, *shape]``
+    tensor is the model's own packing: its rows are read in row-major order.
+
+    Refused with ``ValueError`` (real gloo does not refuse them, it computes
+    something else): a view with gaps or overlaps (``x[:, ::2]``), for which
+    gloo reduces memory outside the view and leaves part of the view alone;
+    and ranks whose dense tensors have different memory layouts, which gloo
+    would add element by element in memory, not by index.
+    """
+    if isinstance(tensors, torch.Tensor):
+        shape = tensors.shape[1:]
+        return tensors.reshape(tensors.shape[0], -1), lambda out: out.view(shape)
+    per_rank = list(tensors)
+    if all(t.is_contiguous() for t in per_rank):
+        shape = per_rank[0].shape
+        return torch.stack(per_rank).reshape(len(per_rank), -1), lambda out: out.view(shape)
+    for t in per_rank:
+        if not t.is_non_overlapping_and_dense():
+            raise ValueError(
+                f"gloo reduces a tensor's numel ({t.numel()}) elements from its data pointer in memory order; "
+                f"this view (shape {tuple(t.shape)}, strides {t.stride()}) has gaps or overlaps, so real gloo "
+                "would reduce memory outside the view and leave part of the view unreduced. Pass a contiguous "
+                "tensor (x.contiguous()) and copy the result back."
+            )
+    layouts = {tuple(st for st, size in zip(t.stride(), t.shape, strict=True) if size > 1) for t in per_rank}
+    if len(layouts) > 1:
+        raise ValueError(
+            "gloo adds the ranks' tensors element by element in memory order, and these ranks' tensors have "
+            f"different memory layouts (strides {[t.stride() for t in per_rank]}), so gloo would add "
+            "different elements together. Give every rank the same layout."
+        )
+    like = per_rank[0]
+
+    def back(out: torch.Tensor) -> torch.Tensor:
+        result = torch.empty_strided(like.shape, like.stride(), dtype=out.dtype, device=out.device)
+        result.as_strided((like.numel(),), (1,), 0).copy_(out)
+        return result
+
+    return torch.stack([t.as_strided((t.numel(),), (1,)) for t in per_rank]), back
+
+
+# -- one hop of the ring: gloo's element-wise functions ----------------------------------------
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+_QUIET_BIT = {torch.float64: 1 << 51, torch.float32: 1 << 22}
+_DEFAULT_NAN = {torch.float64: -(1 << 51), torch.float32: -(1 << 22)}  # x86's "real indefinite": -qNaN
+_BF16_NAN = 0x7FC0
+_FP16_QNAN = (0x7E00, 0xFE00 - (1 << 16))  # + and - quiet NaN, as int16
+
+
+def _nan_bits(local: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """The NaN gloo's ``sum``/``product`` leave where ``local (op) acc`` is NaN (bits, as the int view).
+
+    fp32/fp64: x86 returns the first operand's NaN, quieted (``local``, the
+    receiving rank's value), else the second's, else the default NaN.
+    bf16: c10's float -> bf16 rounding writes ``0x7FC0`` for every NaN.
+    fp16: c10's float -> fp16 conversion keeps the sign of that fp32 NaN and writes ``0x7E00``.
+    """
+    dtype = local.dtype
+    int_t = _INT_VIEW[dtype]
+    if dtype == torch.bfloat16:
+        return torch.full(local.shape, _BF16_NAN, dtype=int_t, device=local.device)
+    lb, ab = local.view(int_t), acc.view(int_t)
+    if dtype == torch.float16:
+        sign = torch.where(local.isnan(), lb < 0, torch.where(acc.isnan(), ab < 0, True))
+        return torch.where(sign, _FP16_QNAN[1], _FP16_QNAN[0]).to(int_t)
+    quiet, default = _QUIET_BIT[dtype], torch.tensor(_DEFAULT_NAN[dtype], dtype=int_t, device=local.device)
+    return torch.where(local.isnan(), lb | quiet, torch.where(acc.isnan(), ab | quiet, default))
+
+
+def _arith_walk(hops: Sequence[torch.Tensor], multiply: bool) -> torch.Tensor:
+    """``local + acc`` (or ``*``) at every hop, with gloo's NaN bits (see `_nan_bits`).
+
+    The values are IEEE sums/products whatever the operand order; only NaN
+    bits depend on it. NaN is absorbing, so the plain fold is exact except
+    where its result is NaN; those columns are walked again hop by hop.
+    """
+    acc = fold(hops, multiply)
+    if not acc.is_floating_point():
+        return acc
+    nan = acc.isnan()
+    if not bool(nan.any()):
+        return acc
+    cols = nan.nonzero().squeeze(1)
+    int_t = _INT_VIEW[acc.dtype]
+    walk = hops[0][cols]
+    for hop in hops[1:]:
+        local = hop[cols]
+        value = local * walk if multiply else local + walk
+        walk = torch.where(value.isnan(), _nan_bits(local, walk).view(acc.dtype), value)
+    acc.view(int_t)[cols] = walk.view(int_t)
+    return acc
+
+
+def _compare_walk(hops: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """gloo's ``max``/``min`` (``std::max(local, acc)``): keep ``acc`` only if it compares greater (smaller).
+
+    A comparison with NaN is false, so the receiving rank's value wins: NaN
+    survives only if the last rank on the walk holds it or the walk's value
+    was NaN and nothing later beat it, and of ``+0``/``-0`` the later one stays.
+    Bits are copied, never rounded.
+    """
+    acc = hops[0]
+    for local in hops[1:]:
+        keep = acc > local if op is ReduceOp.MAX else acc < local
+        acc = torch.where(keep, acc, local)
+    return acc if len(hops) > 1 else acc.clone()
+
+
 @dataclass(frozen=True, repr=False)
 class Gloo(ReductionModel):
-    """gloo's ring all-reduce order: per chunk, a fold that starts at rank ``c-1`` and walks down.
+    """gloo's ring all-reduce: per chunk, a walk that starts at rank ``c-1`` and goes down the ring.
 
-    See the module docstring for the chunk formula and the evidence.
-    ``max_segment_bytes`` is gloo's segment cap (only change it to model a
-    gloo built or configured differently).
+    Every op follows the same walk; each hop combines the receiving rank's own
+    value with the partial it received, as gloo's element-wise function does
+    (see the module docstring for the chunk formula, the per-op semantics and
+    the evidence). ``max_segment_bytes`` is gloo's segment cap (only change it
+    to model a gloo built or configured differently).
     """
 
     max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
@@ -136,6 +263,8 @@ class Gloo(ReductionModel):
     def __post_init__(self) -> None:
         if self.max_segment_bytes < 1:
             raise ValueError(f"max_segment_bytes must be >= 1, got {self.max_segment_bytes}")
+        if self.avg != "postdiv":
+            raise ValueError("gloo's AVG is its SUM divided by the group size (avg='postdiv')")
 
     @property
     def name(self) -> str:
@@ -144,21 +273,65 @@ class Gloo(ReductionModel):
         return f"gloo(max_segment_bytes={self.max_segment_bytes})"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        n = len(tensors)
-        if n <= 2:  # one add at most: commutative, so every order agrees
-            return fold(tensors)
-        stacked = as_stacked(tensors)
-        numel = stacked.numel() // n
-        if numel == 0:
-            return stacked[0].clone()
-        length, chunks, index = _plan(n, numel, stacked.element_size(), self.max_segment_bytes, stacked.device)
-        if index is None:  # a single chunk: x[n-1] + x[n-2] + ... + x[0]
-            return fold(stacked.unbind(0)[::-1])
+        return self.reduce(tensors, ReduceOp.SUM)
+
+    def product(self, tensors: Tensors) -> torch.Tensor:
+        return self.reduce(tensors, ReduceOp.PRODUCT)
+
+    def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """What ``dist.all_reduce`` leaves on every rank of a gloo group.
+
+        ``AVG`` is the ``SUM`` then ``tensor.div_(n)`` in the tensor's dtype,
+        as torch's gloo backend does after the collective; on integer and bool
+        tensors that division raises torch's ``RuntimeError``, and so does this.
+        """
+        if len(tensors) == 0:
+            raise ValueError("a reduction needs the tensors of at least one rank")
+        rows, back = memory_rows(tensors)
+        n = rows.shape[0]
+        if op is ReduceOp.AVG:
+            if rows.is_floating_point():
+                return back(self._ring(rows, ReduceOp.SUM)).div_(n)
+            torch.empty(0, dtype=rows.dtype).div_(n)  # raises torch's own error, as gloo's div_ does
+            raise AssertionError("unreachable: an integer division in place did not raise")
+        return back(self._ring(rows, op))
+
+    def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
+        """What ``dist.reduce`` leaves on group rank ``root``: the all-reduce's bits, whatever the root.
+
+        (Found by experiment; gloo also writes partial sums into the other
+        ranks' tensors, which this does not model.)
+        """
+        if not 0 <= root < len(tensors):
+            raise ValueError(f"root {root} is not a rank of a group of {len(tensors)}")
+        return self.reduce(tensors, op)
+
+    def reduce_scatter_list(
+        self, lists: Sequence[Sequence[torch.Tensor]], op: ReduceOp = ReduceOp.SUM
+    ) -> list[torch.Tensor]:
+        """``dist.reduce_scatter(out, in_list)``: entry ``i`` of every member's list all-reduced, for rank ``i``."""
+        n = len(lists)
+        if any(len(lst) != n for lst in lists):
+            raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
+        return [self.reduce([lst[i] for lst in lists], op) for i in range(n)]
+
+    def _ring(self, rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """The flat result of the ring walk of ``op`` over ``rows`` (``[n, N]``, gloo's reading order)."""
+        n, numel = rows.shape
+        if n == 1 or numel == 0:
+            return rows[0].clone()
+        length, chunks, index = _plan(n, numel, rows.element_size(), self.max_segment_bytes, rows.device)
         padded = chunks * length
-        if padded == numel:
-            rows = stacked.contiguous().view(n * chunks, length)
+        if index is None:  # a single chunk: x[n-1], x[n-2], ..., x[0]
+            hops = rows.unbind(0)[::-1]
         else:
-            flat = torch.cat([stacked.reshape(n, numel), _zeros(n, padded - numel, stacked)], dim=1)
-            rows = flat.view(n * chunks, length)
-        out = fold(rows.index_select(0, index).view(n, padded).unbind(0))
-        return (out if padded == numel else out[:numel]).view(stacked.shape[1:])
+            if padded != numel:
+                rows = torch.cat([rows, _zeros(n, padded - numel, rows)], dim=1)
+            hops = rows.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)
+        if op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+            out = _arith_walk(hops, multiply=op is ReduceOp.PRODUCT)
+        elif op in (ReduceOp.MAX, ReduceOp.MIN):
+            out = _compare_walk(hops, op)
+        else:
+            raise ValueError(f"unsupported reduce op {op!r}")
+        return out if out.numel() == numel else out[:numel]

@@ -3,6 +3,7 @@ dtype, round once) and `Ring` (chunked ring with a rotating start rank).
 
 Each is a pure, vectorised function of the stacked per-rank tensors; every partial sum is rounded to the
 tensor dtype unless the model says otherwise (see `simdist.reduce.base` for the ops and the rounding facts).
+``PRODUCT`` uses the same order as the sum, with multiplication.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Sequential(ReductionModel):
     def sum(self, tensors: Tensors) -> torch.Tensor:
         return fold(tensors)
 
+    def product(self, tensors: Tensors) -> torch.Tensor:
+        return fold(tensors, multiply=True)
+
 
 @dataclass(frozen=True, repr=False)
 class Tree(ReductionModel):
@@ -45,11 +49,18 @@ class Tree(ReductionModel):
         return "tree"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
+        return self._pairwise(tensors, torch.add)
+
+    def product(self, tensors: Tensors) -> torch.Tensor:
+        return self._pairwise(tensors, torch.mul)
+
+    @staticmethod
+    def _pairwise(tensors: Tensors, combine) -> torch.Tensor:
         level = as_stacked(tensors)
         while level.shape[0] > 1:
             pairs = level.shape[0] // 2
-            summed = level[0 : 2 * pairs : 2] + level[1 : 2 * pairs : 2]
-            level = torch.cat([summed, level[2 * pairs :]]) if level.shape[0] % 2 else summed
+            combined = combine(level[0 : 2 * pairs : 2], level[1 : 2 * pairs : 2])
+            level = torch.cat([combined, level[2 * pairs :]]) if level.shape[0] % 2 else combined
         return level[0].clone()
 
 
@@ -72,6 +83,9 @@ class Upcast(ReductionModel):
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
         return round_to(fold([t.to(self.acc_dtype) for t in tensors]), tensors[0].dtype)
+
+    def product(self, tensors: Tensors) -> torch.Tensor:
+        return round_to(fold([t.to(self.acc_dtype) for t in tensors], multiply=True), tensors[0].dtype)
 
 
 @dataclass(frozen=True, repr=False)
@@ -101,6 +115,12 @@ class Ring(ReductionModel):
         return f"ring(chunk={self.chunk_size}, shift={self.shift}{order})"
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
+        return self._walk(tensors, multiply=False)
+
+    def product(self, tensors: Tensors) -> torch.Tensor:
+        return self._walk(tensors, multiply=True)
+
+    def _walk(self, tensors: Tensors, multiply: bool) -> torch.Tensor:
         stacked = as_stacked(tensors)
         n = stacked.shape[0]
         ring = list(range(n)) if self.ring is None else list(self.ring)
@@ -108,7 +128,7 @@ class Ring(ReductionModel):
             raise ValueError(f"ring order {ring} is not a permutation of the {n} group ranks")
         flat = stacked.reshape(n, -1)
         index = _ring_index(flat.shape[1], n, self.chunk_size, self.shift, tuple(ring), flat.device)
-        return fold(flat.gather(0, index)).reshape(stacked.shape[1:])
+        return fold(flat.gather(0, index), multiply).reshape(stacked.shape[1:])
 
 
 _RING_INDEX_CACHE: dict[tuple, torch.Tensor] = {}
