@@ -213,3 +213,164 @@ def test_the_same_rank_program_in_simworld_gives_real_gloos_bits(gloo_run):
         for key, tensors in real[rank].items():
             for i, (sim, got) in enumerate(zip(simulated[rank][key], tensors, strict=True)):
                 assert_bitwise(sim, got, f"rank {rank} {key} case {i}")
+
+
+# -- gloo's element-wise functions on the ring walk (facts found against real gloo: tests/test_gloo_corners.py) --
+
+
+def _raw(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    int_t = {torch.float32: torch.int32, torch.float64: torch.int64}.get(dtype, torch.int16)
+    width = 8 * torch.empty(0, dtype=dtype).element_size()
+    return torch.tensor([v - (1 << width) if v >= 1 << (width - 1) else v for v in values], dtype=int_t).view(dtype)
+
+
+def _hex(t: torch.Tensor) -> list[str]:
+    width = 8 * t.element_size()
+    return [hex(v % (1 << width)) for v in _bits(t).tolist()]
+
+
+NAN = float("nan")
+
+
+def test_max_and_min_keep_the_receiving_ranks_value_unless_the_partial_compares_beyond_it():
+    # 2 ranks, 4 elements: chunk 0 (elements 0, 1) ends on rank 0, chunk 1 (2, 3) on rank 1
+    x0 = torch.tensor([NAN, 1.0, NAN, 1.0])
+    x1 = torch.tensor([1.0, NAN, 1.0, NAN])
+    for op in (ReduceOp.MAX, ReduceOp.MIN):
+        got = Gloo().reduce([x0, x1], op)
+        assert got.isnan().tolist() == [True, False, False, True], op  # the last rank's value wins over NaN
+    assert Gloo().reduce([x0, x1], ReduceOp.MAX).isnan().tolist() != x0.maximum(x1).isnan().tolist()
+
+
+def test_signed_zeros_under_max_and_min_are_the_last_ranks_zero():
+    x0 = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    x1 = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    for op in (ReduceOp.MAX, ReduceOp.MIN):
+        got = Gloo().reduce([x0, x1], op)
+        assert torch.signbit(got).tolist() == [False, True, True, False], op
+
+
+def test_three_ranks_max_with_nan_depends_on_where_the_nan_sits_on_the_walk():
+    # one element: the walk is x2, x1, x0; a NaN survives only on rank 0 (last) or if nothing later beats it
+    for nan_rank, survives in ((0, True), (1, False), (2, False)):
+        x = torch.ones(3, 1)
+        x[nan_rank] = NAN
+        assert Gloo().reduce(x, ReduceOp.MAX).isnan().item() is survives, nan_rank
+
+
+@pytest.mark.parametrize(
+    ("dtype", "local", "partial", "expected"),
+    [
+        (torch.float32, 0x7FC00001, 0xFFC12345, 0x7FC00001),  # both NaN: the receiving rank's, quieted
+        (torch.float32, 0x3F800000, 0x7F800001, 0x7FC00001),  # a signalling NaN is quieted
+        (torch.float32, 0x7F800000, 0xFF800000, 0xFFC00000),  # inf - inf: x86's default NaN
+        (torch.float64, 0x7FF0000000000001, 0x3FF0000000000000, 0x7FF8000000000001),
+        (torch.bfloat16, 0xFFD5, 0x3F80, 0x7FC0),  # c10's float -> bf16: every NaN becomes 0x7FC0
+        (torch.bfloat16, 0x7F80, 0xFF80, 0x7FC0),
+        (torch.float16, 0xFE55, 0x7E01, 0xFE00),  # c10's float -> fp16: the sign, payload 0x200
+        (torch.float16, 0x3C00, 0x7C01, 0x7E00),
+        (torch.float16, 0x7C00, 0xFC00, 0xFE00),
+    ],
+)
+def test_nan_bits_of_sum_and_product(dtype, local, partial, expected):
+    # 2 ranks, 1 element: the walk starts at rank 1 and ends on rank 0, so rank 0's value is the receiving one
+    x = torch.stack([_raw([local], dtype), _raw([partial], dtype)])
+    assert _hex(Gloo().sum(x)) == [hex(expected)]
+    if local not in (0x7F800000, 0x7C00, 0x7F80):  # inf * -inf is -inf, not NaN
+        assert _hex(Gloo().product(x)) == [hex(expected)]
+
+
+def test_one_rank_passes_the_bits_through_and_avg_divides_them():
+    x = _raw([0x7F800001, 0xFFC12345], torch.float32).unsqueeze(0)
+    assert _hex(Gloo().sum(x)) == ["0x7f800001", "0xffc12345"]  # a signalling NaN stays signalling
+    assert _hex(Gloo().reduce(x, ReduceOp.AVG)) == ["0x7fc00001", "0xffc12345"]  # div_ quiets it
+
+
+def reference_gloo_fold(stacked: torch.Tensor, combine) -> torch.Tensor:
+    """The documented walk with any ``combine(local, partial)``, one chunk at a time (slow, obvious)."""
+    n = stacked.shape[0]
+    flat = stacked.reshape(n, -1)
+    length = chunk_length(flat.shape[1], n, flat.element_size())
+    out = torch.empty_like(flat[0])
+    for c in range(n):
+        part = slice(c * length, min(flat.shape[1], (c + 1) * length))
+        acc = flat[(c - 1) % n, part].clone()
+        for j in range(1, n):
+            acc = combine(flat[(c - 1 - j) % n, part], acc)
+        out[part] = acc
+    return out.reshape(stacked.shape[1:])
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_product_max_min_follow_the_same_walk_as_the_sum(n, dtype):
+    for numel in (1, 2, 5, 100, 1023):
+        x = random_ranks(n * 31 + numel, n, numel, dtype, wide=True)
+        x = 1 + x / 64  # products of values near 1 round differently in different orders
+        assert_bitwise(Gloo().product(x), reference_gloo_fold(x, torch.mul), f"product n={n} numel={numel}")
+        for op, keep in ((ReduceOp.MAX, torch.gt), (ReduceOp.MIN, torch.lt)):
+            expected = reference_gloo_fold(x, lambda local, acc, keep=keep: torch.where(keep(acc, local), acc, local))
+            assert_bitwise(Gloo().reduce(x, op), expected, f"{op} n={n} numel={numel}")
+    if n >= 3 and dtype == torch.bfloat16:
+        x = 1 + random_ranks(n, n, 4096, dtype, wide=False) / 16
+        assert not torch.equal(_bits(Gloo().product(x)), _bits(Sequential().product(x)))  # the order shows
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool])
+def test_integers_wrap_and_integer_avg_raises_torchs_error(dtype):
+    x = torch.tensor([[100, 7, 127], [100, 9, 1], [100, 11, 1], [100, 13, 2]]).to(dtype)
+    assert torch.equal(Gloo().sum(x), x[0] + x[1] + x[2] + x[3])  # two's complement wrap, any order
+    assert torch.equal(Gloo().product(x), x[0] * x[1] * x[2] * x[3])
+    assert torch.equal(Gloo().reduce(x, ReduceOp.MAX), x.max(0).values)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+        Gloo().reduce(x, ReduceOp.AVG)
+
+
+def test_avg_is_the_sum_divided_in_place_in_the_tensor_dtype():
+    x = random_ranks(4, 3, 1000, torch.bfloat16, wide=True)
+    assert_bitwise(Gloo().reduce(x, ReduceOp.AVG), Gloo().sum(x).div_(3), "avg")
+    assert_bitwise(Gloo().reduce(list(x), ReduceOp.AVG), Gloo().sum(x) / 3, "avg of a list")
+
+
+def test_dense_permuted_tensors_are_reduced_in_memory_order():
+    x = random_ranks(9, 4, 64 * 48, torch.float32, wide=True).reshape(4, 64, 48)
+    transposed = [t.t().contiguous().t() for t in x]  # logical values of x, storage of x.t()
+    got = Gloo().sum(transposed)
+    assert got.stride() == transposed[0].stride()
+    assert_bitwise(got.contiguous(), Gloo().sum(torch.stack([t.t() for t in transposed])).t(), "memory order")
+    assert not torch.equal(_bits(got.contiguous()), _bits(Gloo().sum(x)))  # chunks cut in logical order differ
+
+
+def test_views_with_gaps_and_mixed_layouts_are_refused_naming_the_hazard():
+    base = torch.randn(4, 6, 10)
+    with pytest.raises(ValueError, match="memory outside the view"):
+        Gloo().sum([b[:, ::2] for b in base])
+    with pytest.raises(ValueError, match="different memory layouts"):
+        Gloo().sum([base[0], base[1].t().contiguous().t(), base[2], base[3]])
+
+
+def test_reduce_to_any_root_and_list_reduce_scatter_are_all_reduces():
+    x = random_ranks(11, 3, 3 * 70, torch.bfloat16, wide=True)
+    for root in range(3):
+        assert_bitwise(Gloo().reduce_to(x, ReduceOp.SUM, root), Gloo().sum(x), f"root {root}")
+    with pytest.raises(ValueError, match="root 3"):
+        Gloo().reduce_to(x, ReduceOp.SUM, 3)
+    lists = [list(r.reshape(3, 70)) for r in x]
+    for i, block in enumerate(Gloo().reduce_scatter_list(lists, ReduceOp.MAX)):
+        assert_bitwise(block, Gloo().reduce(x.reshape(3, 3, 70)[:, i], ReduceOp.MAX), f"block {i}")
+
+
+def unsorted_group(comm):
+    from simdist.world.groups import Group
+
+    x = fingerprint_ranks(3, 64, torch.float32)[min(comm.get_rank(), 2)].clone()
+    if comm.get_rank() < 3:
+        comm.all_reduce(x, group=Group("custom", (2, 0, 1)))
+    return x
+
+
+def test_simworld_orders_a_groups_ranks_as_torch_does():
+    results = SimWorld(ParallelSpec(4, tp=1, ep=1), default_model=Gloo()).run(unsorted_group)
+    expected = Gloo().sum(fingerprint_ranks(3, 64, torch.float32))
+    for rank in range(3):
+        assert_bitwise(results[rank], expected, f"rank {rank}")

@@ -31,12 +31,48 @@ bytes each:
    rank ``i``, so the inherited `ReductionModel.reduce_scatter` (the matching
    slices of `reduce` on the flat tensor) is already exact.
 
-Consequences: with 2 ranks every order is the same single add. Chunks are cut
-by length, not by ``n``-way splitting of the tensor, so for ``N <= 2`` every
-element is in chunk 0 and the order is the descending fold
+Consequences: with 2 ranks every order gives the same value (only NaN bits
+differ). Chunks are cut by length, not by ``n``-way splitting of the tensor, so
+for ``N <= 2`` every element is in chunk 0 and the order is the descending fold
 ``x[n-1] + ... + x[0]``; e.g. ``n=4, N=1024``: ``L=256``, chunks 0..3 start at
-ranks 3, 0, 1, 2. ``AVG`` (which gloo lacks) is the SUM divided by ``n``
-(``postdiv``), which is what `simdist.world.torch_comm.TorchComm` does on gloo.
+ranks 3, 0, 1, 2.
+
+Every op follows this walk. At each hop the receiving rank combines its own
+value ``local`` with the partial ``acc`` it received, as gloo's element-wise
+functions do:
+
+* ``SUM``/``PRODUCT``: ``local + acc`` / ``local * acc``, rounded to the dtype
+  (bf16/fp16 through float). NaN bits: fp32/fp64 keep ``local``'s NaN, else
+  ``acc``'s, quieted (x86: the first operand's), else the default NaN
+  ``0xFFC00000`` (``inf - inf``, ``0 * inf``); bf16 results are always
+  ``0x7FC0`` (c10's float -> bf16 rounding); fp16 keep that NaN's sign with
+  payload ``0x7E00``. Integers wrap (two's complement); bool SUM is OR,
+  PRODUCT is AND.
+* ``MAX``/``MIN``: ``std::max(local, acc)``: ``acc`` if ``acc > local`` (``<``
+  for MIN), else ``local``. A comparison with NaN is false, so NaN wins only
+  when it is on the receiving side, and of ``+0``/``-0`` the later rank's
+  zero stays: the result depends on where a NaN or zero sits on the walk.
+  Bits are copied unchanged.
+* ``AVG``: torch's gloo backend runs ``SUM``, then ``tensor.div_(n)`` in the
+  tensor dtype; on integer and bool tensors that division raises
+  ``RuntimeError`` (after the collective), and `Gloo.reduce` raises it too.
+  ``PREMUL_SUM`` and ``BAND``/``BOR``/``BXOR`` on floats raise ``RuntimeError``
+  in torch (the simdist backend refuses them the same way).
+* one rank: the input is left as it is (a signalling NaN stays signalling).
+
+What the collectives around the walk do (torch 2.13):
+
+* ``reduce`` to any root leaves the all-reduce's bits on the root
+  (`Gloo.reduce_to`); gloo also writes partial sums into the other ranks'
+  tensors, which is not modelled.
+* list ``reduce_scatter`` is one all-reduce per list entry, entry ``i`` kept by
+  rank ``i`` (`Gloo.reduce_scatter_list`).
+* the group's ranks are sorted by torch (``new_group([3, 0, 1])`` is group
+  order 0, 1, 3).
+* gloo reads ``numel`` elements from a tensor's data pointer: a dense
+  permuted tensor (``x.t()``) is reduced in memory order (`memory_rows`); a
+  view with gaps (``x[:, ::2]``) makes gloo reduce memory outside the view,
+  which `Gloo` refuses with ``ValueError`` naming that hazard.
 
 Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
 `simdist.world.launch.spawn_gloo`):
@@ -52,6 +88,14 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
   fp32 and bf16: all-reduce and reduce_scatter_tensor equal to this model bit
   for bit (``tests/test_gloo_model.py`` repeats this for 2, 3 and 4 ranks).
   fp16 (``k`` in ``[-8, 8]``) and fp64 matched too, for n = 3, 4, 5, 8.
+* corner cases (`simdist.reduce.gloo_probe`, ``experiments/gloo_corners.py``,
+  ``tests/test_gloo_corners.py``): NaN payloads (quiet and signalling, both
+  signs), signed zeros and infinities at every rank position in fp32, bf16,
+  fp16 and fp64 for SUM/PRODUCT/MAX/MIN/AVG on groups of 1 to 4 ranks (and of
+  5 and 8, slow), integer and bool tensors with every op, reduce to every
+  root, list and tensor reduce_scatter, permuted and strided layouts, plus
+  Hypothesis-drawn cases: all bitwise equal, the same error type, or (strided
+  views) refused.
 * inputs for such checks must be built without ``exp2``/``pow``: their
   vectorised and scalar paths differ in the last bit, so a tensor computed with
   another thread count is not the same tensor (an early "mismatch" was that).
@@ -125,8 +169,12 @@ def _zeros(n: int, width: int, like: torch.Tensor) -> torch.Tensor:
 # -- how gloo reads the ranks' tensors ------------------------------------------------
 
 
-def memory_rows(tensors: Tensors) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """``[n, N]``: each rank's elements in the order gloo reads them, and the map of a flat result back.
+Rows = torch.Tensor | list[torch.Tensor]
+"""The ranks' flat elements in gloo's reading order: an ``[n, N]`` tensor, or ``n`` 1-d tensors (no copy)."""
+
+
+def memory_rows(tensors: Tensors) -> tuple[Rows, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each rank's elements in the order gloo reads them, and the map of a flat result back.
 
     torch's gloo backend hands gloo ``numel`` elements from the tensor's data
     pointer, whatever its strides. For a dense tensor (contiguous, or a
@@ -147,9 +195,9 @@ def memory_rows(tensors: Tensors) -> tuple[torch.Tensor, Callable[[torch.Tensor]
     per_rank = list(tensors)
     if all(t.is_contiguous() for t in per_rank):
         shape = per_rank[0].shape
-        return torch.stack(per_rank).reshape(len(per_rank), -1), lambda out: out.view(shape)
+        return [t.view(-1) for t in per_rank], lambda out: out.view(shape)
     for t in per_rank:
-        if not t.is_non_overlapping_and_dense():
+        if not _dense(t):
             raise ValueError(
                 f"gloo reduces a tensor's numel ({t.numel()}) elements from its data pointer in memory order; "
                 f"this view (shape {tuple(t.shape)}, strides {t.stride()}) has gaps or overlaps, so real gloo "
@@ -170,7 +218,18 @@ def memory_rows(tensors: Tensors) -> tuple[torch.Tensor, Callable[[torch.Tensor]
         result.as_strided((like.numel(),), (1,), 0).copy_(out)
         return result
 
-    return torch.stack([t.as_strided((t.numel(),), (1,)) for t in per_rank]), back
+    return [t.as_strided((t.numel(),), (1,)) for t in per_rank], back
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive memory slots (a permutation of a contiguous tensor)."""
+    dims = sorted((stride, size) for stride, size in zip(t.stride(), t.shape, strict=True) if size > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 # -- one hop of the ring: gloo's element-wise functions ----------------------------------------
@@ -215,12 +274,9 @@ def _arith_walk(hops: Sequence[torch.Tensor], multiply: bool) -> torch.Tensor:
     where its result is NaN; those columns are walked again hop by hop.
     """
     acc = fold(hops, multiply)
-    if not acc.is_floating_point():
+    if not _may_hold_nan(acc):
         return acc
-    nan = acc.isnan()
-    if not bool(nan.any()):
-        return acc
-    cols = nan.nonzero().squeeze(1)
+    cols = acc.isnan().nonzero().squeeze(1)
     int_t = _INT_VIEW[acc.dtype]
     walk = hops[0][cols]
     for hop in hops[1:]:
@@ -229,6 +285,15 @@ def _arith_walk(hops: Sequence[torch.Tensor], multiply: bool) -> torch.Tensor:
         walk = torch.where(value.isnan(), _nan_bits(local, walk).view(acc.dtype), value)
     acc.view(int_t)[cols] = walk.view(int_t)
     return acc
+
+
+def _may_hold_nan(t: torch.Tensor) -> bool:
+    """False only if ``t`` holds no NaN (a float sum is ~20x cheaper than ``isnan().any()``; inf - inf may
+    give a false alarm, never a miss)."""
+    if not t.is_floating_point():
+        return False
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return bool(t.sum(dtype=wide).isnan())
 
 
 def _compare_walk(hops: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
@@ -288,11 +353,11 @@ class Gloo(ReductionModel):
         if len(tensors) == 0:
             raise ValueError("a reduction needs the tensors of at least one rank")
         rows, back = memory_rows(tensors)
-        n = rows.shape[0]
+        n = len(rows)
         if op is ReduceOp.AVG:
-            if rows.is_floating_point():
+            if rows[0].is_floating_point():
                 return back(self._ring(rows, ReduceOp.SUM)).div_(n)
-            torch.empty(0, dtype=rows.dtype).div_(n)  # raises torch's own error, as gloo's div_ does
+            torch.empty(0, dtype=rows[0].dtype).div_(n)  # raises torch's own error, as gloo's div_ does
             raise AssertionError("unreachable: an integer division in place did not raise")
         return back(self._ring(rows, op))
 
@@ -315,20 +380,26 @@ class Gloo(ReductionModel):
             raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
         return [self.reduce([lst[i] for lst in lists], op) for i in range(n)]
 
-    def _ring(self, rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        """The flat result of the ring walk of ``op`` over ``rows`` (``[n, N]``, gloo's reading order)."""
-        n, numel = rows.shape
+    def _ring(self, rows: Rows, op: ReduceOp) -> torch.Tensor:
+        """The flat result of the ring walk of ``op`` over ``rows`` (see `memory_rows`)."""
+        n, numel, first = len(rows), rows[0].numel(), rows[0]
         if n == 1 or numel == 0:
-            return rows[0].clone()
-        length, chunks, index = _plan(n, numel, rows.element_size(), self.max_segment_bytes, rows.device)
+            return first.clone()
+        arith = op in (ReduceOp.SUM, ReduceOp.PRODUCT)
+        if arith and n == 2:  # one operation: the order only picks which NaN comes out
+            out = fold(rows, multiply=op is ReduceOp.PRODUCT)
+            if not _may_hold_nan(out):
+                return out
+        length, chunks, index = _plan(n, numel, first.element_size(), self.max_segment_bytes, first.device)
         padded = chunks * length
         if index is None:  # a single chunk: x[n-1], x[n-2], ..., x[0]
-            hops = rows.unbind(0)[::-1]
+            hops = list(rows)[::-1]
         else:
+            stacked = rows if isinstance(rows, torch.Tensor) else torch.stack(rows)
             if padded != numel:
-                rows = torch.cat([rows, _zeros(n, padded - numel, rows)], dim=1)
-            hops = rows.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)
-        if op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+                stacked = torch.cat([stacked, _zeros(n, padded - numel, stacked)], dim=1)
+            hops = stacked.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)
+        if arith:
             out = _arith_walk(hops, multiply=op is ReduceOp.PRODUCT)
         elif op in (ReduceOp.MAX, ReduceOp.MIN):
             out = _compare_walk(hops, op)

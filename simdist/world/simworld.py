@@ -60,6 +60,8 @@ class SimComm:
             return self._world
         if self._rank not in group.ranks:
             raise ValueError(f"rank {self._rank} called a collective on {group}, which it is not a member of")
+        if list(group.ranks) != sorted(group.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
+            group = Group(group.kind, tuple(sorted(group.ranks)))
         return group
 
     def _model(self, group: Group) -> ReductionModel:

@@ -9,9 +9,10 @@ them. Nothing is stored in module globals.
 
 Backend differences handled here:
 
-* gloo has no ``AVG``: it is ``SUM`` then an in-place division by the group
-  size, the same ``postdiv`` rounding as the simulated models. On NCCL
-  ``dist.ReduceOp.AVG`` is passed through.
+* ``AVG`` off NCCL is ``SUM`` then an in-place division by the group size,
+  which is what torch 2.13's gloo backend does for ``dist.ReduceOp.AVG`` too
+  (`simdist.reduce.gloo`), the ``postdiv`` rounding of the simulated models.
+  On NCCL ``dist.ReduceOp.AVG`` is passed through.
   The same holds for ``reduce_scatter_tensor`` (which gloo implements as an
   all-reduce of a copy of the input, keeping this rank's block; see
   `simdist.reduce.gloo`).

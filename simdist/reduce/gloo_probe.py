@@ -1,0 +1,370 @@
+"""Corner cases that pin the `Gloo` model to real gloo, and a rank program that runs them anywhere.
+
+A `Case` is plain data: a collective (``all_reduce``, ``reduce``, list
+``reduce_scatter`` or ``reduce_scatter_tensor``), a group as given to
+``dist.new_group`` (possibly unsorted), a ``dist.ReduceOp`` name, a tensor
+layout, and every global rank's input. `run_cases` is an ordinary
+``torch.distributed`` rank program: run it on real gloo processes
+(`simdist.world.launch.spawn_procs`) and on the simdist backend
+(`simdist.spawn`, thread ranks) and compare the per-rank `Outcome` lists with
+`compare`; `model_outcomes` gives the same lists straight from the `Gloo`
+model, without any backend. ``experiments/gloo_corners.py`` prints the table;
+``tests/test_gloo_corners.py`` asserts it.
+
+Outcomes hold raw bits (`bits`), so NaN payloads and signed zeros compare
+exactly. A case that the model refuses (a strided view: gloo would reduce
+memory outside it) is expected to raise ``ValueError`` under simdist.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from simdist.reduce.base import ReduceOp
+from simdist.reduce.gloo import Gloo
+
+KINDS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+LAYOUTS = ("contiguous", "transposed", "strided")
+_BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One collective call on every member of ``group``.
+
+    ``inputs[r]`` is global rank ``r``'s input: a tensor for ``all_reduce`` and
+    ``reduce``; ``[n, *shape]`` (its list) for ``reduce_scatter``; a 1-d tensor
+    for ``reduce_scatter_tensor``. ``layout``: ``transposed`` hands the
+    collective ``x.t()`` of a contiguous ``x`` holding ``inputs[r].t()`` (a dense
+    permuted tensor; 2-d inputs); ``strided`` hands it ``base[:, ::2]`` of a
+    ``[a, 2b]`` base whose odd columns hold ``-inputs[r]`` (a view with gaps).
+    ``root`` is the global destination rank of ``reduce``.
+    """
+
+    name: str
+    kind: str
+    op: str
+    inputs: torch.Tensor
+    group: tuple[int, ...] | None = None
+    root: int | None = None
+    layout: str = "contiguous"
+    tags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout != "contiguous" and (self.kind != "all_reduce" or self.inputs.dim() != 3):
+            raise ValueError("layouts other than contiguous are probed with all_reduce on 2-d inputs")
+
+    def members(self, world_size: int) -> list[int]:
+        """The group's global ranks in group-rank order (torch sorts them)."""
+        return sorted(self.group) if self.group is not None else list(range(world_size))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank saw: ``tensor`` (its output; for ``strided`` the whole base) or an error's type and text."""
+
+    tensor: torch.Tensor | None = None
+    error: str | None = None
+    message: str = ""
+
+    def describe(self) -> str:
+        if self.error is not None:
+            return f"{self.error}: {self.message[:60]}"
+        return f"{self.tensor.dtype} {tuple(self.tensor.shape)}"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits as integers (bool and integer tensors as they are)."""
+    t = t.detach().contiguous()
+    if not t.is_floating_point():
+        return t
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _torch_op(name: str):
+    import torch.distributed as dist
+
+    if name.startswith("PREMUL_SUM"):
+        return dist._make_nccl_premul_sum(float(name.partition(":")[2] or 0.5))
+    return getattr(dist.ReduceOp, name)
+
+
+def _layout_input(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the tensor the collective gets, the tensor whose bits are the outcome)``."""
+    if layout == "transposed":
+        t = x.t().contiguous().t()
+        return t, t
+    if layout == "strided":
+        base = torch.stack([x, -x], dim=2).reshape(x.shape[0], 2 * x.shape[1])
+        return base[:, ::2], base
+    x = x.clone()
+    return x, x
+
+
+def run_cases(rank: int, cases: Sequence[Case]) -> list[Outcome | None]:
+    """Rank program (plain ``torch.distributed``, default group initialised): every case, in order.
+
+    Returns one `Outcome` per case (``None`` where this rank is not a member).
+    Every member of a group is created on every rank in the same order, as
+    ``new_group`` requires. An error is recorded and the next case runs; the
+    backends raise these errors on every member, so no rank is left waiting.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    groups = {}
+    for case in cases:
+        if case.group is not None and case.group not in groups:
+            groups[case.group] = dist.new_group(list(case.group))
+    out: list[Outcome | None] = []
+    for case in cases:
+        if rank not in case.members(world):
+            out.append(None)
+            continue
+        pg = groups.get(case.group)
+        op = _torch_op(case.op)
+        x = case.inputs[rank]
+        try:
+            if case.kind == "all_reduce":
+                t, seen = _layout_input(x, case.layout)
+                dist.all_reduce(t, op, group=pg)
+            elif case.kind == "reduce":
+                seen = x.clone()
+                dist.reduce(seen, dst=case.root, op=op, group=pg)
+                if rank != case.root:  # gloo leaves partial sums there, which the model does not claim
+                    seen = torch.empty(0, dtype=x.dtype)
+            elif case.kind == "reduce_scatter":
+                seen = torch.empty_like(x[0])
+                dist.reduce_scatter(seen, [t.clone() for t in x], op=op, group=pg)
+            else:
+                n = len(case.members(world))
+                seen = torch.empty(x.numel() // n, dtype=x.dtype)
+                dist.reduce_scatter_tensor(seen, x.clone(), op=op, group=pg)
+            out.append(Outcome(seen))
+        except Exception as exc:
+            out.append(Outcome(error=type(exc).__name__, message=str(exc).splitlines()[0]))
+    return out
+
+
+def model_outcomes(cases: Sequence[Case], world_size: int, model: Gloo | None = None) -> list[list[Outcome | None]]:
+    """Per global rank, what the `Gloo` model says each case leaves there (same shape as `run_cases` results)."""
+    model = model or Gloo()
+    per_rank: list[list[Outcome | None]] = [[] for _ in range(world_size)]
+    for case in cases:
+        members = case.members(world_size)
+        got = _model_case(model, case, members)
+        for r in range(world_size):
+            per_rank[r].append(got.get(r) if r in members else None)
+    return per_rank
+
+
+def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcome]:
+    if case.op.startswith("PREMUL_SUM"):
+        return dict.fromkeys(members, Outcome(error="RuntimeError", message="Cannot use ReduceOp.PREMUL_SUM with Gloo"))
+    if case.op in _BITWISE:
+        if case.inputs.is_floating_point():
+            error = f"Cannot use ReduceOp.{case.op} with non-integral dtype"
+            return dict.fromkeys(members, Outcome(error="RuntimeError", message=error))
+        return dict.fromkeys(members, Outcome(functools.reduce(_BITWISE[case.op], [case.inputs[r] for r in members])))
+    op = ReduceOp[case.op]
+    try:
+        if case.kind == "all_reduce":
+            seen = [_layout_input(case.inputs[r], case.layout) for r in members]
+            result = model.reduce([t for t, _ in seen], op)
+            return {r: Outcome(result) for r in members}
+        if case.kind == "reduce":
+            i = members.index(case.root)
+            result = model.reduce_to([case.inputs[r] for r in members], op, i)
+            empty = Outcome(torch.empty(0, dtype=case.inputs.dtype))
+            return {r: Outcome(result) if r == case.root else empty for r in members}
+        if case.kind == "reduce_scatter":
+            blocks = model.reduce_scatter_list([list(case.inputs[r]) for r in members], op)
+        else:
+            blocks = model.reduce_scatter([case.inputs[r] for r in members], op)
+        return {r: Outcome(blocks[i]) for i, r in enumerate(members)}
+    except (ValueError, RuntimeError) as exc:
+        return dict.fromkeys(members, Outcome(error=type(exc).__name__, message=str(exc).splitlines()[0]))
+
+
+def agree(real: Outcome | None, modelled: Outcome | None) -> bool:
+    """Same bits and shape, or the same error type (``None`` only matches ``None``)."""
+    if real is None or modelled is None:
+        return real is modelled
+    if real.error is not None or modelled.error is not None:
+        return real.error == modelled.error
+    a, b = real.tensor, modelled.tensor
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One case of the comparison table: the verdict and what each side saw on the first rank that differs."""
+
+    case: Case
+    verdict: str  # "bitwise equal", "same error", "refused", "DIFFERENT"
+    real: str
+    modelled: str
+
+
+def compare(cases: Sequence[Case], real: Sequence[Sequence[Outcome | None]], modelled) -> list[Row]:
+    """Case by case: does every rank's modelled outcome agree with the real one?
+
+    A case that real gloo runs but the model refuses with ``ValueError`` (a
+    strided view) is ``refused``; it is ``DIFFERENT`` only if nothing else holds.
+    """
+    rows = []
+    for i, case in enumerate(cases):
+        pairs = [(r[i], m[i]) for r, m in zip(real, modelled, strict=True) if r[i] is not None or m[i] is not None]
+        bad = [(r, m) for r, m in pairs if not agree(r, m)]
+        first_r, first_m = (bad or pairs)[0]
+        if not bad:
+            verdict = "same error" if first_r.error else "bitwise equal"
+        elif all(r.error is None and m is not None and m.error == "ValueError" for r, m in bad):
+            verdict = "refused"
+        else:
+            verdict = "DIFFERENT"
+        rows.append(Row(case, verdict, first_r.describe() if first_r else "-", first_m.describe() if first_m else "-"))
+    return rows
+
+
+# -- the corner cases ------------------------------------------------------------------
+
+_ONE = {torch.float64: 0x3FF0000000000000, torch.float32: 0x3F800000, torch.bfloat16: 0x3F80, torch.float16: 0x3C00}
+_SIGN = {torch.float64: 1 << 63, torch.float32: 1 << 31, torch.bfloat16: 1 << 15, torch.float16: 1 << 15}
+_INF = {torch.float64: 0x7FF0000000000000, torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_NANS = {  # quiet and signalling NaNs of both signs with payloads (unsigned bit patterns)
+    torch.float64: (0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000000000001, 0xFFF9000000000ABC, 0x7FF0000000000001),
+    torch.float32: (0x7FC00000, 0xFFC00000, 0x7FC00001, 0xFFC12345, 0x7F800001, 0xFF800002),
+    torch.bfloat16: (0x7FC0, 0xFFC0, 0x7FC1, 0xFFD5, 0x7F81, 0xFF82),
+    torch.float16: (0x7E00, 0xFE00, 0x7E01, 0xFE55, 0x7C01, 0xFC02),
+}
+
+
+def from_bits(columns: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+    """``[n, E]`` tensor of ``dtype`` from ``E`` columns of ``n`` unsigned bit patterns."""
+    width = 8 * torch.empty(0, dtype=dtype).element_size()
+    signed = [[v - (1 << width) if v >= 1 << (width - 1) else v for v in col] for col in columns]
+    int_t = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    return torch.tensor(signed, dtype=torch.int64).t().contiguous().to(int_t).view(dtype)
+
+
+def special_columns(n: int, dtype: torch.dtype) -> list[list[int]]:
+    """Element columns over ``n`` ranks: one NaN at each position, pairs of different NaNs in both orders,
+    all NaN, a lone ``+0`` among ``-0`` (and the reverse), ``+inf`` and ``-inf`` at each pair of positions."""
+    one, sign, inf, nans = _ONE[dtype], _SIGN[dtype], _INF[dtype], _NANS[dtype]
+    cols = []
+    for nan in nans:
+        cols += [[nan if r == p else one for r in range(n)] for p in range(n)]
+    for a, b in itertools.combinations(nans[:4], 2):
+        cols += [
+            [a if r == p else b if r == q else one for r in range(n)] for p, q in itertools.permutations(range(n), 2)
+        ]
+    cols.append([nans[r % len(nans)] for r in range(n)])
+    for p in range(n):
+        cols.append([0 if r == p else sign for r in range(n)])
+        cols.append([sign if r == p else 0 for r in range(n)])
+    cols += [
+        [inf if r == p else inf | sign if r == q else one for r in range(n)]
+        for p, q in itertools.permutations(range(n), 2)
+    ]
+    return cols
+
+
+def spread(per_member: torch.Tensor, members: Sequence[int], world_size: int) -> torch.Tensor:
+    """``[world_size, ...]`` inputs with ``per_member[i]`` on global rank ``members[i]`` (zeros elsewhere)."""
+    out = torch.zeros((world_size, *per_member.shape[1:]), dtype=per_member.dtype)
+    out[list(members)] = per_member
+    return out
+
+
+def corner_cases(world_size: int = 4) -> list[Case]:
+    """The fixed corner set for ``world_size`` (>= 4) ranks: special values, every op and dtype, 1- to
+    ``world_size``-rank groups given unsorted, reduce to every root, list and tensor reduce_scatter, layouts."""
+    if world_size < 4:
+        raise ValueError(f"the corner set needs at least 4 ranks, got {world_size}")
+    w = world_size
+    groups = [None, (1, 2), (3, 0, 1), (2,)]  # the world, 2 ranks, 3 ranks given unsorted, 1 rank
+    cases: list[Case] = []
+    floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    for group in groups:
+        members = sorted(group) if group else list(range(w))
+        n = len(members)
+        for dtype in floats:
+            x = spread(from_bits(special_columns(n, dtype), dtype), members, w)
+            for op in ("SUM", "PRODUCT", "MAX", "MIN", "AVG"):
+                cases.append(
+                    Case(f"specials n={n} {_short(dtype)} {op}", "all_reduce", op, x, group, tags=("specials",))
+                )
+    ints = torch.tensor(
+        [[100, 7, -3, 64, 127, -128], [100, 9, 5, 64, 1, -1], [100, 11, 7, 64, 1, 1], [100, 13, 9, 64, 0, 2]]
+    )
+    ints = torch.cat([ints, ints.flip(0)] * (w // 4 + 1))[:w]
+    for dtype in (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool):
+        for op in ("SUM", "PRODUCT", "MAX", "MIN", "AVG", "BAND", "BXOR", "PREMUL_SUM:0.5"):
+            cases.append(Case(f"integers {_short(dtype)} {op}", "all_reduce", op, ints.to(dtype), tags=("integers",)))
+    for dtype in floats[:3]:
+        x = torch.arange(w * 6, dtype=torch.float32).reshape(w, 6).to(dtype)
+        for op in ("BOR", "PREMUL_SUM:0.5"):
+            cases.append(Case(f"refused {_short(dtype)} {op}", "all_reduce", op, x, tags=("refused",)))
+    gen = torch.Generator().manual_seed(12)
+    for group in groups[:3]:
+        members = sorted(group) if group else list(range(w))
+        n = len(members)
+        for dtype in (torch.float32, torch.bfloat16):
+            for numel in (1, 3, 64, 1000):
+                x = spread(order_fingerprint(n, numel, dtype), members, w)
+                for root in members:
+                    cases.append(
+                        Case(f"reduce n={n} to {root} {numel} {_short(dtype)}", "reduce", "SUM", x, group, root)
+                    )
+            for block in (1, 5, 333):
+                x = spread(order_fingerprint(n, n * block, dtype).reshape(n, n, block), members, w)
+                cases.append(
+                    Case(f"reduce_scatter list n={n} {block} {_short(dtype)}", "reduce_scatter", "SUM", x, group)
+                )
+                x = spread(_wide_normal(gen, (n, n * block), dtype), members, w)
+                for op in ("SUM", "MAX", "AVG"):
+                    cases.append(Case(f"reduce_scatter_tensor n={n} {block} {_short(dtype)} {op}",
+                                      "reduce_scatter_tensor", op, x, group))  # fmt: skip
+    for shape in ((3, 5), (64, 48), (7, 130)):
+        x = _wide_normal(gen, (w, *shape), torch.float32)
+        for layout in ("transposed", "strided"):
+            cases.append(Case(f"{layout} {shape}", "all_reduce", "SUM", x, layout=layout, tags=("layout",)))
+    return cases
+
+
+def order_fingerprint(n: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, numel]``: at each element 1.0 on one rank and half an ulp of 1.0 on two others (every triple in turn).
+
+    The sum is ``1 + ulp`` exactly when the two small values meet before the 1.0, so the result shows the order.
+    """
+    if n < 3:
+        return torch.ones(n, numel, dtype=dtype) * torch.tensor([1.0, 2.0**-9], dtype=dtype)[:n, None]
+    triples = [(b, p, q) for b in range(n) for p, q in itertools.combinations([r for r in range(n) if r != b], 2)]
+    small = 2.0 ** (-8 if dtype == torch.bfloat16 else -24)
+    pick = torch.tensor(triples)[torch.arange(numel) % len(triples)]
+    x = torch.zeros(n, numel, dtype=torch.float64)
+    cols = torch.arange(numel)
+    x[pick[:, 0], cols] = 1.0
+    x[pick[:, 1], cols] = small
+    x[pick[:, 2], cols] = small
+    return x.to(dtype)
+
+
+def _wide_normal(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Normal values times exact powers of two ``2**k``, ``k`` in [-20, 20] (no ``exp2``: its bits vary by path)."""
+    k = torch.randint(-20, 21, shape, generator=gen, dtype=torch.int32)
+    return (torch.randn(shape, generator=gen) * ((k + 127) << 23).view(torch.float32)).to(dtype)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
