@@ -60,36 +60,37 @@ class Reference:
     """The oracle's tensor ``[S, R, N]`` prepared once per step for `divergence`."""
 
     def __init__(self, expected: torch.Tensor) -> None:
-        self.e64 = expected.to(torch.float32).double().flatten(1)
-        self.ordered = _ordered(expected).flatten(1)
-        self.norm = torch.linalg.vector_norm(self.e64, dim=1)
+        self.e64 = expected.to(torch.float32).double().flatten(-2)
+        self.ordered = _ordered(expected).flatten(-2)
+        self.norm = torch.linalg.vector_norm(self.e64, dim=-1)
         self.nan = torch.isnan(self.e64)
 
 
 def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
-    """Per seed ``[S, 4]``: normwise relative error, geometric-mean ulps of the differing elements, max ulps,
-    fraction differing.
+    """Per seed ``[..., S, 4]``: normwise relative error, geometric-mean ulps of the differing elements, max
+    ulps, fraction differing.
 
     Ulps are FP32 ulps; the geometric mean is over the elements that differ
     (0 when every element is equal), so a policy that perturbs one parameter
     family shows the typical error of that family's elements, and the few
     elements near zero (many ulps for a tiny absolute error) do not dominate it.
 
-    ``actual`` is cast to FP32 (exact for FP32 and BF16 state). The metrics
-    reduce over ranks and elements within a seed only, never across seeds. An
+    ``actual`` is ``[S, R, N]``, or ``[P, S, R, N]`` for ``P`` policies at once (one call instead of ``P``: the
+    tensors are small, so the per-call cost dominates); it is cast to FP32 (exact for FP32 and BF16 state).
+    The metrics reduce over ranks and elements within a seed only, never across seeds or policies. An
     element where exactly one side is NaN counts as ``inf`` ulps.
     """
-    a64 = actual.to(torch.float32).double().flatten(1)
-    err = torch.linalg.vector_norm(a64 - reference.e64, dim=1)
+    a64 = actual.to(torch.float32).double().flatten(-2)
+    err = torch.linalg.vector_norm(a64 - reference.e64, dim=-1)
     rel = torch.where(reference.norm > 0, err / reference.norm, torch.where(err > 0, math.inf, 0.0))
-    ulps = (_ordered(actual).flatten(1) - reference.ordered).abs_()
+    ulps = (_ordered(actual).flatten(-2) - reference.ordered).abs_()
     if not bool(torch.isfinite(err).all()):
         ulps = torch.where(torch.isnan(a64) ^ reference.nan, math.inf, torch.where(torch.isnan(a64), 0.0, ulps))
     differs = ulps != 0
-    count = differs.sum(dim=1)
-    logs = torch.where(differs, ulps, 1.0).log2_().sum(dim=1)
+    count = differs.sum(dim=-1)
+    logs = torch.where(differs, ulps, 1.0).log2_().sum(dim=-1)
     gmean = torch.where(count > 0, torch.exp2(logs / count.clamp(min=1)), 0.0)
-    return torch.stack([rel, gmean, ulps.amax(dim=1), count.double() / ulps.shape[1]], dim=1)
+    return torch.stack([rel, gmean, ulps.amax(dim=-1), count.double() / ulps.shape[-1]], dim=-1)
 
 
 def write_metrics(path: Path, config: GrowthConfig, metrics: np.ndarray) -> None:

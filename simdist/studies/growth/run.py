@@ -179,10 +179,11 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
             for run in runs:
                 run.run_step(stream.draw)
             oracle = runs[0].path
-            refs = [Reference(t) for t in (oracle.master, oracle.m, oracle.v)]
-            for j, run in enumerate(runs[1:]):
-                state = (run.path.master, run.path.m, run.path.v)
-                metrics[step, j] = torch.cat([divergence(t, ref) for t, ref in zip(state, refs, strict=True)], dim=1)
+            per_kind = []
+            for kind in ("master", "m", "v"):  # every policy at once: [P, S, R, N] against the oracle's [S, R, N]
+                state = torch.stack([getattr(run.path, kind) for run in runs[1:]])
+                per_kind.append(divergence(state, Reference(getattr(oracle, kind))))
+            metrics[step] = torch.cat(per_kind, dim=-1).numpy()
             if bar is not None:
                 bar.update(1)
             done = step + 1
