@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install 'simdist[megatron]'")
 
 from simdist.cases.megatron_grad_reduce import Config, judge, policy_for, run_real
+from simdist.numerics.floats import unit_roundoff
 
 pytestmark = pytest.mark.gloo
 
@@ -69,8 +70,9 @@ def test_tp2dp2_bitwise_in_megatrons_boundary_order():
     # BF16 buffer: summing over TP before DP (the policy) rounds differently from Megatron's DP-then-TP
     bf16 = results[False].tp_reduced_vs_policy
     assert bf16.tensors_differing > 0 and 0 < bf16.max_error_over_terms < 2 * verdict.bf16_unit_roundoff
-    # FP32 buffer: on these gradients (a few binades) both orders are exact, so they agree
-    assert results[True].tp_reduced_vs_policy.tensors_differing == 0
+    # FP32 buffer too: over 25 binades the four-term FP32 sums round, in a different order
+    fp32 = results[True].tp_reduced_vs_policy
+    assert fp32.tensors_differing > 0 and 0 < fp32.max_error_over_terms < 2 * unit_roundoff(torch.float32)
     _mutated(TP2DP2, real, True, {"correct_at": "micro_step"})
     _mutated(TP2DP2, real, False, {"accumulate": torch.float32})
 
@@ -83,9 +85,10 @@ def test_dp4_boundary_is_the_flat_bucket_reduction():
     results = {r.grad_reduce_in_fp32: r for r in verdict.results}
     for r in results.values():
         assert r.boundary_vs_flat_bucket.bitwise_equal and r.boundary_vs_flat_bucket.compared == 4 * 5
-    # BF16: reducing each parameter alone (the policy) sums in another order than the flat bucket
-    assert results[False].boundary_vs_policy.tensors_differing > 0
-    assert results[False].boundary_vs_policy.max_error_over_terms < 3 * verdict.bf16_unit_roundoff
+    # reducing each parameter alone (the policy) sums in another order than the flat bucket
+    for fp32, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        figures = results[fp32].boundary_vs_policy
+        assert figures.tensors_differing > 0 and figures.max_error_over_terms < 3 * unit_roundoff(dtype)
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ what Megatron computes.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -66,16 +67,36 @@ TP_MARK = {
 }
 
 
+class SpreadGradients(SyntheticGradients):
+    """simdist's synthetic BF16 gradients (same owners: identical on TP peers for ``dense``) over ``2 * spread + 1``
+    binades, so that FP32 sums of a few of them round and their order shows (the synthetic stream spans 7)."""
+
+    def __init__(self, spec: ParallelSpec, seed: int = 0, spread: int = 12) -> None:
+        super().__init__(spec, seed)
+        self.spread = spread
+
+    def __call__(self, step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
+        key = repr(("spread", self.spread, self.seed, step, micro, param.name, self.owner(rank, param)))
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        exponent = torch.randint(-self.spread, self.spread + 1, param.shape, generator=g).to(torch.float32)
+        return (torch.randn(param.shape, generator=g) * self.scale * torch.pow(2.0, exponent)).to(torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class Config:
     gas: int = 2
     seed: int = 0
+    spread: int = 12
+    """Binades either side of the gradients' scale (`SpreadGradients`)."""
     layouts: tuple[str, ...] = ("dp2", "tp2dp2", "dp4")
     fp32_reduce: tuple[bool, ...] = (True, False)
 
     def spec(self, layout: str) -> ParallelSpec:
         world, tp = LAYOUTS[layout]
         return ParallelSpec(world, tp=tp, ep=1)
+
+    def gradients(self, layout: str) -> SpreadGradients:
+        return SpreadGradients(self.spec(layout), self.seed, self.spread)
 
 
 @dataclass
@@ -125,7 +146,7 @@ def megatron_rank(comm, config: Config, layout: str) -> dict[bool, RealRun]:
         "tp": dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()),
         "dp": dist.get_process_group_ranks(parallel_state.get_data_parallel_group()),
     }
-    grads_of = SyntheticGradients(spec, seed=config.seed)
+    grads_of = config.gradients(layout)
     initial = InitialWeights(spec, config.seed)
     out = {}
     for fp32 in config.fp32_reduce:
@@ -188,7 +209,7 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
         train_rank,
         list(PARAMS),
         _zeros,
-        SyntheticGradients(spec, seed=config.seed),
+        config.gradients(layout),
         policy,
         path,
         frozenset({"hp", "dp_reduced"}),
@@ -271,7 +292,7 @@ def _only(traces: list[Trace], names: set[str], stages: set[str]) -> list[Trace]
 def sum_of_terms(config: Config, layout: str, traces: list[Trace]) -> dict:
     """``(rank, boundary key) -> sum |terms|``: |local gradients| over micro-steps, DP peers / dp, TP peers."""
     spec = config.spec(layout)
-    grads_of = SyntheticGradients(spec, seed=config.seed)
+    grads_of = config.gradients(layout)
     by_name = {p.name: p for p in PARAMS}
     out = {}
     for trace in traces:
