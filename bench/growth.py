@@ -40,23 +40,32 @@ def main() -> None:
         one = timed(GrowthConfig(POLICIES, args.ratio_steps, 1, checkpoint_every=500), f"{scratch}/1", False)
         many = timed(GrowthConfig(POLICIES, args.ratio_steps, args.seeds, checkpoint_every=500), f"{scratch}/n", False)
         wide = {
-            name: timed(GrowthConfig(POLICIES, args.ratio_steps, args.seeds, spec=spec, checkpoint_every=500),
-                        f"{scratch}/{name.replace('/', '-')}", False)
+            name: timed(
+                GrowthConfig(POLICIES, args.ratio_steps, args.seeds, spec=spec, checkpoint_every=500),
+                f"{scratch}/{name.replace('/', '-')}",
+                False,
+            )
             for name, spec in (("TP2/DP4", ParallelSpec(8, tp=2, ep=2)), ("TP4/DP2", ParallelSpec(8, tp=4, ep=2)))
         }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"batching: {args.ratio_steps} steps, 1 seed {one:.2f} s, {args.seeds} seeds {many:.2f} s "
-          f"-> {many / one:.2f}x one seed (target <= 3x)")
+    print(
+        f"batching: {args.ratio_steps} steps, 1 seed {one:.2f} s, {args.seeds} seeds {many:.2f} s "
+        f"-> {many / one:.2f}x one seed (target <= 3x)"
+    )
     for name, seconds in wide.items():
-        print(f"world 8 ({name}): {args.ratio_steps} steps x {args.seeds} seeds {seconds:.2f} s "
-              f"-> {seconds / many:.2f}x world 4 (target <= 2.5x)")
+        print(
+            f"world 8 ({name}): {args.ratio_steps} steps x {args.seeds} seeds {seconds:.2f} s "
+            f"-> {seconds / many:.2f}x world 4 (target <= 2.5x)"
+        )
 
     config = GrowthConfig(POLICIES, args.steps, args.seeds, checkpoint_every=500)
     total = timed(config, args.out, True)
-    print(f"growth: {args.steps} steps x {args.seeds} seeds x {len(POLICIES)} policies + FP32 oracle, "
-          f"TP2/EP2 on 4 ranks: {total:.1f} s total, {args.steps / total:.0f} steps/s "
-          f"(target <= 62 s; includes metrics, checkpoints every 500 steps, CSV and plot)")
+    print(
+        f"growth: {args.steps} steps x {args.seeds} seeds x {len(POLICIES)} policies + FP32 oracle, "
+        f"TP2/EP2 on 4 ranks: {total:.1f} s total, {args.steps / total:.0f} steps/s "
+        f"(target <= 62 s; includes metrics, checkpoints every 500 steps, CSV and plot)"
+    )
     print(f"wrote {args.out}/{FILES['metrics']}, {args.out}/{FILES['plot']}")
 
 

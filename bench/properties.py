@@ -74,12 +74,18 @@ def main() -> None:
     rate = n / result["total"]
     draw = result["total"] - result["body"]
     verdict = "met" if rate >= TARGET else f"{TARGET / rate:.1f}x short"
-    print(f"property (a), {args.layout}, ci settings: {n} examples in {result['total']:.2f} s = {rate:.0f} examples/s "
-          f"(target {TARGET:.0f}/s: {verdict}; goal {GOAL:.0f}/s) [load average {os.getloadavg()[0]:.1f}]")
-    print(f"  drawing (Hypothesis + decoding the gradient bytes): {100 * draw / result['total']:.0f}%, "
-          f"{1000 * draw / n:.2f} ms/example")
-    print(f"  running (fp32_staging and oracle, rank-batched): {100 * result['body'] / result['total']:.0f}%, "
-          f"{1000 * result['body'] / n:.2f} ms/example")
+    print(
+        f"property (a), {args.layout}, ci settings: {n} examples in {result['total']:.2f} s = {rate:.0f} examples/s "
+        f"(target {TARGET:.0f}/s: {verdict}; goal {GOAL:.0f}/s) [load average {os.getloadavg()[0]:.1f}]"
+    )
+    print(
+        f"  drawing (Hypothesis + decoding the gradient bytes): {100 * draw / result['total']:.0f}%, "
+        f"{1000 * draw / n:.2f} ms/example"
+    )
+    print(
+        f"  running (fp32_staging and oracle, rank-batched): {100 * result['body'] / result['total']:.0f}%, "
+        f"{1000 * result['body'] / n:.2f} ms/example"
+    )
 
     if args.profile:
         profile = cProfile.Profile()

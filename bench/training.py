@@ -133,8 +133,10 @@ def main() -> None:
     total = time.perf_counter() - start
     gloo_s = min(max(rank[i] for rank in laps) for i in range(repeats))
 
-    print(f"bench/training.py: folded MoE block, {SPEC.describe()}, {ns.policy}, {steps} steps x GAS {ns.gas}, "
-          f"best of {repeats}; {os.cpu_count()} CPUs")
+    print(
+        f"bench/training.py: folded MoE block, {SPEC.describe()}, {ns.policy}, {steps} steps x GAS {ns.gas}, "
+        f"best of {repeats}; {os.cpu_count()} CPUs"
+    )
     print(f"{'world':<10} {'steps/s':>9} {'ms/step':>9}")
     for name, seconds in (("floor", floor_s), ("SimWorld", sim_s), ("4 gloo", gloo_s)):
         print(f"{name:<10} {steps / seconds:>9.1f} {1000 * seconds / steps:>9.2f}")

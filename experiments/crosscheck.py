@@ -27,8 +27,12 @@ from simdist.world.spec import EP_LAYOUTS, ParallelSpec
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="experiments/crosscheck.py", description=__doc__.splitlines()[0])
-    p.add_argument("--world", choices=("sim", "gloo", "torch"), default="sim",
-                   help="sim: SimWorld; gloo: spawn 4 local gloo processes; torch: this process is a torchrun rank")
+    p.add_argument(
+        "--world",
+        choices=("sim", "gloo", "torch"),
+        default="sim",
+        help="sim: SimWorld; gloo: spawn 4 local gloo processes; torch: this process is a torchrun rank",
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="torchrun backend (default: gloo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--reduction", default="gloo", choices=MODEL_NAMES, help="SimWorld reduction model")
@@ -56,10 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     world_size = int(os.environ.get("WORLD_SIZE", ns.world_size)) if ns.world == "torch" else ns.world_size
     check = CrossCheck(
-        spec=ParallelSpec(world_size, tp=ns.tp, ep=ns.ep, ep_layout=ns.ep_layout), steps=ns.steps, gas=ns.gas,
+        spec=ParallelSpec(world_size, tp=ns.tp, ep=ns.ep, ep_layout=ns.ep_layout),
+        steps=ns.steps,
+        gas=ns.gas,
         seed=ns.seed,
-        policies=tuple(n.strip() for n in ns.policies.split(",") if n.strip()), marker=ns.marker,
-        update_path=ns.update_path, device=ns.device, model=MoEConfig(tokens=ns.tokens),
+        policies=tuple(n.strip() for n in ns.policies.split(",") if n.strip()),
+        marker=ns.marker,
+        update_path=ns.update_path,
+        device=ns.device,
+        model=MoEConfig(tokens=ns.tokens),
     )
     spec = check.spec
     if ns.world == "sim":
@@ -83,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     for path in written:
-        print(f"wrote {os.path.dirname(path)}/rank*.safetensors ({spec.describe()}, {check.steps} steps x GAS "
-              f"{check.gas})")
+        print(
+            f"wrote {os.path.dirname(path)}/rank*.safetensors ({spec.describe()}, {check.steps} steps x GAS "
+            f"{check.gas})"
+        )
     return 0
 
 

@@ -360,8 +360,11 @@ def _batch_plan(spec: ParallelSpec, shapes: tuple[tuple[int, ...], ...]):
     """Per element: its parameter; per rank: its position in its TP group and the group's first rank."""
     import math
 
-    param_of = torch.cat([torch.full((math.prod(s),), i, dtype=torch.long) for i, s in enumerate(shapes)]) \
-        if shapes else torch.zeros(0, dtype=torch.long)
+    param_of = (
+        torch.cat([torch.full((math.prod(s),), i, dtype=torch.long) for i, s in enumerate(shapes)])
+        if shapes
+        else torch.zeros(0, dtype=torch.long)
+    )
     position = torch.empty(spec.world_size, dtype=torch.long)
     first = torch.empty(spec.world_size, dtype=torch.long)
     for group in spec.groups("tp"):
@@ -428,11 +431,17 @@ def _gradient_batches(draw, spec, params, steps, gas, modes, layouts) -> Gradien
     size = 2 * cells * ranks * numel
     raw = draw(st.integers(0, (1 << (8 * size)) - 1)).to_bytes(size, "big") if size else b""
     choice = draw(st.binary(min_size=2 * cells * count, max_size=2 * cells * count)) if cells * count else b""
-    words = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int32) if raw else \
-        torch.zeros(0, dtype=torch.int32)
+    words = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int32)
+        if raw
+        else torch.zeros(0, dtype=torch.int32)
+    )
     bits = (words[0::2] << 8 | words[1::2]).reshape(cells, ranks, numel)
-    picks = torch.frombuffer(bytearray(choice), dtype=torch.uint8).to(torch.long).reshape(2, cells, count) \
-        if choice else torch.zeros(2, cells, count, dtype=torch.long)
+    picks = (
+        torch.frombuffer(bytearray(choice), dtype=torch.uint8).to(torch.long).reshape(2, cells, count)
+        if choice
+        else torch.zeros(2, cells, count, dtype=torch.long)
+    )
     mode_table = torch.tensor([VALUE_MODES.index(m) for m in modes])
     layout_table = torch.tensor([PEER_LAYOUTS.index(name) for name in layouts])
     # per element: its (step, micro) cell's mode and peer layout for its parameter (the same on every rank)

@@ -55,15 +55,27 @@ def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", m
     marker = "per_micro_step" if name == "oracle" else "deepspeed"
     model = make_model(model_name)
     stream = BatchedGradients(spec, DEFAULT_PARAMS, list(SEEDS))
-    configs = [PathConfig(steps=steps, gas=gas, seed=s, marker=marker, update_path=update_path, max_norm=max_norm)
-               for s in SEEDS]
-    batched = BatchedPath(spec, DEFAULT_PARAMS, policy, configs[0], [InitialWeights(spec, s) for s in SEEDS], SEEDS,
-                          default_model=model, keep=None, norm=True)
+    configs = [
+        PathConfig(steps=steps, gas=gas, seed=s, marker=marker, update_path=update_path, max_norm=max_norm)
+        for s in SEEDS
+    ]
+    batched = BatchedPath(
+        spec,
+        DEFAULT_PARAMS,
+        policy,
+        configs[0],
+        [InitialWeights(spec, s) for s in SEEDS],
+        SEEDS,
+        default_model=model,
+        keep=None,
+        norm=True,
+    )
     trace = batched.run(stream.draw)
     compared = 0
     for item, seed in enumerate(SEEDS):
         threads = SimWorld(spec, default_model=model).run(
-            train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), stream.local(item), policy, configs[item])
+            train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), stream.local(item), policy, configs[item]
+        )
         for rank, (expected, got) in enumerate(zip(threads, trace.rank_traces(item), strict=True)):
             assert expected.values.keys() == got.values.keys(), (name, seed, rank)
             for key, value in expected.values.items():
@@ -78,8 +90,7 @@ def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", m
 # Every policy once, cycling through layouts and models so that each layout and each model meets several
 # policies; update path, clipping and GAS vary too.
 REPRESENTATIVE = [
-    (name, layout, MODEL_NAMES[i % len(MODEL_NAMES)], "hooks" if i % 3 == 2 else "epilogue",
-     0.01 if i % 2 else 0.0)
+    (name, layout, MODEL_NAMES[i % len(MODEL_NAMES)], "hooks" if i % 3 == 2 else "epilogue", 0.01 if i % 2 else 0.0)
     for i, (name, layout) in enumerate(zip(POLICIES, itertools.cycle(LAYOUTS), strict=False))
 ]
 
@@ -132,7 +143,11 @@ class _Reversed(Sequential):
 
 
 BATCHED_MODELS = [make_model(n) for n in MODEL_NAMES] + [
-    Ring(chunk_size=3, shift=2), Ring(chunk_size=1, ring=(2, 0, 1, 3)), Gloo(max_segment_bytes=16), _Reversed()]
+    Ring(chunk_size=3, shift=2),
+    Ring(chunk_size=1, ring=(2, 0, 1, 3)),
+    Gloo(max_segment_bytes=16),
+    _Reversed(),
+]
 
 
 @pytest.mark.parametrize("model", BATCHED_MODELS, ids=repr)
@@ -143,17 +158,26 @@ def test_batched_sum_is_each_reduction_in_turn(model, dtype):
     sizes = (4,) if isinstance(model, Ring) and model.ring is not None else (1, 2, 3, 4, 5, 8)
     for k in sizes:
         for shape in [(1,), (3,), (4, 16), (7, 5), (0,), (16, 32)]:
-            x = torch.randn(k, 6, *shape, generator=gen) * torch.exp2(torch.randint(-20, 20, (k, 6, *shape),
-                                                                                 generator=gen).float())
+            x = torch.randn(k, 6, *shape, generator=gen) * torch.exp2(
+                torch.randint(-20, 20, (k, 6, *shape), generator=gen).float()
+            )
             x = x.to(dtype)
             expected = torch.stack([model.reduce(x[:, i]) for i in range(6)])
             assert same_bits(batched_sum(model, x), expected), (k, shape)
 
 
-@pytest.mark.parametrize("spec", [
-    ParallelSpec(8, tp=2, ep=2, pp=2), ParallelSpec(8, tp=2, ep=2, etp=2), ParallelSpec(8, tp=2, ep=4),
-    ParallelSpec(8, tp=2, ep=2, ep_layout="tp_lane_major"), ParallelSpec(6, tp=3, ep=2), ParallelSpec(8, tp=8, ep=1),
-], ids=lambda s: s.describe())
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ParallelSpec(8, tp=2, ep=2, pp=2),
+        ParallelSpec(8, tp=2, ep=2, etp=2),
+        ParallelSpec(8, tp=2, ep=4),
+        ParallelSpec(8, tp=2, ep=2, ep_layout="tp_lane_major"),
+        ParallelSpec(6, tp=3, ep=2),
+        ParallelSpec(8, tp=8, ep=1),
+    ],
+    ids=lambda s: s.describe(),
+)
 @pytest.mark.parametrize("model", [make_model("gloo"), make_model("ring"), make_model("tree")], ids=repr)
 def test_batched_all_reduce_is_the_simworld_all_reduce_for_every_group_kind(spec, model):
     """Blocks, strided and irregular group tables (PP, ETP, TP-lane-major EP, odd sizes): per rank, the bits of
@@ -162,7 +186,8 @@ def test_batched_all_reduce_is_the_simworld_all_reduce_for_every_group_kind(spec
 
     gen = torch.Generator().manual_seed(spec.world_size)
     x = torch.randn(2, spec.world_size, 5, 7, generator=gen) * torch.exp2(
-        torch.randint(-30, 30, (2, spec.world_size, 5, 7), generator=gen).float())
+        torch.randint(-30, 30, (2, spec.world_size, 5, 7), generator=gen).float()
+    )
     ops = BatchedOps(spec, [0, 1], default_model=model)
     for kind in ("tp", "dp", "edp", "ep"):
         got = ops.all_reduce(x, kind)

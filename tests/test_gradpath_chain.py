@@ -20,15 +20,18 @@ def test_a_dp_reduction_every_micro_step_is_printed_where_it_runs():
     """FSDP2 reduces over DP every micro-step with FSDP's pre/post divide factors, before ``+=hp``."""
     tail = " -> +=hp | boundary: fp32 -> adamw(fp32)"
     assert get_policy("fsdp2_reduce_dtype").chain(ROUTER, 2) == (
-        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> /pre -> all_reduce[dp] -> /post" + tail)
+        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> /pre -> all_reduce[dp] -> /post" + tail
+    )
     assert get_policy("fsdp2_reduce_dtype").chain(ROUTER, 2, dp=8) == (
-        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> /4 -> all_reduce[dp] -> /2" + tail)
+        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> /4 -> all_reduce[dp] -> /2" + tail
+    )
 
 
 def test_experts_reduce_over_edp_and_megatron_corrects_at_the_boundary():
     assert "all_reduce[edp]" in get_policy("fp32_staging").chain(Family.EXPERT, 2)
     assert get_policy("megatron_grad_reduce_fp32").chain(ROUTER, 2, dp=4) == (
-        "bf16 -> fp32 -> +=hp | boundary: fp32 -> all_reduce[tp] -> /2 -> *1/4 -> all_reduce[dp] -> adamw(fp32)")
+        "bf16 -> fp32 -> +=hp | boundary: fp32 -> all_reduce[tp] -> /2 -> *1/4 -> all_reduce[dp] -> adamw(fp32)"
+    )
 
 
 @pytest.mark.parametrize("family", list(Family))
@@ -42,9 +45,24 @@ def test_policies_with_different_settings_print_different_chains(family):
     for same in chains.values():
         for other in same[1:]:
             first = same[0]
-            settings = [f for f in ("staging", "writeback", "rounding", "accumulate", "correct_at", "dp_reduce",
-                                    "dp_scale", "dp_at", "master", "moments", "grad_dtype", "tp_model")
-                        if getattr(first, f) != getattr(other, f)]
+            settings = [
+                f
+                for f in (
+                    "staging",
+                    "writeback",
+                    "rounding",
+                    "accumulate",
+                    "correct_at",
+                    "dp_reduce",
+                    "dp_scale",
+                    "dp_at",
+                    "master",
+                    "moments",
+                    "grad_dtype",
+                    "tp_model",
+                )
+                if getattr(first, f) != getattr(other, f)
+            ]
             # expert_in_grad_dtype only shows for experts; the two must still agree on every printed stage
             assert not settings, (first.name, other.name, settings)
 

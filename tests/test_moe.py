@@ -39,7 +39,8 @@ def sharded_errors(spec, policy, steps=2, gas=1, seed=3, marker="per_micro_step"
     source = MoEGradients(spec, seed=seed, gas=gas)
     config = PathConfig(steps=steps, gas=gas, seed=seed, marker=marker)
     traces = SimWorld(spec, default_model=Gloo()).run(
-        train_rank, source.params, source.initial, source, policy, config, frozenset({"dp_reduced", "param"}))
+        train_rank, source.params, source.initial, source, policy, config, frozenset({"dp_reduced", "param"})
+    )
     return gradient_errors(traces, spec, source.cfg, seed, gas, source.initial)
 
 
@@ -83,8 +84,14 @@ def test_router_and_upstream_dense_gradients_differ_between_tp_peers():
     """The restore backward partitions the MoE gradient: AVERAGE is not a no-op upstream of the MoE."""
     source = MoEGradients(SPEC, seed=1)
     traces = SimWorld(SPEC, default_model=Gloo()).run(
-        train_rank, source.params, source.initial, source, get_policy("fp32_staging"), PathConfig(steps=1),
-        frozenset({"local"}))
+        train_rank,
+        source.params,
+        source.initial,
+        source,
+        get_policy("fp32_staging"),
+        PathConfig(steps=1),
+        frozenset({"local"}),
+    )
     local = {(t.rank, k[2]): v for t in traces for k, v in t.values.items()}
     for name in ("router.weight", "ln1.weight", "mlp.w1", "ln2.bias"):
         assert not bitwise_equal(local[(0, name)], local[(1, name)]), name
@@ -101,7 +108,8 @@ def test_hooks_and_epilogue_give_the_same_bits_when_every_micro_step_is_correcte
     def run(path, marker):
         config = PathConfig(steps=2, gas=2, update_path=path, marker=marker)
         return SimWorld(SPEC, default_model=Gloo()).run(
-            train_rank, source.params, source.initial, source, get_policy("bf16_writeback"), config)
+            train_rank, source.params, source.initial, source, get_policy("bf16_writeback"), config
+        )
 
     source = MoEGradients(SPEC, seed=2, gas=2)
     reference = run("epilogue", "per_micro_step")
@@ -149,4 +157,3 @@ def test_training_loop_records_loss_norm_and_divergence_per_step():
     assert writeback[0].grad_norm != writeback[0].oracle_grad_norm  # the BF16 writeback changed the hp grads
     assert all(r.loss > 0 and r.grad_norm > 0 for r in writeback)
     assert "every tensor bitwise equal" in format_records(staging)
-

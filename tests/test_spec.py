@@ -49,7 +49,11 @@ def test_every_rank_is_in_exactly_one_group_of_each_kind(spec):
         assert len({len(g) for g in spec.groups(kind)}) == 1, kind
     assert spec.tp * spec.dp == spec.ep * spec.etp * spec.edp == spec.stage_size
     assert (spec.size("tp"), spec.size("dp"), spec.size("ep"), spec.size("edp")) == (
-        spec.tp, spec.dp, spec.ep, spec.edp)
+        spec.tp,
+        spec.dp,
+        spec.ep,
+        spec.edp,
+    )
 
 
 @given(parallel_specs(max_world_size=16))
@@ -65,8 +69,11 @@ def test_tp_and_dp_groups_cross_in_exactly_one_rank(spec):
     ("kwargs", "message"),
     [
         (dict(world_size=4, tp=3, ep=2), r"tp=3 must divide the stage size .* valid tp values: \[1, 2, 4\]"),
-        (dict(world_size=4, tp=2, ep=3), r"ep\*etp=3\*1=3 must divide the stage size .* valid ep\*etp values: "
-                                         r"\[1, 2, 4\]"),
+        (
+            dict(world_size=4, tp=2, ep=3),
+            r"ep\*etp=3\*1=3 must divide the stage size .* valid ep\*etp values: "
+            r"\[1, 2, 4\]",
+        ),
         (dict(world_size=6, tp=2, ep=2, pp=4), r"pp=4 must divide world_size=6; valid pp values: \[1, 2, 3, 6\]"),
         (dict(world_size=4, tp=0, ep=2), r"tp must be a positive integer, got 0"),
         (dict(world_size=4, tp=2, ep=2, ep_layout="diagonal"), r"ep_layout='diagonal' is unknown; valid: "),

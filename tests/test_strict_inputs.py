@@ -42,8 +42,10 @@ def good(step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: PathConfig(marker="per-micro-step"),
-         "unknown marker 'per-micro-step'; valid: 'deepspeed', 'per_micro_step'"),
+        (
+            lambda: PathConfig(marker="per-micro-step"),
+            "unknown marker 'per-micro-step'; valid: 'deepspeed', 'per_micro_step'",
+        ),
         (lambda: PathConfig(update_path="immediate"), "unknown update_path 'immediate'; valid: 'epilogue', 'hooks'"),
         (lambda: ReproConfig(marker="per-micro-step"), "unknown marker 'per-micro-step'"),
         (lambda: ReproConfig(update_path="immediate"), "unknown update path 'immediate'"),
@@ -70,8 +72,11 @@ def test_a_gradient_of_the_wrong_dtype_names_parameter_expected_and_got():
     def fp32(step, micro, rank, param):
         return good(step, micro, rank, param).float()
 
-    with pytest.raises(ValueError, match=r"gradient of 'router': expected dtype bfloat16 and shape \[3\], "
-                                         r"got dtype float32 and shape \[3\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"gradient of 'router': expected dtype bfloat16 and shape \[3\], "
+        r"got dtype float32 and shape \[3\]",
+    ):
         run(fp32)
 
 

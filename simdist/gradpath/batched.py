@@ -77,8 +77,9 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
 
 
 @functools.lru_cache(maxsize=256)
-def _gloo_index(k: int, numel: int, element_size: int, max_segment_bytes: int,
-                device: torch.device) -> torch.Tensor | None:
+def _gloo_index(
+    k: int, numel: int, element_size: int, max_segment_bytes: int, device: torch.device
+) -> torch.Tensor | None:
     """``index[j, e]``: the member that hop ``j`` of gloo's fold adds at element ``e`` (None: one chunk)."""
     from simdist.reduce.gloo import _plan
 
@@ -239,17 +240,27 @@ class BatchedTrace:
         return traces
 
 
-def initial_buffer(spec: ParallelSpec, params: Sequence[ParamSpec],
-                   initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+def initial_buffer(
+    spec: ParallelSpec,
+    params: Sequence[ParamSpec],
+    initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]],
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The flat ``[batch, rank, N]`` initial parameter buffer: ``initial[b](rank, param)`` for every item, rank,
     parameter (in parameter order), in ``dtype``."""
-    return torch.stack([
-        torch.stack([
-            torch.cat([init(rank, p).to(dtype).reshape(-1) for p in params]) if params else torch.zeros(0, dtype=dtype)
-            for rank in range(spec.world_size)
-        ])
-        for init in initial
-    ])
+    return torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.cat([init(rank, p).to(dtype).reshape(-1) for p in params])
+                    if params
+                    else torch.zeros(0, dtype=dtype)
+                    for rank in range(spec.world_size)
+                ]
+            )
+            for init in initial
+        ]
+    )
 
 
 BatchedGrads = Callable[[int, int], Mapping[str, torch.Tensor]]
@@ -290,8 +301,9 @@ class BatchedPath:
             lp = initial.to(policy.grad_dtype, copy=True)
         else:
             lp = initial_buffer(spec, params, initial, policy.grad_dtype)
-        self.path = GradPath(self.ops, params, policy, config, lp, spec.tp, spec.dp, self.trace.capture,
-                             self.trace.scalar, norm=norm)
+        self.path = GradPath(
+            self.ops, params, policy, config, lp, spec.tp, spec.dp, self.trace.capture, self.trace.scalar, norm=norm
+        )
         self.step = 0
 
     def run_step(self, grads: BatchedGrads) -> None:
@@ -323,5 +335,3 @@ class BatchedPath:
         """``{param: copy [batch, rank, *shape]}`` of ``master``, ``adam_m``, ``adam_v`` or ``lp``."""
         attr = {"master": "master", "adam_m": "m", "adam_v": "v", "lp": "lp"}[which]
         return {name: value.clone() for name, value in self.path.params(attr).items()}
-
-

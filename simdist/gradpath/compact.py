@@ -74,11 +74,23 @@ def run_batched(
     if isinstance(grads, GradientBatch):
         batch = grads.batch
     else:
+
         def batch(step: int, micro: int) -> dict[str, torch.Tensor]:
-            return {p.name: torch.stack([grads(step, micro, r, p) for r in range(spec.world_size)]).unsqueeze(0)
-                    for p in params}
-    path = BatchedPath(spec, params, policy, config, _initial_buffer(spec, params),
-                       default_model=model or Sequential(), keep=keep, norm=norm)
+            return {
+                p.name: torch.stack([grads(step, micro, r, p) for r in range(spec.world_size)]).unsqueeze(0)
+                for p in params
+            }
+
+    path = BatchedPath(
+        spec,
+        params,
+        policy,
+        config,
+        _initial_buffer(spec, params),
+        default_model=model or Sequential(),
+        keep=keep,
+        norm=norm,
+    )
     return path.run(batch)
 
 

@@ -191,8 +191,10 @@ class GradPath:
         """``_update_hp_grad`` for one parameter's local gradient (strict: dtype, shape, once per micro-step)."""
         slot = self.by_name.get(name)
         if slot is None:
-            raise ValueError(f"a gradient was delivered for {name!r}, which is not a parameter of this run; "
-                             f"parameters: {', '.join(self.by_name)}")
+            raise ValueError(
+                f"a gradient was delivered for {name!r}, which is not a parameter of this run; "
+                f"parameters: {', '.join(self.by_name)}"
+            )
         if slot.spec.frozen:
             raise ValueError(f"a gradient was delivered for {name!r}, which is declared frozen")
         if slot.delivered:
@@ -347,8 +349,14 @@ class GradPath:
             for slot in slots:
                 master, lp = self.view(self.master, slot), self.view(self.lp, slot)
                 hp = self.view(self.hp, slot)
-                adamw_step(master, hp.to(master.dtype), self.view(self.m, slot), self.view(self.v, slot), step + 1,
-                           self.config.adam)
+                adamw_step(
+                    master,
+                    hp.to(master.dtype),
+                    self.view(self.m, slot),
+                    self.view(self.v, slot),
+                    step + 1,
+                    self.config.adam,
+                )
                 lp.copy_(master)
         for slot in slots:
             name = slot.spec.name

@@ -65,8 +65,18 @@ from simdist.reduce import ReduceOp, ReductionModel
 from simdist.world.groups import Comm
 
 __all__ = [
-    "AdamW", "CommOps", "GradPath", "GradientSource", "LocalGrads", "Marker", "PathConfig", "UpdatePath",
-    "adamw_step", "predivide_factor", "stochastic_generator", "train_rank",
+    "AdamW",
+    "CommOps",
+    "GradPath",
+    "GradientSource",
+    "LocalGrads",
+    "Marker",
+    "PathConfig",
+    "UpdatePath",
+    "adamw_step",
+    "predivide_factor",
+    "stochastic_generator",
+    "train_rank",
 ]
 
 
@@ -184,8 +194,11 @@ def train_rank(
     ops = CommOps(comm, config.seed)
     rank = ops.rank
     trace = Trace(rank, keep)
-    lp = torch.cat([initial(rank, p).to(policy.grad_dtype).reshape(-1) for p in params]) if params else \
-        torch.zeros(0, dtype=policy.grad_dtype)
+    lp = (
+        torch.cat([initial(rank, p).to(policy.grad_dtype).reshape(-1) for p in params])
+        if params
+        else torch.zeros(0, dtype=policy.grad_dtype)
+    )
     tp = comm.get_world_size(ops.groups["tp"])
     dp = comm.get_world_size(ops.groups["dp"])
 
@@ -209,4 +222,3 @@ def train_rank(
             path.end_micro(step, micro)
         path.boundary(step)
     return trace
-

@@ -210,8 +210,11 @@ class Policy:
         """
         micro = [dtype_name(self.grad_dtype)] + [s.label for s in self.micro_step_stages(family, tp, dp)]
         boundary = [dtype_name(self.accumulate)] + [s.label for s in self.boundary_stages(family, tp, dp)]
-        boundary.append(f"adamw({dtype_name(self.master)})" if self.moments == self.master
-                        else f"adamw({dtype_name(self.master)}, moments {dtype_name(self.moments)})")
+        boundary.append(
+            f"adamw({dtype_name(self.master)})"
+            if self.moments == self.master
+            else f"adamw({dtype_name(self.master)}, moments {dtype_name(self.moments)})"
+        )
         return " -> ".join(micro) + " | boundary: " + " -> ".join(boundary)
 
 

@@ -54,8 +54,14 @@ class Capture(enum.StrEnum):
         return self.order >= _ORDER[Capture.BOUNDARY_CORRECTED]
 
 
-_LABELS = {"local": "local grad", "corrected": "corrected grad", "hp": "hp grad", "dp_reduced": "dp-reduced grad",
-           "master": "fp32 master", "param": "bf16 param"}
+_LABELS = {
+    "local": "local grad",
+    "corrected": "corrected grad",
+    "hp": "hp grad",
+    "dp_reduced": "dp-reduced grad",
+    "master": "fp32 master",
+    "param": "bf16 param",
+}
 _ORDER = {member: index for index, member in enumerate(Capture)}
 
 MICRO_STAGES: tuple[Capture, ...] = tuple(c for c in Capture if not c.at_boundary)

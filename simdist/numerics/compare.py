@@ -74,8 +74,10 @@ class Difference:
         if self.bitwise_equal:
             return "bitwise equal"
         terms = "" if self.max_term_relative is None else f", err/sum|terms| {self.max_term_relative:.2e}"
-        return (f"max {self.max_ulp} ulp, {100 * self.fraction_differing:.1f}% differ, "
-                f"normwise rel {self.norm_relative:.2e}{terms}")
+        return (
+            f"max {self.max_ulp} ulp, {100 * self.fraction_differing:.1f}% differ, "
+            f"normwise rel {self.norm_relative:.2e}{terms}"
+        )
 
 
 def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | None = None) -> Difference:

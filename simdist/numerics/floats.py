@@ -29,7 +29,7 @@ class FloatFormat:
     @property
     def unit_roundoff(self) -> float:
         """``u = 2**-p``: the largest relative error of one round-to-nearest."""
-        return 2.0 ** -self.precision
+        return 2.0**-self.precision
 
 
 def float_format(dtype: torch.dtype) -> FloatFormat:
@@ -70,8 +70,9 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     exactly one side is NaN is ``-1``; where both are NaN it is 0.
     """
     if a.dtype != b.dtype or a.shape != b.shape:
-        raise ValueError(f"ulp_distance needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and "
-                         f"{b.dtype}{tuple(b.shape)}")
+        raise ValueError(
+            f"ulp_distance needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
+        )
     a, b = a.detach().cpu(), b.detach().cpu()
     dist = (_ordered(a) - _ordered(b)).abs()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
@@ -101,4 +102,3 @@ def round_exact(value: Fraction | int | float, dtype: torch.dtype) -> float:
     if result >= Fraction(2) ** (fmt.emax + 1):
         return sign * math.inf
     return sign * float(result)
-

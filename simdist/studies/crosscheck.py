@@ -51,17 +51,26 @@ def train_and_dump(comm, check: CrossCheck, out: str, where: dict) -> list[str]:
     spec = comm.spec
     source = MoEGradients(spec, check.model, check.seed, check.gas, check.device)
     shapes = {p.name: list(p.shape) for p in source.params}
-    config = PathConfig(steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker,
-                        update_path=check.update_path)
+    config = PathConfig(
+        steps=check.steps, gas=check.gas, seed=check.seed, marker=check.marker, update_path=check.update_path
+    )
     written = []
     device = contextlib.nullcontext() if check.device == "cpu" else torch.device(check.device)
     for name in check.policies:
         with device:
             trace = train_rank(comm, source.params, source.initial, source, get_policy(name), config, DUMP_STAGES)
         metadata = {
-            "spec": asdict(spec), "policy": name, "steps": check.steps, "gas": check.gas, "seed": check.seed,
-            "marker": check.marker, "update_path": check.update_path, "model": asdict(check.model),
-            "shapes": shapes, "device": check.device, **where,
+            "spec": asdict(spec),
+            "policy": name,
+            "steps": check.steps,
+            "gas": check.gas,
+            "seed": check.seed,
+            "marker": check.marker,
+            "update_path": check.update_path,
+            "model": asdict(check.model),
+            "shapes": shapes,
+            "device": check.device,
+            **where,
         }
         written.append(str(write_rank_dump(Path(out) / name, trace, metadata)))
     return written

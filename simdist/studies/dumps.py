@@ -56,8 +56,10 @@ def write_rank_dump(directory: str | Path, trace: Trace, metadata: dict) -> Path
     """Write one rank's captures and ``metadata`` (JSON-able) to ``directory/rank{r}.safetensors``."""
     path = rank_file(directory, trace.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {key(param, stage, step, micro): value.detach().cpu().contiguous()
-               for (step, micro, param, stage), value in trace.values.items()}
+    tensors = {
+        key(param, stage, step, micro): value.detach().cpu().contiguous()
+        for (step, micro, param, stage), value in trace.values.items()
+    }
     meta = {"format": FORMAT, "rank": trace.rank, **metadata}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"simdist": json.dumps(meta)})
@@ -149,25 +151,35 @@ def compare_dumps(dir_a: str | Path, dir_b: str | Path, tolerance_ulp: int = 0) 
         for name in sorted(a, key=lambda n: _order(parse_key(n))):
             param, stage, step, micro = parse_key(name)
             if a[name].dtype != b[name].dtype or a[name].shape != b[name].shape:
-                raise NotSameRun(f"the dumps do not describe the same run: {name} on rank {rank} is "
-                                 f"{a[name].dtype}{tuple(a[name].shape)} vs {b[name].dtype}{tuple(b[name].shape)}")
+                raise NotSameRun(
+                    f"the dumps do not describe the same run: {name} on rank {rank} is "
+                    f"{a[name].dtype}{tuple(a[name].shape)} vs {b[name].dtype}{tuple(b[name].shape)}"
+                )
             groups.setdefault((param, stage), []).append(((step, micro, rank), difference(a[name], b[name])))
-    result = DumpComparison(tolerance_ulp=tolerance_ulp, where=(str(metas_a[0].get("world")),
-                                                                str(metas_b[0].get("world"))))
+    result = DumpComparison(
+        tolerance_ulp=tolerance_ulp, where=(str(metas_a[0].get("world")), str(metas_b[0].get("world")))
+    )
     order = {n: i for i, n in enumerate(metas_a[0].get("shapes", {}))}
-    for (param, stage), diffs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0],
-                                                                         Capture(kv[0][1]).order)):
+    for (param, stage), diffs in sorted(
+        groups.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0], Capture(kv[0][1]).order)
+    ):
         differing = [(w, d) for w, d in diffs if not d.bitwise_equal]
         numel = sum(d.numel for _, d in diffs)
         first = ""
         if differing:
             (step, micro, rank), _ = min(differing, key=lambda wd: (wd[0][0], _micro(wd[0][1]), wd[0][2]))
             first = f"rank {rank}, step {step}, " + ("boundary" if micro == BOUNDARY else f"micro-step {micro}")
-        result.rows.append(TensorRow(
-            param, stage, len(diffs), len(diffs) - len(differing),
-            max((d.max_ulp for _, d in diffs), default=0),
-            sum(d.fraction_differing * d.numel for _, d in diffs) / numel if numel else 0.0, first,
-        ))
+        result.rows.append(
+            TensorRow(
+                param,
+                stage,
+                len(diffs),
+                len(diffs) - len(differing),
+                max((d.max_ulp for _, d in diffs), default=0),
+                sum(d.fraction_differing * d.numel for _, d in diffs) / numel if numel else 0.0,
+                first,
+            )
+        )
     return result
 
 
@@ -189,13 +201,17 @@ def format_comparison(cmp: DumpComparison) -> str:
             text = f"bitwise equal ({r.tensors} tensors)"
         else:
             mark = "" if r.max_ulp <= cmp.tolerance_ulp else "  BEYOND TOLERANCE"
-            text = (f"{r.tensors - r.bitwise}/{r.tensors} tensors differ: max {r.max_ulp} ulp, "
-                    f"{100 * r.fraction_differing:.1f}% of elements; first at {r.first}{mark}")
+            text = (
+                f"{r.tensors - r.bitwise}/{r.tensors} tensors differ: max {r.max_ulp} ulp, "
+                f"{100 * r.fraction_differing:.1f}% of elements; first at {r.first}{mark}"
+            )
         out.append(f"{r.param:<16} {label:<16} {text}")
     bad = cmp.beyond_tolerance
     equal = sum(r.bitwise for r in cmp.rows)
-    verdict = (f"{equal}/{cmp.tensors} tensors bitwise equal ({cmp.where[0]} vs {cmp.where[1]}); "
-               + ("all within " if not bad else f"{len(bad)} (parameter, stage) rows beyond ")
-               + (f"{cmp.tolerance_ulp} ulp" if cmp.tolerance_ulp else "bitwise tolerance"))
+    verdict = (
+        f"{equal}/{cmp.tensors} tensors bitwise equal ({cmp.where[0]} vs {cmp.where[1]}); "
+        + ("all within " if not bad else f"{len(bad)} (parameter, stage) rows beyond ")
+        + (f"{cmp.tolerance_ulp} ulp" if cmp.tolerance_ulp else "bitwise tolerance")
+    )
     out.append(verdict)
     return "\n".join(out)

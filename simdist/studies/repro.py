@@ -32,7 +32,12 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 COMPARED: tuple[Capture, ...] = (
-    Capture.LOCAL, Capture.CORRECTED, Capture.HP, Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V,
+    Capture.LOCAL,
+    Capture.CORRECTED,
+    Capture.HP,
+    Capture.MASTER,
+    Capture.ADAM_M,
+    Capture.ADAM_V,
 )
 """The captures the report compares with the oracle, in path order (a `Row`'s ``kind`` is the capture's label)."""
 
@@ -65,8 +70,13 @@ class ReproConfig:
     engine: Engine = Engine.TRANSCRIBED
 
     def __post_init__(self) -> None:
-        for name, kind in (("marker", Marker), ("reduction", Reduction), ("update_path", UpdatePath),
-                           ("model", GradientModel), ("engine", Engine)):
+        for name, kind in (
+            ("marker", Marker),
+            ("reduction", Reduction),
+            ("update_path", UpdatePath),
+            ("model", GradientModel),
+            ("engine", Engine),
+        ):
             object.__setattr__(self, name, coerce(kind, getattr(self, name), name.replace("_", " ")))
         object.__setattr__(self, "policies", tuple(self.policies))
 
@@ -91,8 +101,16 @@ class Row:
 
     @classmethod
     def of(cls, rank: int, param: str, kind: str, diff: Difference) -> Row:
-        return cls(rank, param, kind, diff.bitwise_equal, diff.max_ulp, diff.fraction_differing,
-                   diff.norm_relative, diff.max_term_relative)
+        return cls(
+            rank,
+            param,
+            kind,
+            diff.bitwise_equal,
+            diff.max_ulp,
+            diff.fraction_differing,
+            diff.norm_relative,
+            diff.max_term_relative,
+        )
 
 
 @dataclass(frozen=True)
@@ -197,7 +215,8 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
     if config.model == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
         params, initial, grads = workload(config.model, spec, config.seed, config.gas)
         magnitudes = SimWorld(spec, default_model=model).run(
-            train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path)
+            train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path
+        )
     families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas)[0]}
     reports = []
     real = _engine_traces(config)
@@ -218,17 +237,20 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
         )
     result = verdict(reports, families) if config.model == GradientModel.SYNTHETIC else model_verdict(reports, families)
     marker_skips = any(
-        d is not None and d.micro >= 1 and d.stage == "hp"
-        for report in reports
-        for d in (first_divergence_of(report),)
+        d is not None and d.micro >= 1 and d.stage == "hp" for report in reports for d in (first_divergence_of(report),)
     )
     marker_path = config.gas > 1 and config.marker == Marker.DEEPSPEED and config.update_path == UpdatePath.EPILOGUE
     if marker_path and not result.reproduced and marker_skips:
-        result = Verdict(False, result.line + (
-            " -- on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS >= 2, "
-            "DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the boundary) leaves "
-            "micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
-        ), marker_defect=True)
+        result = Verdict(
+            False,
+            result.line
+            + (
+                " -- on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS >= 2, "
+                "DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the boundary) leaves "
+                "micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
+            ),
+            marker_defect=True,
+        )
     return reports, result
 
 
@@ -270,12 +292,16 @@ def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict
         and all(r.bitwise_equal for r in staging.rows)
     )
     if reproduced:
-        return Verdict(True, (
-            "#8913 REPRODUCED: bf16_writeback departs from the FP32 oracle at the BF16 writeback (router "
-            + ("hp grad, FP32 master, Adam m and v" if "fp32 master" in captured else "hp grad") + " differ; "
-            "expert and dense tensors match); fp32_staging matches bitwise in all "
-            f"{len(staging.rows)} compared tensors"
-        ))
+        return Verdict(
+            True,
+            (
+                "#8913 REPRODUCED: bf16_writeback departs from the FP32 oracle at the BF16 writeback (router "
+                + ("hp grad, FP32 master, Adam m and v" if "fp32 master" in captured else "hp grad")
+                + " differ; "
+                "expert and dense tensors match); fp32_staging matches bitwise in all "
+                f"{len(staging.rows)} compared tensors"
+            ),
+        )
     return Verdict(False, "#8913 NOT reproduced as described: " + "; ".join(lines))
 
 
@@ -298,28 +324,44 @@ def model_verdict(reports: list[PolicyReport], families: dict[str, Family]) -> V
         return verdict(reports, families)
     routers = {n for n, f in families.items() if f in (Family.ROUTER_GATE_REPLICATED, Family.ROUTER_GATE_PARTIAL)}
     found = {p: d for p, d in writeback.divergences.items() if d is not None}
-    at_writeback = sorted(p for p, d in found.items()
-                          if d.stage == "hp" and "written_back" in d.after and d.step == 0 and d.micro == 0)
+    at_writeback = sorted(
+        p for p, d in found.items() if d.stage == "hp" and "written_back" in d.after and d.step == 0 and d.micro == 0
+    )
     propagated = sorted(p for p, d in found.items() if d.stage == "local" and (d.step, d.micro) > (0, 0))
     unexplained = sorted(set(found) - set(at_writeback) - set(propagated))
     staging_equal = all(r.bitwise_equal for r in staging.rows)
     n = len(staging.rows)
     if routers & set(at_writeback) and not unexplained and staging_equal:
         others = [p for p in at_writeback if p not in routers]
-        widened = (f"; on this model the writeback also rounds {', '.join(others)} ({len(others)} DENSE parameters "
-                   "upstream of the MoE, whose TP peers hold different local gradients)") if others else ""
-        rest = (f"{len(propagated)} other parameters ({', '.join(propagated)}) first differ only in later local "
-                "gradients, through the updated weights" if propagated else
-                "every local gradient and every expert and post-MoE tensor matches (the BF16 weights stayed equal)")
-        return Verdict(True, (
-            f"#8913 REPRODUCED on the MoE model: bf16_writeback first departs from the FP32 oracle at the BF16 "
-            f"writeback on step 0 for {', '.join(p for p in at_writeback if p in routers)}{widened}; {rest}; "
-            f"fp32_staging matches bitwise in all {n} compared tensors"
-        ))
+        widened = (
+            (
+                f"; on this model the writeback also rounds {', '.join(others)} ({len(others)} DENSE parameters "
+                "upstream of the MoE, whose TP peers hold different local gradients)"
+            )
+            if others
+            else ""
+        )
+        rest = (
+            f"{len(propagated)} other parameters ({', '.join(propagated)}) first differ only in later local "
+            "gradients, through the updated weights"
+            if propagated
+            else "every local gradient and every expert and post-MoE tensor matches (the BF16 weights stayed equal)"
+        )
+        return Verdict(
+            True,
+            (
+                f"#8913 REPRODUCED on the MoE model: bf16_writeback first departs from the FP32 oracle at the BF16 "
+                f"writeback on step 0 for {', '.join(p for p in at_writeback if p in routers)}{widened}; {rest}; "
+                f"fp32_staging matches bitwise in all {n} compared tensors"
+            ),
+        )
     details = [str(found[p]) for p in unexplained]
-    return Verdict(False, "#8913 NOT reproduced as described on the MoE model: "
-            + ("; ".join(details) if details else "")
-            + ("" if staging_equal else f"{'; ' if details else ''}fp32_staging differs from the oracle"))
+    return Verdict(
+        False,
+        "#8913 NOT reproduced as described on the MoE model: "
+        + ("; ".join(details) if details else "")
+        + ("" if staging_equal else f"{'; ' if details else ''}fp32_staging differs from the oracle"),
+    )
 
 
 def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict, diff_only: bool = True) -> str:
@@ -341,8 +383,10 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
             out.append(f"   {param:<24} {chain}")
         shown = [r for r in report.rows if not (diff_only and r.bitwise_equal)]
         if shown:
-            out.append(f"   {'rank':>4}  {'parameter':<24} {'tensor':<15} {'bitwise':<8} {'max ulp':>10} "
-                       f"{'err/sum|t|':>10} {'norm rel':>9} {'differ':>7}")
+            out.append(
+                f"   {'rank':>4}  {'parameter':<24} {'tensor':<15} {'bitwise':<8} {'max ulp':>10} "
+                f"{'err/sum|t|':>10} {'norm rel':>9} {'differ':>7}"
+            )
         for r in shown:
             terms = "-" if r.term_relative is None else f"{r.term_relative:.2e}"
             out.append(
@@ -374,5 +418,10 @@ def to_json(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict) 
         data = asdict(report)
         data.pop("divergences")
         policies.append(data)
-    return {"config": asdict(config), "policies": policies, "verdict": verdict.line,
-            "reproduced": verdict.reproduced, "marker_defect": verdict.marker_defect}
+    return {
+        "config": asdict(config),
+        "policies": policies,
+        "verdict": verdict.line,
+        "reproduced": verdict.reproduced,
+        "marker_defect": verdict.marker_defect,
+    }

@@ -222,11 +222,18 @@ def format_records(records: list[StepRecord]) -> str:
     out = [f"{'step':>4} {'loss':>10} {'oracle':>10} {'grad norm':>10} {'oracle':>10}  worst tensor vs oracle"]
     for r in records:
         worst = r.worst
-        text = "every tensor bitwise equal" if worst is None else (
-            f"{worst[0][0]} {worst[0][1]}: normwise rel {worst[1].norm_relative:.2e}, max {worst[1].max_ulp} ulp, "
-            f"{100 * worst[1].fraction_differing:.1f}% differ")
-        out.append(f"{r.step:>4} {r.loss:>10.6f} {r.oracle_loss:>10.6f} {r.grad_norm:>10.6f} "
-                   f"{r.oracle_grad_norm:>10.6f}  {text}")
+        text = (
+            "every tensor bitwise equal"
+            if worst is None
+            else (
+                f"{worst[0][0]} {worst[0][1]}: normwise rel {worst[1].norm_relative:.2e}, max {worst[1].max_ulp} ulp, "
+                f"{100 * worst[1].fraction_differing:.1f}% differ"
+            )
+        )
+        out.append(
+            f"{r.step:>4} {r.loss:>10.6f} {r.oracle_loss:>10.6f} {r.grad_norm:>10.6f} "
+            f"{r.oracle_grad_norm:>10.6f}  {text}"
+        )
     return "\n".join(out)
 
 

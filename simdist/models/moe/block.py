@@ -40,9 +40,9 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-
-def folded_loss(comm: Comm, w: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
-                cfg: MoEConfig, scale: float = 1.0) -> torch.Tensor:
+def folded_loss(
+    comm: Comm, w: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor, cfg: MoEConfig, scale: float = 1.0
+) -> torch.Tensor:
     """This rank's FP32 loss of the folded block (collectives inside); ``scale`` is DeepSpeed's ``1/gas``."""
     rank = comm.get_rank()
     tp_group, ep_group = comm.group("tp"), comm.group("ep")

@@ -144,8 +144,9 @@ def shard(
     return full.chunk(len(group), dim=dim)[group.index(rank)].clone()
 
 
-def unshard(spec: ParallelSpec, name: str, local: Callable[[int], torch.Tensor],
-            cfg: MoEConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def unshard(
+    spec: ParallelSpec, name: str, local: Callable[[int], torch.Tensor], cfg: MoEConfig = DEFAULT_CONFIG
+) -> torch.Tensor:
     """The full weight assembled from the shards ``local(rank)`` of rank 0's TP or EP group."""
     sharded_by = _table(cfg)[name].sharded_by
     if sharded_by is None:

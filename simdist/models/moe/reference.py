@@ -59,8 +59,9 @@ def _reference_loss(w, x, target, chosen, cfg: MoEConfig) -> torch.Tensor:
     probs = F.linear(b, w["router.weight"]).softmax(dim=-1)
     top = probs.gather(1, chosen)
     gate = top / top.sum(dim=-1, keepdim=True)
-    every = torch.stack([F.linear(F.silu(F.linear(b, w["experts.w1"][e])), w["experts.w2"][e])
-                         for e in range(cfg.experts)])  # [E, T, H]
+    every = torch.stack(
+        [F.linear(F.silu(F.linear(b, w["experts.w1"][e])), w["experts.w2"][e]) for e in range(cfg.experts)]
+    )  # [E, T, H]
     picked = every[chosen, torch.arange(cfg.tokens).unsqueeze(1)]  # [T, k, H]
     m = h + (gate.unsqueeze(-1) * picked).sum(dim=1)
     c = F.layer_norm(m, (hd,), w["ln3.weight"], w["ln3.bias"], LN_EPS)
@@ -68,8 +69,9 @@ def _reference_loss(w, x, target, chosen, cfg: MoEConfig) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def gradient_errors(traces, spec: ParallelSpec, cfg: MoEConfig, seed: int, gas: int, initial,
-                    stage: str = "dp_reduced") -> dict[str, float]:
+def gradient_errors(
+    traces, spec: ParallelSpec, cfg: MoEConfig, seed: int, gas: int, initial, stage: str = "dp_reduced"
+) -> dict[str, float]:
     """Per parameter, the largest normwise relative error ``|g - ref| / |ref|`` over ranks and steps.
 
     ``traces`` are `train_rank` traces that captured ``stage`` (and ``param``
@@ -81,11 +83,14 @@ def gradient_errors(traces, spec: ParallelSpec, cfg: MoEConfig, seed: int, gas: 
     params = {p.name: p for p in moe_params(spec, cfg)}
     for step in steps:
         if step == 0:
+
             def weights(r, n):
                 return initial(r, params[n])
         else:
+
             def weights(r, n, step=step):
                 return traces[r].get(step - 1, BOUNDARY, n, "param")
+
         ref = reference_gradients(spec, cfg, weights, seed, step, gas)
         for (rank, name), expected in ref.items():
             got = traces[rank].get(step, BOUNDARY, name, stage).double()

@@ -26,8 +26,9 @@ class MoEGradients:
     ``params`` and ``initial`` are what `train_rank` needs.
     """
 
-    def __init__(self, spec: ParallelSpec, cfg: MoEConfig = DEFAULT_CONFIG, seed: int = 0, gas: int = 1,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, spec: ParallelSpec, cfg: MoEConfig = DEFAULT_CONFIG, seed: int = 0, gas: int = 1, device: str = "cpu"
+    ) -> None:
         cfg.validate(spec)
         self.spec, self.cfg, self.seed, self.gas, self.device = spec, cfg, seed, gas, device
         self.params = moe_params(spec, cfg)

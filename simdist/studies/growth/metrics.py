@@ -26,17 +26,26 @@ COLUMNS = tuple(f"{t}_{m}" for t in TENSORS for m in METRICS)
 the elements that differ (0 when none), max FP32-ulp distance, fraction of elements that differ."""
 
 
-MOE_COLUMNS = ("loss", "oracle_loss", "loss_diff", "grad_norm", "oracle_grad_norm",
-               "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max", "grad_differ")
+MOE_COLUMNS = (
+    "loss",
+    "oracle_loss",
+    "loss_diff",
+    "grad_norm",
+    "oracle_grad_norm",
+    "param_rel",
+    "param_ulp_max",
+    "param_differ",
+    "grad_rel",
+    "grad_ulp_max",
+    "grad_differ",
+)
 """``model="moe"``, per step, seed and policy: the policy's and the oracle's loss, ``|loss - oracle_loss|``,
 both gradient norms, and for the BF16 weights after the update (``param``) and the BF16 local gradients
 (``grad``), pooled over parameters, ranks and micro-steps: normwise relative error, max BF16-ulp distance,
 fraction of elements that differ."""
 
 
-
-_MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max",
-                   "grad_differ")
+_MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max", "grad_differ")
 
 
 def columns(model: str) -> tuple[str, ...]:
@@ -121,8 +130,7 @@ def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
     seeds = sorted({int(r["seed"]) for r in rows})
     out = np.zeros((steps, len(policies), len(seeds), len(names)))
     for r in rows:
-        out[int(r["step"]) - 1, policies.index(r["policy"]), seeds.index(int(r["seed"]))] = [float(r[c])
-                                                                                             for c in names]
+        out[int(r["step"]) - 1, policies.index(r["policy"]), seeds.index(int(r["seed"]))] = [float(r[c]) for c in names]
     return policies, out
 
 
@@ -142,8 +150,11 @@ def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
         med = np.median(metrics[:, j, :, names.index(tracked)], axis=1)
         late = (steps >= max(10, steps[-1] // 10)) & (med > 0)
         slope = float(np.polyfit(np.log(steps[late]), np.log(med[late]), 1)[0]) if late.sum() >= 3 else None
-        out["policies"][name] = {"final_median": final, f"{tracked}_growth_exponent": slope,
-                                 "bitwise_equal_to_oracle": bool((metrics[:, j, :, compared] == 0).all())}
+        out["policies"][name] = {
+            "final_median": final,
+            f"{tracked}_growth_exponent": slope,
+            "bitwise_equal_to_oracle": bool((metrics[:, j, :, compared] == 0).all()),
+        }
     if config.model == "moe":
         for j, name in enumerate(config.policies):
             out["policies"][name]["max_loss_diff"] = float(metrics[:, j, :, names.index("loss_diff")].max())

@@ -74,8 +74,13 @@ class GrowthConfig:
             MoEConfig().validate(self.spec)
 
 
-FILES = {"config": "config.json", "checkpoint": "checkpoint.safetensors", "metrics": "metrics.csv",
-         "plot": "growth.png", "summary": "summary.json"}
+FILES = {
+    "config": "config.json",
+    "checkpoint": "checkpoint.safetensors",
+    "metrics": "metrics.csv",
+    "plot": "growth.png",
+    "summary": "summary.json",
+}
 
 
 def _hash(identity: dict) -> str:
@@ -86,8 +91,15 @@ class _Interrupted(Exception):
     """Raised by the ``stop_after`` test hook to simulate a kill."""
 
 
-def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, progress: bool = True,
-               plot: bool = True, stop_after: int | None = None) -> dict:
+def run_growth(
+    config: GrowthConfig,
+    out: str | Path,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    plot: bool = True,
+    stop_after: int | None = None,
+) -> dict:
     """Run (or resume, or reuse) a growth study in ``out``; returns the summary.
 
     ``out`` holds ``config.json``, ``checkpoint.safetensors`` (every
@@ -130,8 +142,7 @@ def run_growth(config: GrowthConfig, out: str | Path, *, force: bool = False, pr
     return summary
 
 
-def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
-                   stop_after: int | None) -> np.ndarray:
+def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
     """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[step, policy, seed]``."""
     from safetensors.torch import load_file, save_file
 
@@ -159,9 +170,11 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool,
             metrics[:start] = loaded["metrics"].numpy()[:start]
 
     def save_checkpoint(step: int) -> None:
-        tensors = {"step": torch.tensor(step, dtype=torch.int64),
-                   "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
-                   "metrics": torch.from_numpy(metrics[:step].copy())}
+        tensors = {
+            "step": torch.tensor(step, dtype=torch.int64),
+            "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+            "metrics": torch.from_numpy(metrics[:step].copy()),
+        }
         for i, run in enumerate(runs):
             for k, t in run.state().items():
                 tensors[f"run{i}.{k}"] = t.contiguous()
@@ -203,9 +216,13 @@ def _moe_rows(records, steps: int) -> np.ndarray:
     """``[step, MOE_COLUMNS]`` from `simdist.studies.training.StepRecord`s: losses, norms, pooled divergences."""
     rows = np.zeros((steps, len(MOE_COLUMNS)), dtype=np.float64)
     for record in records:
-        row = {"loss": record.loss, "oracle_loss": record.oracle_loss,
-               "loss_diff": abs(record.loss - record.oracle_loss),
-               "grad_norm": record.grad_norm, "oracle_grad_norm": record.oracle_grad_norm}
+        row = {
+            "loss": record.loss,
+            "oracle_loss": record.oracle_loss,
+            "loss_diff": abs(record.loss - record.oracle_loss),
+            "grad_norm": record.grad_norm,
+            "oracle_grad_norm": record.oracle_grad_norm,
+        }
         for kind, prefix in (("param", "param"), ("local grad", "grad")):
             pooled = Difference.pool(d for (_, k), d in record.tensors.items() if k == kind)
             row[f"{prefix}_rel"] = pooled.norm_relative
@@ -236,24 +253,35 @@ def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_af
             metrics[:] = loaded["metrics"].numpy()
 
     def save_checkpoint() -> None:
-        tensors = {"key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
-                   "done": torch.from_numpy(done.copy()), "metrics": torch.from_numpy(metrics.copy())}
+        tensors = {
+            "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+            "done": torch.from_numpy(done.copy()),
+            "metrics": torch.from_numpy(metrics.copy()),
+        }
         atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
 
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=done.size * config.steps, initial=int(done.sum()) * config.steps, desc="growth moe",
-                   unit="step")
+        bar = tqdm(
+            total=done.size * config.steps, initial=int(done.sum()) * config.steps, desc="growth moe", unit="step"
+        )
     finished = 0
     try:
         for s in range(config.seeds):
             for j, name in enumerate(config.policies):
                 if done[j, s]:
                     continue
-                records = train(spec, name, steps=config.steps, gas=config.gas, seed=config.seed + s,
-                                marker=config.marker, model=MoEConfig())
+                records = train(
+                    spec,
+                    name,
+                    steps=config.steps,
+                    gas=config.gas,
+                    seed=config.seed + s,
+                    marker=config.marker,
+                    model=MoEConfig(),
+                )
                 metrics[:, j, s] = _moe_rows(records, config.steps)
                 done[j, s] = 1
                 save_checkpoint()
