@@ -32,6 +32,12 @@ def test_fsdp2_tp_is_the_policy_chain_where_claimed_and_partial_tp_sums_are_bf16
         claimed = 6 if plan == "tp" else 4
         assert r.claimed.compared == 4 * claimed * CONFIG.gas  # ranks x params x micro-steps
         assert r.tp_peers_identical
+        assert r.rounding_boundaries[0].startswith("local grads in bf16")
+        assert r.rounding_boundaries[-2:] == [
+            f"DP reduce-scatter in {r.reduce_dtype}",
+            "+= into the sharded grad in fp32",
+        ]
+        assert any("Partial(sum)" in b for b in r.rounding_boundaries) == (plan == "tp_sp")
     assert results[("tp", "fp32")].partial_vs_policy is None
     fp32 = results[("tp_sp", "fp32")]
     # reduce_dtype=fp32: the policy's FP32 TP sum is not torch's BF16 one; the staging=None chain is
@@ -65,8 +71,9 @@ def test_mutated_policy_fails_the_case(real, reduce_dtype, mutation):
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_simdist_threads_compute_what_real_gloo_computes(real):
-    gloo = run_real(CONFIG, "gloo")
+@pytest.mark.parametrize("world", ["gloo", "simdist"])
+def test_simdist_threads_compute_what_real_gloo_and_process_mode_compute(real, world):
+    gloo = run_real(CONFIG, world)
     for threads_rank, gloo_rank in zip(real, gloo, strict=True):
         for key, run in threads_rank.items():
             other = gloo_rank[key]
@@ -76,4 +83,4 @@ def test_simdist_threads_compute_what_real_gloo_computes(real):
             for k, arrival in run.arrivals.items():
                 assert arrival.placement == other.arrivals[k].placement
                 assert torch.equal(bits(arrival.local), bits(other.arrivals[k].local)), (key, k)
-    assert judge(CONFIG, gloo, world="gloo").ok
+    assert judge(CONFIG, gloo, world=world).ok

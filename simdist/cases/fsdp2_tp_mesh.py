@@ -49,7 +49,7 @@ from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.gradpath.policy import Policy
+from simdist.gradpath.policy import Policy, dtype_name
 from simdist.gradpath.probes import Trace
 from simdist.numerics.floats import bits, unit_roundoff
 from simdist.reduce import make_model
@@ -334,6 +334,9 @@ class RunResult:
     """Partial-sum parameters: real vs the policy with ``staging=None`` (the TP sum in BF16), bitwise."""
     vs_fp32_reduce: Figures | None
     simdist_chains: dict[str, str]
+    rounding_boundaries: list[str] = field(default_factory=list)
+    """Where this run's gradients round, in path order (dtypes as recorded; the TP and DP dtypes as the bitwise
+    matches above establish them)."""
 
 
 @dataclass
@@ -397,6 +400,15 @@ def judge_run(
         versus = figures(real, real_traces(fp32_runs), terms)
     replicated = [n for n, f in families.items() if f is Family.DENSE]
     chains = {f.value: policy.chain(f, 2, 2) for f in sorted(set(families.values()), key=lambda f: f.value)}
+    local_dtype = dtype_name(next(iter(runs[0].arrivals.values())).local.dtype)
+    boundaries = [f"local grads in {local_dtype} (param_dtype: the backward's matmuls and TP activation all-reduces)"]
+    if partial:
+        boundaries.append(
+            f"TP all-reduce of Partial(sum) grads ({', '.join(sorted(partial))}) in {local_dtype}, "
+            "before the cast to the reduce dtype (DTensor redistribute in FSDPParam)"
+        )
+    boundaries.append(f"DP reduce-scatter in {reduce_dtype}")
+    boundaries.append(f"+= into the sharded grad in {dtype_name(next(iter(runs[0].hp.values())).dtype)}")
     return RunResult(
         plan,
         reduce_dtype,
@@ -407,6 +419,7 @@ def judge_run(
         partial_match,
         versus,
         chains,
+        boundaries,
     )
 
 
@@ -443,6 +456,7 @@ def summarize(v: TpVerdict) -> str:
         head = f"  [{r.plan}, reduce_dtype={r.reduce_dtype}]"
         arrivals = ", ".join(f"{p.param} {p.arrives_as}" for p in r.params)
         lines.append(f"{head} BF16 grads arrive as: {arrivals}")
+        lines.append(f"{head} rounding boundaries: {'; '.join(r.rounding_boundaries)}")
         same = "==" if r.claimed.bitwise_equal else "!="
         lines.append(
             f"{head} where the chains claim equality: FSDP2 {same} simdist "
