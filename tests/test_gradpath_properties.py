@@ -51,9 +51,9 @@ SEQUENTIAL = Sequential()
 MODELS = [Sequential(), Tree(), Ring(chunk_size=1, shift=1), Gloo()]
 
 
-def run(spec, policy, grads, config, keep=None, model=SEQUENTIAL, params=PARAMS, norm=True):
+def run(spec, policy, grads, config, keep=None, *, model=SEQUENTIAL, params=PARAMS, norm=True):
     """Every rank's `Trace` of ``policy`` on ``spec`` (rank-batched engine), every group reducing with ``model``."""
-    return run_batched(spec, policy, grads, config, keep, model, params, norm).rank_traces(0)
+    return run_batched(spec, policy, grads, config, keep=keep, model=model, params=params, norm=norm).rank_traces(0)
 
 
 def assert_bitwise(traces, oracle, stages) -> None:
@@ -387,7 +387,9 @@ def test_engine_dp_reduced_gradients_equal_the_reference_transcription(spec, mod
     config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
     traces = run(spec, get_policy("fp32_staging"), grads, config, frozenset({"dp_reduced"}), model=model)
     for step in range(steps):
-        expected = reference_reduced_gradients(spec, PARAMS, grads, step, gas, torch.float32, model, model)
+        expected = reference_reduced_gradients(
+            spec, PARAMS, grads, step, gas, dtype=torch.float32, tp_model=model, dp_model=model
+        )
         for (rank, name), value in expected.items():
             assert bitwise_equal(traces[rank].get(step, BOUNDARY, name, "dp_reduced"), value), (step, rank, name)
 

@@ -302,7 +302,16 @@ class BatchedPath:
         else:
             lp = initial_buffer(spec, params, initial, policy.grad_dtype)
         self.path = GradPath(
-            self.ops, params, policy, config, lp, spec.tp, spec.dp, self.trace.capture, self.trace.scalar, norm=norm
+            self.ops,
+            params,
+            policy,
+            config,
+            lp,
+            tp=spec.tp,
+            dp=spec.dp,
+            capture=self.trace.capture,
+            scalar=self.trace.scalar,
+            norm=norm,
         )
         self.step = 0
 

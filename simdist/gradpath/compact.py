@@ -64,6 +64,7 @@ def run_batched(
     policy: Policy,
     grads: Gradients,
     config: PathConfig,
+    *,
     keep: frozenset[str] | None = None,
     model: ReductionModel | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
@@ -112,8 +113,8 @@ def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads:
     is compared bit for bit on every rank at once.
     """
     config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
-    staging = run_batched(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, norm=False)
-    oracle = run_batched(spec, FP32_ORACLE, grads, config, OPTIMIZER_STAGES, norm=False)
+    staging = run_batched(spec, get_policy("fp32_staging"), grads, config, keep=OPTIMIZER_STAGES, norm=False)
+    oracle = run_batched(spec, FP32_ORACLE, grads, config, keep=OPTIMIZER_STAGES, norm=False)
     if not staging.values:
         return "nothing was captured"
     if staging.values.keys() != oracle.values.keys():

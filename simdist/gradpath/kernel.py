@@ -116,6 +116,7 @@ class GradPath:
         policy: Policy,
         config,
         lp: torch.Tensor,
+        *,
         tp: int,
         dp: int,
         capture: Callable[[int, int, str, str, torch.Tensor], None],

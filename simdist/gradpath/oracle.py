@@ -48,6 +48,7 @@ def reference_reduced_gradients(
     local_grads,
     step: int,
     gas: int,
+    *,
     dtype: torch.dtype,
     tp_model: ReductionModel,
     dp_model: ReductionModel,

@@ -205,7 +205,7 @@ def train_rank(
     def scalar(step: int, name: str, value: float) -> None:
         trace.scalars[(step, name)] = value
 
-    path = GradPath(ops, params, policy, config, lp, tp, dp, trace.capture, scalar)
+    path = GradPath(ops, params, policy, config, lp, tp=tp, dp=dp, capture=trace.capture, scalar=scalar)
     hooks = config.update_path is UpdatePath.HOOKS
     for step in range(config.steps):
         for micro in range(config.gas):
