@@ -214,6 +214,40 @@ def _meta(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple(out)
 
 
+def _layouts_agree(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the members' tensors are contiguous, or dense views with one common memory layout.
+
+    torch's gloo backend moves a tensor's ``numel`` elements from its data
+    pointer in memory order; for such tensors that is the same as copying
+    element by index, so the backend's copy gives gloo's bits.
+    """
+    if all(t.is_contiguous() for t in tensors):
+        return True
+    first = tensors[0]
+    return all(_dense(t) and t.stride() == first.stride() for t in tensors)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive memory slots (a permutation of a contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _refuse_layouts(name: str, label: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise for views whose memory gloo would move differently from their elements (it does not refuse them)."""
+    if not _layouts_agree(tensors):
+        raise ValueError(
+            f"{name} on {label}: gloo moves a tensor's numel elements from its data pointer in memory order; "
+            f"these views (shapes {[tuple(t.shape) for t in tensors]}, strides {[t.stride() for t in tensors]}) "
+            "have gaps or differ in memory layout between ranks, so real gloo would move other elements than the "
+            "view's. Pass contiguous tensors."
+        )
+
+
 class SimProcessGroup(dist.ProcessGroup):
     """One rank's handle on one simulated group; collectives go through a `Transport` to the group's model.
 
@@ -240,6 +274,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self.model = model
         self.transport = transport
         self.key = (name, ranks)  # the group's call sequence in the engine
+        self.gloo_rules = isinstance(model, Gloo)  # refuse what torch's gloo backend refuses (shape rules)
 
     # -- identity ---------------------------------------------------------------
 
@@ -292,6 +327,8 @@ class SimProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         op = resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
         check_op(self.model, op, tensors)
+        if len({t.dtype for t in tensors}) > 1:
+            raise RuntimeError(f"all_reduce_coalesced on {self.label}: the tensors must share one dtype")
         model = self.model
         sizes = [t.numel() for t in tensors]
 
@@ -340,6 +377,11 @@ class SimProcessGroup(dist.ProcessGroup):
                     f"{name} on {self.label}: input has {inp.numel()} {inp.dtype} elements, output {out.numel()} "
                     f"{out.dtype}; need input numel = {n} x output numel, same dtype"
                 )
+            if self.gloo_rules and out.dim() and inp.dim() and out.shape[0] * n != inp.shape[0]:
+                raise ValueError(
+                    f"{name} on {self.label}: output dim 0 ({out.shape[0]}) x {n} != input dim 0 "
+                    f"({inp.shape[0]}); torch's gloo backend aborts the process on this"
+                )
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for k in range(len(inputs)):
@@ -371,9 +413,12 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = (opts or dist.BroadcastOptions()).rootRank
+        gloo_rules, label = self.gloo_rules, self.label
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for k in range(len(tensors)):
+                if gloo_rules:
+                    _refuse_layouts("broadcast", label, [c.inputs[k] for c in calls])
                 for i in targets:
                     if i != root:
                         calls[i].inputs[k].copy_(calls[root].inputs[k])
@@ -383,9 +428,15 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         n = self._group_size
-        for outs in output_tensors:
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
             if len(outs) != n:
                 raise ValueError(f"all_gather on {self.label}: the output list needs {n} tensors, got {len(outs)}")
+            wrong = [i for i, o in enumerate(outs) if o.shape != inp.shape]
+            if self.gloo_rules and wrong:
+                raise RuntimeError(
+                    f"all_gather on {self.label}: output {wrong[0]} has shape {tuple(outs[wrong[0]].shape)}, "
+                    f"the input {tuple(inp.shape)}; gloo needs them equal"
+                )
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for k in range(len(input_tensors)):
@@ -414,6 +465,12 @@ class SimProcessGroup(dist.ProcessGroup):
     def _all_gather_tensors(self, outputs, inputs, name):
         n = self._group_size
         for out, inp in zip(outputs, inputs, strict=True):
+            piece = (out.shape[0] // n, *out.shape[1:]) if out.dim() and out.shape[0] % n == 0 else None
+            if self.gloo_rules and out.dim() and piece != tuple(inp.shape):
+                raise RuntimeError(
+                    f"{name} on {self.label}: gloo cuts the output {tuple(out.shape)} into {n} pieces along dim 0, "
+                    f"each of the input's shape {tuple(inp.shape)}"
+                )
             if out.numel() != inp.numel() * n or inp.dtype != out.dtype:
                 raise ValueError(
                     f"{name} on {self.label}: input has {inp.numel()} {inp.dtype} elements, output {out.numel()} "
@@ -445,6 +502,11 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = (opts or dist.ScatterOptions()).rootRank
+        if self.gloo_rules and not all(t.is_contiguous() for t in output_tensors):
+            raise ValueError(
+                f"scatter on {self.label}: the output must be contiguous (gloo writes a strided output's memory "
+                "in order, not its elements)"
+            )
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for k in range(len(output_tensors)):
@@ -457,6 +519,14 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._run(call, complete, list(output_tensors))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        if self.gloo_rules:
+            shapes = {tuple(t.shape) for t in [*input_tensors, *output_tensors]}
+            if len(shapes) > 1:
+                raise RuntimeError(
+                    f"all_to_all on {self.label}: gloo needs every input and output tensor of one shape, "
+                    f"got {sorted(shapes)}"
+                )
+
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for i in targets:
                 for j, out in enumerate(calls[i].outputs):
@@ -468,6 +538,12 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self._group_size
+        if self.gloo_rules and not (input.is_contiguous() and output.is_contiguous()):
+            which = "input" if not input.is_contiguous() else "output"
+            raise ValueError(
+                f"all_to_all_single on {self.label}: the {which} must be contiguous (gloo refuses a strided input "
+                "and moves a strided output's memory, not its elements)"
+            )
         in_splits = _splits(input, input_split_sizes, n, "input")
         out_splits = _splits(output, output_split_sizes, n, "output")
         trailing = tuple(input.shape[1:])
@@ -519,6 +595,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors, src_rank, tag=0):
         (tensor,) = tensors
+        if self.gloo_rules and not tensor.is_contiguous():
+            raise RuntimeError(f"recv on {self.label}: the receive buffer must be contiguous (as on gloo)")
         call = self._call("recv", (f"src={self.ranks[src_rank]}", f"tag={tag}", tensor.shape, tensor.dtype))
         return self.transport.recv(self, call, tensor, src_rank, tag)
 
