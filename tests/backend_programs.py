@@ -215,20 +215,34 @@ def _functional(rank: int, out: dict) -> None:
     x, y = values(rank, 40, torch.float32), values(rank + 5, 12, torch.bfloat16)
     for name in ("sum", "avg", "product", "min", "max"):
         _record(out, f"funcol all_reduce {name}", lambda name=name: funcol.all_reduce(x, name, world) + 0)
-        _record(out, f"funcol reduce_scatter {name}", lambda name=name: funcol.reduce_scatter_tensor(x, name, 0, world) + 0)
+        _record(
+            out, f"funcol reduce_scatter {name}", lambda name=name: funcol.reduce_scatter_tensor(x, name, 0, world) + 0
+        )
     out["funcol all_gather"] = funcol.all_gather_tensor(y, 0, world) + 0
     out["funcol all_to_all_single"] = funcol.all_to_all_single(x, None, None, world) + 0
     out["funcol all_to_all_single uneven"] = (
         funcol.all_to_all_single(values(rank, 4 * (rank + 1), torch.float32), [1, 2, 3, 4], [rank + 1] * 4, world) + 0
     )
     out["funcol broadcast"] = funcol.broadcast(x, 2, world) + 0
-    out["funcol all_reduce_coalesced"] = torch.cat([t + 0 for t in funcol.all_reduce_coalesced([x, x[:7]], "sum", world)])
+    out["funcol all_reduce_coalesced"] = torch.cat(
+        [t + 0 for t in funcol.all_reduce_coalesced([x, x[:7]], "sum", world)]
+    )
     pair = [x, values(rank + 5, 12, torch.float32)]
     out["funcol all_gather_coalesced"] = [t + 0 for t in funcol.all_gather_into_tensor_coalesced(pair, world)]
-    out["funcol reduce_scatter_coalesced"] = [t + 0 for t in funcol.reduce_scatter_tensor_coalesced(pair, "sum", [0, 0], world)]
+    out["funcol reduce_scatter_coalesced"] = [
+        t + 0 for t in funcol.reduce_scatter_tensor_coalesced(pair, "sum", [0, 0], world)
+    ]
     mixed = [x, y]
-    _record(out, "funcol all_gather_coalesced, two dtypes", lambda: [t + 0 for t in funcol.all_gather_into_tensor_coalesced(mixed, world)])
-    _record(out, "funcol reduce_scatter_coalesced, two dtypes", lambda: [t + 0 for t in funcol.reduce_scatter_tensor_coalesced(mixed, "sum", [0, 0], world)])
+    _record(
+        out,
+        "funcol all_gather_coalesced, two dtypes",
+        lambda: [t + 0 for t in funcol.all_gather_into_tensor_coalesced(mixed, world)],
+    )
+    _record(
+        out,
+        "funcol reduce_scatter_coalesced, two dtypes",
+        lambda: [t + 0 for t in funcol.reduce_scatter_tensor_coalesced(mixed, "sum", [0, 0], world)],
+    )
     for what, second in (("", x[:9]), (", two dtypes", y)):
 
         def coalescing(second=second):
@@ -302,7 +316,9 @@ def _movement(rank: int, out: dict) -> None:
     dist.all_to_all_single(t, x.view(8, 3))
     out["all_to_all_single"] = t
     t = torch.empty(sum(range(1, n + 1)), 2)
-    dist.all_to_all_single(t, values(rank, (rank + 1) * n * 2, torch.float32).view(-1, 2), list(range(1, n + 1)), [rank + 1] * n)
+    dist.all_to_all_single(
+        t, values(rank, (rank + 1) * n * 2, torch.float32).view(-1, 2), list(range(1, n + 1)), [rank + 1] * n
+    )
     out["all_to_all_single uneven"] = t
 
     def all_to_all_single_strided():
@@ -389,4 +405,9 @@ def coverage(rank: int) -> dict:
 
 def suite(rank: int) -> dict:
     """All programs in one run (one real-gloo spawn serves every comparison of tests/test_backend_gloo.py)."""
-    return {"tp_mlp": tp_mlp(rank), "dtensor": dtensor_2x2(rank), "fsdp2": fsdp2_steps(rank), "coverage": coverage(rank)}
+    return {
+        "tp_mlp": tp_mlp(rank),
+        "dtensor": dtensor_2x2(rank),
+        "fsdp2": fsdp2_steps(rank),
+        "coverage": coverage(rank),
+    }

@@ -16,7 +16,7 @@ from backend_programs import data, dtensor_2x2, fsdp2_steps, tp_mlp
 
 import simdist
 from simdist.reduce import Gloo, ReduceOp, Sequential, Tree
-from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError
+from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
 from simdist.world.spec import ParallelSpec
 
 
@@ -214,18 +214,62 @@ def _skips(rank):
     return t
 
 
+def _skips_on_a_subgroup(rank):
+    pair = dist.new_group([0, 1])
+    if rank == 0:
+        dist.all_reduce(torch.ones(2), group=pair)  # RANK_1_NEVER_COMES
+    dist.barrier()  # RANK_1_WAITS_HERE
+
+
 def _line(fn, marker: str) -> int:
     lines, first = inspect.getsourcelines(fn)
     return first + next(i for i, text in enumerate(lines) if marker in text)
 
 
-def test_a_rank_that_skips_a_collective_is_named_with_both_sites():
+# A hang is found by the engine, not by a clock: it fails a run when a call cannot
+# match (mismatch) or when every live rank waits (deadlock). The run is given a
+# 2 s bound that the engine enforces (SimTimeoutError); a hang detected only by
+# that bound would fail these tests on the exception type. No time is measured.
+HANG_BOUND_S = 2.0
+
+
+def test_a_rank_that_skips_a_collective_fails_at_once_naming_both_sites():
     with pytest.raises(CollectiveMismatchError) as info:
-        simdist.spawn(_skips, N, timeout_s=30)
+        simdist.spawn(_skips, N, timeout_s=HANG_BOUND_S)
     message = str(info.value)
     assert f"test_backend.py:{_line(_skips, 'SKIPPED_BY_RANK_3')}" in message
     assert f"test_backend.py:{_line(_skips, 'RANK_3_GOES_ON')}" in message
     assert "rank 3: barrier" in message
+
+
+def test_a_skip_on_a_subgroup_is_a_deadlock_naming_both_sites():
+    with pytest.raises(CollectiveDeadlockError) as info:
+        simdist.spawn(_skips_on_a_subgroup, N, timeout_s=HANG_BOUND_S)
+    message = str(info.value)
+    assert f"test_backend.py:{_line(_skips_on_a_subgroup, 'RANK_1_NEVER_COMES')}" in message
+    assert f"test_backend.py:{_line(_skips_on_a_subgroup, 'RANK_1_WAITS_HERE')}" in message
+    assert "rank 0: all_reduce" in message and "rank 1: barrier" in message
+
+
+def test_a_rank_that_returns_while_peers_wait_is_a_deadlock():
+    def prog(rank):
+        if rank != 2:
+            dist.all_reduce(torch.ones(2))
+
+    with pytest.raises(CollectiveDeadlockError, match=r"rank\(s\) \[2\] returned while world\{0,1,2,3\} waits"):
+        simdist.spawn(prog, N, timeout_s=HANG_BOUND_S)
+
+
+def test_spawns_bound_is_enforced_for_a_rank_stuck_outside_collectives():
+    import time
+
+    def prog(rank):
+        if rank == 1:
+            time.sleep(0.6)  # not a collective: only the bound can report it
+        dist.barrier()
+
+    with pytest.raises(SimTimeoutError, match=r"did not finish within 0.2 s(.|\n)*rank 1"):
+        simdist.spawn(prog, 2, timeout_s=0.2)
 
 
 def test_receives_that_can_never_complete_are_a_deadlock():
@@ -267,3 +311,22 @@ def test_the_readme_example_runs():
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert len(namespace["grads"]) == 4
+
+
+def test_views_that_gloo_would_move_by_memory_are_refused_on_the_gloo_model_only():
+    def prog(rank):
+        base = torch.arange(12.0).view(3, 4) + 100 * rank
+        dist.broadcast(base[:, 1:3], src=1)  # a view with gaps: gloo would overwrite other elements
+        return base
+
+    with pytest.raises(ValueError, match=r"broadcast on world.*memory order"):
+        simdist.spawn(prog, 2)
+    out = simdist.spawn(prog, 2, model="sequential")  # no transport to mimic: element-wise copy
+    assert out[0][:, 1:3].tolist() == out[1][:, 1:3].tolist() and out[0][0, 0].item() == 0.0
+
+    def transposed(rank):
+        t = (torch.arange(6.0).view(2, 3) + 10 * rank).t()  # dense: every rank the same layout
+        dist.broadcast(t, src=1)
+        return t
+
+    assert simdist.spawn(transposed, 2)[0].tolist() == (torch.arange(6.0).view(2, 3) + 10).t().tolist()

@@ -1,15 +1,19 @@
-"""Unmodified torch.distributed programs: simdist threads == simdist processes == real gloo, bit for bit.
+"""Unmodified torch.distributed programs: simdist threads == real gloo processes, bit for bit.
 
-The programs (tests/backend_programs.py) know nothing of simdist. The TP-MLP
-check runs in the default suite (it is the one real-gloo check kept there);
-DTensor and FSDP2 against real gloo are marked slow (``pytest --run-slow``).
+The programs (tests/backend_programs.py) know nothing of simdist. ONE spawn of
+4 real gloo processes runs all of them (`suite`: the TP-MLP, DTensor on a 2x2
+mesh, FSDP2 mixed precision, the coverage program with every op) and ONE
+`simdist.spawn` runs the same on threads; each test compares one program's
+results. Process start-up dominates a real-gloo run, so sharing it keeps these
+checks in the default suite. Process mode (the simdist backend in real
+processes) runs the TP-MLP by default and the whole suite when slow tests run.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from backend_programs import dtensor_2x2, fsdp2_steps, tp_mlp
+from backend_programs import suite, tp_mlp
 
 import simdist
 from simdist.world.launch import RankFailure, spawn_procs
@@ -21,24 +25,71 @@ N = 4
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
+    if not t.is_floating_point():
+        return t
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def _leaves(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
 def _assert_same(a: list[dict], b: list[dict], what: str) -> None:
-    assert len(a) == len(b)
+    """Per rank: the same keys; tensors with the same dtype, shape and bits; other values (error types) equal."""
+    assert len(a) == len(b) == N
     for rank, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert x.keys() == y.keys()
+        assert x.keys() == y.keys(), (what, rank, set(x) ^ set(y))
         for key in x:
-            assert x[key].dtype == y[key].dtype and x[key].shape == y[key].shape, (what, rank, key)
-            assert torch.equal(_bits(x[key]), _bits(y[key])), f"{what}: rank {rank} {key} differs"
+            left, right = _leaves(x[key]), _leaves(y[key])
+            assert len(left) == len(right), (what, rank, key)
+            for p, q in zip(left, right, strict=True):
+                if isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor):
+                    assert p.dtype == q.dtype and p.shape == q.shape, (what, rank, key, p, q)
+                    assert torch.equal(_bits(p), _bits(q)), f"{what}: rank {rank} {key} differs"
+                else:
+                    assert p == q, f"{what}: rank {rank} {key}: {p!r} != {q!r}"
 
 
-def test_tp_mlp_threads_processes_and_real_gloo_agree_bitwise():
-    threads = simdist.spawn(tp_mlp, N)
+@pytest.fixture(scope="module")
+def real_gloo() -> list[dict]:
+    return spawn_procs(suite, N, backend="gloo", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def threads() -> list[dict]:
+    return simdist.spawn(suite, N, timeout_s=300)
+
+
+def _program(results: list[dict], name: str) -> list[dict]:
+    return [r[name] for r in results]
+
+
+def test_tp_mlp_threads_processes_and_real_gloo_agree_bitwise(real_gloo, threads):
     processes = spawn_procs(tp_mlp, N, backend="simdist")
-    gloo = spawn_procs(tp_mlp, N, backend="gloo")
-    _assert_same(threads, processes, "simdist process mode")
-    _assert_same(threads, gloo, "real gloo")
+    _assert_same(_program(threads, "tp_mlp"), processes, "simdist process mode")
+    _assert_same(_program(threads, "tp_mlp"), _program(real_gloo, "tp_mlp"), "real gloo")
+
+
+def test_dtensor_partial_and_shard_to_replicate_on_a_2x2_mesh_equal_real_gloo(real_gloo, threads):
+    _assert_same(_program(threads, "dtensor"), _program(real_gloo, "dtensor"), "DTensor vs gloo")
+
+
+def test_fsdp2_mixed_precision_three_steps_equal_real_gloo(real_gloo, threads):
+    _assert_same(_program(threads, "fsdp2"), _program(real_gloo, "fsdp2"), "FSDP2 vs gloo")
+
+
+def test_every_op_and_every_refusal_equal_real_gloo(real_gloo, threads):
+    gloo, mine = _program(real_gloo, "coverage"), _program(threads, "coverage")
+    refused = {k: v for k, v in gloo[0].items() if isinstance(v, str) and v.startswith("raises")}
+    assert "all_reduce torch.float32 PREMUL_SUM" in refused and "all_reduce torch.float32 SUM" not in refused
+    _assert_same(mine, gloo, "coverage vs gloo")
+
+
+@pytest.mark.slow
+def test_process_mode_runs_every_program_with_the_threads_bits(threads):
+    _assert_same(spawn_procs(suite, N, backend="simdist", timeout_s=300), threads, "process mode vs threads")
 
 
 def _mismatch(rank):
@@ -52,13 +103,3 @@ def _mismatch(rank):
 def test_process_mode_reports_a_mismatch_with_every_site():
     with pytest.raises(RankFailure, match=r"rank 1: all_reduce\(.*shape=\(3,\)"):
         spawn_procs(_mismatch, 2, backend="simdist", timeout_s=60)
-
-
-@pytest.mark.slow
-def test_dtensor_on_a_2x2_mesh_equals_real_gloo():
-    _assert_same(simdist.spawn(dtensor_2x2, N), spawn_procs(dtensor_2x2, N, backend="gloo"), "DTensor vs gloo")
-
-
-@pytest.mark.slow
-def test_fsdp2_mixed_precision_three_steps_equal_real_gloo():
-    _assert_same(simdist.spawn(fsdp2_steps, N), spawn_procs(fsdp2_steps, N, backend="gloo"), "FSDP2 vs gloo")

@@ -161,7 +161,7 @@ def _context():
     methods = mp.get_all_start_methods()
     if "forkserver" in methods:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "simdist.world.launch"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "simdist.world.launch"])
         return ctx
     return mp.get_context("spawn")
 
