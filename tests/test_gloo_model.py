@@ -374,3 +374,33 @@ def test_simworld_orders_a_groups_ranks_as_torch_does():
     expected = Gloo().sum(fingerprint_ranks(3, 64, torch.float32))
     for rank in range(3):
         assert_bitwise(results[rank], expected, f"rank {rank}")
+
+
+def test_reduce_leaves_each_other_rank_the_partial_of_its_own_hop():
+    x = random_ranks(21, 4, 7, torch.float32, wide=True)  # 4 chunks of 2: chunk c walks c-1, c-2, c-3, c
+    buffers = Gloo().reduce_buffers(list(x), ReduceOp.SUM, root=2)
+    assert_bitwise(buffers[2], Gloo().sum(x), "root")
+    assert_bitwise(buffers[3][:2], x[3, :2], "chunk 0 starts at rank 3: its input stays")
+    assert_bitwise(buffers[1][:2], (x[3, :2] + x[2, :2]) + x[1, :2], "chunk 0, third hop")
+    assert_bitwise(buffers[0][:2], Gloo().sum(x)[:2], "chunk 0 ends on rank 0: the full sum")
+    assert_bitwise(buffers[3][2:4], x[0, 2:4] + x[3, 2:4], "chunk 1 starts at rank 0, then rank 3")
+    averaged = Gloo().reduce_buffers(list(x), ReduceOp.AVG, root=2)
+    for r in range(4):  # AVG divides every rank's tensor afterwards
+        assert_bitwise(averaged[r], buffers[r] / 4, f"AVG rank {r}")
+
+
+def test_integer_avg_raises_after_writing_the_sum():
+    x = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 13]], dtype=torch.int32)
+    with pytest.raises(RuntimeError) as raised:
+        Gloo().reduce(list(x), ReduceOp.AVG)
+    assert raised.value.written.tolist() == [22, 26, 31]  # what real gloo leaves in the tensor
+
+
+def test_reduce_scatter_tensor_of_a_permuted_input_is_chunked_after_a_memory_order_all_reduce():
+    x = random_ranks(17, 4, 8 * 33, torch.float32, wide=True).reshape(4, 8, 33)
+    permuted = [t.t().contiguous().t() for t in x]
+    blocks = Gloo().reduce_scatter(permuted)
+    full = Gloo().sum(permuted)
+    for i in range(4):
+        assert_bitwise(blocks[i], full[2 * i : 2 * i + 2].reshape(-1), f"block {i}")
+    assert not torch.equal(_bits(blocks), _bits(Gloo().reduce_scatter(x)))  # logical order differs

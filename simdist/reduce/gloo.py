@@ -63,8 +63,12 @@ functions do:
 What the collectives around the walk do (torch 2.13):
 
 * ``reduce`` to any root leaves the all-reduce's bits on the root
-  (`Gloo.reduce_to`); gloo also writes partial sums into the other ranks'
-  tensors, which is not modelled.
+  (`Gloo.reduce_to`) and, in every other rank's tensor, the partial sums of
+  its own hops of the ring reduce-scatter (`Gloo.reduce_buffers`); with AVG
+  every rank's tensor is then divided by ``n``.
+* ``reduce_scatter_tensor`` all-reduces a clone of the input (a permuted
+  input in memory order) and gives rank ``i`` chunk ``i`` of dim 0.
+* integer ``AVG``: the SUM is in the tensor when ``div_`` raises.
 * list ``reduce_scatter`` is one all-reduce per list entry, entry ``i`` kept by
   rank ``i`` (`Gloo.reduce_scatter_list`).
 * the group's ranks are sorted by torch (``new_group([3, 0, 1])`` is group
@@ -348,7 +352,9 @@ class Gloo(ReductionModel):
 
         ``AVG`` is the ``SUM`` then ``tensor.div_(n)`` in the tensor's dtype,
         as torch's gloo backend does after the collective; on integer and bool
-        tensors that division raises torch's ``RuntimeError``, and so does this.
+        tensors that division raises torch's ``RuntimeError``, and so does this,
+        with the SUM (which real gloo has written into the tensor by then) as
+        the exception's ``written`` attribute.
         """
         if len(tensors) == 0:
             raise ValueError("a reduction needs the tensors of at least one rank")
@@ -357,19 +363,66 @@ class Gloo(ReductionModel):
         if op is ReduceOp.AVG:
             if rows[0].is_floating_point():
                 return back(self._ring(rows, ReduceOp.SUM)).div_(n)
-            torch.empty(0, dtype=rows[0].dtype).div_(n)  # raises torch's own error, as gloo's div_ does
+            try:
+                torch.empty(0, dtype=rows[0].dtype).div_(n)  # torch's own error, as gloo's div_ raises it
+            except RuntimeError as exc:
+                exc.written = back(self._ring(rows, ReduceOp.SUM))  # what the tensor holds when it is raised
+                raise
             raise AssertionError("unreachable: an integer division in place did not raise")
         return back(self._ring(rows, op))
 
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
-        """What ``dist.reduce`` leaves on group rank ``root``: the all-reduce's bits, whatever the root.
-
-        (Found by experiment; gloo also writes partial sums into the other
-        ranks' tensors, which this does not model.)
-        """
+        """What ``dist.reduce`` leaves on group rank ``root``: the all-reduce's bits, whatever the root."""
         if not 0 <= root < len(tensors):
             raise ValueError(f"root {root} is not a rank of a group of {len(tensors)}")
         return self.reduce(tensors, op)
+
+    def reduce_buffers(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> list[torch.Tensor]:
+        """What ``dist.reduce`` leaves in every member's tensor (group-rank order), found by experiment.
+
+        gloo's reduce runs the ring reduce-scatter in place and sends the owned
+        chunks to the root: the root holds the all-reduce result (`reduce_to`);
+        every other rank holds, in each chunk, the partial of the walk up to and
+        including its own hop (the walk's first rank keeps its input; a chunk's
+        owner holds the full result). ``AVG`` divides every rank's tensor by
+        the group size in place afterwards, the root's and the others' alike.
+        """
+        if op is ReduceOp.AVG:
+            if not tensors[0].is_floating_point():
+                return [self.reduce(tensors, op)]  # raises torch's error
+            return [b.div_(len(tensors)) for b in self.reduce_buffers(tensors, ReduceOp.SUM, root)]
+        full = self.reduce_to(tensors, op, root)
+        rows, back = memory_rows(tensors)
+        n, numel = len(rows), rows[0].numel()
+        if n == 1 or numel == 0:
+            return [full]
+        hops, chunks = self._hops(rows)
+        partials = [hops[0]]
+        for local in hops[1:]:
+            pair = [partials[-1], local]
+            partials.append(_compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else _arith_walk(
+                pair, multiply=op is ReduceOp.PRODUCT))  # fmt: skip
+        stacked = torch.stack(partials).view(n, chunks, -1)
+        chunk = torch.arange(chunks)
+        out = []
+        for r in range(n):
+            if r == root:
+                out.append(full)
+                continue
+            own = stacked[(chunk - 1 - r) % n, chunk].reshape(-1)[:numel]  # chunk c: hop (c - 1 - r) mod n
+            out.append(back(own.clone()))
+        return out
+
+    def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """``reduce_scatter_tensor``: torch's gloo backend all-reduces a clone of the input (so a permuted
+        input in memory order) and hands rank ``i`` chunk ``i`` of dim 0; flat ``[n, numel / n]`` blocks."""
+        if isinstance(tensors, torch.Tensor) or all(t.is_contiguous() for t in tensors):
+            return super().reduce_scatter(tensors, op)
+        n = len(tensors)
+        full = self.reduce(tensors, op)
+        if full.shape[0] % n:
+            raise ValueError(f"reduce_scatter of a non-contiguous input needs dim 0 divisible by {n}, got {full.shape}")
+        return torch.stack([part.reshape(-1) for part in full.chunk(n, 0)])
 
     def reduce_scatter_list(
         self, lists: Sequence[Sequence[torch.Tensor]], op: ReduceOp = ReduceOp.SUM
@@ -379,6 +432,20 @@ class Gloo(ReductionModel):
         if any(len(lst) != n for lst in lists):
             raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
         return [self.reduce([lst[i] for lst in lists], op) for i in range(n)]
+
+    def _hops(self, rows: Rows) -> tuple[list[torch.Tensor], int]:
+        """``(hops, chunks)``: ``hops[j]`` holds, per element, the value hop ``j`` of its chunk's
+        walk combines (rank ``(c - 1 - j) mod n``), padded with zeros to ``chunks * length`` when there are
+        several chunks; one chunk is the ranks in descending order, unpadded."""
+        n, numel, first = len(rows), rows[0].numel(), rows[0]
+        length, chunks, index = _plan(n, numel, first.element_size(), self.max_segment_bytes, first.device)
+        if index is None:  # a single chunk: x[n-1], x[n-2], ..., x[0]
+            return list(rows)[::-1], 1
+        padded = chunks * length
+        stacked = rows if isinstance(rows, torch.Tensor) else torch.stack(rows)
+        if padded != numel:
+            stacked = torch.cat([stacked, _zeros(n, padded - numel, stacked)], dim=1)
+        return list(stacked.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)), chunks
 
     def _ring(self, rows: Rows, op: ReduceOp) -> torch.Tensor:
         """The flat result of the ring walk of ``op`` over ``rows`` (see `memory_rows`)."""
@@ -390,15 +457,7 @@ class Gloo(ReductionModel):
             out = fold(rows, multiply=op is ReduceOp.PRODUCT)
             if not _may_hold_nan(out):
                 return out
-        length, chunks, index = _plan(n, numel, first.element_size(), self.max_segment_bytes, first.device)
-        padded = chunks * length
-        if index is None:  # a single chunk: x[n-1], x[n-2], ..., x[0]
-            hops = list(rows)[::-1]
-        else:
-            stacked = rows if isinstance(rows, torch.Tensor) else torch.stack(rows)
-            if padded != numel:
-                stacked = torch.cat([stacked, _zeros(n, padded - numel, stacked)], dim=1)
-            hops = stacked.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)
+        hops, _ = self._hops(rows)
         if arith:
             out = _arith_walk(hops, multiply=op is ReduceOp.PRODUCT)
         elif op in (ReduceOp.MAX, ReduceOp.MIN):

@@ -60,8 +60,12 @@ class Case:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout != "contiguous" and (self.kind != "all_reduce" or self.inputs.dim() != 3):
-            raise ValueError("layouts other than contiguous are probed with all_reduce on 2-d inputs")
+        if self.layout != "contiguous" and (
+            self.kind not in ("all_reduce", "reduce_scatter_tensor") or self.inputs.dim() != 3
+        ):
+            raise ValueError(
+                "layouts other than contiguous are probed with all_reduce and reduce_scatter_tensor on 2-d inputs"
+            )
 
     def members(self, world_size: int) -> list[int]:
         """The group's global ranks in group-rank order (torch sorts them)."""
@@ -70,7 +74,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one rank saw: ``tensor`` (its output; for ``strided`` the whole base) or an error's type and text."""
+    """What one rank saw: ``tensor`` (its output; for ``strided`` the whole base) and/or an error's type and
+    text (with the tensor as the failed all_reduce left it, where that is recorded)."""
 
     tensor: torch.Tensor | None = None
     error: str | None = None
@@ -127,6 +132,7 @@ def run_cases(rank: int, cases: Sequence[Case]) -> list[Outcome | None]:
             groups[case.group] = dist.new_group(list(case.group))
     out: list[Outcome | None] = []
     for case in cases:
+        seen = None
         if rank not in case.members(world):
             out.append(None)
             continue
@@ -136,22 +142,22 @@ def run_cases(rank: int, cases: Sequence[Case]) -> list[Outcome | None]:
         try:
             if case.kind == "all_reduce":
                 t, seen = _layout_input(x, case.layout)
-                dist.all_reduce(t, op, group=pg)
+                dist.all_reduce(t, op, group=pg)  # on an error, ``seen`` shows what it left in the tensor
             elif case.kind == "reduce":
                 seen = x.clone()
                 dist.reduce(seen, dst=case.root, op=op, group=pg)
-                if rank != case.root:  # gloo leaves partial sums there, which the model does not claim
-                    seen = torch.empty(0, dtype=x.dtype)
             elif case.kind == "reduce_scatter":
                 seen = torch.empty_like(x[0])
                 dist.reduce_scatter(seen, [t.clone() for t in x], op=op, group=pg)
             else:
                 n = len(case.members(world))
-                seen = torch.empty(x.numel() // n, dtype=x.dtype)
-                dist.reduce_scatter_tensor(seen, x.clone(), op=op, group=pg)
+                t, _ = _layout_input(x, case.layout)
+                seen = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype)
+                dist.reduce_scatter_tensor(seen, t, op=op, group=pg)
             out.append(Outcome(seen))
         except Exception as exc:
-            out.append(Outcome(error=type(exc).__name__, message=str(exc).splitlines()[0]))
+            kept = seen if case.kind == "all_reduce" and case.layout == "contiguous" else None
+            out.append(Outcome(kept, type(exc).__name__, str(exc).splitlines()[0]))
     return out
 
 
@@ -168,12 +174,15 @@ def model_outcomes(cases: Sequence[Case], world_size: int, model: Gloo | None = 
 
 
 def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcome]:
+    refused = None  # torch's gloo backend raises these at the call, leaving the tensors alone
     if case.op.startswith("PREMUL_SUM"):
-        return dict.fromkeys(members, Outcome(error="RuntimeError", message="Cannot use ReduceOp.PREMUL_SUM with Gloo"))
+        refused = "Cannot use ReduceOp.PREMUL_SUM with Gloo"
+    elif case.op in _BITWISE and case.inputs.is_floating_point():
+        refused = f"Cannot use ReduceOp.{case.op} with non-integral dtype"
+    if refused is not None:
+        untouched = case.kind == "all_reduce" and case.layout == "contiguous"
+        return {r: Outcome(case.inputs[r] if untouched else None, "RuntimeError", refused) for r in members}
     if case.op in _BITWISE:
-        if case.inputs.is_floating_point():
-            error = f"Cannot use ReduceOp.{case.op} with non-integral dtype"
-            return dict.fromkeys(members, Outcome(error="RuntimeError", message=error))
         return dict.fromkeys(members, Outcome(functools.reduce(_BITWISE[case.op], [case.inputs[r] for r in members])))
     op = ReduceOp[case.op]
     try:
@@ -182,26 +191,29 @@ def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcom
             result = model.reduce([t for t, _ in seen], op)
             return {r: Outcome(result) for r in members}
         if case.kind == "reduce":
-            i = members.index(case.root)
-            result = model.reduce_to([case.inputs[r] for r in members], op, i)
-            empty = Outcome(torch.empty(0, dtype=case.inputs.dtype))
-            return {r: Outcome(result) if r == case.root else empty for r in members}
+            buffers = model.reduce_buffers([case.inputs[r] for r in members], op, members.index(case.root))
+            return {r: Outcome(b) for r, b in zip(members, buffers, strict=True)}
         if case.kind == "reduce_scatter":
             blocks = model.reduce_scatter_list([list(case.inputs[r]) for r in members], op)
-        else:
-            blocks = model.reduce_scatter([case.inputs[r] for r in members], op)
-        return {r: Outcome(blocks[i]) for i, r in enumerate(members)}
+            return {r: Outcome(blocks[i]) for i, r in enumerate(members)}
+        blocks = model.reduce_scatter([_layout_input(case.inputs[r], case.layout)[0] for r in members], op)
+        shape = (case.inputs.shape[1] // len(members), *case.inputs.shape[2:])
+        return {r: Outcome(blocks[i].view(shape)) for i, r in enumerate(members)}
     except (ValueError, RuntimeError) as exc:
-        return dict.fromkeys(members, Outcome(error=type(exc).__name__, message=str(exc).splitlines()[0]))
+        recorded = case.kind == "all_reduce" and case.layout == "contiguous"  # as `run_cases` records it
+        written = getattr(exc, "written", None) if recorded else None
+        return dict.fromkeys(members, Outcome(written, type(exc).__name__, str(exc).splitlines()[0]))
 
 
 def agree(real: Outcome | None, modelled: Outcome | None) -> bool:
-    """Same bits and shape, or the same error type (``None`` only matches ``None``)."""
+    """The same error type (or none) and the same tensor bits and shape (or no tensor on both sides)."""
     if real is None or modelled is None:
         return real is modelled
-    if real.error is not None or modelled.error is not None:
-        return real.error == modelled.error
+    if real.error != modelled.error:
+        return False
     a, b = real.tensor, modelled.tensor
+    if a is None or b is None:
+        return a is None and b is None
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
@@ -322,6 +334,10 @@ def corner_cases(world_size: int = 4) -> list[Case]:
         for dtype in (torch.float32, torch.bfloat16):
             for numel in (1, 3, 64, 1000):
                 x = spread(order_fingerprint(n, numel, dtype), members, w)
+                y = spread(_wide_normal(gen, (n, numel), dtype), members, w)
+                for op in ("PRODUCT", "MAX", "AVG"):
+                    name = f"reduce n={n} to {members[-1]} {numel} {_short(dtype)} {op}"
+                    cases.append(Case(name, "reduce", op, y, group, members[-1]))
                 for root in members:
                     cases.append(
                         Case(f"reduce n={n} to {root} {numel} {_short(dtype)}", "reduce", "SUM", x, group, root)
@@ -335,10 +351,13 @@ def corner_cases(world_size: int = 4) -> list[Case]:
                 for op in ("SUM", "MAX", "AVG"):
                     cases.append(Case(f"reduce_scatter_tensor n={n} {block} {_short(dtype)} {op}",
                                       "reduce_scatter_tensor", op, x, group))  # fmt: skip
-    for shape in ((3, 5), (64, 48), (7, 130)):
+    for shape in ((3, 5), (64, 48), (7, 130), (8, 33)):
         x = _wide_normal(gen, (w, *shape), torch.float32)
         for layout in ("transposed", "strided"):
             cases.append(Case(f"{layout} {shape}", "all_reduce", "SUM", x, layout=layout, tags=("layout",)))
+        if shape[0] % w == 0:
+            name = f"reduce_scatter_tensor transposed {shape}"
+            cases.append(Case(name, "reduce_scatter_tensor", "SUM", x, layout="transposed", tags=("layout",)))
     return cases
 
 
