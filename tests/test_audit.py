@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import simdist
 import simdist.gradpath.kernel
 import simdist.models.synthetic
 from simdist.audit import AuditReport, audit, audited, narrows, run_audit
@@ -346,11 +347,73 @@ def test_cli_runs_a_script_and_prints_its_sites(tmp_path, capsys):
         run_audit(_cli(["audit", str(tmp_path / "missing.py")]))
 
 
-def test_example_script_reports_the_writeback(capsys):
+WORLDS_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import simdist
+from simdist.reduce.gloo import Gloo
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
+
+
+def sim_rank(comm):
+    x = torch.full((4,), float(comm.get_rank()), dtype=torch.bfloat16)
+    comm.all_reduce(x, group=comm.group("tp"))  # SimWorld's Comm
+    return x
+
+
+def backend_rank(rank):
+    x = torch.full((4,), float(rank), dtype=torch.float16)
+    dist.all_reduce(x)  # the simdist torch.distributed backend
+    return x
+
+
+SimWorld(ParallelSpec(2, tp=2, ep=1), default_model=Gloo()).run(sim_rank)
+simdist.spawn(backend_rank, 2)
+code = sys.argv[1] if sys.argv[1:] else None
+sys.exit(int(code) if code and code.isdigit() else code)
+"""
+
+
+def test_cli_reports_collectives_of_simworld_and_the_simdist_backend_and_passes_exit_through(tmp_path, capsys):
+    from simdist.cli import main
+
+    script = tmp_path / "worlds.py"
+    script.write_text(WORLDS_SCRIPT)
+    assert main(["audit", "--no-errors", str(script), "the script's own message"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == "the script's own message"  # sys.exit("msg"): printed, status 1
+    sites = {line.split()[2]: line for line in captured.out.splitlines() if line.split()[1:2] == ["collective"]}
+    assert set(sites) == {"comm.all_reduce", "dist.all_reduce"}
+    comm, backend = sites["comm.all_reduce"], sites["dist.all_reduce"]
+    assert f"{_at(str(script), '# SimWorld')} in sim_rank" in comm and "bf16" in comm
+    assert "[group=tp; ranks 0-1]" in comm and comm.split()[0] == "2"
+    assert f"{_at(str(script), '# the simdist torch')} in backend_rank" in backend and "fp16" in backend
+    assert "backend simdist; ranks 0-1]" in backend
+    assert main(["audit", "--no-errors", "--top", "1", str(script), "7"]) == 7  # sys.exit(7): the script's code
+    out = capsys.readouterr().out
+    assert "exit status 7" in out and out.rstrip().endswith("... 1 more sites")
+    assert main(["audit", "--no-errors", "--top", "2", str(script)]) == 0
+    assert "more sites" not in capsys.readouterr().out
+
+
+def test_example_script_reports_the_writeback_as_the_readme_shows(capsys):
+    """README's example block, line numbers left out, is what ``experiments/audit_example.py`` prints now."""
+    import re
     import runpy
 
-    example = Path(__file__).resolve().parents[1] / "experiments" / "audit_example.py"
-    namespace = runpy.run_path(str(example))
+    root = Path(__file__).resolve().parents[1]
+    namespace = runpy.run_path(str(root / "experiments" / "audit_example.py"))
     assert namespace["main"]([]) == 0
     out = capsys.readouterr().out
     assert f"simdist/gradpath/kernel.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in apply" in out
+    printed = out.replace(str(Path(simdist.__file__).resolve().parent.parent) + "/", "")
+    printed = re.sub(r"(\.py):\d+", r"\1", printed)
+    readme = (root / "README.md").read_text()
+    block = readme[readme.index("(`python experiments/audit_example.py`)"):]
+    block = block[block.index("```\n") + 4:block.index("\n```", block.index("```\n") + 4)]
+    rows = [line for line in block.splitlines() if line.strip() != "..."]
+    assert len(rows) >= 7
+    for row in rows:
+        assert row in printed.splitlines(), row

@@ -1,12 +1,20 @@
-"""The command line: the main job's verdict, JSON output, and one-line errors with exit status 2."""
+"""The command line: the main job's verdict, JSON output, exit statuses (0 ok, 1 differs, 2 bad input: one
+line on stderr, nothing written), size limits, --version, user policies."""
 
+import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from simdist.cli import main
+from simdist.cli import EXIT_CODES, main
+from simdist.cli.limits import LIMITS
+from simdist.gradpath import catalogue
+from simdist.gradpath.probes import Trace
+from simdist.studies.dumps import write_rank_dump
 
 
 def test_repro_prints_the_reproduced_verdict(capsys):
@@ -35,6 +43,15 @@ def test_gas_two_names_the_correction_once_marker(capsys):
     assert "REPRODUCED" in capsys.readouterr().out.rstrip().splitlines()[-1]
 
 
+def _one_line_error(capsys, argv: list[str], message: str) -> str:
+    """Run ``main(argv)`` in-process: exit status 2, ``message`` on one line of stderr, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -43,13 +60,166 @@ def test_gas_two_names_the_correction_once_marker(capsys):
         (["repro", "8913", "--gas", "0"], "argument --gas: expected a positive integer, got 0"),
         (["repro", "9999"], "invalid choice: '9999' (choose from '8913')"),
         (["repro", "8913", "--reduction", "abacus"], "argument --reduction: invalid choice"),
+        (["repro", "8913", "--world-size", "100000000"], f"--world-size 100000000 is above the limit "
+                                                          f"{LIMITS['world_size']} (this run would need an estimated"),
+        (["repro", "8913", "--steps", "100000000"], f"--steps 100000000 is above the limit {LIMITS['steps']}"),
+        (["repro", "8913", "--gas", "5000"], f"--gas 5000 is above the limit {LIMITS['gas']}"),
+        (["repro", "8913", "--seed", str(2**70)], "--seed 1180591620717411303424 is outside the limit"),
+        (["repro", "8913", "--steps", "1000000", "--world-size", "64", "--tp", "2", "--ep", "2"],
+         "this run needs an estimated"),
+        (["audit", "--top", "-1", "script.py"], "argument --top: expected a non-negative integer, got -1"),
+        (["audit", "no_such_script.py"], "no such script: 'no_such_script.py'"),
+        (["policies", "--policy-module", "no_such_file.py"], "--policy-module no_such_file.py: no such file"),
+        (["policies", "--policy-module", "no_such_pkg.mod"], "no module named 'no_such_pkg.mod'"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_status_2(argv, message):
-    done = subprocess.run([sys.executable, "-m", "simdist.cli", *argv], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, message):
+    _one_line_error(capsys, argv, message)
+
+
+def test_the_installed_command_gives_one_line_and_status_2():
+    """One subprocess check of the real entry point (``python -m simdist.cli``): argparse's exit goes through."""
+    done = subprocess.run([sys.executable, "-m", "simdist.cli", "repro", "8913", "--gas", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "simdist: error: argument --gas: expected a positive integer, got 0\n"
+
+
+def test_version_and_exit_codes_in_help(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"simdist {version('simdist')}"
+    for argv in (["--help"], ["compare", "--help"], ["growth", "--help"], ["repro", "--help"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert EXIT_CODES in out
+    assert main(["audit", "--help"]) == 0
+    assert "exit status: the script's own" in capsys.readouterr().out
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert EXIT_CODES in readme, "README's exit-status block must be the CLI's"
+
+
+# -- compare: 0 equal, 1 beyond tolerance, 2 unreadable --------------------------------------------------------
+
+
+def _dump(directory: Path, values: list[torch.Tensor]) -> Path:
+    meta = {"spec": {"world_size": len(values)}, "policy": "p", "steps": 1, "gas": 1, "seed": 0, "marker": "m",
+            "update_path": "u", "model": "synthetic", "shapes": {"w": [4]}, "world": "test"}
+    for rank, value in enumerate(values):
+        trace = Trace(rank)
+        trace.capture(0, 0, "w", "local", value)
+        write_rank_dump(directory, trace, meta)
+    return directory
+
+
+@pytest.fixture
+def dumps(tmp_path):
+    value = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    a = _dump(tmp_path / "a", [value, value * 2])
+    bumped = value.clone()
+    bumped.view(torch.int32)[0] += 1  # one FP32 ulp
+    b = _dump(tmp_path / "b", [bumped, value * 2])
+    return a, b
+
+
+def test_compare_exit_status_is_0_when_equal_and_1_beyond_tolerance(dumps, capsys):
+    a, b = dumps
+    assert main(["compare", str(a), str(a)]) == 0
+    assert "2/2 tensors bitwise equal" in capsys.readouterr().out
+    assert main(["compare", str(a), str(b)]) == 1
+    assert "BEYOND TOLERANCE" in capsys.readouterr().out
+    assert main(["compare", str(a), str(b), "--tolerance-ulp", "1"]) == 0
+
+
+def test_compare_unreadable_dumps_are_one_line_naming_the_file(dumps, tmp_path, capsys):
+    a, b = dumps
+    rank0 = b / "rank0.safetensors"
+    data = rank0.read_bytes()
+    rank0.write_bytes(data[:-7])  # truncated
+    _one_line_error(capsys, ["compare", str(a), str(b)], f"{rank0}: not a readable safetensors file")
+    rank0.write_bytes(b"\x00" * 3)  # shorter than a header
+    _one_line_error(capsys, ["compare", str(a), str(b)], f"{rank0}: not a readable safetensors file (3 bytes")
+    rank0.write_bytes(b"not a safetensors file at all, just words")
+    _one_line_error(capsys, ["compare", str(a), str(b)], f"{rank0}: not a readable safetensors file")
+    rank0.unlink()
+    _one_line_error(capsys, ["compare", str(a), str(b)], "rank file rank0.safetensors is missing (world size 2)")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(rank0))
+    _one_line_error(capsys, ["compare", str(a), str(b)], f"{rank0}: not a simdist dump (no 'simdist' metadata)")
+    save_file({"x": torch.zeros(1)}, str(rank0), metadata={"simdist": "{not json"})
+    _one_line_error(capsys, ["compare", str(a), str(b)], f"{rank0}: corrupt 'simdist' metadata")
+    _one_line_error(capsys, ["compare", str(a), str(tmp_path / "nowhere")], "nowhere: no such dump directory")
+    _one_line_error(capsys, ["compare", str(a), str(rank0)], "not a directory")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(capsys, ["compare", str(tmp_path / "empty"), str(a)], "holds no rank*.safetensors files")
+
+
+# -- user policies -----------------------------------------------------------------------------------------------
+
+USER_POLICY = """
+import torch
+from simdist.gradpath.policy import Policy, register
+
+POLICY = register(Policy(name="{name}", summary="fp32 staging with a BF16 data-parallel all-reduce",
+                         staging=torch.float32, writeback=None, expert_in_grad_dtype=False,
+                         dp_reduce=torch.bfloat16))
+"""
+
+
+def test_policy_module_from_a_file_is_listed_with_its_origin_and_runs(tmp_path, capsys):
+    module = tmp_path / "my_policies.py"
+    module.write_text(USER_POLICY.format(name="mine_bf16_dp"))
+    assert main(["policies", "--policy-module", str(module)]) == 0
+    out = capsys.readouterr().out
+    assert f"mine_bf16_dp: fp32 staging with a BF16 data-parallel all-reduce\n    from: --policy-module {module}" in out
+    assert "fp32_staging: " in out and "    from: built-in (simdist.policies)" in out
+    assert main(["repro", "8913", "--steps", "1", "--policy-module", str(module),
+                 "--policies", "mine_bf16_dp,fp32_staging"]) == 0
+    assert "== mine_bf16_dp: fp32 staging with a BF16 data-parallel all-reduce" in capsys.readouterr().out
+
+
+def test_policy_module_by_dotted_name_and_its_errors(tmp_path, monkeypatch, capsys):
+    package = tmp_path / "userpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "pols.py").write_text(USER_POLICY.format(name="dotted_policy"))
+    (package / "broken.py").write_text("x = 1\ny = 1 / 0\n")
+    (package / "empty.py").write_text("x = 1\n")
+    (package / "clash.py").write_text(USER_POLICY.format(name="fp32_staging"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["policies", "--policy-module", "userpkg.pols"]) == 0
+    assert "dotted_policy: fp32 staging" in capsys.readouterr().out
+    _one_line_error(capsys, ["policies", "--policy-module", "userpkg.broken"],
+                    "--policy-module userpkg.broken failed at broken.py:2: ZeroDivisionError: division by zero")
+    _one_line_error(capsys, ["policies", "--policy-module", "userpkg.empty"], "registered no policy")
+    _one_line_error(capsys, ["policies", "--policy-module", "userpkg.clash"],
+                    "a different policy is already registered as 'fp32_staging'")
+    _one_line_error(capsys, ["policies", "--policy-module", str(package / "broken.py")],
+                    f"--policy-module {package / 'broken.py'} failed at broken.py:2: ZeroDivisionError")
+
+
+def test_entry_point_policies_are_loaded_and_shown_with_their_origin(tmp_path, monkeypatch, capsys):
+    """An installed package's ``simdist.policies`` entry point (a dist-info on sys.path, as pip leaves it)."""
+    (tmp_path / "plugin_policies.py").write_text(USER_POLICY.format(name="plugin_policy"))
+    info = tmp_path / "simdist_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: simdist-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[simdist.policies]\nplugin = plugin_policies\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(catalogue, "_loaded_entry_points", set())
+    monkeypatch.setattr(catalogue, "_ORIGINS", dict(catalogue._ORIGINS))
+    assert catalogue.load_entry_point_policies() == ["plugin_policy"]
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert ("plugin_policy: fp32 staging with a BF16 data-parallel all-reduce\n"
+            "    from: entry point plugin = plugin_policies (package simdist-plugin)") in out
+    (info / "entry_points.txt").write_text("[simdist.policies]\nbroken = no_such_plugin_module\n")
+    importlib.invalidate_caches()
+    with pytest.raises(ValueError, match="policy entry point 'broken' \\(no_such_plugin_module\\) failed to load"):
+        catalogue.load_entry_point_policies()
 
 
 def test_policies_lists_every_policy_with_its_chain(capsys):
@@ -69,3 +239,39 @@ def test_repro_lists_only_differing_tensors_unless_asked_for_all(capsys):
     differing = len(table)  # 32: router and router_partial hp grad, master, m, v on 4 ranks
     assert differing == 32 and f"{140 - differing} of 140 tensors bitwise equal to the oracle (not listed)" in diff_only
     assert sum(" yes " in line for line in every.splitlines()) == (140 - differing) + 140  # fp32_staging: all equal
+
+
+def test_readme_parallel_specs_are_valid_and_name_no_file_outside_the_repository():
+    import re
+
+    from simdist.world.spec import ParallelSpec
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    calls = re.findall(r"ParallelSpec\([^()]*\)", readme)
+    assert calls
+    for call in calls:
+        assert isinstance(eval(call, {"ParallelSpec": ParallelSpec}), ParallelSpec), call
+    assert "../shared" not in readme and "/work/" not in readme
+
+
+def test_growth_bad_sizes_and_unusable_out_write_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["growth", "--steps", "4", "--seeds", "1", "--no-progress", "--out"]
+    _one_line_error(capsys, [*base, str(out), "--seeds", "100000000"],
+                    f"--seeds 100000000 is above the limit {LIMITS['seeds']} (this run would need an estimated")
+    _one_line_error(capsys, [*base, str(out), "--seeds", "50000", "--steps", "1000000"],
+                    "this run needs an estimated 39.3 TiB of memory (metrics 39.3 TiB")
+    _one_line_error(capsys, [*base, str(out), "--world-size", "8", "--tp", "3"], "tp=3 must divide")
+    assert not out.exists()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _one_line_error(capsys, [*base, str(a_file)], f"--out {a_file}: exists and is not a directory")
+    _one_line_error(capsys, [*base, str(a_file / "sub")], f"--out {a_file / 'sub'}: {a_file} is not a directory")
+    assert a_file.read_text() == "x"
+    out.mkdir()
+    (out / "config.json").write_text('{"truncated": ')
+    _one_line_error(capsys, [*base, str(out)], f"{out / 'config.json'}: corrupt (JSONDecodeError")
+    (out / "config.json").unlink()
+    (out / "checkpoint.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    _one_line_error(capsys, [*base, str(out)], f"{out / 'checkpoint.safetensors'}: not a readable safetensors file")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors"]  # nothing written

@@ -242,3 +242,76 @@ def test_an_interrupted_moe_run_resumes_per_policy_and_seed(tmp_path):
     assert int(load_file(str(killed / FILES["checkpoint"]))["done"].sum()) == 3
     run_growth(config, killed, progress=False)
     assert _outputs(killed) == _outputs(tmp_path / "straight")
+
+
+# -- exact-zero errors, reruns, the band label (plotting) --------------------------------------------------------
+
+
+def test_zero_error_policies_are_drawn_summarised_and_rerun_says_reused(tmp_path, capsys):
+    """Every policy bitwise equal to the oracle (the best news) plots, summarises and reruns without a crash."""
+    out = tmp_path / "zero"
+    args = ["growth", "--policies", "fp32_staging", "--steps", "12", "--seeds", "2", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "fp32_staging: bitwise equal to the oracle (error exactly 0 at every step and seed)" in text
+    assert f"wrote {out}/{FILES['metrics']}" in text
+    assert (out / FILES["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / FILES["summary"]).read_text())
+    assert summary["policies"]["fp32_staging"]["bitwise_equal_to_oracle"] is True
+    assert summary["policies"]["fp32_staging"]["master_rel_growth_exponent"] is None
+    stamp = (out / FILES["plot"]).stat().st_mtime_ns
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "reused: the run in" in text and "already complete" in text and "wrote" not in text
+    assert (out / FILES["plot"]).stat().st_mtime_ns == stamp
+
+
+def test_a_run_that_crashed_while_plotting_finishes_on_rerun(tmp_path, capsys, monkeypatch):
+    import simdist.studies.growth.run as run_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    out = tmp_path / "crashed"
+    args = ["growth", "--policies", "bf16_writeback,fp32_staging", "--steps", "6", "--seeds", "1", "--out", str(out),
+            "--no-progress"]
+    monkeypatch.setattr(run_module, "plot_growth", broken)
+    assert main(args) == 3  # an unexpected exception: a bug, with its traceback, not "bad input"
+    assert "plotting failed" in capsys.readouterr().err
+    assert (out / FILES["checkpoint"]).exists() and not (out / FILES["summary"]).exists()
+    monkeypatch.undo()
+    assert main(args) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert (out / FILES["plot"]).exists() and (out / FILES["summary"]).exists()
+
+
+def test_zero_and_nonzero_errors_share_a_symlog_axis_and_the_band_says_what_it_is():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simdist.studies.growth.plot import _draw_band, _error_axis, band
+
+    steps = np.arange(1, 21)
+    errors = np.outer(np.sqrt(steps), [1e-6, 2e-6, 3e-6])
+    fig, ax = plt.subplots()
+    assert _draw_band(ax, steps, np.zeros((20, 3)), "C1", "equal", walk=True) is True
+    assert _draw_band(ax, steps, errors, "C0", "rounds", walk=True) is False
+    _error_axis(ax, np.stack([np.zeros((20, 3)), errors], axis=1), any_zero_policy=True)
+    assert ax.get_yscale() == "symlog"
+    low, high = ax.get_ylim()
+    assert low < 0 < 1e-6 < errors.max() < high  # the line at 0 and every error are inside the axis
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "equal: bitwise equal to the oracle (error exactly 0 at every step and seed)" in labels
+    assert "rounds median, min–max band, 3 seeds" in labels
+    zero_line = ax.get_lines()[labels.index("equal: bitwise equal to the oracle (error exactly 0 at every step "
+                                            "and seed)")]
+    assert set(zero_line.get_ydata()) == {0.0}
+    plt.close(fig)
+    lo, hi, what = band(errors)
+    assert what == "min–max band, 3 seeds" and (lo == errors.min(axis=1)).all() and (hi == errors.max(axis=1)).all()
+    many = np.outer(steps, np.arange(1, 11, dtype=float))
+    lo, hi, what = band(many)
+    assert what == "10–90% band"
+    np.testing.assert_array_equal(lo, np.percentile(many, 10, axis=1))

@@ -12,11 +12,37 @@ import traceback
 from simdist.audit.mode import Audit
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0 (``--top``), with a one-line error otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def exit_status(exc: SystemExit) -> tuple[int, str | None]:
+    """What Python does with ``sys.exit(code)``: ``(status, message for stderr)``.
+
+    ``None`` is 0, an integer is itself, anything else (``sys.exit("msg")``) is printed and gives 1.
+    """
+    code = exc.code
+    if code is None:
+        return 0, None
+    if isinstance(code, int):
+        return code, None
+    return 1, str(code)
+
+
 def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
     """Add ``audit`` to a ``simdist`` sub-command table (``parser.add_subparsers(...)``)."""
     parser = subparsers.add_parser(
         "audit",
         help="run a Python script under the precision audit and report where it narrows precision",
+        epilog="exit status: the script's own (sys.exit(n): n; sys.exit('msg'): 1, msg on stderr; an uncaught "
+        "exception: 1); 2 when simdist audit's own arguments are bad (no such script, a negative --top)",
         description="Run SCRIPT (with ARGS as its sys.argv[1:]) under simdist.audit and print every site that "
         "narrows a floating dtype or accumulates narrower than its inputs, most frequent first. Options go "
         "before SCRIPT; threads the script starts (SimWorld ranks) are audited too.",
@@ -27,7 +53,8 @@ def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
                         help="a module, package or path whose frames are not sites (repeatable)")
     parser.add_argument("--no-errors", action="store_true", help="do not compute rounding errors (faster)")
     parser.add_argument("--main-thread-only", action="store_true", help="do not audit threads the script starts")
-    parser.add_argument("--top", type=int, default=None, metavar="N", help="print only the N most frequent sites")
+    parser.add_argument("--top", type=_count, default=None, metavar="N",
+                        help="print only the N most frequent sites (N >= 0)")
     parser.add_argument("--records", action="store_true", help="with --json: include every raw record")
     parser.add_argument("script", help="path of the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
@@ -35,7 +62,11 @@ def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    """Run ``args.script`` under an audit and print the report; returns the script's exit status."""
+    """Run ``args.script`` under an audit and print the report; returns the script's exit status.
+
+    As Python would: ``sys.exit(n)`` gives ``n``, ``sys.exit("msg")`` prints ``msg`` on stderr and gives 1,
+    an uncaught exception prints its traceback and gives 1. The report is printed in every case.
+    """
     script = args.script
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script!r}")
@@ -49,7 +80,9 @@ def run_audit(args: argparse.Namespace) -> int:
         with redirect, a:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        status, message = exit_status(exc)
+        if message is not None:
+            print(message, file=sys.stderr)
     except Exception:
         traceback.print_exc()
         status = 1

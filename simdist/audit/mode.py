@@ -12,8 +12,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
+from simdist.audit import world_hooks
 from simdist.audit.ops import _OPS, _describe_op, _get, _Op, _safe_error, _Tensor, _tensors, _wide_error, _widen
 from simdist.audit.report import (
     _MAX_SHAPES,
@@ -60,6 +66,7 @@ class _Store:
         self.closed = False
         self.skipped: dict = {}  # code object -> skip this frame?
         self.sites: dict = {}  # (code object, line) -> (file, line, function)
+        self.followed: list = []  # (thread, native id) of each thread followed with threads=True
 
 
 _NO_SITE = ("<no Python frame>", 0, "")
@@ -79,6 +86,52 @@ def _skip_prefix(entry: str) -> str:
     if spec.submodule_search_locations:
         return os.path.dirname(os.path.abspath(spec.origin)) + os.sep
     return os.path.abspath(spec.origin)
+
+
+class _PopAtThreadExit:
+    """Pops a followed thread's audit off that thread's mode stack when the thread ends.
+
+    Held in a ``threading.local``, whose values are released on the ending thread while it still runs
+    Python; left on the stack, the mode would be released by C++ thread-local destructors after the
+    thread's Python state is gone, which aborts the process at exit ("terminate called without an
+    active exception").
+    """
+
+    __slots__ = ("mode",)
+
+    def __init__(self, mode: Audit) -> None:
+        self.mode = mode
+
+    def __del__(self) -> None:
+        try:
+            stack = _get_current_dispatch_mode_stack()
+            if stack and stack[-1] is self.mode:
+                _pop_mode()
+        except Exception:  # interpreter shutting down: nothing left to do
+            pass
+
+
+_THREAD_EXIT = threading.local()
+
+
+def _wait_for_ended_threads(store: _Store, timeout_s: float = 2.0) -> None:
+    """Wait (Linux, at most ``timeout_s``) until the followed threads that have finished are gone from the OS.
+
+    A finished thread still runs its C++ thread-local destructors, which release torch's copy of its
+    dispatch-mode state and take the GIL to do so; if the interpreter is finalizing by then, the process
+    aborts ("terminate called without an active exception", exit 134). Returning only once those threads
+    are gone keeps a script that ends right after its last SimWorld run from aborting under the audit.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    with store.lock:
+        followed, store.followed = store.followed, []
+    for thread, native in followed:
+        if thread.is_alive() or not os.path.isdir("/proc/self/task"):
+            continue
+        while os.path.exists(f"/proc/self/task/{native}") and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 class Audit(TorchDispatchMode):
@@ -133,6 +186,7 @@ class Audit(TorchDispatchMode):
         _push_mode(self)
         self._entered += 1
         self._store.closed = False
+        world_hooks.install()
         if self.threads and self._entered == 1:
             self._previous_profile = threading.getprofile()
             threading.setprofile(self._thread_hook())
@@ -144,9 +198,11 @@ class Audit(TorchDispatchMode):
             _push_mode(popped)
             raise RuntimeError(f"audit exited while {popped!r} is still on the dispatch-mode stack above it")
         self._entered -= 1
+        world_hooks.uninstall()
         if self.threads and self._entered == 0:
             threading.setprofile(self._previous_profile)
             self._store.closed = True
+            _wait_for_ended_threads(self._store)
 
     def _thread_hook(self):
         previous = self._previous_profile
@@ -155,8 +211,12 @@ class Audit(TorchDispatchMode):
             sys.setprofile(previous)  # one shot: set the thread's audit up, then get out of the way
             if not self._store.closed:
                 match = _RANK_THREAD.fullmatch(threading.current_thread().name)
-                _push_mode(Audit(rank=int(match[1]) if match else None, errors=self.errors,
-                                 collectives=self.collectives, _parent=self))
+                child = Audit(rank=int(match[1]) if match else None, errors=self.errors,
+                              collectives=self.collectives, _parent=self)
+                _push_mode(child)
+                _THREAD_EXIT.guard = _PopAtThreadExit(child)
+                with self._store.lock:
+                    self._store.followed.append((threading.current_thread(), threading.get_native_id()))
             if previous is not None:
                 return previous(frame, event, arg)
             return None
@@ -277,8 +337,18 @@ class Audit(TorchDispatchMode):
 
     # -- recording -------------------------------------------------------------------
 
-    def _site(self) -> tuple[str, int, str]:
+    def _site(self, outside: tuple[str, ...] = ()) -> tuple[str, int, str]:
+        """The first frame outside torch, the audit and ``skip`` (and the path prefixes ``outside``)."""
         store = self._store
+        if outside:
+            f = sys._getframe(1)
+            while f is not None:
+                name = f.f_code.co_filename
+                path = name if name.startswith("<") else os.path.abspath(name)
+                if not path.startswith(self._prefixes) and not path.startswith(outside):
+                    return path, f.f_lineno, f.f_code.co_name
+                f = f.f_back
+            return _NO_SITE
         skipped, prefixes = store.skipped, self._prefixes
         f = sys._getframe(1)
         while f is not None:
@@ -299,8 +369,9 @@ class Audit(TorchDispatchMode):
             f = f.f_back
         return _NO_SITE
 
-    def _record(self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str) -> None:
-        site = self._site()
+    def _record(self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str,
+                outside: tuple[str, ...] = ()) -> None:
+        site = self._site(outside)
         node = torch._C._current_autograd_node()
         if node is not None:
             context = f"backward:{node.name()}" + (f"; {context}" if context else "")
@@ -326,10 +397,13 @@ class Audit(TorchDispatchMode):
             else:
                 store.dropped += 1
 
-    def record_collective(self, op: str, tensor, context: str = "") -> None:
-        """Record a collective that does not reach the dispatcher (e.g. a simulated one) with its dtype."""
+    def record_collective(self, op: str, tensor, context: str = "", outside: tuple[str, ...] = ()) -> None:
+        """Record a collective that does not reach the dispatcher (e.g. a simulated one) with its dtype.
+
+        ``outside``: more path prefixes whose frames are not its site (the simulator's own plumbing).
+        """
         if self.collectives and isinstance(tensor, _Tensor) and not self._paused and not self._store.closed:
-            self._record(op, COLLECTIVE, (tensor.dtype,), tensor.dtype, tensor.shape, None, context)
+            self._record(op, COLLECTIVE, (tensor.dtype,), tensor.dtype, tensor.shape, None, context, outside)
 
 
 def _plain_key(key: tuple) -> tuple:

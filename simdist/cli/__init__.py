@@ -3,25 +3,35 @@
     simdist repro 8913 [--world-size 4 --tp 2 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0
                         --policies bf16_writeback,fp32_staging --marker deepspeed --update-path epilogue
                         --reduction gloo --model synthetic --json]
-    simdist policies
+    simdist policies [--policy-module my_policies.py]
     simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
     simdist audit [--json] path/to/script.py [args...]
     simdist growth --policies bf16_writeback,fp32_staging,bf16_only --steps 10000 --seeds 8 --out runs/NAME
                    [--model synthetic --seed 0 --gas 1 --marker deepspeed --checkpoint-every 500 --force]
 
-Bad input (an unknown policy, an invalid layout, an impossible option) prints
-one line naming the valid choices and exits with status 2, never a traceback.
+Exit status (`EXIT_CODES`, also in every ``--help``): 0 ok / equal, 1 differs beyond the
+tolerance (``compare``) or the case's verdict is not ok (``case run``), 2 bad input. Bad input
+-- an unknown policy, an invalid layout, a size above its limit, a missing, unreadable or
+corrupt file -- prints one line naming the file or option and what is wrong, never a
+traceback, and writes nothing. ``audit`` exits with the audited script's own status. An
+unexpected exception (a bug) prints its traceback and exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
+import os
 import sys
+import traceback
 
 from simdist.audit import add_audit_subcommand, run_audit
 from simdist.cases.cli import add_case_subcommand, run_case_command
+from simdist.cli.inputs import BadInput, check_dump, check_growth_out
+from simdist.cli.limits import check_run, growth_estimate, repro_estimate
+from simdist.cli.progress import bar, ticking
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.models import GradientModel
 from simdist.reduce import Reduction
@@ -30,10 +40,33 @@ from simdist.world.spec import ParallelSpec
 
 KNOWN_ISSUES = ("8913",)
 
+EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_BUG = 0, 1, 2, 3
+EXIT_CODES = """exit status:
+  0  ok: the run finished; for compare, every tensor is within the tolerance
+  1  differs: compare found tensors beyond --tolerance-ulp; case run: the case's verdict is not ok
+  2  bad input: unknown option or policy, invalid layout, a size above its limit, a missing,
+     unreadable or corrupt file, an unusable --out (one line on stderr naming it; nothing written)
+  3  internal error: an unexpected exception (a bug); its traceback is printed
+  audit exits with the audited script's own status instead (its sys.exit code and message)"""
+
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("epilog", EXIT_CODES)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit status 2
-        self.exit(2, f"simdist: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"simdist: error: {message}\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("simdist")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _int_at_least(minimum: int, what: str):
@@ -62,6 +95,7 @@ _non_negative = _int_at_least(0, "non-negative")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="simdist", description="A single-process numerics lab for distributed training.")
+    parser.add_argument("--version", action="version", version=f"simdist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     repro = sub.add_parser("repro", help="reproduce a known precision issue in the simulator")
@@ -74,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
     repro.add_argument("--seed", type=int, default=0)
     repro.add_argument("--policies", default="bf16_writeback,fp32_staging", help="comma-separated policy names")
+    _add_policy_module(repro)
+    repro.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     repro.add_argument(
         "--marker",
         choices=_values(Marker),
@@ -86,47 +122,106 @@ def build_parser() -> argparse.ArgumentParser:
         default=UpdatePath.EPILOGUE.value,
         help="when _update_hp_grad runs: after backward (default) or from gradient hooks (immediate_grad_update)",
     )
-    repro.add_argument("--reduction", choices=[m for m in _values(Reduction) if m != Reduction.UPCAST],
-                       default=Reduction.GLOO.value,
-                       help="reduction model of every group (default: gloo's order)")
-    repro.add_argument("--model", choices=_values(GradientModel), default=GradientModel.SYNTHETIC.value,
-                       help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block")
-    repro.add_argument("--engine", choices=_values(Engine), default=Engine.TRANSCRIBED.value,
-                       help="simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
-                            "(bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)")
+    repro.add_argument(
+        "--reduction",
+        choices=[m for m in _values(Reduction) if m != Reduction.UPCAST],
+        default=Reduction.GLOO.value,
+        help="reduction model of every group (default: gloo's order)",
+    )
+    repro.add_argument(
+        "--model",
+        choices=_values(GradientModel),
+        default=GradientModel.SYNTHETIC.value,
+        help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block",
+    )
+    repro.add_argument(
+        "--engine",
+        choices=_values(Engine),
+        default=Engine.TRANSCRIBED.value,
+        help="simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
+        "(bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)",
+    )
     repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
     diff = repro.add_mutually_exclusive_group()
-    diff.add_argument("--diff-only", dest="all_tensors", action="store_false", default=False,
-                      help="list only the tensors that differ from the oracle (the default)")
-    diff.add_argument("--all-tensors", dest="all_tensors", action="store_true",
-                      help="list every compared tensor, equal ones too")
+    diff.add_argument(
+        "--diff-only",
+        dest="all_tensors",
+        action="store_false",
+        default=False,
+        help="list only the tensors that differ from the oracle (the default)",
+    )
+    diff.add_argument(
+        "--all-tensors", dest="all_tensors", action="store_true", help="list every compared tensor, equal ones too"
+    )
 
-    sub.add_parser("policies", help="list the registered precision policies and their chains")
+    policies = sub.add_parser("policies", help="list the registered precision policies, their chains and origins")
+    _add_policy_module(policies)
 
     compare = sub.add_parser("compare", help="compare two per-rank tensor dumps (experiments/crosscheck.py)")
     compare.add_argument("dump_a", help="a dump directory (rank*.safetensors)")
     compare.add_argument("dump_b", help="another dump directory of the same run")
-    compare.add_argument("--tolerance-ulp", type=_non_negative, default=0,
-                         help="largest ulp difference accepted (default 0: bitwise)")
+    compare.add_argument(
+        "--tolerance-ulp", type=_non_negative, default=0, help="largest ulp difference accepted (default 0: bitwise)"
+    )
+    compare.add_argument("--no-progress", action="store_true", help="no progress indicator on stderr")
     add_audit_subcommand(sub)
     _add_growth_subcommand(sub)
     add_case_subcommand(sub)
     return parser
 
 
+def _add_policy_module(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy-module",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="load your own policies first: a .py file or a dotted module name that calls "
+        "simdist.gradpath.policy.register(Policy(...)) (repeatable)",
+    )
+
+
+def _load_policy_modules(args: argparse.Namespace) -> None:
+    from simdist.gradpath.catalogue import load_policy_module
+
+    for source in args.policy_module:
+        load_policy_module(source)
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    from simdist.gradpath.catalogue import get_policy
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise ValueError("--policies needs at least one policy name")
+    for name in names:
+        get_policy(name)  # a ValueError names the valid policies
+    return names
+
+
 def _add_growth_subcommand(sub) -> None:
     growth = sub.add_parser("growth", help="error growth of policies against the FP32 oracle over many steps")
-    growth.add_argument("--policies", default="bf16_writeback,fp32_staging,bf16_only",
-                        help="comma-separated policy names")
+    growth.add_argument(
+        "--policies", default="bf16_writeback,fp32_staging,bf16_only", help="comma-separated policy names"
+    )
+    _add_policy_module(growth)
     growth.add_argument("--steps", type=_positive, default=10_000, help="optimizer steps (default 10000)")
     growth.add_argument("--seeds", type=_positive, default=8, help="ensemble size, run batched (default 8)")
     growth.add_argument("--seed", type=int, default=0, help="first seed of the ensemble")
     growth.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
-    growth.add_argument("--marker", choices=_values(Marker), default=Marker.DEEPSPEED.value,
-                        help="when the correction-once marker is cleared (matters for --gas >= 2)")
-    growth.add_argument("--model", choices=_values(GradientModel), default=GradientModel.SYNTHETIC.value,
-                        help="gradient source: the synthetic stream (batched over seeds) or the folded MoE block "
-                             "(each seed and policy run in turn next to the FP32 oracle; resumes per run)")
+    growth.add_argument(
+        "--marker",
+        choices=_values(Marker),
+        default=Marker.DEEPSPEED.value,
+        help="when the correction-once marker is cleared (matters for --gas >= 2)",
+    )
+    growth.add_argument(
+        "--model",
+        choices=_values(GradientModel),
+        default=GradientModel.SYNTHETIC.value,
+        help="gradient source: the synthetic stream (batched over seeds) or the folded MoE block "
+        "(each seed and policy run in turn next to the FP32 oracle; resumes per run)",
+    )
     growth.add_argument("--world-size", type=_positive, default=4)
     growth.add_argument("--tp", type=_positive, default=2)
     growth.add_argument("--ep", type=_positive, default=2)
@@ -139,92 +234,192 @@ def _add_growth_subcommand(sub) -> None:
 def _growth(args: argparse.Namespace) -> int:
     from simdist.studies.growth import FILES, GrowthConfig, run_growth
 
-    names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
-    if not names:
-        raise ValueError("--policies needs at least one policy name")
-    config = GrowthConfig(policies=names, steps=args.steps, seeds=args.seeds, seed=args.seed, gas=args.gas,
-                          marker=args.marker, model=args.model,
-                          spec=ParallelSpec(args.world_size, tp=args.tp, ep=args.ep),
-                          checkpoint_every=args.checkpoint_every)
+    _load_policy_modules(args)
+    names = _policy_list(args.policies)
+    estimate = growth_estimate(args.world_size, args.steps, args.seeds, len(names), args.model)
+    check_run(
+        {
+            "world_size": args.world_size,
+            "tp": args.tp,
+            "ep": args.ep,
+            "steps": args.steps,
+            "seeds": args.seeds,
+            "seed": args.seed,
+            "gas": args.gas,
+            "checkpoint_every": args.checkpoint_every,
+        },
+        estimate,
+    )
+    config = GrowthConfig(
+        policies=names,
+        steps=args.steps,
+        seeds=args.seeds,
+        seed=args.seed,
+        gas=args.gas,
+        marker=args.marker,
+        model=args.model,
+        spec=ParallelSpec(args.world_size, tp=args.tp, ep=args.ep),  # a ValueError names the broken constraint
+        checkpoint_every=args.checkpoint_every,
+    )
+    config.validate()  # layout and model constraints, before anything is written
+    check_growth_out(args.out, FILES, args.force)
+    reused = not args.force and _finished(config, args.out, FILES)
     summary = run_growth(config, args.out, force=args.force, progress=not args.no_progress)
     for name, info in summary["policies"].items():
         final = info["final_median"]
         exponent = info.get("master_rel_growth_exponent", info.get("param_rel_growth_exponent"))
         if info["bitwise_equal_to_oracle"]:
-            growth = "bitwise equal to the oracle"
+            growth = "bitwise equal to the oracle (error exactly 0 at every step and seed)"
         elif args.model == "moe":
-            growth = (f"bf16 weights rel {final['param_rel']:.3e} (max {final['param_ulp_max']:.0f} bf16 ulp), "
-                      f"|loss - oracle loss| {final['loss_diff']:.3e} (max over steps {info['max_loss_diff']:.3e})")
+            growth = (
+                f"bf16 weights rel {final['param_rel']:.3e} (max {final['param_ulp_max']:.0f} bf16 ulp), "
+                f"|loss - oracle loss| {final['loss_diff']:.3e} (max over steps {info['max_loss_diff']:.3e})"
+            )
             if exponent is not None:
                 growth += f", weights growth ~ t^{exponent:.2f}"
         else:
-            growth = (f"master rel {final['master_rel']:.3e} ({final['master_ulp_gmean']:.3g} ulp geo-mean), "
-                      f"adam m rel {final['adam_m_rel']:.3e}, adam v rel {final['adam_v_rel']:.3e}")
+            growth = (
+                f"master rel {final['master_rel']:.3e} ({final['master_ulp_gmean']:.3g} ulp geo-mean), "
+                f"adam m rel {final['adam_m_rel']:.3e}, adam v rel {final['adam_v_rel']:.3e}"
+            )
             if exponent is not None:
                 growth += f", master growth ~ t^{exponent:.2f}"
         print(f"{name}: {growth}")
-    print(f"wrote {args.out}/{FILES['metrics']} and {args.out}/{FILES['plot']}")
-    return 0
+    files = f"{args.out}/{FILES['metrics']}, {args.out}/{FILES['plot']} and {args.out}/{FILES['summary']}"
+    if reused:
+        print(f"reused: the run in {args.out} was already complete ({files} unchanged; --force recomputes it)")
+    else:
+        print(f"wrote {files}")
+    return EXIT_OK
+
+
+def _finished(config, out: str, files: dict[str, str]) -> bool:
+    """Whether ``out`` already holds this finished run (same configuration, a summary): `run_growth` reuses it."""
+    from pathlib import Path
+
+    path = Path(out)
+    try:
+        same = json.loads((path / files["config"]).read_text()) == config.identity()
+    except (OSError, ValueError):
+        return False
+    return same and (path / files["summary"]).is_file()
 
 
 def _repro(args: argparse.Namespace) -> int:
-    from simdist.gradpath.catalogue import get_policy
-    from simdist.studies.repro import ReproConfig, format_report, reproduce, to_json
+    from simdist.studies.repro import ReproConfig, format_report, reproduce, run_count, to_json
 
-    names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
-    if not names:
-        raise ValueError("--policies needs at least one policy name")
-    for name in names:
-        get_policy(name)  # a ValueError names the valid policies
+    _load_policy_modules(args)
+    names = _policy_list(args.policies)
+    check_run(
+        {
+            "world_size": args.world_size,
+            "tp": args.tp,
+            "ep": args.ep,
+            "etp": args.etp,
+            "steps": args.steps,
+            "gas": args.gas,
+            "seed": args.seed,
+        },
+        repro_estimate(args.world_size, args.steps, args.gas, len(names), args.model),
+    )
     config = ReproConfig(
         spec=ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp),  # ValueError names the constraint
-        steps=args.steps, gas=args.gas, seed=args.seed, policies=names, marker=args.marker,
-        reduction=args.reduction, update_path=args.update_path, model=args.model, engine=args.engine,
+        steps=args.steps,
+        gas=args.gas,
+        seed=args.seed,
+        policies=names,
+        marker=args.marker,
+        reduction=args.reduction,
+        update_path=args.update_path,
+        model=args.model,
+        engine=args.engine,
     )
-    reports, verdict = reproduce(config)
+    shown = bar(run_count(config), "repro 8913", unit="run", enabled=not args.no_progress)
+    try:
+        reports, verdict = reproduce(config, progress=(lambda label: shown.update(1)) if shown is not None else None)
+    finally:
+        if shown is not None:
+            shown.close()
     if args.json:
         print(json.dumps(to_json(config, reports, verdict), indent=2))
     else:
         print(format_report(config, reports, verdict, diff_only=not args.all_tensors))
-    return 0
+    return EXIT_OK
 
 
 def _compare(args: argparse.Namespace) -> int:
-    """Exit 0 when every tensor is within the tolerance, 1 when some is not, 2 when the dumps are not one run."""
+    """Exit 0 when every tensor is within the tolerance, 1 when some is not, 2 when an input is unreadable or
+    the dumps are not one run."""
+    from safetensors import SafetensorError
+
     from simdist.studies.dumps import compare_dumps, format_comparison
 
-    result = compare_dumps(args.dump_a, args.dump_b, args.tolerance_ulp)  # NotSameRun is a one-line ValueError
+    check_dump(args.dump_a)
+    check_dump(args.dump_b)
+    try:
+        with ticking("compare", enabled=not args.no_progress):
+            result = compare_dumps(args.dump_a, args.dump_b, args.tolerance_ulp)  # NotSameRun: one-line ValueError
+    except SafetensorError as exc:  # a tensor's data unreadable past a valid header
+        raise BadInput(f"{args.dump_a} or {args.dump_b}: a rank file is corrupt ({exc})") from None
     print(format_comparison(result))
-    return 0 if result.ok else 1
+    return EXIT_OK if result.ok else EXIT_DIFFERS
 
 
-def _policies() -> int:
-    from simdist.gradpath.catalogue import get_policy, policy_names
+def _policies(args: argparse.Namespace) -> int:
+    from simdist.gradpath.catalogue import get_policy, policy_names, policy_origin
     from simdist.gradpath.families import Family
 
+    _load_policy_modules(args)
     for name in policy_names():
         policy = get_policy(name)
         print(f"{name}: {policy.summary}")
+        print(f"    from: {policy_origin(name)}")
         print(f"    router (AVERAGE, tp=2): {policy.chain(Family.ROUTER_GATE_REPLICATED, 2)}")
         print(f"    expert (/tp, tp=2):     {policy.chain(Family.EXPERT, 2)}")
-    return 0
+    return EXIT_OK
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "audit":
+        return run_audit(args)
+    if args.command == "repro":
+        return _repro(args)
+    if args.command == "compare":
+        return _compare(args)
+    if args.command == "case":
+        if getattr(args, "case_action", None) == "run" and not args.json:
+            with ticking(f"case {args.name}"):
+                return run_case_command(args)
+        return run_case_command(args)
+    if args.command == "growth":
+        return _growth(args)
+    return _policies(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit status (`EXIT_CODES`), also for argparse errors and ``--help``."""
     try:
-        if args.command == "audit":
-            return run_audit(args)
-        if args.command == "repro":
-            return _repro(args)
-        if args.command == "compare":
-            return _compare(args)
-        if args.command == "case":
-            return run_case_command(args)
-        if args.command == "growth":
-            return _growth(args)
-        return _policies()
-    except ValueError as exc:
-        print(f"simdist: error: {exc}", file=sys.stderr)
-        return 2
-
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, a usage error (already printed on one line)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
+        return _dispatch(args)
+    except ValueError as exc:  # bad input: BadInput, SizeError, an unknown policy, a broken layout, ...
+        message = " ".join(str(exc).split("\n")[0].split())
+        print(f"simdist: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # stdout closed early (| head): stop quietly, as a killed-by-SIGPIPE tool would
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as exc:  # a file that cannot be read or written
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"simdist: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("simdist: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("simdist: internal error (a bug in simdist: please report the traceback above)", file=sys.stderr)
+        return EXIT_BUG

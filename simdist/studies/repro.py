@@ -13,6 +13,7 @@ verdict computed from those comparisons.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -201,8 +202,13 @@ class _Magnitudes:
         return self.grads(step, micro, rank, param).abs()
 
 
-def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
-    """Run the oracle and every policy; return the per-policy reports and the verdict."""
+def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None) -> tuple[list[PolicyReport], Verdict]:
+    """Run the oracle and every policy; return the per-policy reports and the verdict.
+
+    ``progress`` (the CLI's bar) is called with a label after each run: the oracle, the |terms| run (synthetic
+    model only) and each policy -- `run_count` calls in all.
+    """
+    done = progress or (lambda label: None)
     spec = config.spec
     policies = [get_policy(name) for name in config.policies]
     model = make_model(config.reduction)
@@ -211,12 +217,14 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
     )
     oracle_path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed, marker="per_micro_step")
     oracle = run(spec, FP32_ORACLE, oracle_path, model, training_model=config.model)
+    done("oracle")
     magnitudes = None
     if config.model == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
         params, initial, grads = workload(config.model, spec, config.seed, config.gas)
         magnitudes = SimWorld(spec, default_model=model).run(
             train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path
         )
+        done("|terms|")
     families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas)[0]}
     reports = []
     real = _engine_traces(config)
@@ -224,6 +232,7 @@ def reproduce(config: ReproConfig) -> tuple[list[PolicyReport], Verdict]:
         traces = real[policy.name] if real else run(spec, policy, path, model, training_model=config.model)
         rows = compare_with_oracle(traces, oracle, magnitudes)
         divergence = first_divergence(traces, oracle)
+        done(policy.name)
         reports.append(
             PolicyReport(
                 policy.name,
@@ -261,6 +270,11 @@ def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
     from simdist.cases.deepspeed_8913 import repro_traces
 
     return repro_traces(config)
+
+
+def run_count(config: ReproConfig) -> int:
+    """How many runs `reproduce` makes (its ``progress`` calls): the oracle, the |terms| run, the policies."""
+    return 1 + (config.model == GradientModel.SYNTHETIC) + len(config.policies)
 
 
 def first_divergence_of(report: PolicyReport):

@@ -26,7 +26,8 @@ def random_walk(steps: np.ndarray, median: np.ndarray, anchor: int = 10) -> np.n
 
 
 def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
-    """Log-log panels (relative and ulp error of masters, m, v against step): median, 10-90% band, sqrt(t) line.
+    """Panels of the relative and ulp error of masters, m, v against step (log x, symlog y so that an exact 0
+    is drawn): median, band over seeds (`band`), sqrt(t) line; a policy equal to the oracle is a line at 0.
 
     ``model="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error.
     """
@@ -42,38 +43,59 @@ def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> 
     fig, axes = plt.subplots(2, 3, figsize=(15, 9), sharex=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     labels = {"master": "FP32 master", "adam_m": "Adam m", "adam_v": "Adam v"}
-    for row, (metric, unit) in enumerate((("rel", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)"),
-                                          ("ulp_gmean", "geo-mean error, differing elements (FP32 ulps)"))):
+    for row, (metric, unit) in enumerate(
+        (
+            ("rel", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)"),
+            ("ulp_gmean", "geo-mean error, differing elements (FP32 ulps)"),
+        )
+    ):
         for col, tensor in enumerate(TENSORS):
             ax = axes[row, col]
             k = COLUMNS.index(f"{tensor}_{metric}")
-            for j, name in enumerate(config.policies):
+            zero = [
                 _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk=tensor == "master")
+                for j, name in enumerate(config.policies)
+            ]
             ax.set_xscale("log")
-            ax.set_yscale("log")
+            _error_axis(ax, metrics[:, :, :, k], any(zero))
             ax.set_title(labels[tensor])
             ax.set_ylabel(unit, fontsize=9)
             if row == 1:
                 ax.set_xlabel("optimizer step (count)")
             ax.grid(True, which="major", alpha=0.3)
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
+    _legend(fig, axes)
     spec = config.spec
     dtypes = _dtypes(config)
-    fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {spec.describe()}, "
-                 f"model {config.model} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
-                 f"GAS {config.gas}\n{dtypes}", fontsize=9)
-    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.17, top=0.95 - 0.02 * (len(config.policies) + 1),
-                        hspace=0.22, wspace=0.22)
+    fig.suptitle(
+        y=0.99,
+        t=f"Error growth vs the FP32 oracle — {spec.describe()}, "
+        f"model {config.model} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
+        f"GAS {config.gas}\n{dtypes}",
+        fontsize=9,
+    )
+    fig.subplots_adjust(
+        left=0.06, right=0.99, bottom=0.17, top=0.95 - 0.02 * (len(config.policies) + 1), hspace=0.22, wspace=0.22
+    )
 
     _save_figure(fig, path)
+
+
+def _legend(fig, axes) -> None:
+    """One legend for the figure: every label of every panel, once (a policy may be zero on some panels only)."""
+    seen: dict[str, object] = {}
+    for ax in np.ravel(axes):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=3, fontsize=8)
 
 
 def _dtypes(config: GrowthConfig) -> str:
     return "\n".join(
         f"{n}: grad {dtype_name(p.grad_dtype)}, writeback {dtype_name(p.writeback) if p.writeback else 'none'}, "
         f"acc {dtype_name(p.accumulate)}, dp {dtype_name(p.dp_reduce)}, master/moments {dtype_name(p.master)}/"
-        f"{dtype_name(p.moments)}" for n, p in ((n, get_policy(n)) for n in config.policies))
+        f"{dtype_name(p.moments)}"
+        for n, p in ((n, get_policy(n)) for n in config.policies)
+    )
 
 
 def _save_figure(fig, path: str | Path) -> None:
@@ -86,23 +108,84 @@ def _save_figure(fig, path: str | Path) -> None:
     plt.close(fig)
 
 
-def _draw_band(ax, steps: np.ndarray, values: np.ndarray, colour, name: str, walk: bool) -> None:
-    """Median and 10-90% band over seeds (``values[step, seed]``) on log axes; zeros are not drawn."""
+BAND_QUANTILE_SEEDS = 10
+"""Seeds needed before the band is the 10-90% quantile range; with fewer it is the min-max range."""
+
+
+def band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(low, high, label)`` of the spread over seeds (``values[step, seed]``).
+
+    With at least `BAND_QUANTILE_SEEDS` seeds: the 10th and 90th percentiles (``"10–90% band"``). With fewer,
+    a 10th percentile would only interpolate between the two smallest seeds, so the band is the
+    min-max range and says so (``"min–max band, 2 seeds"``).
+    """
+    seeds = values.shape[1]
+    if seeds >= BAND_QUANTILE_SEEDS:
+        return np.percentile(values, 10, axis=1), np.percentile(values, 90, axis=1), "10–90% band"
+    return values.min(axis=1), values.max(axis=1), f"min–max band, {seeds} seed{'s' if seeds != 1 else ''}"
+
+
+def _draw_band(ax, steps: np.ndarray, values: np.ndarray, colour, name: str, walk: bool) -> bool:
+    """Median and band over seeds (``values[step, seed]``); returns whether every value is exactly zero.
+
+    The axis is symlog (`_error_axis`), so exact zeros are drawn at the bottom (0) instead of vanishing as
+    they would on a log axis. A policy whose error is zero at every step and seed is drawn as a line at 0
+    and labelled as bitwise equal to the oracle.
+    """
+    if not (values != 0).any():
+        ax.axhline(
+            0.0,
+            color=colour,
+            linewidth=2.5,
+            alpha=0.8,
+            label=f"{name}: bitwise equal to the oracle (error exactly 0 at every step and seed)",
+        )
+        return True
     med = np.median(values, axis=1)
-    if not (med > 0).any() and not (values > 0).any():
-        ax.plot([], [], color=colour, label=f"{name} (bitwise equal to oracle: zero error)")
-        return
-    lo, hi = np.percentile(values, 10, axis=1), np.percentile(values, 90, axis=1)
-    ax.fill_between(steps, np.where(lo > 0, lo, np.nan), np.where(hi > 0, hi, np.nan),
-                    color=colour, alpha=0.2, linewidth=0)
-    ax.plot(steps, np.where(med > 0, med, np.nan), color=colour, label=f"{name} median, 10–90% band")
+    lo, hi, what = band(values)
+    ax.fill_between(steps, lo, hi, color=colour, alpha=0.2, linewidth=0)
+    ax.plot(steps, med, color=colour, label=f"{name} median, {what}")
     line = random_walk(steps, med) if walk else None
     if line is not None:
         ax.plot(steps, line, color=colour, linestyle="--", linewidth=1, label=f"{name} random walk ∝ √t")
+    return False
+
+
+def _error_axis(ax, values: np.ndarray, any_zero_policy: bool) -> None:
+    """A symlog y axis: logarithmic above the smallest non-zero error, linear from it down to an exact 0.
+
+    ``values`` are every value drawn on the panel. With no non-zero value at all the axis is linear on [0, 1].
+    A panel where some policy is bitwise equal to the oracle gets a note at its bottom line.
+    """
+    finite = values[np.isfinite(values)]
+    positive = finite[finite > 0]
+    if positive.size:
+        threshold = float(10 ** (np.floor(np.log10(positive.min())) - 1))  # a decade below the smallest error
+        ax.set_yscale("symlog", linthresh=threshold, linscale=1.0)
+        top = float(positive.max()) * 3
+        ax.set_ylim(bottom=-0.3 * threshold, top=top)  # room for the line at 0
+        first, last = round(float(np.log10(threshold))), int(np.ceil(np.log10(top)))
+        stride = max(1, (last - first + 8) // 9)  # at most about 9 decades labelled
+        from matplotlib.ticker import FixedLocator, NullFormatter
+
+        ax.yaxis.set_major_locator(FixedLocator([0.0] + [10.0**k for k in range(first, last + 1, stride)]))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_ylim(-0.05, 1.0)
+    if any_zero_policy:
+        ax.annotate(
+            "0 = bitwise equal to the oracle",
+            xy=(0.01, 0.0),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=7,
+            va="bottom",
+        )
 
 
 def _plot_moe(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
-    """Log-log panels for the MoE block: BF16 weights' relative and ulp error, loss difference, local grads."""
+    """Log-x / symlog-y panels for the MoE block: BF16 weights' relative and ulp error, loss difference, local grads."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,29 +199,37 @@ def _plot_moe(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> No
     panels = (
         ("param_rel", "BF16 weights after the update", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)", True),
         ("param_ulp_max", "BF16 weights after the update", "max error over elements (BF16 ulps)", False),
-        ("loss_diff", "loss difference (loss of step t, before its update)",
-         "|loss_policy − loss_oracle|  (loss units: MSE)", False),
-        ("grad_rel", "BF16 local gradients (model backward)", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)",
-         False),
+        (
+            "loss_diff",
+            "loss difference (loss of step t, before its update)",
+            "|loss_policy − loss_oracle|  (loss units: MSE)",
+            False,
+        ),
+        ("grad_rel", "BF16 local gradients (model backward)", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)", False),
     )
     for ax, (column, title, unit, walk) in zip(axes.flat, panels, strict=True):
         k = MOE_COLUMNS.index(column)
-        for j, name in enumerate(config.policies):
+        zero = [
             _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk)
+            for j, name in enumerate(config.policies)
+        ]
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        _error_axis(ax, metrics[:, :, :, k], any(zero))
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(unit, fontsize=9)
         ax.grid(True, which="major", alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("optimizer step (count)")
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
+    _legend(fig, axes)
     cfg = MoEConfig()
-    fig.suptitle(y=0.99, t=f"Error growth vs the FP32 oracle — {config.spec.describe()}, model moe (folded "
-                 f"MoE block: hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens/rank; "
-                 f"BF16 weights and local grads), {config.seeds} seeds, GAS {config.gas}\n{_dtypes(config)}",
-                 fontsize=9)
-    fig.subplots_adjust(left=0.08, right=0.99, bottom=0.13, top=0.95 - 0.02 * (len(config.policies) + 1),
-                        hspace=0.2, wspace=0.22)
+    fig.suptitle(
+        y=0.99,
+        t=f"Error growth vs the FP32 oracle — {config.spec.describe()}, model moe (folded "
+        f"MoE block: hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens/rank; "
+        f"BF16 weights and local grads), {config.seeds} seeds, GAS {config.gas}\n{_dtypes(config)}",
+        fontsize=9,
+    )
+    fig.subplots_adjust(
+        left=0.08, right=0.99, bottom=0.13, top=0.95 - 0.02 * (len(config.policies) + 1), hspace=0.2, wspace=0.22
+    )
     _save_figure(fig, path)
