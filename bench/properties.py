@@ -22,7 +22,8 @@ import time
 
 from hypothesis import given, settings
 
-from simdist.gradpath.compact import oracle_cases, staging_departs_from_oracle
+from simdist.gradpath.compact import staging_departs_from_oracle
+from simdist.strategies import oracle_cases
 from simdist.world.spec import DEFAULT_SPEC
 
 TARGET, GOAL = 100.0, 500.0

@@ -18,7 +18,9 @@ Public, composable building blocks used by simdist's own tests:
 * `gradient_batches` -- the same, cheap to draw: bytes read as BF16 bits
   (`VALUE_MODES`) with the peer layouts applied by tensor operations, held
   rank-batched (`GradientBatch`) for `simdist.gradpath.batched.BatchedPath`;
-* `policies` -- registered precision policies.
+* `policies` -- registered precision policies;
+* `oracle_cases` -- property (a)'s cases: a layout, GAS, steps and a gradient batch for the compact workload
+  of `simdist.gradpath.compact`.
 
 All values are built from sign, exponent and significand integers, so every
 drawn value is exactly representable in the requested dtype and shrinks
@@ -32,6 +34,7 @@ import functools
 import torch
 from hypothesis import strategies as st
 
+from simdist.gradpath.compact import PARAMS as COMPACT_PARAMS
 from simdist.numerics.floats import float_format
 from simdist.world.spec import ParallelSpec
 
@@ -479,3 +482,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         n *= size
     return n
+
+
+@st.composite
+def oracle_cases(draw, spec: ParallelSpec | None = None, max_world_size: int = 8):
+    """``(spec, gas, steps, gradients)`` for property (a): a layout with 2-rank TP groups (or ``spec``),
+    GAS 1..4, 1..2 steps, and a `GradientBatch` drawn cheaply (`simdist.strategies.gradient_batches`)."""
+    if spec is None:
+        spec = draw(parallel_specs(max_world_size=max_world_size, tp=2))
+    gas = draw(st.integers(1, 4))
+    steps = draw(st.integers(1, 2))
+    return spec, gas, steps, draw(gradient_batches(spec, COMPACT_PARAMS, steps, gas))

@@ -23,7 +23,6 @@ from simdist.gradpath.compact import (
     PARAMS,
     ROUTER,
     SHARD,
-    oracle_cases,
     run_batched,
     staging_departs_from_oracle,
 )
@@ -40,6 +39,7 @@ from simdist.strategies import (
     bf16_gradients,
     bf16_values,
     gradient_batches,
+    oracle_cases,
     parallel_specs,
     policies,
 )

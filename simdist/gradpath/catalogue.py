@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from simdist.gradpath.policy import _REGISTRY, Policy, register
+from simdist.gradpath.policy import Policy, register, registered
 
 ENTRY_POINT_GROUP = "simdist.policies"
 """Entry-point group of policy plug-ins: ``[project.entry-points."simdist.policies"] mine = "mypkg.policies"``.
@@ -31,10 +31,10 @@ _catalogue_loaded = False
 def _load_catalogue() -> None:
     global _catalogue_loaded
     if not _catalogue_loaded:
-        before = set(_REGISTRY)
+        before = set(registered())
         import simdist.policies  # noqa: F401 - importing registers every policy module
 
-        for name in set(_REGISTRY) - before:
+        for name in set(registered()) - before:
             _ORIGINS.setdefault(name, BUILT_IN)
         _catalogue_loaded = True
         load_entry_point_policies()
@@ -73,7 +73,7 @@ def load_entry_point_policies() -> list[str]:
         if key in _loaded_entry_points:
             continue
         _loaded_entry_points.add(key)
-        before = set(_REGISTRY)
+        before = set(registered())
         try:
             found = _registered(ep.load())
         except Exception as exc:
@@ -82,7 +82,7 @@ def load_entry_point_policies() -> list[str]:
             ) from None
         dist = getattr(ep, "dist", None)
         origin = f"entry point {ep.name} = {ep.value}" + (f" (package {dist.name})" if dist is not None else "")
-        for name in [*found, *(set(_REGISTRY) - before)]:
+        for name in [*found, *(set(registered()) - before)]:
             _ORIGINS[name] = origin
             if name not in names:
                 names.append(name)
@@ -99,7 +99,7 @@ def load_policy_module(source: str) -> list[str]:
     naming ``source``.
     """
     _load_catalogue()
-    before = dict(_REGISTRY)
+    before = registered()
     is_path = source.endswith(".py") or "/" in source or "\\" in source
     try:
         if is_path:
@@ -136,9 +136,11 @@ def load_policy_module(source: str) -> list[str]:
         raise ValueError(
             f"--policy-module {source} failed{_where(exc, source if is_path else None)}: {type(exc).__name__}: {exc}"
         ) from None
-    names = [n for n in _REGISTRY if n not in before or _REGISTRY[n] is not before[n]]
+    names = [n for n, p in registered().items() if n not in before or p is not before[n]]
     names += [
-        p.name for p in vars(module).values() if isinstance(p, Policy) and p.name in _REGISTRY and p.name not in names
+        p.name
+        for p in vars(module).values()
+        if isinstance(p, Policy) and p.name in registered() and p.name not in names
     ]
     if not names:
         raise ValueError(
@@ -162,7 +164,7 @@ def get_policy(name: str) -> Policy:
     """The registered policy called ``name``; ``ValueError`` listing the valid names otherwise."""
     _load_catalogue()
     try:
-        return _REGISTRY[name]
+        return registered()[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; valid: {', '.join(policy_names())}") from None
 
@@ -170,4 +172,4 @@ def get_policy(name: str) -> Policy:
 def policy_names() -> list[str]:
     """Names of every registered policy, in registration order."""
     _load_catalogue()
-    return list(_REGISTRY)
+    return list(registered())

@@ -4,17 +4,17 @@ What the gradient-path properties (``tests/test_gradpath_properties.py``) and
 their benchmark (``bench/properties.py``) share: the parameters, replicated
 initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
 and property (a) -- ``fp32_staging`` equals the FP32 oracle bit for bit -- as a
-function that returns where the two first differ (``None`` when they do not).
+function that returns where the two first differ (``None`` when they do not). Its Hypothesis strategy is
+`simdist.strategies.oracle_cases`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
 from simdist.gradpath.batched import BatchedPath, BatchedTrace, initial_buffer
 from simdist.gradpath.catalogue import get_policy
@@ -26,7 +26,6 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReductionModel, Sequential
-from simdist.strategies import GradientBatch, gradient_batches, parallel_specs
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
@@ -40,8 +39,9 @@ PARAMS: tuple[ParamSpec, ...] = (ROUTER, PARTIAL, DENSE, SHARD, EXPERT)
 OPTIMIZER_STAGES = frozenset({Capture.HP, Capture.DP_REDUCED, Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V})
 """What property (a) compares: hp buffers after every micro-step, DP-reduced gradients, masters and moments."""
 
-Gradients = GradientBatch | Callable[[int, int, int, ParamSpec], torch.Tensor]
-"""A drawn `GradientBatch`, or a ``(step, micro, rank, param) -> BF16 tensor`` function."""
+Gradients = Any
+"""A drawn `simdist.strategies.GradientBatch` (anything with ``batch(step, micro) -> {name: [1, rank, ...]}``),
+or a ``(step, micro, rank, param) -> BF16 tensor`` function."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -72,9 +72,8 @@ def run_batched(
 ) -> BatchedTrace:
     """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``model`` (sequential)."""
     params = tuple(params)
-    if isinstance(grads, GradientBatch):
-        batch = grads.batch
-    else:
+    batch = getattr(grads, "batch", None)
+    if batch is None:
 
         def batch(step: int, micro: int) -> dict[str, torch.Tensor]:
             return {
@@ -93,17 +92,6 @@ def run_batched(
         norm=norm,
     )
     return path.run(batch)
-
-
-@st.composite
-def oracle_cases(draw, spec: ParallelSpec | None = None, max_world_size: int = 8):
-    """``(spec, gas, steps, gradients)`` for property (a): a layout with 2-rank TP groups (or ``spec``),
-    GAS 1..4, 1..2 steps, and a `GradientBatch` drawn cheaply (`simdist.strategies.gradient_batches`)."""
-    if spec is None:
-        spec = draw(parallel_specs(max_world_size=max_world_size, tp=2))
-    gas = draw(st.integers(1, 4))
-    steps = draw(st.integers(1, 2))
-    return spec, gas, steps, draw(gradient_batches(spec, PARAMS, steps, gas))
 
 
 def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads: Gradients) -> str | None:

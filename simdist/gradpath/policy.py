@@ -240,6 +240,11 @@ def registry_scope() -> Iterator[None]:
         _REGISTRY.update(saved)
 
 
+def registered() -> dict[str, Policy]:
+    """Every registered policy by name, in registration order (a copy: `register` is the way in)."""
+    return dict(_REGISTRY)
+
+
 def register(policy: Policy) -> Policy:
     """Add ``policy`` to the registry under its name (names are unique)."""
     if policy.name in _REGISTRY and _REGISTRY[policy.name] != policy:
