@@ -60,15 +60,10 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
         return fold(stacked)
     count = math.prod(batch)
     if kind is Ring:
-        from simdist.reduce.models import _ring_index
-
-        ring = tuple(range(k)) if model.ring is None else tuple(model.ring)
-        if sorted(ring) != list(range(k)):
-            return model.sum(stacked.reshape(k, count, *shape)[:, 0])  # raises the model's own error
-        index = _ring_index(numel, k, model.chunk_size, model.shift, ring, stacked.device)
+        index = model.fold_order(k, numel, stacked.device)
         return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
     if kind is Gloo:
-        index = _gloo_index(k, numel, stacked.element_size(), model.max_segment_bytes, stacked.device)
+        index = _gloo_index(model, k, numel, stacked.element_size(), stacked.device)
         if index is None:  # one chunk: x[k-1] + ... + x[0]
             return fold(stacked.unbind(0)[::-1])
         return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
@@ -77,17 +72,9 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
 
 
 @functools.lru_cache(maxsize=256)
-def _gloo_index(
-    k: int, numel: int, element_size: int, max_segment_bytes: int, device: torch.device
-) -> torch.Tensor | None:
-    """``index[j, e]``: the member that hop ``j`` of gloo's fold adds at element ``e`` (None: one chunk)."""
-    from simdist.reduce.gloo import _plan
-
-    length, chunks, rows = _plan(k, numel, element_size, max_segment_bytes, device)
-    if rows is None:
-        return None
-    ranks = rows.view(k, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
-    return ranks.repeat_interleave(length, dim=1)[:, :numel].contiguous()
+def _gloo_index(model: Gloo, k: int, numel: int, element_size: int, device: torch.device) -> torch.Tensor | None:
+    """`Gloo.fold_order`, cached (the linear index of `_ordered_fold` is cached on this tensor's identity)."""
+    return model.fold_order(k, numel, element_size, device)
 
 
 def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:

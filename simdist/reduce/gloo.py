@@ -433,6 +433,18 @@ class Gloo(ReductionModel):
             raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
         return [self.reduce([lst[i] for lst in lists], op) for i in range(n)]
 
+    def fold_order(
+        self, n: int, numel: int, element_size: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor | None:
+        """``index[j, e]``: the member whose value element ``e`` of an ``n``-member SUM adds at hop ``j``
+        (chunk ``c``'s walk adds rank ``(c - 1 - j) mod n``); ``None`` when there is one chunk, whose order is
+        ``x[n-1] + ... + x[0]`` at every element."""
+        length, chunks, rows = _plan(n, numel, element_size, self.max_segment_bytes, torch.device(device))
+        if rows is None:
+            return None
+        ranks = rows.view(n, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
+        return ranks.repeat_interleave(length, dim=1)[:, :numel].contiguous()
+
     def _hops(self, rows: Rows) -> tuple[list[torch.Tensor], int]:
         """``(hops, chunks)``: ``hops[j]`` holds, per element, the value hop ``j`` of its chunk's
         walk combines (rank ``(c - 1 - j) mod n``), padded with zeros to ``chunks * length`` when there are

@@ -120,6 +120,13 @@ class Ring(ReductionModel):
     def product(self, tensors: Tensors) -> torch.Tensor:
         return self._walk(tensors, multiply=True)
 
+    def fold_order(self, n: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``index[j, e]``: the group rank whose value element ``e`` of an ``n``-rank sum adds at hop ``j``."""
+        ring = tuple(range(n)) if self.ring is None else tuple(self.ring)
+        if sorted(ring) != list(range(n)):
+            raise ValueError(f"ring order {list(ring)} is not a permutation of the {n} group ranks")
+        return _ring_index(numel, n, self.chunk_size, self.shift, ring, device)
+
     def _walk(self, tensors: Tensors, multiply: bool) -> torch.Tensor:
         stacked = as_stacked(tensors)
         n = stacked.shape[0]
