@@ -315,3 +315,20 @@ def test_zero_and_nonzero_errors_share_a_symlog_axis_and_the_band_says_what_it_i
     lo, hi, what = band(many)
     assert what == "10–90% band"
     np.testing.assert_array_equal(lo, np.percentile(many, 10, axis=1))
+
+
+def test_no_y_label_reaches_into_the_panel_to_its_left():
+    """The explorer notebook's figure: every panel's y label and tick labels stay clear of its left neighbour."""
+    import matplotlib.pyplot as plt
+
+    from simdist.studies.growth.plot import growth_figure, label_overlaps
+
+    rng = np.random.default_rng(0)
+    for model, columns in (("synthetic", COLUMNS), ("moe", MOE_COLUMNS)):
+        config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=30, seeds=2, model=model)
+        metrics = 10.0 ** rng.uniform(-12, 6, size=(30, 2, 2, len(columns)))
+        metrics[:, 1] = 0.0
+        fig = growth_figure(config, metrics)
+        panels = np.array(fig.axes).reshape(2, -1)
+        assert label_overlaps(fig, panels) == []
+        plt.close(fig)

@@ -67,8 +67,8 @@ the median at step 10 (`random_walk`), dashed, in each policy's colour.
 * step 1 is special: Adam's first update is ``lr * g / |g|`` (a sign), which a
   small rounding of ``g`` rarely changes, so the master error jumps between
   steps 1 and 2 and the line is anchored at step 10;
-* ``fp32_staging`` is bitwise equal to the FP32 oracle (no curve on log axes:
-  the error is exactly zero); ``bf16_writeback`` adds one BF16 rounding of the
+* ``fp32_staging`` is bitwise equal to the FP32 oracle (the error is exactly
+  zero: the plot's symlog axis draws it as a line at 0); ``bf16_writeback`` adds one BF16 rounding of the
   router gradients per step (only the two router families differ: dense TP
   peers are identical, so their average is exact, and ``/2`` of a BF16 expert
   gradient is exact); ``bf16_only`` rounds the TP sum, the accumulation and

@@ -26,14 +26,19 @@ def random_walk(steps: np.ndarray, median: np.ndarray, anchor: int = 10) -> np.n
 
 
 def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
+    """Write `growth_figure` to ``path`` (PNG, atomically)."""
+    _save_figure(growth_figure(config, metrics), path)
+
+
+def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     """Panels of the relative and ulp error of masters, m, v against step (log x, symlog y so that an exact 0
     is drawn): median, band over seeds (`band`), sqrt(t) line; a policy equal to the oracle is a line at 0.
 
     ``model="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error.
+    Panels are spaced so that no y label or tick label overlaps the panel to its left (`_make_room`).
     """
     if config.model == "moe":
-        _plot_moe(config, metrics, path)
-        return
+        return _moe_figure(config, metrics)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,8 +81,29 @@ def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> 
     fig.subplots_adjust(
         left=0.06, right=0.99, bottom=0.17, top=0.95 - 0.02 * (len(config.policies) + 1), hspace=0.22, wspace=0.22
     )
+    _make_room(fig, axes)
+    return fig
 
-    _save_figure(fig, path)
+
+def label_overlaps(fig, axes) -> list[tuple[int, int]]:
+    """``(row, col)`` of every panel whose y label or tick labels reach into the panel to its left."""
+    renderer = fig.canvas.get_renderer()
+    found = []
+    for row in range(axes.shape[0]):
+        for col in range(1, axes.shape[1]):
+            left_edge = axes[row, col].get_tightbbox(renderer).x0  # its y label and tick labels included
+            if left_edge < axes[row, col - 1].get_window_extent(renderer).x1:
+                found.append((row, col))
+    return found
+
+
+def _make_room(fig, axes) -> None:
+    """Widen the space between panels until no y label overlaps the panel to its left (at most 0.6 of a panel)."""
+    fig.align_ylabels(axes[:, 0])
+    wspace = fig.subplotpars.wspace
+    while label_overlaps(fig, axes) and wspace < 0.6:
+        wspace += 0.04
+        fig.subplots_adjust(wspace=wspace)
 
 
 def _legend(fig, axes) -> None:
@@ -184,7 +210,7 @@ def _error_axis(ax, values: np.ndarray, any_zero_policy: bool) -> None:
         )
 
 
-def _plot_moe(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
+def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
     """Log-x / symlog-y panels for the MoE block: BF16 weights' relative and ulp error, loss difference, local grads."""
     import matplotlib
 
@@ -232,4 +258,5 @@ def _plot_moe(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> No
     fig.subplots_adjust(
         left=0.08, right=0.99, bottom=0.13, top=0.95 - 0.02 * (len(config.policies) + 1), hspace=0.2, wspace=0.22
     )
-    _save_figure(fig, path)
+    _make_room(fig, axes)
+    return fig
