@@ -89,8 +89,12 @@ def test_known_boundaries_give_exactly_the_expected_report():
     assert {s.function for s in report.sites} == {"known_boundaries"}
     assert by_dtypes["fp32->bf16"].op == "aten._to_copy" and by_dtypes["fp32->fp16"].op == "aten.copy_"
     assert by_dtypes["bf16+fp32->bf16"].op == "aten.add_" and by_dtypes["fp32->bf16"].shapes == [(5,)]
-    for dtypes, unit in (("fp64->fp32", 2.0**-24), ("fp32->bf16", 2.0**-8), ("fp32->fp16", 2.0**-11),
-                         ("bf16+fp32->bf16", 2.0**-8)):
+    for dtypes, unit in (
+        ("fp64->fp32", 2.0**-24),
+        ("fp32->bf16", 2.0**-8),
+        ("fp32->fp16", 2.0**-11),
+        ("bf16+fp32->bf16", 2.0**-8),
+    ):
         assert 0 < by_dtypes[dtypes].max_rel_error <= unit, dtypes
 
 
@@ -131,8 +135,11 @@ def test_reported_error_is_the_largest_relative_rounding_error(values):
     with audit() as a:
         y = x.to(torch.bfloat16)
     (site,) = a.report().sites
-    errors = [abs(float(n) - float(w)) / abs(float(w)) if math.isfinite(float(n)) else math.inf
-              for n, w in zip(y.tolist(), values, strict=True) if w != 0 and math.isfinite(w)]
+    errors = [
+        abs(float(n) - float(w)) / abs(float(w)) if math.isfinite(float(n)) else math.inf
+        for n, w in zip(y.tolist(), values, strict=True)
+        if w != 0 and math.isfinite(w)
+    ]
     assert site.max_rel_error == max(errors, default=0.0)
 
 
@@ -150,8 +157,13 @@ def test_skip_attributes_a_record_to_the_next_frame_outward():
 
 def _one_step(policy: str) -> AuditReport:
     world = SimWorld(SPEC, default_model=Gloo())
-    args = (list(DEFAULT_PARAMS), InitialWeights(SPEC), SyntheticGradients(SPEC), get_policy(policy),
-            PathConfig(steps=1))
+    args = (
+        list(DEFAULT_PARAMS),
+        InitialWeights(SPEC),
+        SyntheticGradients(SPEC),
+        get_policy(policy),
+        PathConfig(steps=1),
+    )
     ranks = world.run(audited(train_rank), *args)
     assert [report.rank for _, report in ranks] == [0, 1, 2, 3]
     for plain, (traced, _) in zip(world.run(train_rank, *args), ranks, strict=True):  # the audit changes no bit
@@ -173,8 +185,9 @@ def test_bf16_writeback_names_the_writeback_and_fp32_staging_has_none():
     assert site.function == "apply" and site.ranks == [0, 1, 2, 3] and 0 < site.max_rel_error <= 2.0**-8
     for report in reports.values():  # every other fp32 -> bf16 narrowing generates the synthetic data
         assert {s.file for s in report.narrowings()} == {GRADPATH, SYNTHETIC}
-        tp = [s for s in report.sites
-              if s.kind == "collective" and s.context == "group=tp" and s.function == "all_reduce"]
+        tp = [
+            s for s in report.sites if s.kind == "collective" and s.context == "group=tp" and s.function == "all_reduce"
+        ]
         assert [(s.op, s.dtypes) for s in tp] == [("comm.all_reduce", "fp32")]
 
 
@@ -285,16 +298,24 @@ def test_gloo_collectives_are_recorded_with_their_dtype():
     for rank, result in enumerate(results):
         raw = AuditReport.from_dict(result["raw"])
         assert [(s.op, s.kind, s.dtypes, s.where, s.ranks) for s in raw.sites] == [
-            ("c10d.allreduce_", "collective", "bf16", _at(HERE, "# raw all_reduce"), [rank])]
+            ("c10d.allreduce_", "collective", "bf16", _at(HERE, "# raw all_reduce"), [rank])
+        ]
         wrapped = AuditReport.from_dict(result["wrapped"])
         assert [(s.op, s.dtypes, s.where, s.context) for s in wrapped.sites] == [
-            ("comm.all_reduce", "bf16", _at(HERE, "# wrapped all_reduce"), "group=world")]
+            ("comm.all_reduce", "bf16", _at(HERE, "# wrapped all_reduce"), "group=world")
+        ]
 
 
 def gradpath_step(comm):
     """Rank program: one audited bf16_writeback step; the report as plain data."""
-    _, report = audited(train_rank)(comm, list(DEFAULT_PARAMS), InitialWeights(SPEC), SyntheticGradients(SPEC),
-                                    get_policy("bf16_writeback"), PathConfig(steps=1))
+    _, report = audited(train_rank)(
+        comm,
+        list(DEFAULT_PARAMS),
+        InitialWeights(SPEC),
+        SyntheticGradients(SPEC),
+        get_policy("bf16_writeback"),
+        PathConfig(steps=1),
+    )
     return report.to_dict()
 
 
@@ -341,7 +362,9 @@ def test_cli_runs_a_script_and_prints_its_sites(tmp_path, capsys):
     data = json.loads(captured.out)
     assert "script args []" in captured.err
     assert {(s["where"], s["dtypes"], tuple(s["ranks"])) for s in data["sites"]} == {
-        (f"{script}:5", "fp32->bf16", ()), (f"{script}:7", "fp64->fp16", (0, 1))}
+        (f"{script}:5", "fp32->bf16", ()),
+        (f"{script}:7", "fp64->fp16", (0, 1)),
+    }
     assert all(s["max_rel_error"] is None for s in data["sites"])
     with pytest.raises(ValueError, match="no such script"):
         run_audit(_cli(["audit", str(tmp_path / "missing.py")]))
@@ -411,8 +434,8 @@ def test_example_script_reports_the_writeback_as_the_readme_shows(capsys):
     printed = out.replace(str(Path(simdist.__file__).resolve().parent.parent) + "/", "")
     printed = re.sub(r"(\.py):\d+", r"\1", printed)
     readme = (root / "README.md").read_text()
-    block = readme[readme.index("(`python experiments/audit_example.py`)"):]
-    block = block[block.index("```\n") + 4:block.index("\n```", block.index("```\n") + 4)]
+    block = readme[readme.index("(`python experiments/audit_example.py`)") :]
+    block = block[block.index("```\n") + 4 : block.index("\n```", block.index("```\n") + 4)]
     rows = [line for line in block.splitlines() if line.strip() != "..."]
     assert len(rows) >= 7
     for row in rows:

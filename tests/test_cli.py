@@ -32,7 +32,13 @@ def test_repro_json_has_every_tensor_of_every_rank(capsys):
     assert writeback["name"] == "bf16_writeback"
     assert {row["rank"] for row in writeback["rows"]} == {0, 1, 2, 3}
     assert {row["kind"] for row in writeback["rows"]} == {
-        "local grad", "corrected grad", "hp grad", "fp32 master", "adam m", "adam v"}
+        "local grad",
+        "corrected grad",
+        "hp grad",
+        "fp32 master",
+        "adam m",
+        "adam v",
+    }
 
 
 def test_gas_two_names_the_correction_once_marker(capsys):
@@ -60,13 +66,17 @@ def _one_line_error(capsys, argv: list[str], message: str) -> str:
         (["repro", "8913", "--gas", "0"], "argument --gas: expected a positive integer, got 0"),
         (["repro", "9999"], "invalid choice: '9999' (choose from '8913')"),
         (["repro", "8913", "--reduction", "abacus"], "argument --reduction: invalid choice"),
-        (["repro", "8913", "--world-size", "100000000"], f"--world-size 100000000 is above the limit "
-                                                          f"{LIMITS['world_size']} (this run would need an estimated"),
+        (
+            ["repro", "8913", "--world-size", "100000000"],
+            f"--world-size 100000000 is above the limit {LIMITS['world_size']} (this run would need an estimated",
+        ),
         (["repro", "8913", "--steps", "100000000"], f"--steps 100000000 is above the limit {LIMITS['steps']}"),
         (["repro", "8913", "--gas", "5000"], f"--gas 5000 is above the limit {LIMITS['gas']}"),
         (["repro", "8913", "--seed", str(2**70)], "--seed 1180591620717411303424 is outside the limit"),
-        (["repro", "8913", "--steps", "1000000", "--world-size", "64", "--tp", "2", "--ep", "2"],
-         "this run needs an estimated"),
+        (
+            ["repro", "8913", "--steps", "1000000", "--world-size", "64", "--tp", "2", "--ep", "2"],
+            "this run needs an estimated",
+        ),
         (["audit", "--top", "-1", "script.py"], "argument --top: expected a non-negative integer, got -1"),
         (["audit", "no_such_script.py"], "no such script: 'no_such_script.py'"),
         (["policies", "--policy-module", "no_such_file.py"], "--policy-module no_such_file.py: no such file"),
@@ -79,8 +89,12 @@ def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, message):
 
 def test_the_installed_command_gives_one_line_and_status_2():
     """One subprocess check of the real entry point (``python -m simdist.cli``): argparse's exit goes through."""
-    done = subprocess.run([sys.executable, "-m", "simdist.cli", "repro", "8913", "--gas", "0"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "simdist.cli", "repro", "8913", "--gas", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "simdist: error: argument --gas: expected a positive integer, got 0\n"
 
@@ -104,8 +118,18 @@ def test_version_and_exit_codes_in_help(capsys):
 
 
 def _dump(directory: Path, values: list[torch.Tensor]) -> Path:
-    meta = {"spec": {"world_size": len(values)}, "policy": "p", "steps": 1, "gas": 1, "seed": 0, "marker": "m",
-            "update_path": "u", "model": "synthetic", "shapes": {"w": [4]}, "world": "test"}
+    meta = {
+        "spec": {"world_size": len(values)},
+        "policy": "p",
+        "steps": 1,
+        "gas": 1,
+        "seed": 0,
+        "marker": "m",
+        "update_path": "u",
+        "model": "synthetic",
+        "shapes": {"w": [4]},
+        "world": "test",
+    }
     for rank, value in enumerate(values):
         trace = Trace(rank)
         trace.capture(0, 0, "w", "local", value)
@@ -175,8 +199,12 @@ def test_policy_module_from_a_file_is_listed_with_its_origin_and_runs(tmp_path, 
     out = capsys.readouterr().out
     assert f"mine_bf16_dp: fp32 staging with a BF16 data-parallel all-reduce\n    from: --policy-module {module}" in out
     assert "fp32_staging: " in out and "    from: built-in (simdist.policies)" in out
-    assert main(["repro", "8913", "--steps", "1", "--policy-module", str(module),
-                 "--policies", "mine_bf16_dp,fp32_staging"]) == 0
+    assert (
+        main(
+            ["repro", "8913", "--steps", "1", "--policy-module", str(module), "--policies", "mine_bf16_dp,fp32_staging"]
+        )
+        == 0
+    )
     assert "== mine_bf16_dp: fp32 staging with a BF16 data-parallel all-reduce" in capsys.readouterr().out
 
 
@@ -191,13 +219,22 @@ def test_policy_module_by_dotted_name_and_its_errors(tmp_path, monkeypatch, caps
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["policies", "--policy-module", "userpkg.pols"]) == 0
     assert "dotted_policy: fp32 staging" in capsys.readouterr().out
-    _one_line_error(capsys, ["policies", "--policy-module", "userpkg.broken"],
-                    "--policy-module userpkg.broken failed at broken.py:2: ZeroDivisionError: division by zero")
+    _one_line_error(
+        capsys,
+        ["policies", "--policy-module", "userpkg.broken"],
+        "--policy-module userpkg.broken failed at broken.py:2: ZeroDivisionError: division by zero",
+    )
     _one_line_error(capsys, ["policies", "--policy-module", "userpkg.empty"], "registered no policy")
-    _one_line_error(capsys, ["policies", "--policy-module", "userpkg.clash"],
-                    "a different policy is already registered as 'fp32_staging'")
-    _one_line_error(capsys, ["policies", "--policy-module", str(package / "broken.py")],
-                    f"--policy-module {package / 'broken.py'} failed at broken.py:2: ZeroDivisionError")
+    _one_line_error(
+        capsys,
+        ["policies", "--policy-module", "userpkg.clash"],
+        "a different policy is already registered as 'fp32_staging'",
+    )
+    _one_line_error(
+        capsys,
+        ["policies", "--policy-module", str(package / "broken.py")],
+        f"--policy-module {package / 'broken.py'} failed at broken.py:2: ZeroDivisionError",
+    )
 
 
 def test_entry_point_policies_are_loaded_and_shown_with_their_origin(tmp_path, monkeypatch, capsys):
@@ -214,8 +251,10 @@ def test_entry_point_policies_are_loaded_and_shown_with_their_origin(tmp_path, m
     assert catalogue.load_entry_point_policies() == ["plugin_policy"]
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    assert ("plugin_policy: fp32 staging with a BF16 data-parallel all-reduce\n"
-            "    from: entry point plugin = plugin_policies (package simdist-plugin)") in out
+    assert (
+        "plugin_policy: fp32 staging with a BF16 data-parallel all-reduce\n"
+        "    from: entry point plugin = plugin_policies (package simdist-plugin)"
+    ) in out
     (info / "entry_points.txt").write_text("[simdist.policies]\nbroken = no_such_plugin_module\n")
     importlib.invalidate_caches()
     with pytest.raises(ValueError, match="policy entry point 'broken' \\(no_such_plugin_module\\) failed to load"):
@@ -233,8 +272,11 @@ def test_repro_lists_only_differing_tensors_unless_asked_for_all(capsys):
     diff_only = capsys.readouterr().out
     assert main(["repro", "8913", "--steps", "1", "--all-tensors"]) == 0
     every = capsys.readouterr().out
-    table = [line for line in diff_only.splitlines() if line.split()[:1] != [] and line.split()[0].isdigit()
-             and line.split()[1] != "of"]
+    table = [
+        line
+        for line in diff_only.splitlines()
+        if line.split()[:1] != [] and line.split()[0].isdigit() and line.split()[1] != "of"
+    ]
     assert table and all(" NO " in line for line in table)
     differing = len(table)  # 32: router and router_partial hp grad, master, m, v on 4 ranks
     assert differing == 32 and f"{140 - differing} of 140 tensors bitwise equal to the oracle (not listed)" in diff_only
@@ -257,10 +299,16 @@ def test_readme_parallel_specs_are_valid_and_name_no_file_outside_the_repository
 def test_growth_bad_sizes_and_unusable_out_write_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     base = ["growth", "--steps", "4", "--seeds", "1", "--no-progress", "--out"]
-    _one_line_error(capsys, [*base, str(out), "--seeds", "100000000"],
-                    f"--seeds 100000000 is above the limit {LIMITS['seeds']} (this run would need an estimated")
-    _one_line_error(capsys, [*base, str(out), "--seeds", "50000", "--steps", "1000000"],
-                    "this run needs an estimated 39.3 TiB of memory (metrics 39.3 TiB")
+    _one_line_error(
+        capsys,
+        [*base, str(out), "--seeds", "100000000"],
+        f"--seeds 100000000 is above the limit {LIMITS['seeds']} (this run would need an estimated",
+    )
+    _one_line_error(
+        capsys,
+        [*base, str(out), "--seeds", "50000", "--steps", "1000000"],
+        "this run needs an estimated 39.3 TiB of memory (metrics 39.3 TiB",
+    )
     _one_line_error(capsys, [*base, str(out), "--world-size", "8", "--tp", "3"], "tp=3 must divide")
     assert not out.exists()
     a_file = tmp_path / "a_file"

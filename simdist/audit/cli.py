@@ -47,14 +47,23 @@ def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
         "narrows a floating dtype or accumulates narrower than its inputs, most frequent first. Options go "
         "before SCRIPT; threads the script starts (SimWorld ranks) are audited too.",
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout (the script's "
-                        "own stdout goes to stderr)")
-    parser.add_argument("--skip", action="append", default=[], metavar="PREFIX",
-                        help="a module, package or path whose frames are not sites (repeatable)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON on stdout (the script's own stdout goes to stderr)",
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="a module, package or path whose frames are not sites (repeatable)",
+    )
     parser.add_argument("--no-errors", action="store_true", help="do not compute rounding errors (faster)")
     parser.add_argument("--main-thread-only", action="store_true", help="do not audit threads the script starts")
-    parser.add_argument("--top", type=_count, default=None, metavar="N",
-                        help="print only the N most frequent sites (N >= 0)")
+    parser.add_argument(
+        "--top", type=_count, default=None, metavar="N", help="print only the N most frequent sites (N >= 0)"
+    )
     parser.add_argument("--records", action="store_true", help="with --json: include every raw record")
     parser.add_argument("script", help="path of the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")

@@ -211,8 +211,12 @@ class Audit(TorchDispatchMode):
             sys.setprofile(previous)  # one shot: set the thread's audit up, then get out of the way
             if not self._store.closed:
                 match = _RANK_THREAD.fullmatch(threading.current_thread().name)
-                child = Audit(rank=int(match[1]) if match else None, errors=self.errors,
-                              collectives=self.collectives, _parent=self)
+                child = Audit(
+                    rank=int(match[1]) if match else None,
+                    errors=self.errors,
+                    collectives=self.collectives,
+                    _parent=self,
+                )
                 _push_mode(child)
                 _THREAD_EXIT.guard = _PopAtThreadExit(child)
                 with self._store.lock:
@@ -369,8 +373,9 @@ class Audit(TorchDispatchMode):
             f = f.f_back
         return _NO_SITE
 
-    def _record(self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str,
-                outside: tuple[str, ...] = ()) -> None:
+    def _record(
+        self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str, outside: tuple[str, ...] = ()
+    ) -> None:
         site = self._site(outside)
         node = torch._C._current_autograd_node()
         if node is not None:
@@ -415,5 +420,3 @@ def _plain_key(key: tuple) -> tuple:
 def audit(**options: Any) -> Audit:
     """An `Audit` context manager (same keyword options)."""
     return Audit(**options)
-
-

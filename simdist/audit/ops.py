@@ -29,14 +29,48 @@ _CAST_SOURCE = {  # op name -> position of the value being converted
 }
 _ACCUMULATE = frozenset(
     {
-        "add", "sub", "rsub", "sum", "nansum", "mean", "cumsum", "cumprod", "prod", "addmm", "addmv", "addbmm",
-        "baddbmm", "addr", "mm", "bmm", "matmul", "dot", "vdot", "mv", "index_add", "scatter_add", "scatter_reduce",
-        "index_reduce", "addcmul", "addcdiv", "linalg_vector_norm", "norm", "var", "std", "var_mean", "std_mean",
-        "logsumexp", "embedding_bag", "_embedding_bag", "segment_reduce", "trace", "_fused_adam", "_fused_adamw",
+        "add",
+        "sub",
+        "rsub",
+        "sum",
+        "nansum",
+        "mean",
+        "cumsum",
+        "cumprod",
+        "prod",
+        "addmm",
+        "addmv",
+        "addbmm",
+        "baddbmm",
+        "addr",
+        "mm",
+        "bmm",
+        "matmul",
+        "dot",
+        "vdot",
+        "mv",
+        "index_add",
+        "scatter_add",
+        "scatter_reduce",
+        "index_reduce",
+        "addcmul",
+        "addcdiv",
+        "linalg_vector_norm",
+        "norm",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "logsumexp",
+        "embedding_bag",
+        "_embedding_bag",
+        "segment_reduce",
+        "trace",
+        "_fused_adam",
+        "_fused_adamw",
     }
 )  # base names (no trailing _ or _foreach_ prefix) of ops that sum or reduce
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
-
 
 
 @dataclass(frozen=True)
@@ -201,8 +235,9 @@ def _widen(op: _Op, args: tuple, kwargs: dict, widest: torch.dtype, requested) -
             if type(value) not in _PLAIN_TENSORS or value.device.type == "meta":
                 raise _NoError
             if is_out:
-                return torch.empty(0, dtype=widest if value.dtype.is_floating_point else value.dtype,
-                                   device=value.device)
+                return torch.empty(
+                    0, dtype=widest if value.dtype.is_floating_point else value.dtype, device=value.device
+                )
             if value.dtype.is_floating_point and value.dtype != widest:
                 return value.to(widest)
             return value.clone() if is_written else value
@@ -240,5 +275,3 @@ def _wide_error(op: _Op, wide: tuple, outputs: list, narrowed: list[int]):
             return max(floats, default=None)
     except (RuntimeError, TypeError, ValueError, IndexError):  # the op does not accept the wide dtype
         return None
-
-

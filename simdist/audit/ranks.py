@@ -89,5 +89,3 @@ class audited:
         with Audit(rank=comm.get_rank(), **self.options) as a:
             result = self.fn(AuditedComm(comm, a), *args, **kwargs)
         return result, a.report()
-
-

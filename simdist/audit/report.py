@@ -91,7 +91,6 @@ class Record(_Site):
     context: str = ""
 
 
-
 @dataclass
 class SiteSummary(_Site):
     """Every record of one site (source line, op, kind, dtypes, context): count and worst rounding error."""
@@ -108,7 +107,6 @@ class SiteSummary(_Site):
     max_rel_error: float | None = None
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
-
 
     @property
     def key(self) -> tuple:
@@ -278,5 +276,3 @@ def _ranges(ranks: list[int]) -> str:
             parts.append(str(start) if start == r else f"{start}-{r}")
             start = None
     return ",".join(parts)
-
-
