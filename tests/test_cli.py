@@ -177,7 +177,7 @@ def test_compare_unreadable_dumps_are_one_line_naming_the_file(dumps, tmp_path, 
     _one_line_error(capsys, ["compare", str(a), str(tmp_path / "nowhere")], "nowhere: no such dump directory")
     _one_line_error(capsys, ["compare", str(a), str(rank0)], "not a directory")
     (tmp_path / "empty").mkdir()
-    _one_line_error(capsys, ["compare", str(tmp_path / "empty"), str(a)], "holds no rank*.safetensors files")
+    _one_line_error(capsys, ["compare", str(tmp_path / "empty"), str(a)], "holds no rank*.safetensors dump")
 
 
 # -- user policies -----------------------------------------------------------------------------------------------

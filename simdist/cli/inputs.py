@@ -48,7 +48,7 @@ def check_dump(directory: str) -> None:
         raise BadInput(f"{directory}: cannot read the directory (permission denied)")
     files = sorted(path.glob("rank*.safetensors"))
     if not files:
-        raise BadInput(f"{directory}: holds no rank*.safetensors files")
+        raise BadInput(f"{directory}: holds no rank*.safetensors dump")
     ranks = []
     for file in files:
         match = _RANK_FILE.fullmatch(file.name)
