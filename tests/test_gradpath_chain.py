@@ -1,5 +1,7 @@
 """The printed chain is the stage list that runs: micro-step, DP reduction with its dtype, optimizer."""
 
+import dataclasses
+
 import pytest
 
 from simdist.gradpath.catalogue import get_policy, policy_names
@@ -27,9 +29,15 @@ def test_a_dp_reduction_every_micro_step_is_printed_where_it_runs():
     )
 
 
-def test_experts_reduce_over_edp_and_megatron_corrects_at_the_boundary():
+def test_experts_reduce_over_edp_and_megatron_corrects_after_the_dp_reduction():
+    """Megatron-Core's finalize_model_grads runs the TP reduction after the DP all-reduce (confirmed against
+    megatron-core 0.16.1 by the megatron-grad-reduce-fp32 case); ``correct_at="boundary"`` runs it before."""
     assert "all_reduce[edp]" in get_policy("fp32_staging").chain(Family.EXPERT, 2)
-    assert get_policy("megatron_grad_reduce_fp32").chain(ROUTER, 2, dp=4) == (
+    megatron = get_policy("megatron_grad_reduce_fp32")
+    assert megatron.chain(ROUTER, 2, dp=4) == (
+        "bf16 -> fp32 -> +=hp | boundary: fp32 -> *1/4 -> all_reduce[dp] -> all_reduce[tp] -> /2 -> adamw(fp32)"
+    )
+    assert dataclasses.replace(megatron, correct_at="boundary").chain(ROUTER, 2, dp=4) == (
         "bf16 -> fp32 -> +=hp | boundary: fp32 -> all_reduce[tp] -> /2 -> *1/4 -> all_reduce[dp] -> adamw(fp32)"
     )
 

@@ -205,8 +205,10 @@ def test_hypothesis_finds_where_bf16_writeback_departs():
 def comparable_capture(policy, trace, param: ParamSpec):
     """The capture of ``policy``'s run that must equal the oracle's first-micro-step TP-corrected buffer.
 
-    * correction at the boundary (Megatron): the buffer after its once-per-step TP correction
+    * correction at the boundary before the DP reduction: the buffer after its once-per-step TP correction
       ('boundary_corrected'); with GAS 1 it holds the one micro-step's corrected gradient;
+    * correction after the DP reduction (Megatron's ``finalize_model_grads``): no TP-corrected value exists
+      before the DP sum, whose order differs from the oracle's on purpose; nothing to compare (``None``);
     * DP reduction every micro-step (FSDP2): its hp already holds the DP reduction, whose pre/post division
       differs from the oracle's on purpose, so the TP-corrected value ('corrected') is compared; families with
       no correction have nothing to compare before the DP reduction (``None``);
@@ -214,6 +216,8 @@ def comparable_capture(policy, trace, param: ParamSpec):
     """
     if policy.correct_at == "boundary":
         return "boundary_corrected", trace.get(0, BOUNDARY, param.name, "boundary_corrected")
+    if policy.correct_at == "after_dp":
+        return None, None
     if policy.dp_at == "micro_step":
         key = (0, 0, param.name, "corrected")
         return ("corrected", trace.values[key]) if key in trace.values else (None, None)

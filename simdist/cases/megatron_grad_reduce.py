@@ -22,15 +22,14 @@ makes that function answer ``"cpu"``. Megatron's arithmetic is untouched. Megatr
 groups in module globals (``megatron.core.parallel_state``), so the ranks are processes (``gloo`` or the
 simdist backend in process mode), one world per process.
 
-Where the chains claim equality: every parameter on DP2, and the parameters without a TP reduction on
-TP2 x DP2 (for ``dense`` the policy's TP average of bitwise identical peers is exact). Where they do not:
-the policy runs the TP correction at the boundary *before* the DP reduction; Megatron runs it after
-(``finalize_model_grads``), so the four-term sums on TP2 x DP2 round in a different order. The case
-reports that distance and checks bitwise that the policy's own stages run in Megatron's order (DP stages,
-then the TP correction stages) give what Megatron computes. On DP4 the boundary is not claimed either:
-Megatron all-reduces each bucket as one flat buffer (parameters in reverse order), the policy each
-parameter alone, and gloo's summation order of an element depends on its offset; the case checks
-bitwise that the policy's DP stages applied to the flat bucket, reduced by simdist's gloo model, are
+Where the chains claim equality: every parameter on DP2 and TP2 x DP2 -- the micro-step accumulation and
+the boundary, where the policy, like Megatron, runs the TP correction *after* the DP reduction
+(``correct_at="after_dp"``, what ``finalize_model_grads`` does). The case also reports the order effect:
+the same policy with the TP correction before the DP reduction (``correct_at="boundary"``, this policy's
+chain until the case found the order) against Megatron, on the TP-reduced parameters. On DP4 the boundary
+is not claimed: Megatron all-reduces each bucket as one flat buffer (parameters in reverse order), the
+policy each parameter alone, and gloo's summation order of an element depends on its offset; the case
+checks bitwise that the policy's DP stages applied to the flat bucket, reduced by simdist's gloo model, are
 what Megatron computes.
 """
 
@@ -229,28 +228,6 @@ def _apply(ops: CommOps | None, stage: Stage, value: torch.Tensor) -> torch.Tens
     raise ValueError(f"unexpected boundary stage {stage.kind!r}")
 
 
-def _megatron_order_rank(comm, traces: list[Trace], policy: Policy, gas: int) -> Trace:
-    """The policy's boundary stages in Megatron's order on the accumulated buffer: DP stages, then TP stages."""
-    ops = CommOps(comm, 0)
-    rank = comm.get_rank()
-    tp, dp = comm.get_world_size(ops.groups["tp"]), comm.get_world_size(ops.groups["dp"])
-    out = Trace(rank)
-    for p in PARAMS:
-        value = traces[rank].get(0, gas - 1, p.name, "hp")
-        for stage in policy.dp_stages(p.family.dp_group, dp, value.dtype) + policy.boundary_correction_stages(
-            p.family, tp
-        ):
-            value = _apply(ops, stage, value)
-        out.capture(0, BOUNDARY, p.name, "dp_reduced", value)
-    return out
-
-
-def megatron_order(config: Config, layout: str, policy: Policy, traces: list[Trace]) -> list[Trace]:
-    return SimWorld(config.spec(layout), default_model=make_model("gloo")).run(
-        _megatron_order_rank, traces, policy, config.gas
-    )
-
-
 def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]) -> list[Trace]:
     """The policy's DP stages on one flat bucket per rank (parameters in reverse order, as Megatron lays out its
     buffer), reduced with simdist's gloo model: the boundary as Megatron runs it when DP is the whole world."""
@@ -315,11 +292,10 @@ class RunResult:
     main_grad_dtype: str
     groups_match_spec: bool
     claimed: Match
-    """Real vs the policy: every capture on DP2; on TP2 x DP2 the parameters without a TP reduction."""
-    tp_reduced_vs_policy: Figures | None
-    """TP-reduced parameters at the boundary (TP2 x DP2): real vs the policy's order (TP, then DP)."""
-    tp_reduced_vs_megatron_order: Match | None
-    """The same parameters vs the policy's stages in Megatron's order (DP, then TP), bitwise."""
+    """Real vs the policy: every capture (on DP4 the micro-steps only: the boundary is bucketed)."""
+    order_effect: Figures | None
+    """TP-reduced parameters at the boundary (TP2 x DP2): real vs the policy with the TP correction *before*
+    the DP reduction (``correct_at="boundary"``): how much the order Megatron uses matters."""
     boundary_vs_policy: Figures | None = None
     """DP > 2: the boundary captures (not claimed: the policy reduces each parameter alone) vs the policy."""
     boundary_vs_flat_bucket: Match | None = None
@@ -341,45 +317,29 @@ def judge_run(config: Config, layout: str, fp32: bool, runs: list[RealRun], poli
     spec = config.spec(layout)
     real = [r.trace for r in runs]
     model = transcription(config, layout, policy)
-    tp_reduced = {p.name for p in PARAMS if p.family in TP_MARK} if spec.tp > 1 else set()
-    claimed_names = {p.name for p in PARAMS} - tp_reduced
+    names = {p.name for p in PARAMS}
     bucketed = spec.dp > 2  # an element's sum order may depend on its offset in the flat bucket
     stages = {"hp"} if bucketed else {"hp", "dp_reduced"}
     claimed = match_traces(
-        _only(real, claimed_names, stages),
-        _only(model, claimed_names, stages),
-        stages=tuple(stages),
-        names=("Megatron", policy.name),
+        _only(real, names, stages), _only(model, names, stages), stages=tuple(stages), names=("Megatron", policy.name)
     )
-    versus = reordered = None
-    if tp_reduced:
+    order_effect = None
+    tp_reduced = {p.name for p in PARAMS if p.family in TP_MARK} if spec.tp > 1 else set()
+    if tp_reduced and not bucketed:
         at_boundary = _only(real, tp_reduced, {"dp_reduced"})
-        versus = figures(
+        before_dp = transcription(config, layout, dataclasses.replace(policy, correct_at="boundary"))
+        order_effect = figures(
             at_boundary,
-            _only(model, tp_reduced, {"dp_reduced"}),
+            _only(before_dp, tp_reduced, {"dp_reduced"}),
             sum_of_terms(config, layout, at_boundary),
             stage="dp_reduced",
         )
-        reordered = match_traces(
-            at_boundary,
-            _only(megatron_order(config, layout, policy, model), tp_reduced, {"dp_reduced"}),
-            stages=("dp_reduced",),
-            names=("Megatron", f"{policy.name} in Megatron's order"),
-        )
-        # the micro-step accumulation of the TP-reduced parameters is claimed too
-        hp = _only(real, tp_reduced, {"hp"})
-        claimed_hp = match_traces(hp, _only(model, tp_reduced, {"hp"}), stages=("hp",))
-        claimed = Match(
-            claimed.compared + claimed_hp.compared,
-            claimed.equal + claimed_hp.equal,
-            claimed.first_difference or claimed_hp.first_difference,
-        )
     boundary = bucket = None
     if bucketed:
-        at_boundary = _only(real, claimed_names, {"dp_reduced"})
+        at_boundary = _only(real, names, {"dp_reduced"})
         boundary = figures(
             at_boundary,
-            _only(model, claimed_names, {"dp_reduced"}),
+            _only(model, names, {"dp_reduced"}),
             sum_of_terms(config, layout, at_boundary),
             stage="dp_reduced",
         )
@@ -395,9 +355,7 @@ def judge_run(config: Config, layout: str, fp32: bool, runs: list[RealRun], poli
     )
     families = sorted({p.family for p in PARAMS}, key=lambda f: f.value)
     chains = {f.value: policy.chain(f, spec.tp, spec.dp) for f in families}
-    return RunResult(
-        layout, fp32, runs[0].main_grad_dtype, groups_ok, claimed, versus, reordered, boundary, bucket, chains
-    )
+    return RunResult(layout, fp32, runs[0].main_grad_dtype, groups_ok, claimed, order_effect, boundary, bucket, chains)
 
 
 def judge(
@@ -415,7 +373,7 @@ def judge(
     ok = all(
         r.claimed.bitwise_equal
         and r.groups_match_spec
-        and (r.tp_reduced_vs_megatron_order is None or r.tp_reduced_vs_megatron_order.bitwise_equal)
+        and (r.boundary_vs_flat_bucket is None or r.boundary_vs_flat_bucket.bitwise_equal)
         for r in results
     )
     first = real[config.layouts[0]][0][config.fp32_reduce[0]]
@@ -437,14 +395,13 @@ def summarize(v: MegatronVerdict) -> str:
             f"simdist ({r.claimed.equal}/{r.claimed.compared} captures bitwise)"
             + ("" if r.claimed.bitwise_equal else f"; first: {r.claimed.first_difference}")
         )
-        if r.tp_reduced_vs_policy is not None:
-            f, m = r.tp_reduced_vs_policy, r.tp_reduced_vs_megatron_order
+        if r.order_effect is not None:
+            f = r.order_effect
             lines.append(
-                f"{head} TP-reduced grads at the boundary: Megatron reduces over DP, then TP; the policy "
-                f"TP, then DP: {f.tensors_differing}/{f.tensors} differ, {100 * f.fraction_differing:.1f}% "
-                f"of elements, max {f.max_ulp} ulp, max error / sum|terms| {f.max_error_over_terms:.2e}; "
-                f"the policy's stages in Megatron's order: {m.equal}/{m.compared} bitwise"
-                + ("" if m.bitwise_equal else f"; first: {m.first_difference}")
+                f"{head} order effect on the TP-reduced grads: the TP correction before the DP reduction "
+                f"(correct_at=boundary) instead of after it as Megatron does: {f.tensors_differing}/{f.tensors} "
+                f"differ, {100 * f.fraction_differing:.1f}% of elements, max {f.max_ulp} ulp, max error / "
+                f"sum|terms| {f.max_error_over_terms:.2e}"
             )
         if r.boundary_vs_flat_bucket is not None:
             f, m = r.boundary_vs_policy, r.boundary_vs_flat_bucket
@@ -458,8 +415,8 @@ def summarize(v: MegatronVerdict) -> str:
     lines.append(
         "verdict: "
         + (
-            "megatron_grad_reduce_fp32's stages are bitwise what Megatron computes (in "
-            "Megatron's boundary order for TP-reduced grads)"
+            "megatron_grad_reduce_fp32 is bitwise what Megatron computes (on DP > 2 with the DP stages on "
+            "Megatron's flat bucket)"
             if v.ok
             else "MISMATCH"
         )

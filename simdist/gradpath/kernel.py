@@ -269,6 +269,15 @@ class GradPath:
 
     # -- the boundary ----------------------------------------------------------------------------------------------
 
+    def run_stages(self, stages: Sequence[Stage], buffer: torch.Tensor, key: tuple[int, int, int]) -> None:
+        """Apply ``stages`` in turn to ``buffer``'s value and write the result back into it."""
+        if not stages:
+            return
+        value = buffer
+        for stage in stages:
+            value = self.apply(stage, value, key)
+        buffer.copy_(value)
+
     def boundary(self, step: int) -> None:
         """The accumulation boundary: clear markers, boundary correction, DP reduction, norm, clip, AdamW."""
         policy = self.policy
@@ -279,18 +288,14 @@ class GradPath:
             hp = self.view(self.hp, slot)
             key = (step, BOUNDARY, slot.index)
             correction = policy.boundary_correction_stages(family, self.tp)
-            if correction:
-                value = hp
-                for stage in correction:
-                    value = self.apply(stage, value, key)
-                hp.copy_(value)
-            if policy.correct_at == "boundary":
+            dp_stages = policy.dp_stages(family.dp_group, self.dp, hp.dtype) if policy.dp_at == "boundary" else []
+            if policy.correct_at == "boundary":  # TP correction, then the DP reduction
+                self.run_stages(correction, hp, key)
                 self.capture(step, BOUNDARY, name, "boundary_corrected", hp)
-            if policy.dp_at == "boundary":
-                value = hp
-                for stage in policy.dp_stages(family.dp_group, self.dp, hp.dtype):
-                    value = self.apply(stage, value, key)
-                hp.copy_(value)
+                self.run_stages(dp_stages, hp, key)
+            else:  # after_dp (Megatron's finalize_model_grads): the DP reduction, then the TP correction
+                self.run_stages(dp_stages + correction, hp, key)
+            # "dp_reduced" is the gradient the optimizer sees, whichever order produced it
             self.capture(step, BOUNDARY, name, "dp_reduced", hp)
         if self.norm:
             norm = self.global_norm()

@@ -94,8 +94,9 @@ class Policy:
     * ``expert_in_grad_dtype`` -- EXPERT_TP_CANCEL divides ``lp.grad`` in
       place in the grad dtype (as DeepSpeed does) instead of on the staging copy;
     * ``accumulate`` -- dtype of the high-precision gradient buffer;
-    * ``correct_at`` -- ``micro_step`` (DeepSpeed) or ``boundary`` (correct the
-      accumulated buffer once, as Megatron-Core's finalize step does);
+    * ``correct_at`` -- ``micro_step`` (DeepSpeed), ``boundary`` (correct the
+      accumulated buffer once, before the DP reduction) or ``after_dp`` (once,
+      after the DP reduction, as Megatron-Core's ``finalize_model_grads`` does);
     * ``dp_reduce`` / ``dp_scale`` / ``dp_at`` -- dtype, normalisation and
       timing of the data-parallel reduction;
     * ``master`` / ``moments`` -- dtypes of the master weights and Adam moments;
@@ -111,7 +112,7 @@ class Policy:
     rounding: Rounding = "nearest"
     expert_in_grad_dtype: bool = True
     accumulate: torch.dtype = torch.float32
-    correct_at: Literal["micro_step", "boundary"] = "micro_step"
+    correct_at: Literal["micro_step", "boundary", "after_dp"] = "micro_step"
     dp_reduce: torch.dtype = torch.float32
     dp_scale: DpScale = "postscale"
     dp_at: Literal["boundary", "micro_step"] = "boundary"
@@ -188,17 +189,18 @@ class Policy:
         return stages
 
     def boundary_correction_stages(self, family: Family, tp: int) -> list[Stage]:
-        """The TP correction run once on the accumulated buffer at the boundary (``correct_at="boundary"``)."""
-        if self.correct_at != "boundary":
+        """The TP correction run once on the accumulated buffer at the boundary (``correct_at`` ``boundary`` or
+        ``after_dp``)."""
+        if self.correct_at == "micro_step":
             return []
         return self.correction_stages(family.correction(tp), tp, self.accumulate)
 
     def boundary_stages(self, family: Family, tp: int, dp: int | None = None) -> list[Stage]:
-        """Stages run once on the accumulated buffer at the boundary: TP correction, then the DP reduction."""
-        stages = self.boundary_correction_stages(family, tp)
-        if self.dp_at == "boundary":
-            stages += self.dp_stages(family.dp_group, dp, self.accumulate)
-        return stages
+        """Stages run once on the accumulated buffer at the boundary: the TP correction and the DP reduction, in
+        the order ``correct_at`` names (``boundary``: correction first; ``after_dp``: DP reduction first)."""
+        correction = self.boundary_correction_stages(family, tp)
+        dp_stages = self.dp_stages(family.dp_group, dp, self.accumulate) if self.dp_at == "boundary" else []
+        return dp_stages + correction if self.correct_at == "after_dp" else correction + dp_stages
 
     def chain(self, family: Family, tp: int, dp: int | None = None) -> str:
         """The printable chain of every stage that runs, with the dtype each runs in, e.g.
