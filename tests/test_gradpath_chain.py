@@ -19,13 +19,14 @@ def test_the_dp_reduction_and_its_dtype_are_printed():
 
 
 def test_a_dp_reduction_every_micro_step_is_printed_where_it_runs():
-    """FSDP2 reduces over DP every micro-step with FSDP's pre/post divide factors, before ``+=hp``."""
+    """FSDP2 reduces over DP every micro-step with FSDP's pre/post divide factors, before ``+=hp``; a TP
+    reduction runs before its cast to the reduce dtype, in BF16 (confirmed by the fsdp2-reduce-dtype-tp case)."""
     tail = " -> +=hp | boundary: fp32 -> adamw(fp32)"
     assert get_policy("fsdp2_reduce_dtype").chain(ROUTER, 2) == (
-        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> /pre -> all_reduce[dp] -> /post" + tail
+        "bf16 -> all_reduce[tp] -> /2 -> fp32 -> /pre -> all_reduce[dp] -> /post" + tail
     )
     assert get_policy("fsdp2_reduce_dtype").chain(ROUTER, 2, dp=8) == (
-        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> /4 -> all_reduce[dp] -> /2" + tail
+        "bf16 -> all_reduce[tp] -> /2 -> fp32 -> /4 -> all_reduce[dp] -> /2" + tail
     )
 
 
