@@ -41,8 +41,9 @@ def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "audit",
         help="run a Python script under the precision audit and report where it narrows precision",
-        epilog="exit status: the script's own (sys.exit(n): n; sys.exit('msg'): 1, msg on stderr; an uncaught "
-        "exception: 1); 2 when simdist audit's own arguments are bad (no such script, a negative --top)",
+        epilog="exit status: the script's own\n"
+        "  sys.exit(n): n; sys.exit('msg'): 1, with msg on stderr; an uncaught exception: 1, with its traceback\n"
+        "  2 when simdist audit's own arguments are bad (no such script, a negative --top)",
         description="Run SCRIPT (with ARGS as its sys.argv[1:]) under simdist.audit and print every site that "
         "narrows a floating dtype or accumulates narrower than its inputs, most frequent first. Options go "
         "before SCRIPT; threads the script starts (SimWorld ranks) are audited too.",

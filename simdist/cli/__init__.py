@@ -51,10 +51,18 @@ EXIT_CODES = """exit status:
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: one-line errors with status 2, and the exit statuses after ``--help``.
+
+    The epilog (`EXIT_CODES` unless a command gives its own) is printed as written, line by line; the
+    description is wrapped as usual.
+    """
+
     def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("epilog", EXIT_CODES)
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        self._raw_epilog = kwargs.pop("epilog", None) or EXIT_CODES
         super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        return f"{super().format_help().rstrip()}\n\n{self._raw_epilog}\n"
 
     def error(self, message: str) -> None:  # one line, exit status 2
         self.exit(EXIT_BAD_INPUT, f"simdist: error: {message}\n")
