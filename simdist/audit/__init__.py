@@ -20,7 +20,11 @@ the current thread dispatches and records
   (``c10d.allreduce_`` ...) as real process groups dispatch them, and the
   collectives of a simdist communicator wrapped by `AuditedComm` / `audited`
   (``comm.all_reduce`` ...), recorded with the dtype of the tensor they
-  reduce (a SimWorld `ReductionModel` may add up wider: see the group's model).
+  reduce (a SimWorld `ReductionModel` may add up wider: see the group's model);
+  without a wrapper, the collectives of SimWorld's own `SimComm`
+  (``comm.all_reduce``) and of the ``simdist`` torch.distributed backend
+  (``dist.all_reduce`` in `simdist.spawn` ranks: its Python process groups
+  never reach the dispatcher) are recorded too (`simdist.audit.world_hooks`).
 
 "Narrower" means the output dtype cannot hold every value of the input dtype:
 fewer mantissa bits or a smaller exponent range, so fp32 -> fp16, fp16 -> bf16
@@ -76,9 +80,14 @@ that entered it and nothing else.
   ``audit(threads=True)`` (what ``simdist audit`` uses) instead follows every
   thread *started* while it is active: each gets its own mode, recording into
   the same report, tagged with the rank parsed from SimWorld's thread names
-  (``simdist-rank-N``); simulated collectives are then not wrapped, so their
-  model arithmetic is charged to the completing rank. A followed thread that
-  outlives the audit keeps a mode that only passes ops through.
+  (``simdist-rank-N``); SimWorld's and the simdist backend's collectives are
+  recorded by `simdist.audit.world_hooks`, which pauses the rank's audit while
+  the collective runs, so the model's arithmetic is not charged to the
+  completing rank either. A followed thread that outlives the audit keeps a
+  mode that only passes ops through; one that ends pops its mode first, and
+  the audit waits (Linux) until its finished threads are gone from the OS, so
+  that their C++ thread-local state is released before the interpreter can
+  finalize (otherwise the process may abort at exit with status 134).
 * torch.distributed: c10d collectives reach the dispatcher, so they are
   recorded with their dtype (``c10d.allreduce_``, bf16). With `audited` the
   same rank program reports ``comm.all_reduce`` in SimWorld and on gloo/NCCL.
