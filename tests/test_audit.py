@@ -375,7 +375,7 @@ import sys
 import torch
 import torch.distributed as dist
 import simdist
-from simdist.reduce.gloo import Gloo
+from simdist.reduce import make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -392,7 +392,7 @@ def backend_rank(rank):
     return x
 
 
-SimWorld(ParallelSpec(2, tp=2, ep=1), default_model=Gloo()).run(sim_rank)
+SimWorld(ParallelSpec(2, tp=2, ep=1), default_model=make_model("upcast")).run(sim_rank)  # sums in FP32
 simdist.spawn(backend_rank, 2)
 code = sys.argv[1] if sys.argv[1:] else None
 sys.exit(int(code) if code and code.isdigit() else code)
@@ -409,6 +409,8 @@ def test_cli_reports_collectives_of_simworld_and_the_simdist_backend_and_passes_
     assert captured.err.strip().splitlines()[-1] == "the script's own message"  # sys.exit("msg"): printed, status 1
     sites = {line.split()[2]: line for line in captured.out.splitlines() if line.split()[1:2] == ["collective"]}
     assert set(sites) == {"comm.all_reduce", "dist.all_reduce"}
+    # the upcast model's FP32 -> BF16 rounding runs on the rank that completes the collective, paused: not charged
+    assert "2 sites, 4 events, ranks 0-1" in captured.out
     comm, backend = sites["comm.all_reduce"], sites["dist.all_reduce"]
     assert f"{_at(str(script), '# SimWorld')} in sim_rank" in comm and "bf16" in comm
     assert "[group=tp; ranks 0-1]" in comm and comm.split()[0] == "2"
