@@ -45,7 +45,9 @@ def _assert_same(a: list[dict], b: list[dict], what: str) -> None:
             left, right = _leaves(x[key]), _leaves(y[key])
             assert len(left) == len(right), (what, rank, key)
             for p, q in zip(left, right, strict=True):
-                if isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor):
+                kinds = [v if isinstance(v, str) else type(v).__name__ for v in (p, q)]
+                assert isinstance(p, torch.Tensor) == isinstance(q, torch.Tensor), f"{what}: rank {rank} {key}: {kinds}"
+                if isinstance(p, torch.Tensor):
                     assert p.dtype == q.dtype and p.shape == q.shape, (what, rank, key, p, q)
                     assert torch.equal(_bits(p), _bits(q)), f"{what}: rank {rank} {key} differs"
                 else:
@@ -89,7 +91,9 @@ def test_every_op_and_every_refusal_equal_real_gloo(real_gloo, threads):
 
 @pytest.mark.slow
 def test_process_mode_runs_every_program_with_the_threads_bits(threads):
-    _assert_same(spawn_procs(suite, N, backend="simdist", timeout_s=300), threads, "process mode vs threads")
+    processes = spawn_procs(suite, N, backend="simdist", timeout_s=300)
+    for name in threads[0]:
+        _assert_same(_program(processes, name), _program(threads, name), f"{name}: process mode vs threads")
 
 
 def _mismatch(rank):

@@ -363,8 +363,11 @@ class SimProcessGroup(dist.ProcessGroup):
                     results = buffers(members, op.reduce_op, root)
                     for i in targets:
                         calls[i].inputs[k].copy_(results[i])
-                elif root in targets:
-                    calls[root].inputs[k].copy_(reduce_root(model, members, op, root))
+                    continue
+                # computed for non-root targets too (process mode), so a model's refusal reaches every rank
+                result = reduce_root(model, members, op, root)
+                if root in targets:
+                    calls[root].inputs[k].copy_(result)
 
         call = self._call("reduce", (op.shown, f"dst={self.ranks[root]}", *_meta(tensors)), tuple(tensors))
         return self._run(call, complete, list(tensors))
