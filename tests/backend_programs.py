@@ -186,7 +186,7 @@ def _reductions(rank: int, out: dict) -> None:
             def reduce(dtype=dtype, name=name):
                 t = values(rank, 40, dtype)
                 dist.reduce(t, dst=1, op=reduce_op(name))
-                return t if rank == 1 else torch.zeros(0)  # elsewhere the buffer holds gloo's scratch
+                return t  # every rank: the root holds the result, the others what gloo leaves there
 
             def reduce_scatter_tensor(dtype=dtype, name=name):
                 block = torch.empty(10, dtype=dtype)
