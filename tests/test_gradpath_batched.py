@@ -18,6 +18,8 @@ import struct
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from simdist.gradpath.batched import BatchedPath, batched_sum
 from simdist.gradpath.catalogue import get_policy, policy_names
@@ -26,6 +28,7 @@ from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
 from simdist.reduce.gloo import Gloo
+from simdist.strategies import float_values
 from simdist.studies.growth import BatchedGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
@@ -205,3 +208,28 @@ def _reduced(comm, value, kind):
     out = value.clone()
     comm.all_reduce(out, group=comm.group(kind))
     return out
+
+
+@given(
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    st.integers(2, 6),
+    st.integers(1, 3),
+    st.integers(1, 40),
+    st.data(),
+)
+def test_batched_gloo_sums_keep_gloos_nan_bits(dtype, k, count, numel, data):
+    """NaN, infinities and NaN payloads (quiet and signalling): the batched gloo sum has `Gloo.sum`'s bits for
+    every reduction, NaN bits included (gloo's NaN depends on which operand was NaN at which hop)."""
+    values = data.draw(
+        st.lists(float_values(dtype, nan=True, infinity=True), min_size=k * count * numel, max_size=k * count * numel)
+    )
+    stacked = torch.tensor(values, dtype=dtype).reshape(k, count, numel)
+    width = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    payloads = data.draw(st.lists(st.integers(1, 63), min_size=stacked.numel(), max_size=stacked.numel()))
+    nan = stacked.isnan()
+    raw = stacked.view(width).reshape(-1)
+    raw[nan.reshape(-1)] ^= torch.tensor(payloads, dtype=width)[nan.reshape(-1)]  # other payloads, some signalling
+    assert stacked.isnan().equal(nan)
+    result = batched_sum(Gloo(), stacked, (numel,))
+    for i in range(count):
+        assert torch.equal(result[i].view(width), Gloo().sum(stacked[:, i]).view(width)), i

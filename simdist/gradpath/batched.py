@@ -56,19 +56,34 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
     kind = type(model)
     if kind in (Sequential, Tree, Upcast) or k == 1 or numel == 0:
         return model.sum(stacked)
-    if kind in (Gloo, Ring) and k <= 2:  # one addition: every order gives the same bits
-        return fold(stacked)
     count = math.prod(batch)
     if kind is Ring:
+        if k <= 2:  # one addition: every order gives the same bits
+            return fold(stacked)
         index = model.fold_order(k, numel, stacked.device)
         return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
     if kind is Gloo:
-        index = _gloo_index(model, k, numel, stacked.element_size(), stacked.device)
-        if index is None:  # one chunk: x[k-1] + ... + x[0]
-            return fold(stacked.unbind(0)[::-1])
-        return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
+        if k <= 2:  # one addition: the value of every order, the NaN bits aside (below)
+            result = fold(stacked)
+        else:
+            index = _gloo_index(model, k, numel, stacked.element_size(), stacked.device)
+            if index is None:  # one chunk: x[k-1] + ... + x[0]
+                result = fold(stacked.unbind(0)[::-1])
+            else:
+                result = _ordered_fold(stacked, index, count).reshape(*batch, *shape)
+        if not _may_hold_nan(result):
+            return result
+        # gloo's NaN bits depend on which operand was NaN at which hop: the model's own walk, item by item
     flat = stacked.reshape(k, count, *shape)
     return torch.stack([model.reduce(flat[:, i]) for i in range(count)]).reshape(*batch, *shape)
+
+
+def _may_hold_nan(t: torch.Tensor) -> bool:
+    """False only if ``t`` holds no NaN: one float sum (cheaper than ``isnan().any()``; inf - inf may give a false
+    alarm, never a miss)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    return bool(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).isnan())
 
 
 @functools.lru_cache(maxsize=256)
