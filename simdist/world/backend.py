@@ -115,19 +115,20 @@ class Op:
         self.reduce_op = ReduceOp[name] if name in ReduceOp.__members__ else None
 
 
-_OPS: dict[Any, Op] = {}
+_OPS: dict[int, Op] = {}
 
 
 def resolve_op(op: Any) -> Op:
     """The `Op` of a ``dist.ReduceOp`` (or its ``RedOpType``)."""
     kind = getattr(op, "op", op)
-    found = _OPS.get(kind)
+    key = int(kind)  # hashing the enum itself costs several times more, on every collective
+    found = _OPS.get(key)
     if found is not None:
         return found
     name = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
     if name == "PREMUL_SUM":
         return Op(name, getattr(op, "factor", None))
-    found = _OPS[kind] = Op(name)
+    found = _OPS[key] = Op(name)
     return found
 
 
@@ -209,6 +210,9 @@ def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, what: str) -> 
 
 def _meta(tensors: Sequence[torch.Tensor]) -> tuple:
     """Shapes and dtypes of ``tensors`` as signature details."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        return (t.shape, t.dtype)
     out: list = []
     for t in tensors:
         out += [t.shape, t.dtype]
@@ -275,6 +279,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self.model = model
         self.transport = transport
         self.key = (name, ranks)  # the group's call sequence in the engine
+        self.global_rank = ranks[rank]
         self.gloo_rules = isinstance(model, Gloo)  # refuse what torch's gloo backend refuses (shape rules)
 
     # -- identity ---------------------------------------------------------------
@@ -303,7 +308,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _call(self, op: str, details: tuple, inputs=(), outputs=(), extra=None) -> Call:
         frame = sys._getframe(2)
-        return Call(self.ranks[self._group_rank], (op, self.label, *details), frame, inputs, outputs, extra)
+        return Call(self.global_rank, (op, self.label, *details), frame, inputs, outputs, extra)
 
     def _run(self, call: Call, complete: Complete, result: list[torch.Tensor]) -> DoneWork:
         self.transport.collective(self, call, complete)
@@ -312,8 +317,9 @@ class SimProcessGroup(dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        op = resolve_op((opts or dist.AllreduceOptions()).reduceOp)
-        check_op(self.model, op, tensors)
+        op = resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if op.reduce_op is None:
+            check_op(self.model, op, tensors)
         model = self.model
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
@@ -327,8 +333,11 @@ class SimProcessGroup(dist.ProcessGroup):
                 for i in targets:
                     calls[i].inputs[k].copy_(result)
 
-        call = self._call("all_reduce", (op.shown, *_meta(tensors)), tuple(tensors))
-        return self._run(call, complete, list(tensors))
+        # the hot path of every training step: the Call is built here, not through _call/_meta/_run
+        signature = ("all_reduce", self.label, op.shown, *_meta(tensors))
+        call = Call(self.global_rank, signature, sys._getframe(1), tuple(tensors))
+        self.transport.collective(self, call, complete)
+        return DoneWork(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)

@@ -60,8 +60,11 @@ class _RankState:
 
 
 def _per_thread(name: str, settable: bool = False) -> property:
-    def get(self):
-        return getattr(self._state(), name)
+    def get(self):  # c10d reads these on every collective: one frame, no helper call
+        try:
+            return getattr(self._local.state, name)
+        except AttributeError:  # not a rank thread (no state, or None after leave_rank)
+            return getattr(self._fallback, name)
 
     def set_(self, value):
         setattr(self._state(), name, value)
