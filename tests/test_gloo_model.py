@@ -10,13 +10,12 @@ whatever the thread count (``exp2`` and friends do not).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
 from simdist.reduce.gloo import Gloo, chunk_length, chunk_start_ranks
+from simdist.reduce.gloo_probe import order_fingerprint
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
@@ -63,23 +62,6 @@ def random_ranks(seed: int, n: int, numel: int, dtype: torch.dtype, wide: bool) 
     return x.to(dtype)
 
 
-def fingerprint_ranks(n: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Element ``e``: 1.0 on one rank, half an ulp of 1.0 on two others, 0 elsewhere (all triples in turn).
-
-    The sum is ``1 + ulp`` exactly when the two small values are added to each
-    other before the 1.0 joins, so the result reveals the order at every element.
-    """
-    triples = [(b, p, q) for b in range(n) for p, q in itertools.combinations([r for r in range(n) if r != b], 2)]
-    small = 2.0 ** (-8 if dtype == torch.bfloat16 else -24)
-    pick = torch.tensor(triples)[torch.arange(numel) % len(triples)]
-    x = torch.zeros(n, numel, dtype=torch.float64)
-    cols = torch.arange(numel)
-    x[pick[:, 0], cols] = 1.0
-    x[pick[:, 1], cols] = small
-    x[pick[:, 2], cols] = small
-    return x.to(dtype)
-
-
 def random_cases(n: int) -> list[tuple[int, int, torch.dtype, bool]]:
     """(seed, numel, dtype, wide) cases for world size ``n``: fixed and random lengths, one past the segment cap."""
     gen = torch.Generator().manual_seed(7000 + n)
@@ -107,7 +89,7 @@ def gloo_rank(comm) -> dict[str, list[torch.Tensor]]:
             comm.reduce_scatter_tensor(block, scatter_in)
             out["reduce_scatter"].append(block)
     for numel, dtype in fingerprint_cases(n):
-        x = fingerprint_ranks(n, numel, dtype)[rank].clone()
+        x = order_fingerprint(n, numel, dtype)[rank].clone()
         comm.all_reduce(x)
         out["fingerprint"].append(x)
     return out
@@ -186,7 +168,7 @@ def test_reduce_scatter_bitwise_equals_real_gloo(gloo_run):
 def test_fingerprints_reveal_the_modelled_order(gloo_run):
     n, results = gloo_run
     for i, (numel, dtype) in enumerate(fingerprint_cases(n)):
-        stacked = fingerprint_ranks(n, numel, dtype)
+        stacked = order_fingerprint(n, numel, dtype)
         real = results[0]["fingerprint"][i]
         assert_bitwise(Gloo().sum(stacked), real, f"fingerprint n={n} numel={numel} {dtype}")
         if numel >= 64:  # the order matters: a plain rank-order fold gets some elements wrong
@@ -363,7 +345,7 @@ def test_reduce_to_any_root_and_list_reduce_scatter_are_all_reduces():
 def unsorted_group(comm):
     from simdist.world.groups import Group
 
-    x = fingerprint_ranks(3, 64, torch.float32)[min(comm.get_rank(), 2)].clone()
+    x = order_fingerprint(3, 64, torch.float32)[min(comm.get_rank(), 2)].clone()
     if comm.get_rank() < 3:
         comm.all_reduce(x, group=Group("custom", (2, 0, 1)))
     return x
@@ -371,7 +353,7 @@ def unsorted_group(comm):
 
 def test_simworld_orders_a_groups_ranks_as_torch_does():
     results = SimWorld(ParallelSpec(4, tp=1, ep=1), default_model=Gloo()).run(unsorted_group)
-    expected = Gloo().sum(fingerprint_ranks(3, 64, torch.float32))
+    expected = Gloo().sum(order_fingerprint(3, 64, torch.float32))
     for rank in range(3):
         assert_bitwise(results[rank], expected, f"rank {rank}")
 
