@@ -332,3 +332,19 @@ def test_no_y_label_reaches_into_the_panel_to_its_left():
         panels = np.array(fig.axes).reshape(2, -1)
         assert label_overlaps(fig, panels) == []
         plt.close(fig)
+
+
+def test_every_panel_spans_every_step_even_when_all_errors_are_zero():
+    """A panel that holds only the line at 0 has no data to autoscale its x axis from: it must still reach the
+    last step (it once stopped at 10 for a 50-step run)."""
+    import matplotlib.pyplot as plt
+
+    from simdist.studies.growth.plot import growth_figure
+
+    config = GrowthConfig(policies=("fp32_staging",), steps=50, seeds=2)
+    fig = growth_figure(config, np.zeros((50, 1, 2, len(COLUMNS))))
+    for ax in fig.axes:
+        if ax.get_xscale() == "log":
+            low, high = ax.get_xlim()
+            assert low <= 1 and high >= 50
+    plt.close(fig)

@@ -62,6 +62,7 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
                 for j, name in enumerate(config.policies)
             ]
             ax.set_xscale("log")
+            ax.set_xlim(1, max(2, len(steps)))  # an all-zero panel draws only horizontal lines: span every step
             _error_axis(ax, metrics[:, :, :, k], any(zero))
             ax.set_title(labels[tensor])
             ax.set_ylabel(unit, fontsize=9)
@@ -240,6 +241,7 @@ def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
             for j, name in enumerate(config.policies)
         ]
         ax.set_xscale("log")
+        ax.set_xlim(1, max(2, len(steps)))
         _error_axis(ax, metrics[:, :, :, k], any(zero))
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(unit, fontsize=9)
