@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-gloo", action="store_true", help="only the in-process table (no gloo processes)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # as on the rank threads and in the gloo processes: the floor is not run on 2 CPUs
     if args.no_gloo:
         backend_table(_iterations(1024, args.quick), args.repeats)
         batched_table(_iterations(1024, args.quick), args.repeats)

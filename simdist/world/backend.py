@@ -208,6 +208,57 @@ def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, what: str) -> 
     return sizes
 
 
+def exchange_plan(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None,
+    n: int,
+    label: str,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """One member's side of all_to_all_single checked: (input splits, output splits, trailing dims).
+
+    Shared by the backend and `simdist.world.simworld.SimComm` (one implementation of the semantics).
+    """
+    in_splits = _splits(input, input_split_sizes, n, "input")
+    out_splits = _splits(output, output_split_sizes, n, "output")
+    trailing = tuple(input.shape[1:])
+    if tuple(output.shape[1:]) != trailing or output.dtype != input.dtype:
+        raise ValueError(
+            f"all_to_all_single on {label}: output {tuple(output.shape)} {output.dtype} and input "
+            f"{tuple(input.shape)} {input.dtype} must share dtype and trailing dims"
+        )
+    return in_splits, out_splits, trailing
+
+
+def exchange_rows(calls: list[Call], targets: Sequence[int], label: str) -> None:
+    """Complete an all_to_all_single: check every pair's split sizes agree, then fill the ``targets``' outputs.
+
+    Each call carries ``extra = (input splits, output splits)`` from `exchange_plan`.
+    """
+    n = len(calls)
+    sent = [c.extra[0] for c in calls]
+    received = [c.extra[1] for c in calls]
+    wrong = [
+        f"rank {calls[j].rank} sends {sent[j][i]} rows to rank {calls[i].rank}, which expects {received[i][j]}"
+        for i in range(n)
+        for j in range(n)
+        if sent[j][i] != received[i][j]
+    ]
+    if wrong:
+        raise CollectiveMismatchError(
+            f"all_to_all_single on {label}: split sizes do not match:\n  "
+            + "\n  ".join(wrong)
+            + "\n  calls:\n  "
+            + "\n  ".join(c.describe() for c in calls)
+        )
+    pieces = [c.inputs[0].split(list(c.extra[0])) for c in calls]
+    for i in targets:
+        out = calls[i].outputs[0]
+        if out.numel():
+            out.copy_(torch.cat([pieces[j][i] for j in range(n)]).view(out.shape))
+
+
 def _meta(tensors: Sequence[torch.Tensor]) -> tuple:
     """Shapes and dtypes of ``tensors`` as signature details."""
     if len(tensors) == 1:
@@ -333,11 +384,10 @@ class SimProcessGroup(dist.ProcessGroup):
                 for i in targets:
                     calls[i].inputs[k].copy_(result)
 
-        # the hot path of every training step: the Call is built here, not through _call/_meta/_run
+        # the hot path of every training step: the Call is built here, not through _call
         signature = ("all_reduce", self.label, op.shown, *_meta(tensors))
         call = Call(self.global_rank, signature, sys._getframe(1), tuple(tensors))
-        self.transport.collective(self, call, complete)
-        return DoneWork(tensors)
+        return self._run(call, complete, tensors)  # every collective passes _run (simdist.audit hooks it)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
@@ -568,37 +618,13 @@ class SimProcessGroup(dist.ProcessGroup):
                 f"all_to_all_single on {self.label}: the {which} must be contiguous (gloo refuses a strided input "
                 "and moves a strided output's memory, not its elements)"
             )
-        in_splits = _splits(input, input_split_sizes, n, "input")
-        out_splits = _splits(output, output_split_sizes, n, "output")
-        trailing = tuple(input.shape[1:])
-        if tuple(output.shape[1:]) != trailing or output.dtype != input.dtype:
-            raise ValueError(
-                f"all_to_all_single on {self.label}: output {tuple(output.shape)} {output.dtype} and input "
-                f"{tuple(input.shape)} {input.dtype} must share dtype and trailing dims"
-            )
+        in_splits, out_splits, trailing = exchange_plan(
+            output, input, output_split_sizes, input_split_sizes, n, self.label
+        )
         label = self.label
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
-            sent = [c.extra[0] for c in calls]
-            received = [c.extra[1] for c in calls]
-            wrong = [
-                f"rank {calls[j].rank} sends {sent[j][i]} rows to rank {calls[i].rank}, which expects {received[i][j]}"
-                for i in range(n)
-                for j in range(n)
-                if sent[j][i] != received[i][j]
-            ]
-            if wrong:
-                raise CollectiveMismatchError(
-                    f"all_to_all_single on {label}: split sizes do not match:\n  "
-                    + "\n  ".join(wrong)
-                    + "\n  calls:\n  "
-                    + "\n  ".join(c.describe() for c in calls)
-                )
-            pieces = [c.inputs[0].split(list(c.extra[0])) for c in calls]
-            for i in targets:
-                out = calls[i].outputs[0]
-                if out.numel():
-                    out.copy_(torch.cat([pieces[j][i] for j in range(n)]).view(out.shape))
+            exchange_rows(calls, targets, label)
 
         details = (input.dtype, f"trailing dims={trailing}")
         call = self._call("all_to_all_single", details, (input,), (output,), (in_splits, out_splits))

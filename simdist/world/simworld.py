@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from simdist.reduce import ReduceOp, ReductionModel, Sequential
+from simdist.world.backend import exchange_plan, exchange_rows
 from simdist.world.engine import Call as _Call
 from simdist.world.engine import Engine
-from simdist.world.errors import CollectiveMismatchError
 from simdist.world.groups import Group, group_for, world_group
 from simdist.world.spec import ParallelSpec
 
@@ -142,35 +142,12 @@ class SimComm:
         """
         group = self._resolve(group)
         n = group.size
-        in_splits = _splits(input, input_split_sizes, n, "input")
-        out_splits = _splits(output, output_split_sizes, n, "output")
-        trailing = tuple(input.shape[1:])
-        if tuple(output.shape[1:]) != trailing or output.dtype != input.dtype:
-            raise ValueError(
-                f"all_to_all_single on {group}: output {tuple(output.shape)} {output.dtype} and input "
-                f"{tuple(input.shape)} {input.dtype} must share dtype and trailing dims"
-            )
+        in_splits, out_splits, trailing = exchange_plan(
+            output, input, output_split_sizes, input_split_sizes, n, str(group)
+        )
 
         def complete(calls: list[_Call]) -> None:
-            sent = [c.extra[0] for c in calls]
-            received = [c.extra[1] for c in calls]
-            wrong = [
-                f"rank {calls[j].rank} sends {sent[j][i]} rows to rank {calls[i].rank}, which expects {received[i][j]}"
-                for i in range(n)
-                for j in range(n)
-                if sent[j][i] != received[i][j]
-            ]
-            if wrong:
-                raise CollectiveMismatchError(
-                    f"all_to_all_single on {group}: split sizes do not match:\n  "
-                    + "\n  ".join(wrong)
-                    + "\n  calls:\n  "
-                    + "\n  ".join(c.describe() for c in calls)
-                )
-            pieces = [c.inputs[0].split(c.extra[0]) for c in calls]
-            for i, c in enumerate(calls):
-                if c.outputs[0].numel():
-                    torch.cat([pieces[j][i] for j in range(n)], out=c.outputs[0])
+            exchange_rows(calls, range(n), str(group))
 
         sig = ("all_to_all_single", group, input.dtype, f"trailing dims={trailing}", input.device)
         call = _Call(self._rank, sig, sys._getframe(1), (input,), (output,), (in_splits, out_splits))
@@ -194,20 +171,6 @@ class SimComm:
         """Wait until every member of ``group`` has arrived."""
         group = self._resolve(group)
         self._collective(_Call(self._rank, ("barrier", group), sys._getframe(1)), group, lambda calls: None)
-
-
-def _splits(t: torch.Tensor, sizes: list[int] | None, n: int, what: str) -> tuple[int, ...]:
-    rows = t.shape[0] if t.dim() else 1
-    if sizes is None or len(sizes) == 0:
-        if rows % n:
-            raise ValueError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by the group size {n}")
-        return (rows // n,) * n
-    sizes = tuple(int(s) for s in sizes)
-    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
-        raise ValueError(
-            f"all_to_all_single: {what}_split_sizes {list(sizes)} must be {n} sizes >= 0 summing to {rows}"
-        )
-    return sizes
 
 
 class SimWorld:
