@@ -61,8 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1)
     ns = parser.parse_args(argv)
     world = SimWorld(SPEC, default_model=Gloo())
-    args = (list(DEFAULT_PARAMS), InitialWeights(SPEC), SyntheticGradients(SPEC), get_policy("bf16_writeback"),
-            PathConfig(steps=ns.steps))
+    args = (
+        list(DEFAULT_PARAMS),
+        InitialWeights(SPEC),
+        SyntheticGradients(SPEC),
+        get_policy("bf16_writeback"),
+        PathConfig(steps=ns.steps),
+    )
     variants = {
         "plain": train_rank,
         "audited": audited(train_rank),
@@ -82,16 +87,22 @@ def main(argv: list[str] | None = None) -> None:
     median = {name: statistics.median(t) for name, t in wall.items()}
     median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
     _, report = world.run(variants["audited"], *args)[0]
-    print(f"gradient path, {SPEC.describe()}, bf16_writeback, {ns.steps} step(s), {len(DEFAULT_PARAMS)} params, "
-          f"median of {ns.repeats} interleaved rounds")
+    print(
+        f"gradient path, {SPEC.describe()}, bf16_writeback, {ns.steps} step(s), {len(DEFAULT_PARAMS)} params, "
+        f"median of {ns.repeats} interleaved rounds"
+    )
     print(f"rank 0 records {report.total} events at {len(report.sites)} sites per run")
     print(f"  {'':<10} {'wall':>8}    {'ratio':>6}   {'CPU':>8}    {'ratio':>6}")
     for name in variants:
         t, c = median[name], median_cpu[name]
-        print(f"  {name:<10} {1e3 * t:8.2f} ms {t / median['plain']:6.2f}x   "
-              f"{1e3 * c:8.2f} ms {c / median_cpu['plain']:6.2f}x")
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other processes inflate wall time; "
-          "CPU time is this process's own); target: audited <= 3x plain")
+        print(
+            f"  {name:<10} {1e3 * t:8.2f} ms {t / median['plain']:6.2f}x   "
+            f"{1e3 * c:8.2f} ms {c / median_cpu['plain']:6.2f}x"
+        )
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other processes inflate wall time; "
+        "CPU time is this process's own); target: audited <= 3x plain"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,14 @@ SPEC = ParallelSpec(4, tp=2, ep=2)
 def audit_one_step(policy: str) -> AuditReport:
     """The merged report of every rank for one optimizer step under ``policy``."""
     world = SimWorld(SPEC, default_model=Gloo())
-    ranks = world.run(audited(train_rank), list(DEFAULT_PARAMS), InitialWeights(SPEC), SyntheticGradients(SPEC),
-                      get_policy(policy), PathConfig(steps=1))
+    ranks = world.run(
+        audited(train_rank),
+        list(DEFAULT_PARAMS),
+        InitialWeights(SPEC),
+        SyntheticGradients(SPEC),
+        get_policy(policy),
+        PathConfig(steps=1),
+    )
     return AuditReport.merge(report for _, report in ranks)
 
 

@@ -31,7 +31,6 @@ Not confirmed: other DP sizes, the folding TP correction of routers and experts
 (torch has no such step) and the optimizer step.
 """
 
-
 from simdist.gradpath.policy import Policy, register
 
 POLICY = register(

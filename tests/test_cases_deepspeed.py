@@ -39,8 +39,9 @@ def _hooks_marker_fixed() -> bool:
 
     small = dataclasses.replace(CONFIG, steps=1)
     shipped = transcription(small, get_policy("bf16_writeback"), "hooks", 2)
-    intended = transcription(dataclasses.replace(small, marker="per_micro_step"), get_policy("bf16_writeback"),
-                             "hooks", 2)
+    intended = transcription(
+        dataclasses.replace(small, marker="per_micro_step"), get_policy("bf16_writeback"), "hooks", 2
+    )
     pairs = zip(shipped, intended, strict=True)
     return all(bitwise_equal(v, b.values[k]) for a, b in pairs for k, v in a.values.items())
 

@@ -28,11 +28,14 @@ def test_fsdp2_is_bitwise_the_policy_chain_for_both_reduce_dtypes(real):
     assert bf16.tensors_differing > 0 and 0 < bf16.max_error_over_terms < 4 * verdict.bf16_unit_roundoff
 
 
-@pytest.mark.parametrize("reduce_dtype,mutation", [
-    ("fp32", {"dp_reduce": torch.bfloat16}),
-    ("bf16", {"dp_reduce": torch.float32}),
-    ("fp32", {"dp_at": "boundary"}),
-])
+@pytest.mark.parametrize(
+    "reduce_dtype,mutation",
+    [
+        ("fp32", {"dp_reduce": torch.bfloat16}),
+        ("bf16", {"dp_reduce": torch.float32}),
+        ("fp32", {"dp_at": "boundary"}),
+    ],
+)
 def test_mutated_policy_fails_the_case(real, reduce_dtype, mutation):
     policies = {name: policy_for(name) for name in CONFIG.reduce_dtypes}
     policies[reduce_dtype] = dataclasses.replace(policies[reduce_dtype], **mutation)

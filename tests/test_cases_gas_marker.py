@@ -28,8 +28,13 @@ def test_epilogue_skips_every_later_micro_step_and_hooks_none(real):
     assert verdict.ok, verdict.summary
     epilogue, hooks = verdict.paths
     assert epilogue.skipped_micro_steps["router.weight"] == [1, 2]
-    assert set(epilogue.skipped_micro_steps) == {"router.weight", "router_partial.weight", "dense.weight",
-                                                 "norm.weight", "expert.w1"}
+    assert set(epilogue.skipped_micro_steps) == {
+        "router.weight",
+        "router_partial.weight",
+        "dense.weight",
+        "norm.weight",
+        "expert.w1",
+    }
     assert hooks.skipped_micro_steps == {}
     assert not epilogue.real_vs_per_micro_step.bitwise_equal
     assert {e.param for e in epilogue.errors} == {"router.weight", "router_partial.weight", "expert.w1"}
@@ -46,8 +51,9 @@ def test_mutated_policy_fails_the_case(real):
 
 def test_reproducer_imports_only_torch_and_deepspeed(tmp_path):
     tree = ast.parse(REPRODUCER.read_text())
-    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names}
+    roots = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert roots <= {"argparse", "importlib", "logging", "torch", "deepspeed"}
     assert write_reproducer(tmp_path).read_text() == REPRODUCER.read_text()
@@ -58,9 +64,24 @@ def test_reproducer_runs_under_torchrun_and_shows_the_skip(tmp_path):
     script = write_reproducer(tmp_path)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)  # the reproducer needs no simdist
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(script), "--gas", "2"], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(script),
+            "--gas",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode != 0, done.stdout
     assert "micro-step 0: corrected" in done.stdout
     assert "micro-step 1: NOT corrected: the raw local gradient was added" in done.stdout

@@ -33,10 +33,10 @@ def both_checks(comm, out: str, where: dict) -> list[str]:
 @pytest.mark.gloo
 def test_real_gloo_and_simworld_dumps_are_bitwise_equal(tmp_path):
     spec = CHECK.spec
-    real = spawn_gloo(both_checks, spec, str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"},
-                      timeout_s=240)
+    real = spawn_gloo(both_checks, spec, str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"}, timeout_s=240)
     simulated = SimWorld(spec, default_model=Gloo()).run(
-        both_checks, str(tmp_path / "sim"), {"world": "sim", "reduction": "gloo"})
+        both_checks, str(tmp_path / "sim"), {"world": "sim", "reduction": "gloo"}
+    )
     assert len(real[0]) == len(simulated[0]) == 3
     for name in ("bf16_writeback", "fp32_staging", "hooks/bf16_writeback"):
         result = compare_dumps(tmp_path / "sim" / name, tmp_path / "gloo" / name)
@@ -61,11 +61,44 @@ def test_cuda_simworld_dump_runs_and_is_deterministic(tmp_path):
 def test_nccl_and_cuda_simworld_dumps_are_bitwise_equal(tmp_path):
     script = str(ROOT / "experiments" / "crosscheck.py")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", script, "--world", "torch",
-                    "--backend", "nccl", "--device", "cuda", "--out", str(tmp_path / "nccl")],
-                   check=True, env=env, timeout=600)
-    subprocess.run([sys.executable, script, "--world", "sim", "--device", "cuda", "--reduction", "sequential",
-                    "--out", str(tmp_path / "sim")], check=True, env=env, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            script,
+            "--world",
+            "torch",
+            "--backend",
+            "nccl",
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path / "nccl"),
+        ],
+        check=True,
+        env=env,
+        timeout=600,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--world",
+            "sim",
+            "--device",
+            "cuda",
+            "--reduction",
+            "sequential",
+            "--out",
+            str(tmp_path / "sim"),
+        ],
+        check=True,
+        env=env,
+        timeout=600,
+    )
     for name in ("bf16_writeback", "fp32_staging"):
         result = compare_dumps(tmp_path / "sim" / name, tmp_path / "nccl" / name)
         assert result.ok, format_comparison(result)
@@ -120,11 +153,16 @@ def test_compare_says_in_one_line_when_dumps_are_not_the_same_run(dumps, tmp_pat
         meta["steps"] = 5
         save_file(load_file(str(path)), str(path), metadata={"simdist": json.dumps(meta)})
     a = str(dumps / "a" / "bf16_writeback")
-    done = subprocess.run([sys.executable, "-m", "simdist.cli", "compare", a, str(dumps / "a" / "fp32_staging")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "simdist.cli", "compare", a, str(dumps / "a" / "fp32_staging")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == ('simdist: error: the dumps do not describe the same run: policy differs '
-                                   '("bf16_writeback" vs "fp32_staging")')
+    assert done.stderr.strip() == (
+        'simdist: error: the dumps do not describe the same run: policy differs ("bf16_writeback" vs "fp32_staging")'
+    )
     for b, message in [(other, "steps differs (1 vs 5)"), (tmp_path, "holds no rank*.safetensors dump")]:
         assert main(["compare", a, str(b)]) == 2
         err = capsys.readouterr().err

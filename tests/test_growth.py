@@ -57,8 +57,9 @@ def test_growth_states_are_the_batched_paths_states(tmp_path):
     saved = load_file(str(tmp_path / FILES["checkpoint"]))
     stream = BatchedGradients(SPEC, DEFAULT_PARAMS, [0, 1])
     initial = [InitialWeights(SPEC, s) for s in (0, 1)]
-    path = BatchedPath(SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=4), initial, [0, 1],
-                       default_model=Gloo())
+    path = BatchedPath(
+        SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=4), initial, [0, 1], default_model=Gloo()
+    )
     path.run(stream.draw)
     for key, value in path.state().items():
         assert torch.equal(_raw(saved[f"run1.{key}"]), _raw(value)), key
@@ -168,8 +169,20 @@ def test_a_finished_run_is_reused_unless_forced(tmp_path, capsys):
 
 def test_cli_growth_writes_metrics_plot_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["growth", "--policies", "bf16_writeback,fp32_staging,bf16_only", "--steps", "50", "--seeds", "3",
-                 "--out", str(out), "--no-progress"])
+    code = main(
+        [
+            "growth",
+            "--policies",
+            "bf16_writeback,fp32_staging,bf16_only",
+            "--steps",
+            "50",
+            "--seeds",
+            "3",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "fp32_staging: bitwise equal to the oracle" in text
@@ -199,8 +212,18 @@ def test_cli_growth_bad_input_is_one_line(tmp_path, capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
-MOE_ARGS = ["growth", "--model", "moe", "--policies", "bf16_writeback,fp32_staging", "--steps", "5", "--seeds", "2",
-            "--no-progress"]
+MOE_ARGS = [
+    "growth",
+    "--model",
+    "moe",
+    "--policies",
+    "bf16_writeback,fp32_staging",
+    "--steps",
+    "5",
+    "--seeds",
+    "2",
+    "--no-progress",
+]
 
 
 def test_cli_growth_moe_writes_loss_difference_metrics_and_plot(tmp_path, capsys):
@@ -214,11 +237,12 @@ def test_cli_growth_moe_writes_loss_difference_metrics_and_plot(tmp_path, capsys
     loss_diff = MOE_COLUMNS.index("loss_diff")
     assert (metrics[:, 1, :, loss_diff] == 0).all()
     assert (metrics[:, 0, :, loss_diff] > 0).any()
-    np.testing.assert_array_equal(metrics[:, :, :, loss_diff],
-                                  np.abs(metrics[:, :, :, MOE_COLUMNS.index("loss")]
-                                         - metrics[:, :, :, MOE_COLUMNS.index("oracle_loss")]))
+    np.testing.assert_array_equal(
+        metrics[:, :, :, loss_diff],
+        np.abs(metrics[:, :, :, MOE_COLUMNS.index("loss")] - metrics[:, :, :, MOE_COLUMNS.index("oracle_loss")]),
+    )
     assert (metrics[:, 0, :, MOE_COLUMNS.index("param_rel")] > 0).all()  # every step's update differs
-    assert (metrics[:, 1, :, MOE_COLUMNS.index("param_rel"):] == 0).all()
+    assert (metrics[:, 1, :, MOE_COLUMNS.index("param_rel") :] == 0).all()
     loss = MOE_COLUMNS.index("loss")
     assert not (metrics[:, :, 0, loss] == metrics[:, :, 1, loss]).all()  # seeds differ
     assert (out / FILES["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -273,8 +297,18 @@ def test_a_run_that_crashed_while_plotting_finishes_on_rerun(tmp_path, capsys, m
         raise RuntimeError("plotting failed")
 
     out = tmp_path / "crashed"
-    args = ["growth", "--policies", "bf16_writeback,fp32_staging", "--steps", "6", "--seeds", "1", "--out", str(out),
-            "--no-progress"]
+    args = [
+        "growth",
+        "--policies",
+        "bf16_writeback,fp32_staging",
+        "--steps",
+        "6",
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     monkeypatch.setattr(run_module, "plot_growth", broken)
     assert main(args) == 3  # an unexpected exception: a bug, with its traceback, not "bad input"
     assert "plotting failed" in capsys.readouterr().err
@@ -305,8 +339,9 @@ def test_zero_and_nonzero_errors_share_a_symlog_axis_and_the_band_says_what_it_i
     labels = [line.get_label() for line in ax.get_lines()]
     assert "equal: bitwise equal to the oracle (error exactly 0 at every step and seed)" in labels
     assert "rounds median, min–max band, 3 seeds" in labels
-    zero_line = ax.get_lines()[labels.index("equal: bitwise equal to the oracle (error exactly 0 at every step "
-                                            "and seed)")]
+    zero_line = ax.get_lines()[
+        labels.index("equal: bitwise equal to the oracle (error exactly 0 at every step and seed)")
+    ]
     assert set(zero_line.get_ydata()) == {0.0}
     plt.close(fig)
     lo, hi, what = band(errors)

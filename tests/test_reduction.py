@@ -16,8 +16,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def models_for(n: int, chunk: int = 3, shift: int = 1):
-    return [Sequential(), Tree(), Ring(chunk_size=chunk, shift=shift), Upcast(torch.float32), Upcast(torch.float64),
-            make_model("gloo")]
+    return [
+        Sequential(),
+        Tree(),
+        Ring(chunk_size=chunk, shift=shift),
+        Upcast(torch.float32),
+        Upcast(torch.float64),
+        make_model("gloo"),
+    ]
 
 
 def exact_sums(per_rank: list[torch.Tensor]) -> list[Fraction]:

@@ -33,8 +33,14 @@ def reduce_everywhere(comm, seed, numel, dtype, kind):
     return inputs, x
 
 
-@given(parallel_specs(max_world_size=8), st.sampled_from(["tp", "dp", "ep", "edp", "world"]), st.sampled_from(MODELS),
-       st.integers(0, 2**16), st.integers(1, 50), st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    parallel_specs(max_world_size=8),
+    st.sampled_from(["tp", "dp", "ep", "edp", "world"]),
+    st.sampled_from(MODELS),
+    st.integers(0, 2**16),
+    st.integers(1, 50),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_all_reduce_gives_every_member_the_models_bits_in_group_order(spec, kind, model, seed, numel, dtype):
     results = SimWorld(spec, default_model=model).run(reduce_everywhere, seed, numel, dtype, kind)
     groups = [tuple(range(spec.world_size))] if kind == "world" else spec.groups(kind)
@@ -62,8 +68,13 @@ def scatter_then_gather(comm, seed, blocks, dtype, op):
     return gathered, x
 
 
-@given(st.sampled_from(MODELS), st.integers(0, 2**16), st.integers(1, 8),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from(list(ReduceOp)))
+@given(
+    st.sampled_from(MODELS),
+    st.integers(0, 2**16),
+    st.integers(1, 8),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from(list(ReduceOp)),
+)
 def test_all_gather_of_reduce_scatter_equals_all_reduce(model, seed, blocks, dtype, op):
     for gathered, reduced in SimWorld(SPEC, default_model=model).run(scatter_then_gather, seed, blocks, dtype, op):
         assert bitwise_equal(gathered, reduced)
@@ -122,8 +133,9 @@ def test_all_to_all_single_rejects_inconsistent_splits():
         rank = comm.get_rank()
         inp = torch.zeros(sum(rows[rank]), 2)
         out = torch.zeros(4, 2)  # claims 2 rows from each peer
-        comm.all_to_all_single(out, inp, output_split_sizes=[2, 2], input_split_sizes=rows[rank],
-                               group=comm.group("ep"))
+        comm.all_to_all_single(
+            out, inp, output_split_sizes=[2, 2], input_split_sizes=rows[rank], group=comm.group("ep")
+        )
 
     with pytest.raises(CollectiveMismatchError, match="split sizes do not match"):
         SimWorld(SPEC).run(wrong)

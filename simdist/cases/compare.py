@@ -48,8 +48,12 @@ def _element(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"element {index}: {a[index].item():.9g} vs {b[index].item():.9g}"
 
 
-def match_traces(real: list[Trace], model: list[Trace], stages: tuple[str, ...] = ("local", "hp"),
-                 names: tuple[str, str] = ("real", "simdist")) -> Match:
+def match_traces(
+    real: list[Trace],
+    model: list[Trace],
+    stages: tuple[str, ...] = ("local", "hp"),
+    names: tuple[str, str] = ("real", "simdist"),
+) -> Match:
     """Compare every capture of ``real`` at ``stages`` with ``model``'s (same key), bitwise."""
     compared = equal = 0
     first: tuple[tuple, str] | None = None
@@ -59,8 +63,12 @@ def match_traces(real: list[Trace], model: list[Trace], stages: tuple[str, ...] 
                 continue
             compared += 1
             theirs = other.values.get(key)
-            if theirs is not None and value.dtype == theirs.dtype and value.shape == theirs.shape \
-                    and torch.equal(bits(value), bits(theirs)):
+            if (
+                theirs is not None
+                and value.dtype == theirs.dtype
+                and value.shape == theirs.shape
+                and torch.equal(bits(value), bits(theirs))
+            ):
                 equal += 1
                 continue
             where = (path_order(key), trace.rank)
@@ -80,8 +88,9 @@ def _describe(key: Key, rank: int, value: torch.Tensor, theirs: torch.Tensor | N
     return f"{where}: {names[0]} vs {names[1]} first differ at {_element(value, theirs)}"
 
 
-def figures(run_a: list[Trace], run_b: list[Trace], terms: dict[tuple[int, Key], torch.Tensor],
-            stage: str = "hp") -> Figures:
+def figures(
+    run_a: list[Trace], run_b: list[Trace], terms: dict[tuple[int, Key], torch.Tensor], stage: str = "hp"
+) -> Figures:
     """`Figures` of ``run_a`` against ``run_b`` over their ``stage`` captures; ``terms[(rank, key)]`` = sum |terms|."""
     tensors = differing_tensors = 0
     numel = differing = 0.0
@@ -106,5 +115,6 @@ def figures(run_a: list[Trace], run_b: list[Trace], terms: dict[tuple[int, Key],
                 usable = scale > 0
                 if usable.any():
                     worst = max(worst, float((error[usable] / scale[usable]).max()))
-    return Figures(differing_tensors, tensors, differing / numel if numel else 0.0, max_ulp, worst,
-                   tuple(sorted(params)))
+    return Figures(
+        differing_tensors, tensors, differing / numel if numel else 0.0, max_ulp, worst, tuple(sorted(params))
+    )

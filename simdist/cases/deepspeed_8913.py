@@ -61,8 +61,12 @@ class Config:
         object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
 
     def runs(self) -> tuple[DsRun, ...]:
-        return tuple(DsRun(path, gas, self.steps, fix)  # type: ignore[arg-type]
-                     for path in self.update_paths for gas in self.gas for fix in ("none", "fp32_staging"))
+        return tuple(
+            DsRun(path, gas, self.steps, fix)  # type: ignore[arg-type]
+            for path in self.update_paths
+            for gas in self.gas
+            for fix in ("none", "fp32_staging")
+        )
 
 
 @dataclass
@@ -102,8 +106,13 @@ def transcription(config: Config, policy: Policy, update_path: str, gas: int) ->
     """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order)."""
     from simdist.studies.repro import run
 
-    path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker=config.marker,  # type: ignore[arg-type]
-                      update_path=update_path)  # type: ignore[arg-type]
+    path = PathConfig(
+        steps=config.steps,
+        gas=gas,
+        seed=config.seed,
+        marker=config.marker,  # type: ignore[arg-type]
+        update_path=update_path,
+    )  # type: ignore[arg-type]
     return run(config.spec, policy, path, make_model("gloo"))
 
 
@@ -129,8 +138,13 @@ def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:
     return out
 
 
-def judge(config: Config, real: dict[DsRun, list[RankCapture]], writeback: Policy | None = None,
-          staging: Policy | None = None, world: str = "gloo") -> Verdict8913:
+def judge(
+    config: Config,
+    real: dict[DsRun, list[RankCapture]],
+    writeback: Policy | None = None,
+    staging: Policy | None = None,
+    world: str = "gloo",
+) -> Verdict8913:
     """The verdict from real captures and the transcription (``writeback``/``staging`` default to the catalogue's)."""
     writeback = writeback or get_policy("bf16_writeback")
     staging = staging or get_policy("fp32_staging")
@@ -148,18 +162,26 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], writeback: Polic
             by_micro: dict[tuple[int, int], list[str]] = {}
             for step, micro, param in skipped:
                 by_micro.setdefault((step, micro), []).append(param)
-            results.append(PathResult(
-                path, gas,
-                match_traces(shipped_traces, transcription(config, writeback, path, gas),
-                             names=("DeepSpeed", writeback.name)),
-                match_traces(patched_traces, transcription(config, staging, path, gas),
-                             names=("patched DeepSpeed", staging.name)),
-                figures(shipped_traces, patched_traces, sum_of_terms(spec, shipped)),
-                [f"step {s} micro-step {m}: {', '.join(ps)}" for (s, m), ps in sorted(by_micro.items())],
-            ))
+            results.append(
+                PathResult(
+                    path,
+                    gas,
+                    match_traces(
+                        shipped_traces, transcription(config, writeback, path, gas), names=("DeepSpeed", writeback.name)
+                    ),
+                    match_traces(
+                        patched_traces,
+                        transcription(config, staging, path, gas),
+                        names=("patched DeepSpeed", staging.name),
+                    ),
+                    figures(shipped_traces, patched_traces, sum_of_terms(spec, shipped)),
+                    [f"step {s} micro-step {m}: {', '.join(ps)}" for (s, m), ps in sorted(by_micro.items())],
+                )
+            )
     agree = first.strategies == expected
-    ok = agree and all(r.real_vs_bf16_writeback.bitwise_equal and r.patched_vs_fp32_staging.bitwise_equal
-                       for r in results)
+    ok = agree and all(
+        r.real_vs_bf16_writeback.bitwise_equal and r.patched_vs_fp32_staging.bitwise_equal for r in results
+    )
     verdict = Verdict8913(ok, "", first.deepspeed_version, world, spec.describe(), first.strategies, agree, results)
     verdict.summary = summarize(verdict, writeback.name, staging.name)
     return verdict
@@ -174,16 +196,22 @@ def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
         label = f"{r.update_path} GAS {r.gas}"
         a, b = r.real_vs_bf16_writeback, r.patched_vs_fp32_staging
         same = "==" if a.bitwise_equal else "!="
-        lines.append(f"  {label}: DeepSpeed {same} {writeback} ({a.equal}/{a.compared} captures bitwise)"
-                     + ("" if a.bitwise_equal else f"; first: {a.first_difference}"))
+        lines.append(
+            f"  {label}: DeepSpeed {same} {writeback} ({a.equal}/{a.compared} captures bitwise)"
+            + ("" if a.bitwise_equal else f"; first: {a.first_difference}")
+        )
         same = "==" if b.bitwise_equal else "!="
-        lines.append(f"  {label}: DeepSpeed + FP32-staging patch {same} {staging} ({b.equal}/{b.compared})"
-                     + ("" if b.bitwise_equal else f"; first: {b.first_difference}"))
+        lines.append(
+            f"  {label}: DeepSpeed + FP32-staging patch {same} {staging} ({b.equal}/{b.compared})"
+            + ("" if b.bitwise_equal else f"; first: {b.first_difference}")
+        )
         f = r.shipped_vs_fp32_staging
-        lines.append(f"  {label}: as shipped vs FP32 staging: {f.tensors_differing}/{f.tensors} hp grads differ "
-                     f"({', '.join(f.params_differing) or 'none'}), {100 * f.fraction_differing:.1f}% of elements, "
-                     f"max {f.max_ulp} fp32 ulp, max error / sum|terms| {f.max_error_over_terms:.2e} "
-                     f"(BF16 u = {v.bf16_unit_roundoff:.2e})")
+        lines.append(
+            f"  {label}: as shipped vs FP32 staging: {f.tensors_differing}/{f.tensors} hp grads differ "
+            f"({', '.join(f.params_differing) or 'none'}), {100 * f.fraction_differing:.1f}% of elements, "
+            f"max {f.max_ulp} fp32 ulp, max error / sum|terms| {f.max_error_over_terms:.2e} "
+            f"(BF16 u = {v.bf16_unit_roundoff:.2e})"
+        )
         if r.skipped_corrections:
             lines.append(f"  {label}: TP correction skipped (marker set): {'; '.join(r.skipped_corrections)}")
     lines.append("verdict: " + ("real == transcription bitwise on every path" if v.ok else "MISMATCH (see above)"))
@@ -199,9 +227,9 @@ def run(world: World = "gloo", **options) -> Verdict8913:
 CASE = Case(
     name=NAME,
     question="Is simdist's bf16_writeback bitwise what DeepSpeed's BF16_Optimizer folding path computes, "
-             "per micro-step, on both update paths at GAS 1 and 3, and fp32_staging what the #8913 fix computes?",
+    "per micro-step, on both update paths at GAS 1 and 3, and fp32_staging what the #8913 fix computes?",
     real_code="deepspeed.runtime.bf16_optimizer.BF16_Optimizer + module_inject.auto_ep_folding + the engine's "
-              "boundary folding pass, TP2/EP2/ETP1 on 4 gloo processes",
+    "boundary folding pass, TP2/EP2/ETP1 on 4 gloo processes",
     policies=("bf16_writeback", "fp32_staging"),
     requires=("deepspeed",),
     run=run,
@@ -220,16 +248,19 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
     """
     unknown = [name for name in config.policies if name not in ENGINE_POLICIES]
     if unknown:
-        raise ValueError(f"--engine deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
-                         f"patched), not {', '.join(unknown)}")
-    fixed = {"marker": (config.marker, "deepspeed", "the real optimizer clears its marker as it ships"),
-             "model": (config.model, "synthetic", "the real optimizer is fed the synthetic local gradients"),
-             "reduction": (config.reduction, "gloo", "the real run reduces on real gloo processes"),
-             "etp": (config.spec.etp, 1, "DeepSpeed needs ETP 1")}
+        raise ValueError(
+            f"--engine deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
+            f"patched), not {', '.join(unknown)}"
+        )
+    fixed = {
+        "marker": (config.marker, "deepspeed", "the real optimizer clears its marker as it ships"),
+        "model": (config.model, "synthetic", "the real optimizer is fed the synthetic local gradients"),
+        "reduction": (config.reduction, "gloo", "the real run reduces on real gloo processes"),
+        "etp": (config.spec.etp, 1, "DeepSpeed needs ETP 1"),
+    }
     for option, (got, value, why) in fixed.items():
         if got != value:
             raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
-    runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name])
-                 for name in config.policies)
+    runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name]) for name in config.policies)
     per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
     return {name: [captures[i].trace for captures in per_rank] for i, name in enumerate(config.policies)}

@@ -94,7 +94,7 @@ def _norm_error(a: list[Trace], b: list[Trace], gas: int) -> list[ParamError]:
         for key, value in ta.values.items():
             if key[3] != "hp" or key[1] != gas - 1:
                 continue
-            diff = (value.double() - tb.values[key].double())
+            diff = value.double() - tb.values[key].double()
             acc = found.setdefault(key[2], [0.0, 0.0, 0.0])
             acc[0] += float((diff**2).sum())
             acc[1] += float((tb.values[key].double() ** 2).sum())
@@ -117,17 +117,23 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy |
                 skipped.setdefault(param, []).append(micro)
         shipped = transcription(config.base("deepspeed"), policy, run.update_path, config.gas)
         intended = transcription(config.base("per_micro_step"), policy, run.update_path, config.gas)
-        paths.append(PathFinding(
-            run.update_path, skipped,
-            match_traces(traces, shipped, names=("DeepSpeed", f"{policy.name} marker=deepspeed")),
-            match_traces(traces, intended, names=("DeepSpeed", f"{policy.name} marker=per_micro_step")),
-            [e for e in _norm_error(traces, intended, config.gas) if e.relative_error > 0],
-        ))
+        paths.append(
+            PathFinding(
+                run.update_path,
+                skipped,
+                match_traces(traces, shipped, names=("DeepSpeed", f"{policy.name} marker=deepspeed")),
+                match_traces(traces, intended, names=("DeepSpeed", f"{policy.name} marker=per_micro_step")),
+                [e for e in _norm_error(traces, intended, config.gas) if e.relative_error > 0],
+            )
+        )
     epilogue, hooks = paths
     later = list(range(1, config.gas))
-    ok = (all(p.real_vs_transcription.bitwise_equal for p in paths)
-          and epilogue.skipped_micro_steps.get("router.weight") == later and not hooks.skipped_micro_steps
-          and hooks.real_vs_per_micro_step.bitwise_equal)
+    ok = (
+        all(p.real_vs_transcription.bitwise_equal for p in paths)
+        and epilogue.skipped_micro_steps.get("router.weight") == later
+        and not hooks.skipped_micro_steps
+        and hooks.real_vs_per_micro_step.bitwise_equal
+    )
     verdict = MarkerVerdict(ok, "", config.gas, version, paths, str(REPRODUCER))
     verdict.summary = summarize(verdict)
     return verdict
@@ -137,8 +143,10 @@ def summarize(v: MarkerVerdict) -> str:
     lines = [f"real DeepSpeed {v.deepspeed_version}, GAS {v.gas}, correction-once marker:"]
     for p in v.paths:
         same = "==" if p.real_vs_transcription.bitwise_equal else "!="
-        lines.append(f"  {p.update_path}: DeepSpeed {same} simdist marker=deepspeed "
-                     f"({p.real_vs_transcription.equal}/{p.real_vs_transcription.compared} captures bitwise)")
+        lines.append(
+            f"  {p.update_path}: DeepSpeed {same} simdist marker=deepspeed "
+            f"({p.real_vs_transcription.equal}/{p.real_vs_transcription.compared} captures bitwise)"
+        )
         if p.skipped_micro_steps:
             skipped = "; ".join(f"{param} {steps}" for param, steps in p.skipped_micro_steps.items())
             lines.append(f"  {p.update_path}: TP correction SKIPPED on micro-steps: {skipped}")
@@ -146,13 +154,16 @@ def summarize(v: MarkerVerdict) -> str:
             lines.append(f"  {p.update_path}: every micro-step corrected")
         if p.errors:
             errors = ", ".join(f"{e.param} {e.relative_error:.3f}" for e in p.errors)
-            lines.append(f"  {p.update_path}: accumulated hp grad vs per-micro-step semantics, relative error: "
-                         f"{errors}")
+            lines.append(
+                f"  {p.update_path}: accumulated hp grad vs per-micro-step semantics, relative error: {errors}"
+            )
         elif p.real_vs_per_micro_step.bitwise_equal:
             lines.append(f"  {p.update_path}: bitwise equal to the per-micro-step semantics")
     lines.append(f"standalone reproducer (torchrun --standalone --nproc-per-node 4): {v.reproducer}")
-    lines.append("verdict: " + ("the transcription reproduces DeepSpeed's marker on both paths"
-                                if v.ok else "MISMATCH (see above)"))
+    lines.append(
+        "verdict: "
+        + ("the transcription reproduces DeepSpeed's marker on both paths" if v.ok else "MISMATCH (see above)")
+    )
     return "\n".join(lines)
 
 
@@ -179,9 +190,9 @@ def run(world: World = "gloo", **options) -> MarkerVerdict:
 CASE = Case(
     name=NAME,
     question="With GAS >= 2, which micro-steps does DeepSpeed's correction-once marker leave uncorrected on each "
-             "update path, does simdist's marker=deepspeed skip the same ones, and how large is the error?",
+    "update path, does simdist's marker=deepspeed skip the same ones, and how large is the error?",
     real_code="BF16_Optimizer._update_hp_grad / accumulate_hp_grads_and_remove_lp + auto_ep_folding marker + the "
-              "engine's boundary pass, GAS 4, 4 gloo processes; plus a standalone torchrun reproducer",
+    "engine's boundary pass, GAS 4, 4 gloo processes; plus a standalone torchrun reproducer",
     policies=("bf16_writeback",),
     requires=("deepspeed",),
     run=run,

@@ -101,8 +101,10 @@ def deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int) -> list[RankCapture
     folding = _setup_deepspeed(spec)
     local_grads = SyntheticGradients(spec, seed=seed)
     initial = InitialWeights(spec, seed)
-    return [_drive(comm.get_rank(), spec, folding, DEFAULT_PARAMS, initial, local_grads, run, deepspeed.__version__)
-            for run in runs]
+    return [
+        _drive(comm.get_rank(), spec, folding, DEFAULT_PARAMS, initial, local_grads, run, deepspeed.__version__)
+        for run in runs
+    ]
 
 
 def _quiet() -> None:
@@ -124,18 +126,22 @@ def _setup_deepspeed(spec):
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     ds_torch.build_shm_op = lambda: None  # the shm CPU op compiles on first use; collectives don't need it
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
-    folding = build_folding_spec(world_size=spec.world_size, pp_size=spec.pp, tp_size=spec.tp, ep_size=spec.ep,
-                                 etp_size=spec.etp, mp_mode="tp")
+    folding = build_folding_spec(
+        world_size=spec.world_size, pp_size=spec.pp, tp_size=spec.tp, ep_size=spec.ep, etp_size=spec.etp, mp_mode="tp"
+    )
     groups._init_tp_groups_with_new_group(spec.tp)
-    groups._create_expert_and_data_parallel(spec.ep, mp_size=spec.tp, pp_size=spec.pp, mp_mode="tp",
-                                            folding_spec=folding)
+    groups._create_expert_and_data_parallel(
+        spec.ep, mp_size=spec.tp, pp_size=spec.pp, mp_mode="tp", folding_spec=folding
+    )
     rank = torch.distributed.get_rank()
     theirs = local_folding_ranks(rank, folding)
     ours = {"tp": "tp", "dense_dp": "dp", "ep": "ep", "edp": "edp"}
     for kind, mine in ours.items():
         if tuple(sorted(theirs[kind])) != spec.group_of(mine, rank):
-            raise RuntimeError(f"DeepSpeed's {kind} group of rank {rank} is {theirs[kind]}, simdist's "
-                               f"{mine} group is {spec.group_of(mine, rank)}: the layouts differ")
+            raise RuntimeError(
+                f"DeepSpeed's {kind} group of rank {rank} is {theirs[kind]}, simdist's "
+                f"{mine} group is {spec.group_of(mine, rank)}: the layouts differ"
+            )
     return folding
 
 
@@ -178,9 +184,13 @@ def _staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
     hp_grad = self.fp32_groups_gradients[group_idx][param_idx]
     staging = lp.grad.data.to(hp_grad.dtype, copy=True)
     if self.autoep_folding_tp_group is not None and getattr(lp, "ds_grad_is_ready", True):
-        bf16_module.apply_folding_correction_to_grad_buffer(self.autoep_folding_spec, lp, staging,
-                                                            tp_group=self.autoep_folding_tp_group,
-                                                            param_name=self.param_names.get(lp))
+        bf16_module.apply_folding_correction_to_grad_buffer(
+            self.autoep_folding_spec,
+            lp,
+            staging,
+            tp_group=self.autoep_folding_tp_group,
+            param_name=self.param_names.get(lp),
+        )
     hp_grad.data.add_(staging.view(hp_grad.shape))
     lp._hp_grad = hp_grad
     self.fp32_groups_has_gradients[group_idx][param_idx] = True
@@ -218,20 +228,33 @@ def _drive(rank, spec, folding, params, initial, local_grads, run: DsRun, versio
     names = {p: n for n, p in module.named_parameters()}
     by_name = {n: p for p, n in names.items()}
     config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=run.update_path == UpdatePath.HOOKS)
-    optimizer = BF16_Optimizer(torch.optim.SGD(param_groups, lr=0.0), names, config,
-                               dp_process_group=groups.get_data_parallel_group(), grad_acc_dtype=torch.float32,
-                               has_moe_layers=any(g.get("moe") for g in param_groups))
+    optimizer = BF16_Optimizer(
+        torch.optim.SGD(param_groups, lr=0.0),
+        names,
+        config,
+        dp_process_group=groups.get_data_parallel_group(),
+        grad_acc_dtype=torch.float32,
+        has_moe_layers=any(g.get("moe") for g in param_groups),
+    )
     optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
     if run.fix == "fp32_staging":
         optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, optimizer)
-    engine = types.SimpleNamespace(_autoep_folding_spec=folding, optimizer=optimizer, module=module,
-                                   zero_optimization_partition_weights=lambda: False)
+    engine = types.SimpleNamespace(
+        _autoep_folding_spec=folding,
+        optimizer=optimizer,
+        module=module,
+        zero_optimization_partition_weights=lambda: False,
+    )
     spy = _HelperSpy(bf16_module.apply_folding_correction_to_grad_buffer, names)
     capture = RankCapture(run, Trace(rank), spy.actions, deepspeed_version=version)
-    capture.strategies = {n: str(autoep_folding_gradient_reduction_strategy(folding, p, param_name=n))
-                          for n, p in by_name.items()}
-    hp_of = {names[lp]: optimizer.fp32_groups_gradients[i][j]
-             for i, group in enumerate(optimizer.bf16_groups) for j, lp in enumerate(group)}
+    capture.strategies = {
+        n: str(autoep_folding_gradient_reduction_strategy(folding, p, param_name=n)) for n, p in by_name.items()
+    }
+    hp_of = {
+        names[lp]: optimizer.fp32_groups_gradients[i][j]
+        for i, group in enumerate(optimizer.bf16_groups)
+        for j, lp in enumerate(group)
+    }
     real_helper = bf16_module.apply_folding_correction_to_grad_buffer
     bf16_module.apply_folding_correction_to_grad_buffer = spy
     try:
@@ -267,8 +290,10 @@ def _backward_capturing_local(loss, by_name, trace: Trace, step: int, micro: int
     local gradient is read by a tensor hook, which sees it before accumulation
     (into a ``None`` grad, so the value accumulated is this one).
     """
-    handles = [p.register_hook(lambda g, name=name: trace.capture(step, micro, name, "local", g))
-               for name, p in by_name.items()]
+    handles = [
+        p.register_hook(lambda g, name=name: trace.capture(step, micro, name, "local", g))
+        for name, p in by_name.items()
+    ]
     try:
         loss.backward()
     finally:

@@ -93,8 +93,9 @@ def policy_for(reduce_dtype: str) -> Policy:
     policy = get_policy("fsdp2_reduce_dtype")
     if reduce_dtype == "fp32":
         return policy
-    return dataclasses.replace(policy, name=f"fsdp2_reduce_dtype[dp_reduce={reduce_dtype}]",
-                               dp_reduce=DTYPES[reduce_dtype])
+    return dataclasses.replace(
+        policy, name=f"fsdp2_reduce_dtype[dp_reduce={reduce_dtype}]", dp_reduce=DTYPES[reduce_dtype]
+    )
 
 
 def _holder(params, initial, rank: int) -> torch.nn.Module:
@@ -139,8 +140,9 @@ def fsdp_rank(comm, config: Config) -> dict[str, RealRun]:
             return result
 
         module = _holder(DEFAULT_PARAMS, initial, rank)
-        fully_shard(module, mesh=mesh,
-                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[name]))
+        fully_shard(
+            module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[name])
+        )
         collectives._get_gradient_divide_factors = spy
         try:
             for step in range(config.steps):
@@ -173,8 +175,10 @@ def sum_of_terms(config: Config, traces: list[Trace]) -> dict:
         for key in trace.values:
             step, micro, name, _ = key
             p = by_name[name]
-            out[(trace.rank, key)] = sum(grads_of(step, m, r, p).double().abs()
-                                         for m in range(micro + 1) for r in range(spec.world_size)) / spec.world_size
+            out[(trace.rank, key)] = (
+                sum(grads_of(step, m, r, p).double().abs() for m in range(micro + 1) for r in range(spec.world_size))
+                / spec.world_size
+            )
     return out
 
 
@@ -183,23 +187,27 @@ def _real_chain(reduce_dtype: str, factors: list[str]) -> str:
     return f"bf16 -> {reduce_dtype} -> [{'; '.join(seen)}] -> fp32 -> +=grad"
 
 
-def judge(config: Config, real: list[dict[str, RealRun]], policies: dict[str, Policy] | None = None,
-          world: str = "gloo") -> FsdpVerdict:
+def judge(
+    config: Config, real: list[dict[str, RealRun]], policies: dict[str, Policy] | None = None, world: str = "gloo"
+) -> FsdpVerdict:
     policies = policies or {name: policy_for(name) for name in config.reduce_dtypes}
     results = []
     fp32 = [r["fp32"].trace for r in real] if "fp32" in config.reduce_dtypes else None
     for name in config.reduce_dtypes:
         traces = [r[name].trace for r in real]
         policy = policies[name]
-        match = match_traces(traces, transcription(config, policy), stages=("hp",),
-                             names=("FSDP2", policy.name))
+        match = match_traces(traces, transcription(config, policy), stages=("hp",), names=("FSDP2", policy.name))
         versus = None if name == "fp32" or fp32 is None else figures(traces, fp32, sum_of_terms(config, traces))
-        results.append(DtypeResult(name, _real_chain(name, real[0][name].divide_factors),
-                                   policy.chain(Family.DENSE, 1), match, versus))
+        results.append(
+            DtypeResult(
+                name, _real_chain(name, real[0][name].divide_factors), policy.chain(Family.DENSE, 1), match, versus
+            )
+        )
     ok = all(r.real_vs_policy.bitwise_equal for r in results)
     spec = config.spec()
-    verdict = FsdpVerdict(ok, "", real[0][config.reduce_dtypes[0]].torch_version, world,
-                          f"DP{spec.world_size}, GAS {config.gas}", results)
+    verdict = FsdpVerdict(
+        ok, "", real[0][config.reduce_dtypes[0]].torch_version, world, f"DP{spec.world_size}, GAS {config.gas}", results
+    )
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -210,15 +218,19 @@ def summarize(v: FsdpVerdict) -> str:
         m = r.real_vs_policy
         same = "==" if m.bitwise_equal else "!="
         lines.append(f"  reduce_dtype={r.reduce_dtype}: real path {r.real_chain}")
-        lines.append(f"  reduce_dtype={r.reduce_dtype}: FSDP2 {same} simdist {r.simdist_chain} "
-                     f"({m.equal}/{m.compared} sharded grads bitwise)"
-                     + ("" if m.bitwise_equal else f"; first: {m.first_difference}"))
+        lines.append(
+            f"  reduce_dtype={r.reduce_dtype}: FSDP2 {same} simdist {r.simdist_chain} "
+            f"({m.equal}/{m.compared} sharded grads bitwise)"
+            + ("" if m.bitwise_equal else f"; first: {m.first_difference}")
+        )
         if r.vs_fp32_reduce is not None:
             f = r.vs_fp32_reduce
-            lines.append(f"  reduce_dtype={r.reduce_dtype} vs fp32: {f.tensors_differing}/{f.tensors} grads differ, "
-                         f"{100 * f.fraction_differing:.1f}% of elements, max {f.max_ulp} fp32 ulp, max error / "
-                         f"sum|terms| {f.max_error_over_terms:.2e} (BF16 u = {v.bf16_unit_roundoff:.2e}): the BF16 "
-                         "boundary is the reduce-scatter")
+            lines.append(
+                f"  reduce_dtype={r.reduce_dtype} vs fp32: {f.tensors_differing}/{f.tensors} grads differ, "
+                f"{100 * f.fraction_differing:.1f}% of elements, max {f.max_ulp} fp32 ulp, max error / "
+                f"sum|terms| {f.max_error_over_terms:.2e} (BF16 u = {v.bf16_unit_roundoff:.2e}): the BF16 "
+                "boundary is the reduce-scatter"
+            )
     lines.append("verdict: " + ("the policy's chain is bitwise what FSDP2 computes" if v.ok else "MISMATCH"))
     return "\n".join(lines)
 
@@ -235,7 +247,7 @@ def run(world: World = "gloo", **options) -> FsdpVerdict:
 CASE = Case(
     name=NAME,
     question="Which gradient boundaries does FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32|bf16) "
-             "round in BF16, and is fsdp2_reduce_dtype's chain bitwise what fully_shard computes (DP4, GAS 2)?",
+    "round in BF16, and is fsdp2_reduce_dtype's chain bitwise what fully_shard computes (DP4, GAS 2)?",
     real_code="torch.distributed.fsdp.fully_shard (foreach_reduce, _get_gradient_divide_factors), 4 gloo processes",
     policies=("fsdp2_reduce_dtype",),
     requires=("torch",),

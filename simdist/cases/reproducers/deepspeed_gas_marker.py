@@ -66,8 +66,13 @@ def main() -> int:
     router = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16))
     mark_autoep_folding_router_parameter(router)
     config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=args.immediate)
-    optimizer = BF16_Optimizer(torch.optim.SGD([router], lr=0.0), {router: "router.weight"}, config,
-                               dp_process_group=groups.get_data_parallel_group(), grad_acc_dtype=torch.float32)
+    optimizer = BF16_Optimizer(
+        torch.optim.SGD([router], lr=0.0),
+        {router: "router.weight"},
+        config,
+        dp_process_group=groups.get_data_parallel_group(),
+        grad_acc_dtype=torch.float32,
+    )
     optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
     hp_grad = optimizer.fp32_groups_gradients[0][0].view(router.shape)
 
@@ -93,7 +98,7 @@ def main() -> int:
         else:
             failures += 1
             raw = torch.equal(added, local.float())
-            what = ("NOT corrected: the raw local gradient was added" if raw else "NOT the expected value")
+            what = "NOT corrected: the raw local gradient was added" if raw else "NOT the expected value"
             if marker_before_update:
                 what += " -- ds_autoep_folding_grad_corrected was still set from an earlier micro-step"
         if rank == 0:
@@ -103,8 +108,11 @@ def main() -> int:
     if rank == 0:
         path = "immediate (hooks)" if args.immediate else "epilogue (default)"
         result = "FAIL" if failed.item() else "OK"
-        print(f"{result}: {args.gas} micro-steps on the {path} path, {failed.item()} wrong hp gradients over "
-              f"{world} ranks", flush=True)
+        print(
+            f"{result}: {args.gas} micro-steps on the {path} path, {failed.item()} wrong hp gradients over "
+            f"{world} ranks",
+            flush=True,
+        )
     dist.destroy_process_group()
     return 1 if failed.item() else 0
 
