@@ -136,6 +136,7 @@ def test_an_interrupted_run_resumes_bitwise(tmp_path):
     assert not list(killed.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_killed_process_resumes_bitwise(tmp_path):
     """SIGKILL a real `simdist growth` process mid-run, rerun the same command: same files as a clean run."""
     args = ["growth", "--steps", "400", "--seeds", "2", "--checkpoint-every", "10", "--no-progress"]

@@ -164,7 +164,6 @@ def test_failing_rank_is_reraised_naming_the_rank():
 
 
 def test_hanging_rank_times_out_instead_of_hanging():
-    start = time.monotonic()
+    """spawn_gloo's own timeout ends a hung world with TimeoutError (a hang would instead hit pytest-timeout)."""
     with pytest.raises(TimeoutError, match=r"did not finish"):
-        spawn_gloo(hanging_rank, SPEC, timeout_s=5)
-    assert time.monotonic() - start < 30
+        spawn_gloo(hanging_rank, SPEC, timeout_s=3)
