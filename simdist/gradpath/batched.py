@@ -83,7 +83,7 @@ def _may_hold_nan(t: torch.Tensor) -> bool:
     alarm, never a miss)."""
     if not t.is_floating_point() or t.numel() == 0:
         return False
-    return bool(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).isnan())
+    return math.isnan(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
 
 
 @functools.lru_cache(maxsize=256)
