@@ -89,7 +89,7 @@ def test_divergence_matches_the_library_ulp_distance():
     for seed in range(3):
         differing = ulps[seed][ulps[seed] != 0]
         expected = torch.exp2(differing.log2().mean()) if len(differing) else torch.tensor(0.0, dtype=torch.float64)
-        torch.testing.assert_close(got[seed, 1], expected, rtol=1e-12, atol=0)
+        torch.testing.assert_close(got[seed, 1], expected, rtol=1e-6, atol=0)  # logs in fp32 (docstring)
         assert got[seed, 3] == len(differing) / ulps.shape[1]
     rel = (a.double() - e.double()).flatten(1).norm(dim=1) / e.double().flatten(1).norm(dim=1)
     torch.testing.assert_close(got[:, 0], rel, rtol=1e-12, atol=0)
