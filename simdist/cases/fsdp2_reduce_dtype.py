@@ -47,16 +47,21 @@ NAME = "fsdp2-reduce-dtype"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+DP4 = ParallelSpec(4, tp=1, ep=1)
+
+
 @dataclass(frozen=True)
 class Config:
-    world_size: int = 4
+    spec: ParallelSpec = DP4
+    """A DP-only layout (``tp = ep = 1``): the case drives plain ``fully_shard`` over every rank."""
     gas: int = 2
     steps: int = 1
     seed: int = 0
     reduce_dtypes: tuple[str, ...] = ("fp32", "bf16")
 
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(self.world_size, tp=1, ep=1)
+    def __post_init__(self) -> None:
+        if self.spec.tp != 1 or self.spec.ep != 1:
+            raise ValueError(f"fsdp2-reduce-dtype runs DP only (tp = ep = 1), got {self.spec.describe()}")
 
 
 @dataclass
@@ -162,12 +167,12 @@ def transcription(config: Config, policy: Policy) -> list[Trace]:
     from simdist.studies.repro import run
 
     path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed)
-    return run(config.spec(), policy, path, make_model("gloo"))
+    return run(config.spec, policy, path, make_model("gloo"))
 
 
 def sum_of_terms(config: Config, traces: list[Trace]) -> dict:
     """``(rank, hp key) -> sum |terms|``: the DP peers' |local gradients| / dp, summed over micro-steps."""
-    spec = config.spec()
+    spec = config.spec
     grads_of = SyntheticGradients(spec, seed=config.seed)
     by_name = {p.name: p for p in DEFAULT_PARAMS}
     out = {}
@@ -204,7 +209,7 @@ def judge(
             )
         )
     ok = all(r.real_vs_policy.bitwise_equal for r in results)
-    spec = config.spec()
+    spec = config.spec
     verdict = FsdpVerdict(
         ok, "", real[0][config.reduce_dtypes[0]].torch_version, world, f"DP{spec.world_size}, GAS {config.gas}", results
     )
@@ -236,7 +241,7 @@ def summarize(v: FsdpVerdict) -> str:
 
 
 def run_real(config: Config, world: World = "gloo") -> list[dict[str, RealRun]]:
-    return run_ranks(fsdp_rank, config.spec(), config, world=world)
+    return run_ranks(fsdp_rank, config.spec, config, world=world)
 
 
 def run(world: World = "gloo", **options) -> FsdpVerdict:

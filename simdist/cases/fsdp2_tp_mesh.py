@@ -63,15 +63,21 @@ WORLDS = ("threads", "simdist", "gloo")
 D_MODEL, D_HIDDEN, BATCH, SEQ = 8, 16, 2, 4
 
 
+TP2_DP2 = ParallelSpec(4, tp=2, ep=1)
+
+
 @dataclass(frozen=True)
 class Config:
+    spec: ParallelSpec = TP2_DP2
+    """The 2x2 (dp, tp) mesh: TP2 x DP2 on 4 ranks."""
     gas: int = 2
     seed: int = 0
     reduce_dtypes: tuple[str, ...] = ("fp32", "bf16")
     plans: tuple[str, ...] = PLANS
 
-    def spec(self) -> ParallelSpec:
-        return ParallelSpec(4, tp=2, ep=1)
+    def __post_init__(self) -> None:
+        if (self.spec.world_size, self.spec.tp) != (4, 2):
+            raise ValueError(f"fsdp2-reduce-dtype-tp runs a 2x2 (dp, tp) mesh, got {self.spec.describe()}")
 
 
 @dataclass
@@ -254,7 +260,7 @@ def simdist_traces(config: Config, runs: list[RealRun], policy: Policy) -> list[
     params = list(param_specs(runs))
     # FSDP2 has no correction-once marker: whatever TP stage a gradient has runs on every micro-step
     path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker="per_micro_step")
-    return SimWorld(config.spec(), default_model=make_model("gloo")).run(
+    return SimWorld(config.spec, default_model=make_model("gloo")).run(
         train_rank, params, _zeros, RecordedGradients(runs), policy, path, frozenset({"hp"})
     )
 
@@ -297,7 +303,7 @@ def tp_in_fp32(policy: Policy) -> Policy:
 def sum_of_terms(config: Config, runs: list[RealRun], families: dict[str, Family]) -> dict:
     """``(rank, hp key) -> sum |terms|``: |local gradients| summed over TP peers (Partial only), averaged over
     DP peers, summed over micro-steps so far."""
-    spec = config.spec()
+    spec = config.spec
     out = {}
     for rank, run in enumerate(runs):
         for m, pname in run.hp:
@@ -348,7 +354,7 @@ class TpVerdict:
 
 
 def _identical_on_tp_peers(config: Config, runs: list[RealRun], names: list[str]) -> bool:
-    spec = config.spec()
+    spec = config.spec
     for rank, run in enumerate(runs):
         for peer in spec.group_of("tp", rank):
             for (m, pname), arrival in run.arrivals.items():
