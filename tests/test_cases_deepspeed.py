@@ -32,25 +32,6 @@ def verdict(real):
     return judge(CONFIG, real)
 
 
-def _hooks_marker_fixed() -> bool:
-    """Whether simdist's ``marker="deepspeed"`` already clears the marker after each hook (issue 12 point 1)."""
-    from simdist.cases.deepspeed_8913 import transcription
-    from simdist.numerics.floats import bitwise_equal
-
-    small = dataclasses.replace(CONFIG, steps=1)
-    shipped = transcription(small, get_policy("bf16_writeback"), "hooks", 2)
-    intended = transcription(
-        dataclasses.replace(small, marker="per_micro_step"), get_policy("bf16_writeback"), "hooks", 2
-    )
-    pairs = zip(shipped, intended, strict=True)
-    return all(bitwise_equal(v, b.values[k]) for a, b in pairs for k, v in a.values.items())
-
-
-def _needs_hooks_fix(update_path: str, gas: int) -> None:
-    if update_path == "hooks" and gas > 1 and not _hooks_marker_fixed():
-        pytest.xfail("simdist's hooks path keeps the marker across micro-steps until issue 12 point 1 lands")
-
-
 def _path(verdict, update_path, gas):
     return next(r for r in verdict.paths if (r.update_path, r.gas) == (update_path, gas))
 
@@ -67,7 +48,6 @@ def test_deepspeed_family_strategies_are_simdists_corrections(verdict):
 
 @pytest.mark.parametrize("update_path,gas", [("epilogue", 1), ("epilogue", 3), ("hooks", 1), ("hooks", 3)])
 def test_real_deepspeed_is_bitwise_the_transcription(verdict, update_path, gas):
-    _needs_hooks_fix(update_path, gas)
     result = _path(verdict, update_path, gas)
     assert result.real_vs_bf16_writeback.bitwise_equal, result.real_vs_bf16_writeback.first_difference
     assert result.patched_vs_fp32_staging.bitwise_equal, result.patched_vs_fp32_staging.first_difference
@@ -76,7 +56,6 @@ def test_real_deepspeed_is_bitwise_the_transcription(verdict, update_path, gas):
 
 
 def test_verdict_is_ok(verdict):
-    _needs_hooks_fix("hooks", max(CONFIG.gas))
     assert verdict.ok, verdict.summary
 
 
