@@ -36,7 +36,7 @@ from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.models import GradientModel
 from simdist.reduce import Reduction
 from simdist.studies.repro import Engine
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 KNOWN_ISSUES = ("8913",)
 
@@ -92,13 +92,25 @@ def _int_at_least(minimum: int, what: str):
     return parse
 
 
-def _values(choices: type[enum.Enum]) -> list[str]:
-    """The command-line spellings of an enum's members: the choices come from the types the configs use."""
-    return [member.value for member in choices]
-
-
 _positive = _int_at_least(1, "positive")
 _non_negative = _int_at_least(0, "non-negative")
+
+
+def _add_choice(
+    parser: argparse.ArgumentParser, flag: str, choices: type[enum.Enum], default: enum.Enum, help: str, skip=()
+) -> None:
+    """An option whose choices are the values of the enum the configs take (minus ``skip``)."""
+    values = [member.value for member in choices if member not in skip]
+    parser.add_argument(flag, choices=values, default=default.value, help=help)
+
+
+def _add_layout(parser: argparse.ArgumentParser, etp: bool) -> None:
+    """``--world-size --tp --ep`` (and ``--etp``), defaulting to `DEFAULT_SPEC` (TP2/EP2/ETP1 on 4 ranks)."""
+    parser.add_argument("--world-size", type=_positive, default=DEFAULT_SPEC.world_size)
+    parser.add_argument("--tp", type=_positive, default=DEFAULT_SPEC.tp)
+    parser.add_argument("--ep", type=_positive, default=DEFAULT_SPEC.ep)
+    if etp:
+        parser.add_argument("--etp", type=_positive, default=DEFAULT_SPEC.etp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,45 +120,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     repro = sub.add_parser("repro", help="reproduce a known precision issue in the simulator")
     repro.add_argument("issue", choices=KNOWN_ISSUES, help="the issue to reproduce")
-    repro.add_argument("--world-size", type=_positive, default=4)
-    repro.add_argument("--tp", type=_positive, default=2)
-    repro.add_argument("--ep", type=_positive, default=2)
-    repro.add_argument("--etp", type=_positive, default=1)
+    _add_layout(repro, etp=True)
     repro.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
     repro.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
     repro.add_argument("--seed", type=int, default=0)
     repro.add_argument("--policies", default="bf16_writeback,fp32_staging", help="comma-separated policy names")
     _add_policy_module(repro)
     repro.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    repro.add_argument(
+    _add_choice(
+        repro,
         "--marker",
-        choices=_values(Marker),
-        default=Marker.DEEPSPEED.value,
-        help="when the correction-once marker is cleared: at the boundary as DeepSpeed does, or every micro-step",
+        Marker,
+        Marker.DEEPSPEED,
+        "when the correction-once marker is cleared: as DeepSpeed 0.19.8 does on the chosen update path, or "
+        "every micro-step",
     )
-    repro.add_argument(
+    _add_choice(
+        repro,
         "--update-path",
-        choices=_values(UpdatePath),
-        default=UpdatePath.EPILOGUE.value,
-        help="when _update_hp_grad runs: after backward (default) or from gradient hooks (immediate_grad_update)",
+        UpdatePath,
+        UpdatePath.EPILOGUE,
+        "when _update_hp_grad runs: after backward (default) or from gradient hooks (immediate_grad_update)",
     )
-    repro.add_argument(
+    _add_choice(
+        repro,
         "--reduction",
-        choices=[m for m in _values(Reduction) if m != Reduction.UPCAST],
-        default=Reduction.GLOO.value,
-        help="reduction model of every group (default: gloo's order)",
+        Reduction,
+        Reduction.GLOO,
+        "reduction model of every group (default: gloo's order)",
+        skip=(Reduction.UPCAST,),
     )
-    repro.add_argument(
+    _add_choice(
+        repro,
         "--model",
-        choices=_values(GradientModel),
-        default=GradientModel.SYNTHETIC.value,
-        help="where local gradients come from: seeded synthetic ones (default) or the folded MoE block",
+        GradientModel,
+        GradientModel.SYNTHETIC,
+        "where local gradients come from: seeded synthetic ones (default) or the folded MoE block",
     )
-    repro.add_argument(
+    _add_choice(
+        repro,
         "--engine",
-        choices=_values(Engine),
-        default=Engine.TRANSCRIBED.value,
-        help="simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
+        Engine,
+        Engine.TRANSCRIBED,
+        "simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
         "(bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)",
     )
     repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
@@ -217,22 +233,22 @@ def _add_growth_subcommand(sub) -> None:
     growth.add_argument("--seeds", type=_positive, default=8, help="ensemble size, run batched (default 8)")
     growth.add_argument("--seed", type=int, default=0, help="first seed of the ensemble")
     growth.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
-    growth.add_argument(
+    _add_choice(
+        growth,
         "--marker",
-        choices=_values(Marker),
-        default=Marker.DEEPSPEED.value,
-        help="when the correction-once marker is cleared (matters for --gas >= 2)",
+        Marker,
+        Marker.DEEPSPEED,
+        "when the correction-once marker is cleared (matters for --gas >= 2)",
     )
-    growth.add_argument(
+    _add_choice(
+        growth,
         "--model",
-        choices=_values(GradientModel),
-        default=GradientModel.SYNTHETIC.value,
-        help="gradient source: the synthetic stream (batched over seeds) or the folded MoE block "
+        GradientModel,
+        GradientModel.SYNTHETIC,
+        "gradient source: the synthetic stream (batched over seeds) or the folded MoE block "
         "(each seed and policy run in turn next to the FP32 oracle; resumes per run)",
     )
-    growth.add_argument("--world-size", type=_positive, default=4)
-    growth.add_argument("--tp", type=_positive, default=2)
-    growth.add_argument("--ep", type=_positive, default=2)
+    _add_layout(growth, etp=False)
     growth.add_argument("--checkpoint-every", type=_positive, default=500, help="steps between checkpoints")
     growth.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
     growth.add_argument("--force", action="store_true", help="recompute a finished run")
