@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from simdist.gradpath.families import ParamSpec
 from simdist.gradpath.probes import Key, Trace, path_order
 from simdist.numerics.compare import difference
 from simdist.numerics.floats import bits
@@ -118,3 +119,19 @@ def figures(
     return Figures(
         differing_tensors, tensors, differing / numel if numel else 0.0, max_ulp, worst, tuple(sorted(params))
     )
+
+
+def only(traces: list[Trace], names: set[str], stages: set[str] | None = None) -> list[Trace]:
+    """The captures of the parameters ``names`` (and, if given, the ``stages``), rank by rank."""
+    out = []
+    for trace in traces:
+        kept = Trace(trace.rank)
+        kept.values = {k: v for k, v in trace.values.items() if k[2] in names and (stages is None or k[3] in stages)}
+        out.append(kept)
+    return out
+
+
+def zero_weights(rank: int, param: ParamSpec) -> torch.Tensor:
+    """BF16 zeros as initial weights: a case that feeds recorded gradients compares gradient captures only,
+    which do not depend on the weights."""
+    return torch.zeros(param.shape, dtype=torch.bfloat16)

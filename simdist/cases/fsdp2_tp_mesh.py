@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from simdist.cases.base import Case
-from simdist.cases.compare import Figures, Match, figures, match_traces
-from simdist.gradpath.catalogue import get_policy
+from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
+from simdist.cases.fsdp2_reduce_dtype import DTYPES, policy_for
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name
@@ -56,7 +56,6 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 NAME = "fsdp2-reduce-dtype-tp"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PLANS = ("tp", "tp_sp")
 """``tp``: norm replicated (plain parameter), up Colwise, down Rowwise; ``tp_sp``: norm SequenceParallel too."""
 WORLDS = ("threads", "simdist", "gloo")
@@ -239,10 +238,6 @@ class RecordedGradients:
         return self.runs[rank].arrivals[(micro, param.name)].local
 
 
-def _zeros(rank: int, param: ParamSpec) -> torch.Tensor:
-    return torch.zeros(param.shape, dtype=torch.bfloat16)
-
-
 def param_specs(runs: list[RealRun]) -> tuple[ParamSpec, ...]:
     """Each parameter with the family its arrival placement says (the same on every rank and micro-step)."""
     first = runs[0]
@@ -261,7 +256,7 @@ def simdist_traces(config: Config, runs: list[RealRun], policy: Policy) -> list[
     # FSDP2 has no correction-once marker: whatever TP stage a gradient has runs on every micro-step
     path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker="per_micro_step")
     return SimWorld(config.spec, default_model=make_model("gloo")).run(
-        train_rank, params, _zeros, RecordedGradients(runs), policy, path, frozenset({"hp"})
+        train_rank, params, zero_weights, RecordedGradients(runs), policy, path, frozenset({"hp"})
     )
 
 
@@ -274,25 +269,6 @@ def real_traces(runs: list[RealRun], names: set[str] | None = None) -> list[Trac
                 trace.capture(0, m, pname, "hp", value)
         traces.append(trace)
     return traces
-
-
-def _only(traces: list[Trace], names: set[str]) -> list[Trace]:
-    out = []
-    for trace in traces:
-        kept = Trace(trace.rank)
-        kept.values = {k: v for k, v in trace.values.items() if k[2] in names}
-        out.append(kept)
-    return out
-
-
-def policy_for(reduce_dtype: str) -> Policy:
-    """``fsdp2_reduce_dtype`` for reduce_dtype=fp32, its ``dp_reduce=bf16`` variant for bf16."""
-    policy = get_policy("fsdp2_reduce_dtype")
-    if reduce_dtype == "fp32":
-        return policy
-    return dataclasses.replace(
-        policy, name=f"fsdp2_reduce_dtype[dp_reduce={reduce_dtype}]", dp_reduce=DTYPES[reduce_dtype]
-    )
 
 
 def tp_in_fp32(policy: Policy) -> Policy:
@@ -373,11 +349,11 @@ def judge_run(
     real = real_traces(runs)
     model = simdist_traces(config, runs, policy)
     claimed = match_traces(
-        _only(real, claimed_names), _only(model, claimed_names), stages=("hp",), names=("FSDP2", policy.name)
+        only(real, claimed_names), only(model, claimed_names), stages=("hp",), names=("FSDP2", policy.name)
     )
     per_param = []
     for p in specs:
-        m = match_traces(_only(real, {p.name}), _only(model, {p.name}), stages=("hp",))
+        m = match_traces(only(real, {p.name}), only(model, {p.name}), stages=("hp",))
         per_param.append(
             ParamResult(
                 p.name,
@@ -391,7 +367,7 @@ def judge_run(
     terms = sum_of_terms(config, runs, families)
     if partial:
         partial_fig = figures(
-            _only(real, partial), _only(simdist_traces(config, runs, tp_in_fp32(policy)), partial), terms
+            only(real, partial), only(simdist_traces(config, runs, tp_in_fp32(policy)), partial), terms
         )
     versus = None
     if fp32_runs is not None:

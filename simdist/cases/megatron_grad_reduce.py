@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from simdist.cases.base import Case
-from simdist.cases.compare import Figures, Match, figures, match_traces
+from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
@@ -196,10 +196,6 @@ def policy_for(fp32: bool) -> Policy:
     )
 
 
-def _zeros(rank: int, param: ParamSpec) -> torch.Tensor:
-    return torch.zeros(param.shape, dtype=torch.bfloat16)
-
-
 def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     """The policy on simdist's gradient path (SimWorld, gloo's order): hp per micro-step, dp_reduced."""
     spec = config.spec(layout)
@@ -207,7 +203,7 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     return SimWorld(spec, default_model=make_model("gloo")).run(
         train_rank,
         list(PARAMS),
-        _zeros,
+        zero_weights,
         config.gradients(layout),
         policy,
         path,
@@ -254,15 +250,6 @@ def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]
             result.capture(0, BOUNDARY, p.name, "dp_reduced", value[offset : offset + numel].reshape(p.shape))
             offset += numel
         out.append(result)
-    return out
-
-
-def _only(traces: list[Trace], names: set[str], stages: set[str]) -> list[Trace]:
-    out = []
-    for trace in traces:
-        kept = Trace(trace.rank)
-        kept.values = {k: v for k, v in trace.values.items() if k[2] in names and k[3] in stages}
-        out.append(kept)
     return out
 
 
@@ -321,25 +308,25 @@ def judge_run(config: Config, layout: str, fp32: bool, runs: list[RealRun], poli
     bucketed = spec.dp > 2  # an element's sum order may depend on its offset in the flat bucket
     stages = {"hp"} if bucketed else {"hp", "dp_reduced"}
     claimed = match_traces(
-        _only(real, names, stages), _only(model, names, stages), stages=tuple(stages), names=("Megatron", policy.name)
+        only(real, names, stages), only(model, names, stages), stages=tuple(stages), names=("Megatron", policy.name)
     )
     order_effect = None
     tp_reduced = {p.name for p in PARAMS if p.family in TP_MARK} if spec.tp > 1 else set()
     if tp_reduced and not bucketed:
-        at_boundary = _only(real, tp_reduced, {"dp_reduced"})
+        at_boundary = only(real, tp_reduced, {"dp_reduced"})
         before_dp = transcription(config, layout, dataclasses.replace(policy, correct_at="boundary"))
         order_effect = figures(
             at_boundary,
-            _only(before_dp, tp_reduced, {"dp_reduced"}),
+            only(before_dp, tp_reduced, {"dp_reduced"}),
             sum_of_terms(config, layout, at_boundary),
             stage="dp_reduced",
         )
     boundary = bucket = None
     if bucketed:
-        at_boundary = _only(real, names, {"dp_reduced"})
+        at_boundary = only(real, names, {"dp_reduced"})
         boundary = figures(
             at_boundary,
-            _only(model, names, {"dp_reduced"}),
+            only(model, names, {"dp_reduced"}),
             sum_of_terms(config, layout, at_boundary),
             stage="dp_reduced",
         )
