@@ -35,6 +35,7 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
 from simdist.reduce import Gloo, ReductionModel, Ring, Sequential, Tree, Upcast, fold
+from simdist.reduce.base import may_hold_nan
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum", "initial_buffer"]
@@ -71,19 +72,11 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
                 result = fold(stacked.unbind(0)[::-1])
             else:
                 result = _ordered_fold(stacked, index, count).reshape(*batch, *shape)
-        if not _may_hold_nan(result):
+        if not may_hold_nan(result):
             return result
         # gloo's NaN bits depend on which operand was NaN at which hop: the model's own walk, item by item
     flat = stacked.reshape(k, count, *shape)
     return torch.stack([model.reduce(flat[:, i]) for i in range(count)]).reshape(*batch, *shape)
-
-
-def _may_hold_nan(t: torch.Tensor) -> bool:
-    """False only if ``t`` holds no NaN: one float sum (cheaper than ``isnan().any()``; inf - inf may give a false
-    alarm, never a miss)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return False
-    return math.isnan(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
 
 
 @functools.lru_cache(maxsize=256)

@@ -28,6 +28,7 @@ Operations (`ReduceOp`):
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Literal
@@ -139,3 +140,11 @@ def fold(ordered: Tensors, multiply: bool = False) -> torch.Tensor:
     for part in parts[2:]:
         acc += part
     return acc
+
+
+def may_hold_nan(t: torch.Tensor) -> bool:
+    """False only if ``t`` holds no NaN: one float sum (cheaper than ``isnan().any()``; inf - inf may give a
+    false alarm, never a miss). Models use it to take their exact NaN-bits path only where a NaN may be."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    return math.isnan(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
