@@ -136,12 +136,9 @@ def load_policy_module(source: str) -> list[str]:
         raise ValueError(
             f"--policy-module {source} failed{_where(exc, source if is_path else None)}: {type(exc).__name__}: {exc}"
         ) from None
-    names = [n for n, p in registered().items() if n not in before or p is not before[n]]
-    names += [
-        p.name
-        for p in vars(module).values()
-        if isinstance(p, Policy) and p.name in registered() and p.name not in names
-    ]
+    now = registered()
+    names = [n for n, p in now.items() if n not in before or p is not before[n]]
+    names += [p.name for p in vars(module).values() if isinstance(p, Policy) and p.name in now and p.name not in names]
     if not names:
         raise ValueError(
             f"--policy-module {source}: registered no policy (call "
