@@ -56,8 +56,9 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu()))
 
 
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """Map bit patterns to integers that are monotone in the float value (both zeros map to 0)."""
+def ordered_integers(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns as int64 integers monotone in the float value (both zeros map to 0): the difference of two
+    is the number of representable values between them."""
     raw = bits(t).to(torch.int64)
     magnitude_mask = (1 << (t.element_size() * 8 - 1)) - 1
     return torch.where(raw < 0, -(raw & magnitude_mask), raw)
@@ -74,7 +75,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             f"ulp_distance needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
         )
     a, b = a.detach().cpu(), b.detach().cpu()
-    dist = (_ordered(a) - _ordered(b)).abs()
+    dist = (ordered_integers(a) - ordered_integers(b)).abs()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     dist = torch.where(nan_a & nan_b, 0, dist)
     return torch.where(nan_a ^ nan_b, -1, dist)

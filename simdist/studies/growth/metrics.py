@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from simdist.numerics.floats import ordered_integers
 from simdist.studies.growth.files import atomic_write
 
 if TYPE_CHECKING:
@@ -54,15 +55,8 @@ def columns(model: str) -> tuple[str, ...]:
 
 
 def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """FP32 values as int64 integers monotone in the value (both zeros map to 0), as `simdist.numerics.floats` orders.
-
-    ``raw ^ (sign & 0x7FFFFFFF) - sign`` with ``sign = raw >> 31`` (0 or -1) is
-    ``raw`` for positives and ``-(raw & 0x7FFFFFFF)`` for negatives; int64 holds
-    every such integer and their differences exactly.
-    """
-    raw = t.to(torch.float32).contiguous().view(torch.int32)
-    sign = raw >> 31
-    return ((raw ^ (sign & 0x7FFFFFFF)) - sign).to(torch.int64)
+    """FP32 values as int64 integers monotone in the value (`simdist.numerics.floats.ordered_integers`)."""
+    return ordered_integers(t.to(torch.float32))
 
 
 class Reference:
