@@ -4,8 +4,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from simdist.numerics.compare import Difference, difference
+from simdist.numerics.floats import ordered_integers
+from simdist.strategies import float_values
 
 
 def test_bitwise_equal_distinguishes_signed_zeros_and_counts_elements():
@@ -40,3 +44,24 @@ def test_zero_size_and_shape_mismatch():
     assert empty.bitwise_equal and empty.numel == 0
     with pytest.raises(ValueError, match="shapes differ"):
         difference(torch.zeros(2), torch.zeros(3))
+
+
+@given(
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]).flatmap(
+        lambda dtype: st.tuples(st.just(dtype), st.lists(float_values(dtype, infinity=True), min_size=2, max_size=40))
+    )
+)
+def test_ordered_integers_count_the_representable_values_between_two_floats(case):
+    """Sorted values get sorted integers, +0 and -0 the same one, and a value and its successor differ by 1."""
+    dtype, values = case
+    t = torch.tensor(values, dtype=dtype)
+    ordered = ordered_integers(t)
+    assert ordered.dtype == torch.int64
+    by_value = torch.sort(t.double()).indices
+    assert bool((ordered[by_value].diff() >= 0).all())
+    assert bool(((t == 0) <= (ordered == 0)).all())
+    finite = t[torch.isfinite(t) & (t.abs() < torch.finfo(dtype).max)]
+    successors = torch.nextafter(finite, torch.full_like(finite, math.inf))
+    assert torch.equal(
+        ordered_integers(successors) - ordered_integers(finite), torch.ones_like(finite, dtype=torch.int64)
+    )

@@ -59,9 +59,11 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def ordered_integers(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns as int64 integers monotone in the float value (both zeros map to 0): the difference of two
     is the number of representable values between them."""
-    raw = bits(t).to(torch.int64)
-    magnitude_mask = (1 << (t.element_size() * 8 - 1)) - 1
-    return torch.where(raw < 0, -(raw & magnitude_mask), raw)
+    raw = bits(t)
+    width = t.element_size() * 8
+    sign = raw >> (width - 1)  # 0, or -1 for a negative value
+    # negatives: raw ^ magnitude bits, minus -1, is -(magnitude); exact in the raw width, then widened
+    return ((raw ^ (sign & ((1 << (width - 1)) - 1))) - sign).to(torch.int64)
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
