@@ -1,7 +1,7 @@
 """FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``.
 
 Modelled on torch 2.4-2.6 ``torch.distributed._composable.fsdp``
-(``_fsdp_collectives.foreach_reduce``): every micro-step the BF16 unsharded
+(``_fsdp_collectives.foreach_reduce``; read from their source, not run here): every micro-step the BF16 unsharded
 gradient is cast to the FP32 reduce dtype, divided by a pre-divide factor,
 reduced over the data-parallel group in FP32 and divided by the post-divide
 factor (``_get_gradient_divide_factors``: ``f`` doubles from 1 while ``dp`` is
