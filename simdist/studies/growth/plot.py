@@ -57,18 +57,11 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
         for col, tensor in enumerate(TENSORS):
             ax = axes[row, col]
             k = COLUMNS.index(f"{tensor}_{metric}")
-            zero = [
-                _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk=tensor == "master")
-                for j, name in enumerate(config.policies)
-            ]
-            ax.set_xscale("log")
-            ax.set_xlim(1, max(2, len(steps)))  # an all-zero panel draws only horizontal lines: span every step
-            _error_axis(ax, metrics[:, :, :, k], any(zero))
+            _panel(ax, steps, metrics[:, :, :, k], config.policies, colours, walk=tensor == "master")
             ax.set_title(labels[tensor])
             ax.set_ylabel(unit, fontsize=9)
             if row == 1:
                 ax.set_xlabel("optimizer step (count)")
-            ax.grid(True, which="major", alpha=0.3)
     _legend(fig, axes)
     spec = config.spec
     dtypes = _dtypes(config)
@@ -84,6 +77,18 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     )
     _make_room(fig, axes)
     return fig
+
+
+def _panel(ax, steps: np.ndarray, errors: np.ndarray, policies, colours, walk: bool) -> None:
+    """One error panel: each policy's band over seeds (``errors[step, policy, seed]``) on a log step axis that
+    spans every step (an all-zero panel draws only horizontal lines) and a symlog error axis."""
+    zero = [
+        _draw_band(ax, steps, errors[:, j, :], colours[j % len(colours)], name, walk) for j, name in enumerate(policies)
+    ]
+    ax.set_xscale("log")
+    ax.set_xlim(1, max(2, len(steps)))
+    _error_axis(ax, errors, any(zero))
+    ax.grid(True, which="major", alpha=0.3)
 
 
 def label_overlaps(fig, axes) -> list[tuple[int, int]]:
@@ -236,16 +241,9 @@ def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
     )
     for ax, (column, title, unit, walk) in zip(axes.flat, panels, strict=True):
         k = MOE_COLUMNS.index(column)
-        zero = [
-            _draw_band(ax, steps, metrics[:, j, :, k], colours[j % len(colours)], name, walk)
-            for j, name in enumerate(config.policies)
-        ]
-        ax.set_xscale("log")
-        ax.set_xlim(1, max(2, len(steps)))
-        _error_axis(ax, metrics[:, :, :, k], any(zero))
+        _panel(ax, steps, metrics[:, :, :, k], config.policies, colours, walk)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(unit, fontsize=9)
-        ax.grid(True, which="major", alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("optimizer step (count)")
     _legend(fig, axes)
