@@ -30,6 +30,7 @@ towards small, simple numbers.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from hypothesis import strategies as st
@@ -108,6 +109,46 @@ def tensors(dtype: torch.dtype, numel: int, elements: st.SearchStrategy[float] |
     """A 1-D tensor of ``numel`` values of ``dtype`` (default elements: `float_values` of finite values)."""
     elements = elements if elements is not None else float_values(dtype)
     return st.lists(elements, min_size=numel, max_size=numel).map(lambda v: torch.tensor(v, dtype=dtype))
+
+
+_INT_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_patterns(dtype: torch.dtype) -> st.SearchStrategy[int]:
+    """Raw bit patterns of ``dtype`` as signed integers of its width, covering every class of value.
+
+    Arbitrary patterns, plus the corners arbitrary patterns rarely hit: both zeros, both infinities, the
+    largest finite values, subnormals, the quiet NaN torch makes, and NaNs of either sign with any payload
+    (quiet or signalling). `pattern_tensor` turns a list of them into a tensor.
+    """
+    width = torch.finfo(dtype).bits
+    fmt = float_format(dtype)
+    mantissa = fmt.precision - 1
+    exponent_ones = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    sign_bit = 1 << (width - 1)
+
+    def signed(raw: int) -> int:
+        return raw - (1 << width) if raw & sign_bit else raw
+
+    info = torch.finfo(dtype)
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, info.max, -info.max, info.tiny], dtype=dtype)
+    special = st.sampled_from(specials.view(_INT_DTYPE[width // 8]).tolist())
+    nan = st.builds(
+        lambda sign, payload: signed((sign_bit if sign else 0) | exponent_ones | payload),
+        st.booleans(),
+        st.integers(1, (1 << mantissa) - 1),
+    )
+    subnormal = st.builds(
+        lambda sign, m: signed((sign_bit if sign else 0) | m), st.booleans(), st.integers(1, (1 << mantissa) - 1)
+    )
+    anything = st.integers(-(1 << (width - 1)), (1 << (width - 1)) - 1)
+    return st.one_of(anything, special, nan, subnormal)
+
+
+def pattern_tensor(patterns: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``dtype`` holding exactly the raw bit patterns ``patterns`` (see `bit_patterns`)."""
+    width = torch.finfo(dtype).bits
+    return torch.tensor(patterns, dtype=_INT_DTYPE[width // 8]).view(dtype)
 
 
 @st.composite

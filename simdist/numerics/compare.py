@@ -30,6 +30,8 @@ class Difference:
 
     ``max_term_relative`` is ``max |a - e| / sum|terms|`` over elements with a non-zero magnitude, or
     ``None`` when no magnitude was given (a tensor that is not the result of a reduction).
+    ``nonfinite_differing`` counts the differing elements where either side is a NaN or an infinity: no ulp
+    tolerance admits them (`within`).
     """
 
     numel: int
@@ -39,10 +41,18 @@ class Difference:
     error_norm: float
     reference_norm: float
     max_term_relative: float | None = None
+    nonfinite_differing: int = 0
 
     @property
     def bitwise_equal(self) -> bool:
         return self.differing == 0
+
+    def within(self, tolerance_ulp: int) -> bool:
+        """Bitwise equal, or every differing element finite on both sides and at most ``tolerance_ulp`` apart.
+
+        A differing element counts at least 1 ulp (``+0`` vs ``-0`` too), so ``within(0)`` is bitwise equality.
+        """
+        return self.bitwise_equal or (self.nonfinite_differing == 0 and self.max_ulp <= tolerance_ulp)
 
     @property
     def fraction_differing(self) -> float:
@@ -50,7 +60,10 @@ class Difference:
 
     @property
     def norm_relative(self) -> float:
-        """``||a - e||_2 / ||e||_2`` (0 when both are 0, ``inf`` for an error against a zero reference)."""
+        """``||a - e||_2 / ||e||_2`` (0 when both are 0, ``inf`` for an error against a zero reference or an
+        infinite error)."""
+        if math.isinf(self.error_norm):
+            return math.inf
         if self.reference_norm:
             return self.error_norm / self.reference_norm
         return 0.0 if self.error_norm == 0 else math.inf
@@ -68,14 +81,16 @@ class Difference:
             error_norm=math.sqrt(sum(p.error_norm**2 for p in parts)),
             reference_norm=math.sqrt(sum(p.reference_norm**2 for p in parts)),
             max_term_relative=max(terms) if terms else None,
+            nonfinite_differing=sum(p.nonfinite_differing for p in parts),
         )
 
     def __str__(self) -> str:
         if self.bitwise_equal:
             return "bitwise equal"
         terms = "" if self.max_term_relative is None else f", err/sum|terms| {self.max_term_relative:.2e}"
+        nonfinite = f", {self.nonfinite_differing} at a NaN or infinity" if self.nonfinite_differing else ""
         return (
-            f"max {self.max_ulp} ulp, {100 * self.fraction_differing:.1f}% differ, "
+            f"max {self.max_ulp} ulp{nonfinite}, {100 * self.fraction_differing:.1f}% differ, "
             f"normwise rel {self.norm_relative:.2e}{terms}"
         )
 
@@ -84,25 +99,35 @@ def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Te
     """Compare ``actual`` with ``expected``, after casting ``actual`` to ``expected``'s dtype.
 
     The cast is exact when ``expected`` is at least as wide (a BF16 or FP32
-    capture against an FP32 or FP64 oracle). ``bitwise_equal`` compares raw
-    bits (so ``-0.0 != +0.0``); ``max_ulp`` counts representable values of
-    ``expected.dtype`` between the two (a NaN on one side only counts as a
-    differing element but adds no ulps); ``max_relative`` is
-    ``|a - e| / |e|`` over finite non-zero ``e``, in fp64; the norms are fp64
-    2-norms of ``a - e`` and ``e``. ``magnitude`` (same shape) is the
-    per-element ``sum|terms|`` of the reduction that produced ``expected``.
+    capture against an FP32 or FP64 oracle); where it is not, an element the
+    cast changes (rounding, a NaN's payload) counts as differing.
+    ``bitwise_equal`` compares raw bits (so ``-0.0 != +0.0`` and NaNs compare
+    by sign and payload); ``max_ulp`` is the largest `ulp_distance` in
+    ``expected.dtype`` over the differing elements, each counting at least 1
+    (so a sign-of-zero difference is 1 ulp); ``nonfinite_differing`` counts
+    differing elements with a NaN or infinity on either side. ``max_relative``
+    is ``|a - e| / |e|`` over finite non-zero ``e``, in fp64; the norms are
+    fp64 2-norms of ``a - e`` and ``e``, where a non-finite differing element
+    is an infinite error (so the relative figures are ``inf``, never a NaN or
+    a silent 0). ``magnitude`` (same shape) is the per-element ``sum|terms|``
+    of the reduction that produced ``expected``.
     """
     if actual.shape != expected.shape:
         raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     expected = expected.detach().cpu()
-    actual = actual.detach().cpu().to(expected.dtype)
+    given = actual.detach().cpu()
+    actual = given.to(expected.dtype)
     differing = bits(actual) != bits(expected)
+    if torch.promote_types(given.dtype, expected.dtype) != expected.dtype:  # a narrowing cast may lose bits
+        differing |= bits(actual.to(given.dtype)) != bits(given)
     numel = expected.numel()
     if numel == 0:
         return Difference(0, 0, 0, 0.0, 0.0, 0.0, None if magnitude is None else 0.0)
-    ulps = ulp_distance(actual, expected)
+    ulps = torch.where(differing, ulp_distance(actual, expected).clamp_min(1), 0)
+    nonfinite = differing & ~(torch.isfinite(actual) & torch.isfinite(expected) & torch.isfinite(given))
     e64, a64 = expected.double(), actual.double()
-    error = (a64 - e64).abs()
+    error = torch.where(differing, (a64 - e64).abs(), 0.0)
+    error = torch.where(nonfinite, math.inf, error)
     usable = (e64 != 0) & torch.isfinite(e64)
     rel = (error / e64.abs())[usable]
     term_relative = None
@@ -110,14 +135,15 @@ def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Te
         if magnitude.shape != expected.shape:
             raise ValueError(f"magnitude shape {tuple(magnitude.shape)} is not {tuple(expected.shape)}")
         m64 = magnitude.detach().cpu().double()
-        scaled = (error / m64)[(m64 > 0) & torch.isfinite(error)]
+        scaled = (error / m64)[(m64 > 0) & torch.isfinite(m64)]
         term_relative = float(scaled.max()) if scaled.numel() else 0.0
     return Difference(
         numel=numel,
         differing=int(differing.sum()),
         max_ulp=int(ulps.max()),
         max_relative=float(rel.max()) if rel.numel() else 0.0,
-        error_norm=float(torch.linalg.vector_norm(torch.nan_to_num(error, nan=0.0, posinf=math.inf))),
+        error_norm=float(torch.linalg.vector_norm(error)),
         reference_norm=float(torch.linalg.vector_norm(torch.nan_to_num(e64, nan=0.0))),
         max_term_relative=term_relative,
+        nonfinite_differing=int(nonfinite.sum()),
     )

@@ -67,20 +67,30 @@ def ordered_integers(t: torch.Tensor) -> torch.Tensor:
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Element-wise count of representable values between ``a`` and ``b`` (same dtype).
+    """Element-wise ``|ordered_integers(a) - ordered_integers(b)|`` (int64, same dtype and shape): defined for every
+    pair of values and never negative.
 
-    0 means equal values (``+0`` and ``-0`` are 0 apart). An element where
-    exactly one side is NaN is ``-1``; where both are NaN it is 0.
+    For two finite values it is the number of representable values of the dtype between them (``+0`` and ``-0``
+    are 0 apart: equal values). Infinities and NaNs continue the same order of bit patterns, as IEEE 754's
+    totalOrder does: ``max`` and ``inf`` are 1 apart, a NaN lies beyond the infinity of its sign by its payload,
+    so two NaNs are 0 apart only with the same sign and payload and a NaN is never 0 apart from a number.
+    So a distance of 0 means identical bits or two zeros; `bitwise_equal` is the test that tells the zeros apart.
+    Only fp64 can have a distance beyond int64 (values of opposite signs near the ends of the order); it is
+    reported as ``2**63 - 1``.
     """
     if a.dtype != b.dtype or a.shape != b.shape:
         raise ValueError(
             f"ulp_distance needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
         )
     a, b = a.detach().cpu(), b.detach().cpu()
-    dist = (ordered_integers(a) - ordered_integers(b)).abs()
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    dist = torch.where(nan_a & nan_b, 0, dist)
-    return torch.where(nan_a ^ nan_b, -1, dist)
+    oa, ob = ordered_integers(a), ordered_integers(b)
+    if a.element_size() < 8:  # at most 2 * (2**31 - 1): no overflow in int64
+        return (oa - ob).abs()
+    big = torch.iinfo(torch.int64).max
+    ma, mb = oa.abs(), ob.abs()  # magnitudes <= 2**63 - 1: abs never overflows
+    opposite = (oa < 0) != (ob < 0)
+    across = torch.where(ma > big - mb, big, ma + mb)  # |oa| + |ob|, saturated
+    return torch.where(opposite, across, (oa - ob).abs())
 
 
 def round_exact(value: Fraction | int | float, dtype: torch.dtype) -> float:

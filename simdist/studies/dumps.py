@@ -99,6 +99,8 @@ class TensorRow:
     max_ulp: int
     fraction_differing: float
     first: str = ""
+    nonfinite: int = 0
+    """Differing elements with a NaN or an infinity on either side (beyond every ulp tolerance)."""
 
 
 @dataclass
@@ -113,7 +115,7 @@ class DumpComparison:
 
     @property
     def beyond_tolerance(self) -> list[TensorRow]:
-        return [r for r in self.rows if r.bitwise < r.tensors and r.max_ulp > self.tolerance_ulp]
+        return [r for r in self.rows if r.bitwise < r.tensors and (r.max_ulp > self.tolerance_ulp or r.nonfinite > 0)]
 
     @property
     def ok(self) -> bool:
@@ -178,6 +180,7 @@ def compare_dumps(dir_a: str | Path, dir_b: str | Path, tolerance_ulp: int = 0) 
                 max((d.max_ulp for _, d in diffs), default=0),
                 sum(d.fraction_differing * d.numel for _, d in diffs) / numel if numel else 0.0,
                 first,
+                sum(d.nonfinite_differing for _, d in diffs),
             )
         )
     return result
@@ -200,9 +203,10 @@ def format_comparison(cmp: DumpComparison) -> str:
         if r.bitwise == r.tensors:
             text = f"bitwise equal ({r.tensors} tensors)"
         else:
-            mark = "" if r.max_ulp <= cmp.tolerance_ulp else "  BEYOND TOLERANCE"
+            mark = "" if r.max_ulp <= cmp.tolerance_ulp and not r.nonfinite else "  BEYOND TOLERANCE"
+            nonfinite = f" ({r.nonfinite} elements at a NaN or infinity)" if r.nonfinite else ""
             text = (
-                f"{r.tensors - r.bitwise}/{r.tensors} tensors differ: max {r.max_ulp} ulp, "
+                f"{r.tensors - r.bitwise}/{r.tensors} tensors differ: max {r.max_ulp} ulp{nonfinite}, "
                 f"{100 * r.fraction_differing:.1f}% of elements; first at {r.first}{mark}"
             )
         out.append(f"{r.param:<16} {label:<16} {text}")
