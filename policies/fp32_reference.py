@@ -1,7 +1,9 @@
 """Every stage in FP32: FP32 staging, reduction, accumulation, DP reduction, masters and moments.
 
 Only the local gradient (and the parameter the model computes with) is BF16.
-This is the policy the FP32 oracle describes, run through the same engine.
+Field for field this is ``fp32_staging``; it is kept as a test of the engine (and a
+name for the MoE studies), not as a reference: the FP32 oracle is
+`simdist.gradpath.reference`, which shares no code with the engine.
 """
 
 import torch

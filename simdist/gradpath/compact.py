@@ -3,8 +3,9 @@
 What the gradient-path properties (``tests/test_gradpath_properties.py``) and
 their benchmark (``bench/properties.py``) share: the parameters, replicated
 initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
-and property (a) -- ``fp32_staging`` equals the FP32 oracle bit for bit -- as a
-function that returns where the two first differ (``None`` when they do not). Its Hypothesis strategy is
+the independent FP32 oracle on the same workload (`run_oracle`, `simdist.gradpath.reference`), and property
+(a) -- ``fp32_staging`` equals the FP32 oracle bit for bit -- as a function that returns where the two first
+differ (``None`` when they do not). Its Hypothesis strategy is
 `simdist.strategies.oracle_cases`.
 """
 
@@ -20,10 +21,10 @@ from simdist.gradpath.batched import BatchedPath, BatchedTrace, initial_buffer
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
-from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.policy import Policy
-from simdist.gradpath.probes import Capture
+from simdist.gradpath.probes import Capture, Trace
+from simdist.gradpath.reference import oracle_traces
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReductionModel, Sequential
 from simdist.world.spec import ParallelSpec
@@ -94,20 +95,53 @@ def run_batched(
     return path.run(batch)
 
 
-def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads: Gradients) -> str | None:
-    """Property (a): where ``fp32_staging`` first differs from the FP32 oracle, or ``None`` if it never does.
+def run_oracle(
+    spec: ParallelSpec,
+    grads: Gradients,
+    steps: int,
+    gas: int,
+    *,
+    keep: frozenset[str] | None = None,
+    model: ReductionModel | None = None,
+    params: tuple[ParamSpec, ...] = PARAMS,
+    dtype: torch.dtype = torch.float32,
+) -> list[Trace]:
+    """Every rank's `Trace` of the independent oracle (`simdist.gradpath.reference`) on the compact workload,
+    every group reducing with ``model`` (sequential)."""
+    model = model or Sequential()
+    batch = getattr(grads, "batch", None)
+    cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
-    Both runs correct every micro-step (``per_micro_step``) and capture `OPTIMIZER_STAGES`; every capture
-    is compared bit for bit on every rank at once.
+    def local(step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
+        if batch is None:
+            return grads(step, micro, rank, param)
+        if (step, micro) not in cache:
+            cache.clear()
+            cache[(step, micro)] = batch(step, micro)
+        return cache[(step, micro)][param.name][0, rank]
+
+    return oracle_traces(
+        spec, list(params), initial, local, steps=steps, gas=gas, tp_model=model, dp_model=model, dtype=dtype, keep=keep
+    )
+
+
+def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads: Gradients) -> str | None:
+    """Property (a): where ``fp32_staging`` first differs from the independent FP32 oracle (`run_oracle`), or
+    ``None`` if it never does.
+
+    The engine corrects every micro-step (``per_micro_step``), as the oracle does; both capture
+    `OPTIMIZER_STAGES` (hp buffers after every micro-step, DP-reduced gradients, masters, Adam moments), and
+    every capture of every rank is compared bit for bit.
     """
     config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
     staging = run_batched(spec, get_policy("fp32_staging"), grads, config, keep=OPTIMIZER_STAGES, norm=False)
-    oracle = run_batched(spec, FP32_ORACLE, grads, config, keep=OPTIMIZER_STAGES, norm=False)
+    oracle = run_oracle(spec, grads, steps, gas, keep=OPTIMIZER_STAGES)
     if not staging.values:
         return "nothing was captured"
-    if staging.values.keys() != oracle.values.keys():
-        return f"different captures: {sorted(staging.values.keys() ^ oracle.values.keys())[:3]}"
-    for key, value in staging.values.items():  # every rank at once: [1, rank, *shape]
-        if not bitwise_equal(value, oracle.values[key]):
-            return f"(step, micro, param, stage) = {key}"
+    for rank, (trace, reference) in enumerate(zip(staging.rank_traces(0), oracle, strict=True)):
+        if trace.values.keys() != reference.values.keys():
+            return f"different captures on rank {rank}: {sorted(trace.values.keys() ^ reference.values.keys())[:3]}"
+        for key, value in trace.values.items():
+            if not bitwise_equal(value, reference.values[key]):
+                return f"(rank, step, micro, param, stage) = {(rank, *key)}"
     return None

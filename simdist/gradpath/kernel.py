@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.optim.adam import adam
 
 from simdist.gradpath.families import Correction, Family, ParamSpec
 from simdist.gradpath.policy import Policy, Stage
@@ -373,19 +374,35 @@ class GradPath:
 
 
 def adamw_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h) -> None:
-    """One AdamW step in the parameter's dtype, in FusedAdam's AdamW-mode order of operations.
+    """One step of ``torch.optim.AdamW`` on ``p`` in place: torch's own implementation, not a transcription.
 
-    ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
-    ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p)`` with
-    ``bc_i = 1 - b_i**step`` computed in double and used in the tensor dtype.
+    It calls ``torch.optim.adam.adam`` (the functional form ``torch.optim.AdamW.step`` runs, with
+    ``decoupled_weight_decay=True``) in its single-tensor form, which is what ``torch.optim.AdamW`` picks for
+    CPU tensors (``foreach=None``). This is the optimizer DeepSpeed 0.19.8 builds for ``"type": "AdamW"`` with
+    ``"torch_adam": true`` (found by experiment: ``deepspeed.initialize`` returns ``torch.optim.adamw.AdamW``,
+    ``foreach=None``); without ``torch_adam`` DeepSpeed runs FusedAdam (a CUDA kernel, or on CPU a JIT-built
+    C++ kernel), whose order of operations differs and is not modelled here. Every operation is element-wise,
+    so a flat buffer of many parameters (and leading ``[batch, rank]`` dimensions) gives each element the bits
+    ``torch.optim.AdamW`` gives it on the parameter's own tensor (tested against the real optimizer class).
+    ``m`` and ``v`` must have ``p``'s dtype (torch's AdamW keeps its moments in the parameter's dtype).
     """
-    bc1 = 1.0 - h.beta1**step
-    bc2 = 1.0 - h.beta2**step
-    m.mul_(h.beta1).add_(g.to(m.dtype), alpha=1.0 - h.beta1)
-    v.mul_(h.beta2).addcmul_(g.to(v.dtype), g.to(v.dtype), value=1.0 - h.beta2)
-    denom = (v.to(p.dtype) / bc2).sqrt_().add_(h.eps)
-    update = (m.to(p.dtype) / bc1).div_(denom).add_(p, alpha=h.weight_decay)
-    p.add_(update, alpha=-h.lr)
+    adam(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [torch.tensor(float(step - 1))],  # torch increments the step counter before using it
+        foreach=False,
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        lr=h.lr,
+        weight_decay=h.weight_decay,
+        eps=h.eps,
+        maximize=False,
+    )
 
 
 def _dtype(dtype: torch.dtype) -> str:

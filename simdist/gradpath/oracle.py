@@ -1,16 +1,17 @@
-"""Oracles for the gradient path: the FP32 TP-then-DP reducer of the #8913 report, and FP64 ground truth.
+"""The oracle's precision as a `Policy` run by the engine -- a test of the engine, not the oracle.
 
-The oracle keeps the run's topology, correction rule, local gradients and DP
-normalisation, and changes only precision: the BF16 local gradient is staged
-into ``dtype`` and every later stage (TP correction, accumulation, DP
-reduction, masters, Adam moments) stays in ``dtype``, with the TP correction
-applied on every micro-step. With ``dtype=float32`` this is the accepted
-numerical reference of the report; with ``float64`` it is ground truth for
-measuring how far each FP32 policy is from the exact answer.
+The oracle that judges the engine is `simdist.gradpath.reference` (explicit
+TP-then-DP reduction in plain loops and a real ``torch.optim.AdamW``; it shares
+no code with the engine). What is here keeps the run's topology, correction
+rule, local gradients and DP normalisation, changes only precision -- the BF16
+local gradient staged into ``dtype``, every later stage in ``dtype``, the TP
+correction on every micro-step -- and runs through the same `GradPath` as every
+policy. Engine tests use it (rank-batched == per-rank, the MoE study's FP64
+ground truth), and ``tests/test_oracle.py`` checks that its FP32 form gives the
+independent oracle's bits.
 
-`reference_reduced_gradients` computes the same data-parallel-reduced
-gradients directly, with explicit loops over groups and no rank program, so
-tests can check the engine against an independent transcription.
+`reference_reduced_gradients` computes the data-parallel-reduced gradients
+directly, with explicit loops over groups and no rank program.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ At the gradient-accumulation boundary (``engine.allreduce_gradients``):
      dense-DP group, experts over the EDP group, both normalised by the dense
      DP size (``sum`` then ``* 1/dp`` by default);
   6. global gradient norm with TP/EP de-duplication, optional clipping;
-  7. AdamW on the masters (FusedAdam's AdamW-mode arithmetic), copy of the
+  7. AdamW on the masters (``torch.optim.AdamW``'s own arithmetic, see `adamw_step`), copy of the
      masters back into the BF16 parameters (round to nearest even).
 
 Correction-once marker (``marker="deepspeed"``, the default: as DeepSpeed 0.19.8 ships it, for the
@@ -82,7 +82,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class AdamW:
-    """AdamW hyper-parameters (DeepSpeed/FusedAdam defaults, plus weight decay)."""
+    """AdamW hyper-parameters (DeepSpeed's and ``torch.optim.AdamW``'s defaults; weight decay 0.01)."""
 
     lr: float = 1e-3
     beta1: float = 0.9

@@ -21,10 +21,10 @@ import torch
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
-from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Divergence, Trace, first_divergence
+from simdist.gradpath.reference import oracle_traces
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.compare import Difference, difference
@@ -41,6 +41,13 @@ COMPARED: tuple[Capture, ...] = (
     Capture.ADAM_V,
 )
 """The captures the report compares with the oracle, in path order (a `Row`'s ``kind`` is the capture's label)."""
+
+
+ORACLE_SUMMARY = (
+    "independent FP32 TP-then-DP per-parameter reducer (simdist.gradpath.reference), TP correction on every "
+    "micro-step, torch.optim.AdamW on FP32 masters"
+)
+"""How the report names its oracle."""
 
 
 class Engine(enum.StrEnum):
@@ -166,6 +173,25 @@ def run(
     return SimWorld(spec, default_model=model).run(train_rank, list(params), initial, grads, policy, config)
 
 
+def run_oracle(config: ReproConfig, model: ReductionModel, magnitudes: bool = False) -> list[Trace]:
+    """The independent FP32 oracle (`simdist.gradpath.reference`) on the run's workload: every group sums in
+    ``model``'s order, the TP correction runs on every micro-step, the step is ``torch.optim.AdamW``'s.
+
+    ``magnitudes`` runs it on ``|local gradients|`` (synthetic model only), which gives ``sum|terms|``.
+    """
+    params, initial, grads = workload(config.model, config.spec, config.seed, config.gas)
+    return oracle_traces(
+        config.spec,
+        list(params),
+        initial,
+        _Magnitudes(grads) if magnitudes else grads,
+        steps=config.steps,
+        gas=config.gas,
+        tp_model=model,
+        dp_model=model,
+    )
+
+
 GRADIENT_STAGES = frozenset({Capture.LOCAL, Capture.CORRECTED, Capture.HP})
 """Captures that are sums of local gradients, so a per-element ``sum|terms|`` exists for them."""
 
@@ -215,15 +241,11 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     path = PathConfig(
         steps=config.steps, gas=config.gas, seed=config.seed, marker=config.marker, update_path=config.update_path
     )
-    oracle_path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed, marker="per_micro_step")
-    oracle = run(spec, FP32_ORACLE, oracle_path, model, training_model=config.model)
+    oracle = run_oracle(config, model)
     done("oracle")
     magnitudes = None
     if config.model == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
-        params, initial, grads = workload(config.model, spec, config.seed, config.gas)
-        magnitudes = SimWorld(spec, default_model=model).run(
-            train_rank, list(params), initial, _Magnitudes(grads), FP32_ORACLE, oracle_path
-        )
+        magnitudes = run_oracle(config, model, magnitudes=True)
         done("|terms|")
     families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas)[0]}
     reports = []
@@ -389,7 +411,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
         f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}"
         + ("" if config.engine == Engine.TRANSCRIBED else f", engine {config.engine} (real code, gradients only)"),
-        f"oracle: {FP32_ORACLE.summary}, TP correction on every micro-step",
+        f"oracle: {ORACLE_SUMMARY}",
     ]
     for report in reports:
         out += ["", f"== {report.name}: {report.summary}"]

@@ -14,8 +14,8 @@ import torch
 from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, coerce
-from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig
+from simdist.gradpath.reference import Oracle
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import Difference
@@ -158,7 +158,9 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
         path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
         return BatchedPath(spec, params, policy, path, initial, seeds, default_model=model)
 
-    runs = [batched(FP32_ORACLE, "per_micro_step")] + [batched(p, config.marker) for p in policies]
+    runs = [_OracleRun(spec, params, initial, len(seeds), config.gas, model)] + [
+        batched(p, config.marker) for p in policies
+    ]
     metrics = np.zeros((config.steps, len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
     start = 0
     if ckpt.exists():
@@ -191,11 +193,11 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
         for step in range(start, config.steps):
             for run in runs:
                 run.run_step(stream.draw)
-            oracle = runs[0].path
+            oracle = runs[0].oracle
             per_kind = []
             for kind in ("master", "m", "v"):  # every policy at once: [P, S, R, N] against the oracle's [S, R, N]
                 state = torch.stack([getattr(run.path, kind) for run in runs[1:]])
-                per_kind.append(divergence(state, Reference(getattr(oracle, kind))))
+                per_kind.append(divergence(state, Reference(oracle.flat(kind))))
             metrics[step] = torch.cat(per_kind, dim=-1).numpy()
             if bar is not None:
                 bar.update(1)
@@ -210,6 +212,35 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
             bar.close()
 
     return metrics
+
+
+class _OracleRun:
+    """The independent FP32 oracle (`simdist.gradpath.reference.Oracle`) batched over seeds, stepped like a
+    `BatchedPath`: ``run_step(draw)``, ``state()``, ``load(state, step)``."""
+
+    def __init__(self, spec, params, initial, seeds: int, gas: int, model) -> None:
+        stacked = {
+            (r, p.name): torch.stack([init(r, p).to(torch.bfloat16) for init in initial])
+            for r in range(spec.world_size)
+            for p in params
+        }
+        self.oracle = Oracle(spec, params, stacked, tp_model=model, dp_model=model)
+        self.spec, self.params, self.gas, self.step = spec, params, gas, 0
+
+    def run_step(self, draw) -> None:
+        def local(micro: int, lp) -> dict:
+            grads = draw(self.step, micro)
+            return {(r, p.name): grads[p.name][:, r] for r in range(self.spec.world_size) for p in self.params}
+
+        self.oracle.step(self.step, self.gas, local)
+        self.step += 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.oracle.state()
+
+    def load(self, state: dict[str, torch.Tensor], step: int) -> None:
+        self.oracle.load(state, step)
+        self.step = step
 
 
 def _moe_rows(records, steps: int) -> np.ndarray:

@@ -1,0 +1,318 @@
+"""The independent FP32/FP64 oracle: explicit TP-then-DP per-parameter reduction and a real ``torch.optim.AdamW``.
+
+This is the accepted numerical reference of the #8913 report ("an explicit FP32
+TP-then-DP/per-parameter reducer" next to a real optimizer), written so that it
+shares no code with the gradient-path engine it judges (`simdist.gradpath.kernel`,
+`simdist.gradpath.policy`): only the reduction models (`simdist.reduce`), the
+group tables (`ParallelSpec.groups`), the parameter list (`ParamSpec`) and the
+capture names (`simdist.gradpath.probes`) are shared.
+
+Per optimizer step, for every parameter, in plain loops over ranks and groups:
+
+1. every micro-step, each rank's BF16 local gradient is staged into ``dtype``;
+   the TP correction of the parameter's family (`CORRECTIONS`, restated here
+   from DeepSpeed's ``auto_ep_folding.py``, not read from
+   `simdist.gradpath.families`) runs on the staged values of each TP group --
+   the group's ``tp_model`` sum and/or ``/ tp`` -- on every micro-step, and
+   the result is added to the rank's ``dtype`` accumulation buffer;
+2. at the boundary, each DP group (the EDP group for routed experts) sums its
+   members' buffers in ``dp_model``'s order and scales by ``1 / dp`` (the
+   dense DP size, for experts too);
+3. the reduced gradient is the ``.grad`` of the rank's ``dtype`` master
+   weight, and ``torch.optim.AdamW`` -- the real optimizer class, with its
+   own state -- takes one step over every master of every rank; the masters
+   are rounded to BF16 (nearest even) as the next step's parameters.
+
+Why the correction rule is restated rather than taken from the family table:
+an oracle that read `Family.correction` would share any error in that table
+with the engine, and the comparison could not see it; restated, a mutated table
+makes the engine and the oracle disagree (tested). A test also checks that the
+restated table equals DeepSpeed's own strategy names for the synthetic
+parameters (the ``deepspeed-8913`` case records them from the real code).
+
+Not modelled: global-norm clipping (``max_norm`` must be 0, which every study
+uses) and the correction-once marker (the oracle corrects every micro-step,
+the intended semantics). Values may carry leading batch dimensions
+(``[seed]`` in the growth study): every operation above is element-wise along
+them, and each reduction runs per batch item, so each item gets the bits it gets alone (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.probes import BOUNDARY, Capture, Trace
+from simdist.reduce import ReductionModel
+from simdist.world.spec import ParallelSpec
+
+CORRECTIONS: dict[Family, tuple[bool, bool]] = {
+    Family.ROUTER_GATE_REPLICATED: (True, True),  # DeepSpeed "average": TP sum, then / tp
+    Family.ROUTER_GATE_PARTIAL: (True, False),  # "sum": TP sum only
+    Family.DENSE: (True, True),  # "average"
+    Family.MODEL_PARALLEL: (False, False),  # "skip"
+    Family.EXPERT: (False, True),  # "expert_tp_cancel": / tp, no TP sum
+}
+"""``family -> (TP sum, divide by tp)``, restated from DeepSpeed's ``auto_ep_folding`` strategies (with
+``tp == 1`` nothing runs)."""
+
+DEEPSPEED_STRATEGY: dict[tuple[bool, bool], str] = {
+    (True, True): "average",
+    (True, False): "sum",
+    (False, False): "skip",
+    (False, True): "expert_tp_cancel",
+}
+"""The name DeepSpeed's folding code gives each rule (what the real optimizer reports per parameter)."""
+
+
+def correction(family: Family, tp: int) -> tuple[bool, bool]:
+    """``(TP sum, divide by tp)`` for ``family`` on a TP group of ``tp`` ranks."""
+    return (False, False) if tp <= 1 else CORRECTIONS[family]
+
+
+def dp_kind(family: Family) -> str:
+    """The group kind of the data-parallel reduction: ``edp`` for routed experts, ``dp`` for the rest."""
+    return "edp" if family is Family.EXPERT else "dp"
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    """The hyper-parameters handed to ``torch.optim.AdamW`` (anything with these attributes will do)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+Key = tuple[int, str]
+"""``(rank, parameter name)``."""
+Captured = Callable[[int, int, int, str, str, torch.Tensor], None]
+"""``(rank, step, micro, param, stage, value)``; ``micro`` is `BOUNDARY` for the step's boundary."""
+
+
+class Oracle:
+    """The oracle's state for every rank: BF16 parameters, ``dtype`` masters and a ``torch.optim.AdamW``.
+
+    ``initial[(rank, name)]`` is a BF16 tensor ``[*batch, *shape]``. `step` runs one optimizer step from the
+    local gradients of its micro-steps.
+    """
+
+    def __init__(
+        self,
+        spec: ParallelSpec,
+        params: Sequence[ParamSpec],
+        initial: dict[Key, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        tp_model: ReductionModel,
+        dp_model: ReductionModel,
+        adam=None,
+        max_norm: float = 0.0,
+    ) -> None:
+        if max_norm:
+            raise ValueError("the independent oracle does not clip: run it with max_norm = 0")
+        self.spec, self.dtype, self.tp_model, self.dp_model = spec, dtype, tp_model, dp_model
+        self.params = list(params)
+        self.trained = [p for p in self.params if not p.frozen]
+        self.ranks = range(spec.world_size)
+        self.lp = {k: v.detach().clone() for k, v in initial.items()}
+        self.masters = {
+            (r, p.name): torch.nn.Parameter(self.lp[(r, p.name)].to(dtype)) for r in self.ranks for p in self.trained
+        }
+        h = adam or AdamWSettings()
+        self.optimizer = torch.optim.AdamW(
+            list(self.masters.values()),
+            lr=h.lr,
+            betas=(h.beta1, h.beta2),
+            eps=h.eps,
+            weight_decay=h.weight_decay,
+        )
+
+    def step(
+        self,
+        step: int,
+        gas: int,
+        local_grads: Callable[[int, dict[Key, torch.Tensor]], dict[Key, torch.Tensor]],
+        capture: Captured | None = None,
+    ) -> None:
+        """One optimizer step; ``local_grads(micro, lp)`` gives every rank's BF16 local gradient of every trained
+        parameter for that micro-step, computed from the current BF16 parameters ``lp``."""
+        seen = capture or (lambda *args: None)
+        tp = self.spec.tp
+        hp = {k: torch.zeros_like(m, dtype=self.dtype) for k, m in self.masters.items()}
+        for micro in range(gas):
+            grads = local_grads(micro, self.lp)
+            for p in self.trained:
+                reduces, divides = correction(p.family, tp)
+                staged = {}
+                for r in self.ranks:
+                    seen(r, step, micro, p.name, Capture.LOCAL, grads[(r, p.name)])
+                    staged[r] = grads[(r, p.name)].to(self.dtype)
+                    if reduces or divides:
+                        seen(r, step, micro, p.name, Capture.STAGED, staged[r])
+                for group in self.spec.groups("tp"):
+                    if reduces:
+                        total = _reduce(self.tp_model, [staged[r] for r in group], p.shape)
+                    for r in group:
+                        value = total if reduces else staged[r]
+                        if reduces and divides:
+                            seen(r, step, micro, p.name, Capture.TP_REDUCED, value)
+                        if divides:
+                            value = value / tp
+                        if reduces or divides:
+                            seen(r, step, micro, p.name, Capture.CORRECTED, value)
+                        hp[(r, p.name)] += value
+                        seen(r, step, micro, p.name, Capture.HP, hp[(r, p.name)])
+        for p in self.trained:
+            for group in self.spec.groups(dp_kind(p.family)):
+                reduced = _reduce(self.dp_model, [hp[(r, p.name)] for r in group], p.shape) * (1.0 / self.spec.dp)
+                for r in group:
+                    seen(r, step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
+                    seen(r, step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
+                    self.masters[(r, p.name)].grad = reduced.clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for (r, name), master in self.masters.items():
+            self.lp[(r, name)] = master.detach().to(torch.bfloat16)
+            state = self.optimizer.state[master]
+            seen(r, step, BOUNDARY, name, Capture.MASTER, master.detach())
+            seen(r, step, BOUNDARY, name, Capture.ADAM_M, state["exp_avg"])
+            seen(r, step, BOUNDARY, name, Capture.ADAM_V, state["exp_avg_sq"])
+            seen(r, step, BOUNDARY, name, Capture.PARAM, self.lp[(r, name)])
+
+    # -- flat state, for the rank-batched growth study ------------------------------------------------------------
+
+    def flat(self, which: str) -> torch.Tensor:
+        """``master``, ``m``, ``v`` or ``lp`` of every trained parameter as ``[*batch, rank, N]`` (parameter order)."""
+
+        def tensor(r: int, p: ParamSpec) -> torch.Tensor:
+            if which == "lp":
+                return self.lp[(r, p.name)]
+            master = self.masters[(r, p.name)]
+            if which == "master":
+                return master.detach()
+            state = self.optimizer.state.get(master)
+            if not state:
+                return torch.zeros_like(master.detach())
+            return state["exp_avg" if which == "m" else "exp_avg_sq"]
+
+        rows = []
+        for r in self.ranks:
+            parts = [tensor(r, p) for p in self.trained]
+            batch = parts[0].shape[: parts[0].dim() - len(self.trained[0].shape)]
+            rows.append(torch.cat([t.reshape(*batch, -1) for t in parts], dim=-1))
+        return torch.stack(rows, dim=-2)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Masters, moments and BF16 parameters as flat ``[*batch, rank, N]`` tensors (for checkpoints)."""
+        names = {"master": "master", "adam_m": "m", "adam_v": "v", "lp": "lp"}
+        return {key: self.flat(which) for key, which in names.items()}
+
+    def load(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
+        """Restore `state` after ``steps_done`` optimizer steps (the optimizer's step counters included)."""
+        for r in self.ranks:
+            start = 0
+            for p in self.trained:
+                n = math.prod(p.shape)
+
+                def part(name: str, r=r, start=start, n=n, p=p) -> torch.Tensor:
+                    flat = state[name][..., r, start : start + n]
+                    return flat.reshape(*flat.shape[:-1], *p.shape).clone()
+
+                master = self.masters[(r, p.name)]
+                with torch.no_grad():
+                    master.copy_(part("master"))
+                self.lp[(r, p.name)] = part("lp")
+                if steps_done:
+                    self.optimizer.state[master] = {
+                        "step": torch.tensor(float(steps_done)),
+                        "exp_avg": part("adam_m"),
+                        "exp_avg_sq": part("adam_v"),
+                    }
+                start += n
+
+
+def _reduce(model: ReductionModel, members: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """``model``'s sum of one group's members, each batch item on its own: a reduction model's order depends on
+    the size of the tensor a rank hands in (a parameter's), not on how many seeds ride along."""
+    batch = members[0].shape[: members[0].dim() - len(shape)]
+    if not batch:
+        return model.reduce(members)
+    flat = [m.reshape(-1, *shape) for m in members]
+    items = [model.reduce([m[i] for m in flat]) for i in range(flat[0].shape[0])]
+    return torch.stack(items).reshape(*batch, *shape)
+
+
+def oracle_traces(
+    spec: ParallelSpec,
+    params: Sequence[ParamSpec],
+    initial: Callable[[int, ParamSpec], torch.Tensor],
+    local_grads,
+    *,
+    steps: int,
+    gas: int,
+    tp_model: ReductionModel,
+    dp_model: ReductionModel,
+    dtype: torch.dtype = torch.float32,
+    adam=None,
+    keep: frozenset[str] | None = None,
+    world_model: ReductionModel | None = None,
+) -> list[Trace]:
+    """Every rank's `Trace` of the oracle over ``steps`` optimizer steps (unbatched).
+
+    ``local_grads`` is a ``(step, micro, rank, param) -> BF16 gradient`` function, or a gradient source with
+    ``backward(comm, step, micro, lp, deliver, hooks)`` (a model: its gradients depend on the oracle's own
+    parameters), which then runs on a `SimWorld` whose groups use ``world_model`` (default ``dp_model``).
+    """
+    traces = [Trace(r, keep) for r in range(spec.world_size)]
+    oracle = Oracle(
+        spec,
+        params,
+        {(r, p.name): initial(r, p).to(torch.bfloat16) for r in range(spec.world_size) for p in params},
+        dtype=dtype,
+        tp_model=tp_model,
+        dp_model=dp_model,
+        adam=adam,
+    )
+    trained = [p for p in params if not p.frozen]
+
+    def capture(rank: int, step: int, micro: int, param: str, stage: str, value: torch.Tensor) -> None:
+        traces[rank].capture(step, micro, param, stage, value)
+
+    for step in range(steps):
+        if hasattr(local_grads, "backward"):
+            source = _SourceGrads(spec, params, local_grads, step, world_model or dp_model)
+        else:
+
+            def source(micro, lp, step=step):
+                return {(r, p.name): local_grads(step, micro, r, p) for r in range(spec.world_size) for p in trained}
+
+        oracle.step(step, gas, source, capture)
+    return traces
+
+
+class _SourceGrads:
+    """Local gradients of a model for one step: its forward/backward on every rank of a `SimWorld`, with the
+    oracle's BF16 parameters."""
+
+    def __init__(self, spec, params, source, step: int, model: ReductionModel) -> None:
+        self.spec, self.params, self.source, self.step, self.model = spec, params, source, step, model
+
+    def __call__(self, micro: int, lp: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+        from simdist.world.simworld import SimWorld
+
+        def rank(comm) -> dict[str, torch.Tensor]:
+            r = comm.get_rank()
+            got: dict[str, torch.Tensor] = {}
+            weights = {p.name: lp[(r, p.name)] for p in self.params}
+            self.source.backward(comm, self.step, micro, weights, lambda n, g: got.__setitem__(n, g.detach()), False)
+            return got
+
+        results = SimWorld(self.spec, default_model=self.model).run(rank)
+        return {(r, name): g for r, got in enumerate(results) for name, g in got.items()}
