@@ -13,8 +13,10 @@ import torch
 pytest.importorskip("deepspeed")
 
 from simdist.cases import case_names, get_case
-from simdist.cases.deepspeed_8913 import Config, judge, run_real
+from simdist.cases.deepspeed_8913 import Config, judge, run_real, tp4_config
 from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.reference import DEEPSPEED_STRATEGY, correction
+from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import unit_roundoff
 
 pytestmark = pytest.mark.gloo
@@ -44,6 +46,12 @@ def test_case_is_registered():
 def test_deepspeed_family_strategies_are_simdists_corrections(verdict):
     assert verdict.deepspeed_version == "0.19.8"
     assert verdict.strategies_agree, verdict.strategies
+
+
+def test_deepspeed_family_strategies_are_the_independent_oracles_rule(verdict):
+    """The oracle restates the folding rule (`simdist.gradpath.reference.CORRECTIONS`); the real code agrees."""
+    restated = {p.name: DEEPSPEED_STRATEGY[correction(p.family, CONFIG.spec.tp)] for p in DEFAULT_PARAMS}
+    assert verdict.strategies == restated
 
 
 @pytest.mark.parametrize("update_path,gas", [("epilogue", 1), ("epilogue", 3), ("hooks", 1), ("hooks", 3)])
@@ -98,3 +106,31 @@ def test_real_deepspeed_on_the_simdist_backend_in_process_mode_is_the_transcript
     verdict = run(world="simdist", gas=(3,), steps=1)
     assert verdict.world == "simdist"
     assert verdict.ok, verdict.summary
+
+
+@pytest.fixture(scope="module")
+def real_tp4():
+    return run_real(tp4_config(CONFIG))
+
+
+BF16_TP_SUM = "bf16 TP sum"
+
+
+def _bf16_tp_sum():
+    """bf16_writeback with its TP all-reduce (and ``/tp``) run on the BF16 gradient instead of an FP32 staging copy."""
+    return dataclasses.replace(get_policy("bf16_writeback"), name=BF16_TP_SUM, staging=None)
+
+
+@pytest.mark.slow
+def test_tp4_layout_kills_the_bf16_tp_sum_mutant_that_tp2_cannot_see(real, real_tp4):
+    """At TP2 a two-member sum rounds once either way, so the mutant passes; at TP4 the real code is told apart."""
+    tp4 = tp4_config(CONFIG)
+    honest = judge(tp4, real_tp4)
+    assert honest.ok, honest.summary
+    assert honest.layout.startswith("TP4")
+    mutant = judge(tp4, real_tp4, writeback=_bf16_tp_sum())
+    assert not mutant.ok
+    first = mutant.paths[0].real_vs_bf16_writeback.first_difference
+    assert first is not None and first.startswith("router")
+    tp2 = judge(dataclasses.replace(CONFIG, gas=(1,), update_paths=("epilogue",)), real, writeback=_bf16_tp_sum())
+    assert tp2.ok  # the blind spot the TP4 run closes

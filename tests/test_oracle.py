@@ -93,9 +93,26 @@ def _no_weight_decay(p, g, m, v, step, h, real=kernel.adamw_step):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutation", ["weight decay", "family table", "accumulate"])
+@pytest.mark.parametrize("mutation", ["weight decay", "family table", "accumulate", "bf16 tp sum", "bf16 tp sum tp4"])
 def test_other_engine_perturbations_change_the_8913_verdict(monkeypatch, mutation):
-    if mutation == "weight decay":
+    config = FAST
+    if mutation.startswith("bf16 tp sum"):  # the engine sums TP in BF16 (and casts back): seen at TP2 and TP4
+
+        def all_reduce(value, kind, model=None, real=None, ops=None):
+            summed = real(value.to(torch.bfloat16) if kind == "tp" else value, kind, model)
+            return summed.to(value.dtype)
+
+        original = kernel.GradPath.apply
+
+        def apply(self, stage, value, key):
+            if stage.kind == "all_reduce" and stage.group == "tp":
+                return all_reduce(value, "tp", self.policy.tp_model, real=self.ops.all_reduce)
+            return original(self, stage, value, key)
+
+        monkeypatch.setattr(kernel.GradPath, "apply", apply)
+        if mutation.endswith("tp4"):
+            config = dataclasses.replace(FAST, spec=ParallelSpec(4, tp=4, ep=2))
+    elif mutation == "weight decay":
         monkeypatch.setattr(kernel, "adamw_step", _no_weight_decay)
     elif mutation == "family table":  # the engine reads the table; the oracle restates the rule
         monkeypatch.setitem(_CORRECTIONS, Family.ROUTER_GATE_PARTIAL, Correction.AVERAGE)
@@ -106,7 +123,7 @@ def test_other_engine_perturbations_change_the_8913_verdict(monkeypatch, mutatio
             return value if stage.kind == "divide" else out
 
         monkeypatch.setattr(kernel.GradPath, "apply", apply)
-    _, verdict = reproduce(FAST)
+    _, verdict = reproduce(config)
     assert not verdict.reproduced
 
 

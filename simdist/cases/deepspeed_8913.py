@@ -19,6 +19,13 @@ and the engine's boundary folding pass, driven by
 Compared with: the ``bf16_writeback`` and ``fp32_staging`` policies run by
 simdist's gradient path (`simdist.gradpath.path.train_rank`) on SimWorld,
 with ``marker="deepspeed"`` and the same update path.
+
+`run` also runs a TP4 layout (`TP4_SPEC`, TP4/EP2/ETP1 on 4 ranks; epilogue path,
+GAS 1, one step): with two TP peers an FP32 TP sum and a BF16 TP sum give the
+same bits (the sum of two BF16 values is rounded once either way, and ``/2`` is
+exact), so at TP2 the case cannot tell a transcription that sums TP in BF16
+from the real code; with four peers the BF16 sum rounds three times and the
+case fails such a transcription (``tests/test_cases_deepspeed.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-8913"
 
+TP4_SPEC = ParallelSpec(4, tp=4, ep=2)
+"""The TP4 layout `run` adds, where an FP32 and a BF16 TP sum differ."""
+
 
 @dataclass(frozen=True)
 class Config:
@@ -54,6 +64,8 @@ class Config:
     gas: tuple[int, ...] = (1, 3)
     update_paths: tuple[UpdatePath, ...] = (UpdatePath.EPILOGUE, UpdatePath.HOOKS)
     marker: Marker = Marker.DEEPSPEED
+    tp4: bool = True
+    """`run` also runs `tp4_config` when ``spec`` has fewer than four TP ranks."""
 
     def __post_init__(self) -> None:
         paths = tuple(coerce(UpdatePath, path, "update path") for path in self.update_paths)
@@ -67,6 +79,19 @@ class Config:
             for gas in self.gas
             for fix in ("none", "fp32_staging")
         )
+
+
+def tp4_config(config: Config) -> Config:
+    """The TP4 run `run` adds to ``config``: `TP4_SPEC`, epilogue path, GAS 1, one step, same seed and marker."""
+    return Config(
+        spec=TP4_SPEC,
+        steps=1,
+        seed=config.seed,
+        gas=(1,),
+        update_paths=(UpdatePath.EPILOGUE,),
+        marker=config.marker,
+        tp4=False,
+    )
 
 
 @dataclass
@@ -93,6 +118,8 @@ class Verdict8913:
     strategies_agree: bool
     paths: list[PathResult] = field(default_factory=list)
     bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
+    tp4: Verdict8913 | None = None
+    """The verdict of the TP4 run (`tp4_config`), when `run` made one; ``ok`` includes it."""
 
 
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
@@ -221,7 +248,13 @@ def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
 def run(world: World = "gloo", **options) -> Verdict8913:
     """Run the case: real DeepSpeed on ``world``, then judge against the catalogue's policies."""
     config = Config(**options)
-    return judge(config, run_real(config, world), world=world)
+    verdict = judge(config, run_real(config, world), world=world)
+    if config.tp4 and config.spec.tp < 4:
+        extra = tp4_config(config)
+        verdict.tp4 = judge(extra, run_real(extra, world), world=world)
+        verdict.ok = verdict.ok and verdict.tp4.ok
+        verdict.summary += "\n" + verdict.tp4.summary
+    return verdict
 
 
 CASE = Case(
@@ -229,7 +262,7 @@ CASE = Case(
     question="Is simdist's bf16_writeback bitwise what DeepSpeed's BF16_Optimizer folding path computes, "
     "per micro-step, on both update paths at GAS 1 and 3, and fp32_staging what the #8913 fix computes?",
     real_code="deepspeed.runtime.bf16_optimizer.BF16_Optimizer + module_inject.auto_ep_folding + the engine's "
-    "boundary folding pass, TP2/EP2/ETP1 on 4 gloo processes",
+    "boundary folding pass, TP2/EP2/ETP1 and TP4/EP2/ETP1 on 4 gloo processes",
     policies=("bf16_writeback", "fp32_staging"),
     requires=("deepspeed",),
     run=run,
