@@ -128,6 +128,7 @@ def test_tp4_layout_kills_the_bf16_tp_sum_mutant_that_tp2_cannot_see(real, real_
     honest = judge(tp4, real_tp4)
     assert honest.ok, honest.summary
     assert honest.layout.startswith("TP4")
+    assert honest.paths[0].real_vs_bf16_writeback.compared == 4 * 6 * 1 * 1 * 2  # ranks x params x (local, hp)
     mutant = judge(tp4, real_tp4, writeback=_bf16_tp_sum())
     assert not mutant.ok
     first = mutant.paths[0].real_vs_bf16_writeback.first_difference
