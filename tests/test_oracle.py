@@ -16,6 +16,7 @@ from simdist.gradpath import kernel
 from simdist.gradpath.compact import PARAMS, run_oracle
 from simdist.gradpath.families import _CORRECTIONS, Correction, Family
 from simdist.gradpath.path import AdamW
+from simdist.gradpath.probes import BOUNDARY
 from simdist.gradpath.reference import CORRECTIONS, Oracle, correction, dp_kind
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
@@ -201,3 +202,37 @@ def test_the_engine_run_of_the_oracle_precision_gives_the_independent_oracles_bi
     for trace, reference in zip(engine, oracle, strict=True):
         assert trace.values.keys() == reference.values.keys()
         assert all(bitwise_equal(v, reference.values[k]) for k, v in trace.values.items())
+
+
+def test_the_fp64_oracle_reduces_exactly_where_fp64_holds_every_sum():
+    """FP64 ground truth: with BF16 terms of a few binades, every TP and DP sum is exact in fp64, so the oracle's
+    DP-reduced gradient is the exact rational value of the TP-then-DP rule, computed here with Fractions."""
+    from fractions import Fraction
+
+    spec = ParallelSpec(8, tp=2, ep=2)  # TP2, DP4, EDP4
+    gas, tp, dp = 2, spec.tp, spec.dp
+
+    def value(step, micro, rank, param):
+        return torch.tensor(
+            [(1 + (rank * 7 + i * 3 + micro * 5) % 17) * 2.0 ** (-((rank + i) % 9)) for i in range(2)],
+            dtype=torch.bfloat16,
+        ).reshape(param.shape)
+
+    params = tuple(p for p in PARAMS if p.shape == (2,))
+    traces = run_oracle(spec, value, 1, gas, params=params, keep=frozenset({"dp_reduced"}), dtype=torch.float64)
+    for p in params:
+        reduces, divides = CORRECTIONS[p.family]
+        hp = {}
+        for r in range(spec.world_size):
+            group = spec.group_of("tp", r)
+            total = [Fraction(0)] * 2
+            for micro in range(gas):
+                terms = [[Fraction(float(x)) for x in value(0, micro, q, p)] for q in (group if reduces else [r])]
+                summed = [sum(t[i] for t in terms) for i in range(2)]
+                total = [t + (s / tp if divides else s) for t, s in zip(total, summed, strict=True)]
+            hp[r] = total
+        for r in range(spec.world_size):
+            members = spec.group_of(dp_kind(p.family), r)
+            exact = [sum(hp[q][i] for q in members) / dp for i in range(2)]
+            got = traces[r].get(0, BOUNDARY, p.name, "dp_reduced")
+            assert got.dtype == torch.float64 and [Fraction(float(x)) for x in got] == exact, (r, p.name)
