@@ -14,14 +14,15 @@ The pieces most programs start from:
 
 
 def __getattr__(name: str):
-    """``simdist.spawn`` (`simdist.world.inproc.spawn`) and ``simdist.blame`` (`simdist.blame.blame`), imported on
-    first use."""
+    """``simdist.spawn`` (`simdist.world.inproc.spawn`) and ``simdist.blame`` (`simdist.attribution.blame`),
+    imported on first use. (The package behind ``blame`` is not named ``simdist.blame``: importing it would bind
+    the module over this function.)"""
     if name == "spawn":
         from simdist.world.inproc import spawn
 
         return spawn
     if name == "blame":
-        from simdist.blame import blame
+        from simdist.attribution import blame
 
         return blame
     raise AttributeError(f"module 'simdist' has no attribute {name!r}")

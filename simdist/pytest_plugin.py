@@ -35,7 +35,7 @@ class SimdistWorld:
 
     def blame(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any):
         """`simdist.blame` on this world's defaults: per-site rounding error of ``fn``."""
-        from simdist.blame import blame
+        from simdist.attribution import blame
 
         kwargs.setdefault("model", self.model)
         kwargs.setdefault("timeout_s", self.timeout_s)

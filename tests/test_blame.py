@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simdist.blame import blame
+from simdist.attribution import blame
 from simdist.cli import main
 from simdist.numerics.floats import bits
 
@@ -54,7 +54,7 @@ def test_collective_error_is_measured_against_the_exact_sum():
 
 def test_promoting_a_collective_gives_its_exact_sum_rounded_once():
     """Exact 1 + 1.5 ulp rounds (ties to even) to 1 + 2 ulp: what every rank holds in the promoted rerun."""
-    from simdist.blame.run import Recorder, execute
+    from simdist.attribution.run import Recorder, execute
     from simdist.world.inproc import spawn
 
     def target():
@@ -160,3 +160,11 @@ def test_cli_runs_a_torchrun_style_script_on_rank_threads(tmp_path, capsys):
     (site,) = json.loads(capsys.readouterr().out)["sites"]
     assert (site["line"], site["op"], site["dtypes"], site["calls"]) == (5, "all_reduce", "bf16", 2)
     assert site["max_ulp"] == 0.5 and site["max_rel_err"] == 2.0**-8 / (1 + 2.0**-8)
+
+
+def test_simdist_blame_stays_the_function_once_its_package_is_imported():
+    """Importing a submodule binds it on its parent: the package behind ``simdist.blame`` must not be named so."""
+    import simdist
+    import simdist.attribution.run
+
+    assert simdist.blame is blame and callable(simdist.blame)

@@ -28,8 +28,8 @@ import os
 import sys
 import traceback
 
+from simdist.attribution.cli import add_blame_subcommand, run_blame
 from simdist.audit import add_audit_subcommand, run_audit
-from simdist.blame.cli import add_blame_subcommand, run_blame
 from simdist.cases.cli import add_case_subcommand, run_case_command
 from simdist.cli.inputs import BadInput, check_dump, check_growth_out
 from simdist.cli.limits import check_run, growth_estimate, repro_estimate

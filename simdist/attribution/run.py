@@ -1,6 +1,6 @@
 """One blamed run: the recorder, the hooks it installs for the run's duration, and the final state it reads.
 
-`Recorder` collects, per site, the errors of the collectives (`simdist.blame.collectives`) and of the
+`Recorder` collects, per site, the errors of the collectives (`simdist.attribution.collectives`) and of the
 narrowing casts (an `simdist.audit.Audit` following every thread, with a ``cast_hook``), the optimizer step
 each rank is at (a global optimizer step post-hook: the step of an event is the number of ``optimizer.step()``
 calls its rank had finished), the loss of each rank (every ``torch.autograd.backward`` root, also reached by
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from simdist.attribution import collectives
+from simdist.attribution.measure import Errors, SiteErrors, errors
 from simdist.audit import Audit, dtype_name
-from simdist.blame import collectives
-from simdist.blame.measure import Errors, SiteErrors, errors
 
 _BLAME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _AUDIT_DIR = os.path.join(os.path.dirname(_BLAME_DIR.rstrip(os.sep)), "audit") + os.sep

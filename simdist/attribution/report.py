@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from simdist.blame.measure import SiteErrors
+from simdist.attribution.measure import SiteErrors
 from simdist.numerics.compare import difference
 
 

@@ -4,7 +4,7 @@
 passes (the audit's `simdist.audit.world_hooks` wraps the same funnel). The wrapper hands the transport a
 ``complete`` that, before the group's reduction model runs, sums the members' input tensors in FP64 (and
 their absolute values: ``sum |terms|``), lets the model compute the result as usual, and then compares
-every member's output with the exact value (`simdist.blame.measure.errors`). The reference shares no code
+every member's output with the exact value (`simdist.attribution.measure.errors`). The reference shares no code
 with the reduction models it judges: it is ``torch.stack(inputs).double().sum(0)``.
 
 A promoted site gets the exact result instead, rounded once to the tensor's dtype.
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from simdist.blame.measure import errors
+from simdist.attribution.measure import errors
 
 _local = threading.local()
 

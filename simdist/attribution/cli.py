@@ -123,7 +123,7 @@ def _script_target(script: str, argv: list[str], nproc: int | None):
 
 def run_blame(args: argparse.Namespace) -> int:
     """Run ``args.script`` blamed and print the report; returns the script's exit status."""
-    from simdist.blame.api import SiteNotFound, blame_target
+    from simdist.attribution.api import SiteNotFound, blame_target
 
     script = args.script
     if not os.path.isfile(script):

@@ -6,8 +6,8 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from simdist.blame.report import CATEGORIES, BlameReport, Movement, Promotion
-from simdist.blame.run import Recorder, execute
+from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
+from simdist.attribution.run import Recorder, execute
 
 SiteSpec = int | str
 """A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
