@@ -118,6 +118,19 @@ def test_8913_written_as_a_script_blames_the_writeback_by_end_to_end_effect():
     for p in ranked[1:]:  # the collectives are exact here (sums of two BF16-valued terms); the rest not promotable
         assert p.failed is None
         assert all(m.differing == 0 for m in p.movement.values()), p.label
+    _check_readme_block(report)
+
+
+def _check_readme_block(report):
+    """Every row README shows of this run (columns trimmed there) is a row of the real table, token for token."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("$ simdist blame --promote-top 6 experiments/blame_8913.py")
+    shown = readme[start : readme.index("```", start)].splitlines()[1:]
+    actual = [line.split("  [")[0].split() for line in report.format(base=str(ROOT)).splitlines()]
+    rows = [line.split() for line in shown if line.strip() and line.strip() != "..."]
+    assert len(rows) >= 12
+    for row in rows:
+        assert row in actual or any(a[: len(row)] == row for a in actual), row
 
 
 @pytest.mark.slow
