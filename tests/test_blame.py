@@ -63,6 +63,9 @@ def test_promoting_a_collective_gives_its_exact_sum_rounded_once():
     report = blame(_one_plus_tiny, 4, model="sequential", promote=[1])
     (promotion,) = report.promotions
     assert promotion.events == 4 and promotion.failed is None
+    moved = promotion.movement["results"]  # fn's returned tensors: 1.0 in the base run, 1 + 2**-22 promoted
+    assert (moved.tensors, moved.differing, moved.max_ulp, moved.max_abs) == (4, 4, 2, 2.0**-22)
+    assert "results" in report.format() and promotion.movement["parameters"].tensors == 0
     recorder = Recorder(promote={report.sites[0].key})
     assert [float(t) for t in execute(target, recorder)] == [1 + 2.0**-22] * 4
     assert recorder.sites[report.sites[0].key].errors.max_ulp == 0.5  # 1 + 2**-22 is half an ulp from the exact sum

@@ -6,12 +6,33 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
 from simdist.attribution.run import Recorder, execute
 
 SiteSpec = int | str
 """A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
 ``path`` may be any trailing part of the file's path)."""
+
+
+def _result_tensors(value, name: str = "result", out: dict | None = None) -> dict:
+    """The floating tensors in what the target returned (lists, tuples, dicts), named by their path."""
+    out = {} if out is None else out
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out[name] = value.detach().clone()
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _result_tensors(v, f"{name}[{i}]", out)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _result_tensors(v, f"{name}[{k!r}]", out)
+    return out
+
+
+def _state(recorder: Recorder, results) -> dict:
+    return {**recorder.final_state(), "results": _result_tensors(results)}
 
 
 def _ranked(recorder: Recorder) -> list:
@@ -60,7 +81,7 @@ def blame_target(
     """
     recorder = Recorder()
     results = execute(target, recorder)
-    report = BlameReport(_ranked(recorder), recorder.final_state(), results)
+    report = BlameReport(_ranked(recorder), _state(recorder, results), results)
     specs: list[SiteSpec] = list(promote) + [i for i in range(1, min(promote_top, len(report.sites)) + 1)]
     for spec in specs:
         ids = resolve(report, spec)
@@ -68,12 +89,12 @@ def blame_target(
         rerun = Recorder(promote=keys)
         label = " + ".join(f"#{i} {os.path.basename(report.site(i).file)}:{report.site(i).line}" for i in ids)
         try:
-            execute(target, rerun)
+            rerun_results = execute(target, rerun)
         except Exception as exc:  # the program cannot go on in the wide dtype there (e.g. an autograd cast)
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             report.promotions.append(Promotion(ids, label, 0, [], failed=f"{type(exc).__name__}: {message}"))
             continue
-        state = rerun.final_state()
+        state = _state(rerun, rerun_results)
         movement = {c: Movement.between(report.state[c], state[c]) for c in CATEGORIES}
         unpromotable = sorted(i for i in ids if report.site(i).key in rerun.unpromotable)
         events = sum(rerun.promoted.values())

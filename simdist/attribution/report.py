@@ -63,12 +63,14 @@ class Promotion:
     failed: str | None = None  # why the rerun raised (the program could not go on with the site wide)
 
     @property
-    def effect(self) -> tuple[float, float, float]:
-        """The sort key: normwise relative movement of parameters, then optimizer state, then the loss."""
+    def effect(self) -> tuple[float, ...]:
+        """The sort key: normwise relative movement of parameters, then optimizer state, loss, results."""
         return tuple(self.movement[c].norm_relative if c in self.movement else 0.0 for c in CATEGORIES)
 
 
-CATEGORIES = ("parameters", "optimizer state", "loss")
+CATEGORIES = ("parameters", "optimizer state", "loss", "results")
+"""What a promotion compares: the optimizers' parameters and state, the last ``backward()`` root per rank, and
+the floating tensors the rank function returned (`simdist.attribution.blame`; none for a script)."""
 
 
 def _short(path: str, base: str) -> str:
@@ -204,10 +206,11 @@ class BlameReport:
                 if p.unpromotable and not p.events:
                     lines.append(f"{head:<34} not promotable: {p.unpromotable_why}")
                     continue
-                for j, c in enumerate(CATEGORIES):
-                    m = p.movement.get(c)
-                    if m is None or not m.tensors:
-                        continue
+                compared = [c for c in CATEGORIES if c in p.movement and p.movement[c].tensors]
+                if not compared:
+                    lines.append(f"{head:<34} nothing to compare: no optimizer, no backward(), no tensor results")
+                for j, c in enumerate(compared):
+                    m = p.movement[c]
                     lines.append(
                         f"{head if j == 0 else '':<34} {c:<16} {m.differing:>3}/{m.tensors:<3} {m.max_abs:>9.3g} "
                         f"{m.max_relative:>9.3g} {m.max_ulp:>9} {m.norm_relative:>9.3g}"
