@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from simdist.attribution import blame
 from simdist.cli import main
 from simdist.numerics.floats import bits
+from simdist.strategies import float_values, rank_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -184,3 +187,34 @@ def test_simdist_blame_stays_the_function_once_its_package_is_imported():
     import simdist.attribution.run
 
     assert simdist.blame is blame and callable(simdist.blame)
+
+
+def _reduce_and_return(rank, values):
+    tensor = values[rank].clone()
+    dist.all_reduce(tensor)
+    return tensor
+
+
+@pytest.mark.slow
+@given(n=st.integers(2, 4), data=st.data())
+def test_collective_figures_equal_an_exact_rational_reference(n, data):
+    """Per element, |result - exact| / |exact| and / sum|terms| from Fractions (not FP64) match blame's figures."""
+    from fractions import Fraction
+
+    values = data.draw(
+        rank_tensors(n, 3, torch.float32, float_values(torch.float32, min_exponent=-30, max_exponent=30))
+    )
+    report = blame(_reduce_and_return, n, values, model="gloo")
+    (site,) = report.sites
+    rel, scaled = 0.0, 0.0
+    for result in report.results:
+        for i, r in enumerate(result.tolist()):
+            terms = [Fraction(v[i].item()) for v in values]
+            exact, magnitude = sum(terms), sum(abs(t) for t in terms)
+            error = abs(Fraction(r) - exact)
+            if exact:
+                rel = max(rel, float(error / abs(exact)))
+            if magnitude:
+                scaled = max(scaled, float(error / magnitude))
+    assert site.errors.max_relative == pytest.approx(rel, rel=1e-9, abs=0)
+    assert site.errors.max_term_relative == pytest.approx(scaled, rel=1e-9, abs=0)
