@@ -8,14 +8,21 @@ The pieces most programs start from:
 * `simdist.gradpath.policy` / ``policies/`` -- precision policies of the BF16 gradient path;
 * `simdist.gradpath.path.train_rank` -- DeepSpeed's BF16_Optimizer gradient path as a rank program;
 * `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
-* `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``).
+* `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``);
+* `simdist.blame` -- where such code loses precision: per-call-site error against the exact result.
 """
 
 
 def __getattr__(name: str):
-    """``simdist.spawn`` (`simdist.world.inproc.spawn`), imported on first use."""
+    """``simdist.spawn`` (`simdist.world.inproc.spawn`) and ``simdist.blame`` (`simdist.attribution.blame`),
+    imported on first use. (The package behind ``blame`` is not named ``simdist.blame``: importing it would bind
+    the module over this function.)"""
     if name == "spawn":
         from simdist.world.inproc import spawn
 
         return spawn
+    if name == "blame":
+        from simdist.attribution import blame
+
+        return blame
     raise AttributeError(f"module 'simdist' has no attribute {name!r}")

@@ -1,6 +1,7 @@
-"""Hypothesis strategies for numerics properties of distributed reductions.
+"""Hypothesis strategies for numerics properties of distributed reductions: public API.
 
-Public, composable building blocks used by simdist's own tests:
+Composable building blocks for property tests of your own distributed code (with the ``simdist_world``
+fixture of `simdist.pytest_plugin`; README, "Property-test your own distributed code") and of simdist's:
 
 * `parallel_specs` -- valid `ParallelSpec` layouts (optionally with fixed sizes);
 * `float_values` -- exact values of one dtype, with the adversarial corners a
@@ -38,6 +39,25 @@ from hypothesis import strategies as st
 from simdist.gradpath.compact import PARAMS as COMPACT_PARAMS
 from simdist.numerics.floats import float_format
 from simdist.world.spec import ParallelSpec
+
+__all__ = [
+    "BF16_SAFE_EXPONENT",
+    "PEER_LAYOUTS",
+    "VALUE_MODES",
+    "GradientBatch",
+    "GradientStream",
+    "bf16_gradients",
+    "bf16_values",
+    "float_values",
+    "gradient_batches",
+    "gradient_streams",
+    "oracle_cases",
+    "parallel_specs",
+    "peer_gradients",
+    "policies",
+    "rank_tensors",
+    "tensors",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,8 +125,13 @@ def float_values(
     return st.one_of(*options)
 
 
+@functools.lru_cache(maxsize=256)
 def tensors(dtype: torch.dtype, numel: int, elements: st.SearchStrategy[float] | None = None):
-    """A 1-D tensor of ``numel`` values of ``dtype`` (default elements: `float_values` of finite values)."""
+    """A 1-D tensor of ``numel`` values of ``dtype`` (default elements: `float_values` of finite values).
+
+    Cached per argument tuple: `rank_tensors` draws one per rank, and building and validating a fresh
+    strategy for each draw cost more than the draw itself.
+    """
     elements = elements if elements is not None else float_values(dtype)
     return st.lists(elements, min_size=numel, max_size=numel).map(lambda v: torch.tensor(v, dtype=dtype))
 

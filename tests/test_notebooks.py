@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("ipykernel", reason="the notebooks' kernel (ipykernel) is not installed")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ("rounding_tour.ipynb", "growth_explorer.ipynb")
+NAMES = ("rounding_tour.ipynb", "growth_explorer.ipynb", "blame_tour.ipynb")
 
 
 @pytest.mark.slow

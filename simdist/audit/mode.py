@@ -8,7 +8,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -143,7 +143,12 @@ class Audit(TorchDispatchMode):
     collectives; ``rank`` -- tag for every record; ``threads`` -- also audit
     threads started while active (each into this report, rank from SimWorld's
     thread names); ``max_records`` -- raw records kept (site counts are always
-    complete).
+    complete); ``cast_hook`` -- called as ``cast_hook(site, rank, source, result,
+    in_place)`` after every narrowing cast it records (``site`` is ``(file, line,
+    function)``, ``source`` the wide input, ``result`` the narrowed tensor), with
+    the audit paused; for an out-of-place cast (``in_place`` false) a tensor it
+    returns replaces the cast's result (`simdist.blame` measures and promotes
+    casts with it).
     """
 
     def __init__(
@@ -155,6 +160,7 @@ class Audit(TorchDispatchMode):
         rank: int | None = None,
         threads: bool = False,
         max_records: int = 100_000,
+        cast_hook: Callable[..., torch.Tensor | None] | None = None,
         _parent: Audit | None = None,
     ) -> None:
         super().__init__()
@@ -165,6 +171,7 @@ class Audit(TorchDispatchMode):
         self._paused = 0
         self._entered = 0
         self._previous_profile = None
+        self.cast_hook = cast_hook if _parent is None else _parent.cast_hook
         if _parent is not None:
             self._store = _parent._store
             self._prefixes = _parent._prefixes
@@ -307,7 +314,12 @@ class Audit(TorchDispatchMode):
         target = _get(args, kwargs, op.written[0]) if op.written else result
         if isinstance(target, _Tensor) and narrows(source.dtype, target.dtype):
             error = _safe_error(target, source) if self.errors else None
-            self._record(op.name, CAST, (source.dtype,), target.dtype, target.shape, error, "")
+            site = self._record(op.name, CAST, (source.dtype,), target.dtype, target.shape, error, "")
+            if self.cast_hook is not None:
+                with self.paused():
+                    replaced = self.cast_hook(site, self.rank, source, target, bool(op.written))
+                if replaced is not None and not op.written:
+                    return replaced
         return result
 
     def _narrowing(self, op: _Op, args, kwargs, widest, requested):
@@ -375,7 +387,8 @@ class Audit(TorchDispatchMode):
 
     def _record(
         self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str, outside: tuple[str, ...] = ()
-    ) -> None:
+    ) -> tuple[str, int, str]:
+        """Count one event at its site; returns the site ``(file, line, function)``."""
         site = self._site(outside)
         node = torch._C._current_autograd_node()
         if node is not None:
@@ -401,6 +414,7 @@ class Audit(TorchDispatchMode):
                 store.records.append((key, shape, self.rank))
             else:
                 store.dropped += 1
+        return site
 
     def record_collective(self, op: str, tensor, context: str = "", outside: tuple[str, ...] = ()) -> None:
         """Record a collective that does not reach the dispatcher (e.g. a simulated one) with its dtype.

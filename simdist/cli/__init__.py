@@ -6,6 +6,7 @@
     simdist policies [--policy-module my_policies.py]
     simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
     simdist audit [--json] path/to/script.py [args...]
+    simdist blame [--json] [--promote SITE]... [--promote-top K] [--figure PNG] [--nproc N] script.py [args...]
     simdist growth --policies bf16_writeback,fp32_staging,bf16_only --steps 10000 --seeds 8 --out runs/NAME
                    [--model synthetic --seed 0 --gas 1 --marker deepspeed --checkpoint-every 500 --force]
 
@@ -27,6 +28,7 @@ import os
 import sys
 import traceback
 
+from simdist.attribution.cli import add_blame_subcommand, run_blame
 from simdist.audit import add_audit_subcommand, run_audit
 from simdist.cases.cli import add_case_subcommand, run_case_command
 from simdist.cli.inputs import BadInput, check_dump, check_growth_out
@@ -47,7 +49,7 @@ EXIT_CODES = """exit status:
   2  bad input: unknown option or policy, invalid layout, a size above its limit, a missing,
      unreadable or corrupt file, an unusable --out (one line on stderr naming it; nothing written)
   3  internal error: an unexpected exception (a bug); its traceback is printed
-  audit exits with the audited script's own status instead (its sys.exit code and message)"""
+  audit and blame exit with the script's own status instead (its sys.exit code and message)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -189,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--no-progress", action="store_true", help="no progress indicator on stderr")
     add_audit_subcommand(sub)
+    add_blame_subcommand(sub)
     _add_growth_subcommand(sub)
     add_case_subcommand(sub)
     return parser
@@ -406,6 +409,8 @@ def _policies(args: argparse.Namespace) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "audit":
         return run_audit(args)
+    if args.command == "blame":
+        return run_blame(args)
     if args.command == "repro":
         return _repro(args)
     if args.command == "compare":

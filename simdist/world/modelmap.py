@@ -10,22 +10,49 @@ A choice is one of:
   ``group``. Kinds not in the mapping use its ``"default"`` entry (else gloo);
 * a callable ``(ranks) -> ReductionModel``, for a per-group choice.
 
-`Chooser` resolves a group's global ranks to ``(kind, model)``.
+`Chooser` resolves a group's global ranks to ``(kind, model)``. Every choice is checked when the
+`Chooser` is made, so a typo fails at once instead of silently falling back to the default: an unknown
+kind (``{"tpp": "ring"}``), an unknown model name, a spec kind without ``spec=``, and a value of the wrong
+type are errors that list the valid values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from simdist.reduce import ReductionModel, make_model
+from simdist.reduce import MODEL_NAMES, ReductionModel, make_model
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 ModelChoice = str | ReductionModel | Mapping[str, str | ReductionModel] | Callable[[tuple], ReductionModel]
 
+MAP_KINDS: tuple[str, ...] = (*GROUP_KINDS, "world", "group", "default")
+"""The keys a kind -> model mapping accepts."""
 
-def as_model(model: str | ReductionModel) -> ReductionModel:
-    """A `ReductionModel` from a model or a model name."""
-    return make_model(model) if isinstance(model, str) else model
+
+def as_model(model: str | ReductionModel, where: str = "model") -> ReductionModel:
+    """A `ReductionModel` from a model or a model name; anything else is a ``TypeError`` naming the valid values."""
+    if isinstance(model, ReductionModel):
+        return model
+    if isinstance(model, str):
+        if model not in MODEL_NAMES:
+            raise ValueError(f"{where}: unknown reduction model {model!r}; valid names: {', '.join(MODEL_NAMES)}")
+        return make_model(model)
+    raise TypeError(
+        f"{where} must be a model name ({', '.join(MODEL_NAMES)}) or a ReductionModel, got {type(model).__name__} "
+        f"{model!r}"
+    )
+
+
+def _check_map(choice: Mapping, spec: ParallelSpec | None) -> None:
+    for kind in choice:
+        if not isinstance(kind, str) or kind not in MAP_KINDS:
+            raise ValueError(f"model map: unknown group kind {kind!r}; valid kinds: {', '.join(MAP_KINDS)}")
+    needs_spec = [kind for kind in choice if kind in GROUP_KINDS]
+    if needs_spec and spec is None:
+        raise ValueError(
+            f"model map: kind(s) {', '.join(needs_spec)} name groups of a ParallelSpec; pass spec= "
+            "(without it only 'world', 'group' and 'default' can match)"
+        )
 
 
 class Chooser:
@@ -46,12 +73,17 @@ class Chooser:
         if isinstance(choice, (str, ReductionModel)):
             self._models["default"] = as_model(choice)
         elif isinstance(choice, Mapping):
-            self._models = {kind: as_model(m) for kind, m in choice.items()}
+            _check_map(choice, spec)
+            self._models = {kind: as_model(m, f"model map entry {kind!r}") for kind, m in choice.items()}
             self._models.setdefault("default", as_model("gloo"))
         elif callable(choice):
             self._call = choice
         else:
-            raise TypeError(f"model must be a name, a ReductionModel, a mapping or a callable, got {choice!r}")
+            raise TypeError(
+                f"model must be a model name ({', '.join(MODEL_NAMES)}), a ReductionModel, a mapping from group "
+                f"kind ({', '.join(MAP_KINDS)}) to one of those, or a callable (ranks) -> ReductionModel; "
+                f"got {type(choice).__name__} {choice!r}"
+            )
 
     def kind(self, ranks: tuple[int, ...]) -> str:
         """``world``, a spec kind, or ``group``."""
@@ -62,5 +94,11 @@ class Chooser:
     def __call__(self, ranks: tuple[int, ...]) -> tuple[str, ReductionModel]:
         kind = self.kind(ranks)
         if self._call is not None:
-            return kind, self._call(ranks)
+            model = self._call(ranks)
+            if not isinstance(model, ReductionModel):
+                raise TypeError(
+                    f"the model callable returned {type(model).__name__} {model!r} for ranks {ranks}, "
+                    "not a ReductionModel"
+                )
+            return kind, model
         return kind, self._models.get(kind, self._models["default"])

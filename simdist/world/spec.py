@@ -48,13 +48,15 @@ class ParallelSpec:
     """Sizes of a parallel job; everything else is derived.
 
     ``dp = stage / tp`` and ``edp = stage / (ep * etp)`` where
-    ``stage = world_size / pp``. Invalid combinations raise ``ValueError``
-    naming the broken constraint and the values that would be valid.
+    ``stage = world_size / pp``. Every size but ``world_size`` defaults to 1 (no
+    such parallelism): ``ParallelSpec(8, tp=2)`` is TP2 x DP4 with no experts split.
+    Invalid combinations raise ``ValueError`` naming the broken constraint and
+    the values that would be valid.
     """
 
     world_size: int
-    tp: int
-    ep: int
+    tp: int = 1
+    ep: int = 1
     etp: int = 1
     pp: int = 1
     ep_layout: EpLayout = "contiguous"

@@ -1,0 +1,128 @@
+"""`blame` (a rank function on `simdist.spawn`) and `blame_target` (any callable, e.g. a script): run, rank, promote."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
+from simdist.attribution.run import Recorder, execute
+
+SiteSpec = int | str
+"""A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
+``path`` may be any trailing part of the file's path)."""
+
+
+def _result_tensors(value, name: str = "result", out: dict | None = None) -> dict:
+    """The floating tensors in what the target returned (lists, tuples, dicts), named by their path."""
+    out = {} if out is None else out
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out[name] = value.detach().clone()
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _result_tensors(v, f"{name}[{i}]", out)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _result_tensors(v, f"{name}[{k!r}]", out)
+    return out
+
+
+def _state(recorder: Recorder, results) -> dict:
+    return {**recorder.final_state(), "results": _result_tensors(results)}
+
+
+def _ranked(recorder: Recorder) -> list:
+    return sorted(
+        recorder.sites.values(),
+        key=lambda s: (-s.errors.mass, -s.errors.max_term_relative, s.file, s.line, s.kind, s.op, s.dtypes),
+    )
+
+
+class SiteNotFound(ValueError):
+    """A ``--promote`` entry that names no site of the base run (bad input)."""
+
+
+def resolve(report: BlameReport, spec: SiteSpec) -> list[int]:
+    """The ids of the base report's sites that ``spec`` names; ``ValueError`` listing the sites if none."""
+    text = str(spec).strip()
+    if text.isdigit():
+        if not 1 <= int(text) <= len(report.sites):
+            raise SiteNotFound(f"--promote {text}: site ids of this run are 1-{len(report.sites)}")
+        return [int(text)]
+    path, _, line = text.rpartition(":")
+    if path and line.isdigit():
+        tail = os.path.normpath(path)
+        found = [
+            i
+            for i, s in enumerate(report.sites, 1)
+            if s.line == int(line) and (s.file == os.path.abspath(tail) or s.file.endswith(os.sep + tail))
+        ]
+        if found:
+            return found
+    listed = ", ".join(f"{i}={os.path.basename(s.file)}:{s.line}" for i, s in enumerate(report.sites[:12], 1))
+    raise SiteNotFound(f"--promote {text!r} names no site of this run; use an id or file:line ({listed})")
+
+
+def blame_target(
+    target: Callable[[], Any],
+    *,
+    promote: Iterable[SiteSpec] = (),
+    promote_top: int = 0,
+) -> BlameReport:
+    """Run ``target()`` blamed; then, for each entry of ``promote`` (and each of the ``promote_top`` first
+    sites), rerun it with those sites exact and measure how far the final state moved.
+
+    The base run is the comparison point of every promotion: simdist runs are deterministic, so a rerun
+    without promotion gives the same bits (the tests check it).
+    """
+    recorder = Recorder()
+    results = execute(target, recorder)
+    report = BlameReport(_ranked(recorder), _state(recorder, results), results)
+    specs: list[SiteSpec] = list(promote) + [i for i in range(1, min(promote_top, len(report.sites)) + 1)]
+    for spec in specs:
+        ids = resolve(report, spec)
+        keys = {report.site(i).key for i in ids}
+        rerun = Recorder(promote=keys)
+        label = " + ".join(f"#{i} {os.path.basename(report.site(i).file)}:{report.site(i).line}" for i in ids)
+        try:
+            rerun_results = execute(target, rerun)
+        except Exception as exc:  # the program cannot go on in the wide dtype there (e.g. an autograd cast)
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            report.promotions.append(Promotion(ids, label, 0, [], failed=f"{type(exc).__name__}: {message}"))
+            continue
+        state = _state(rerun, rerun_results)
+        movement = {c: Movement.between(report.state[c], state[c]) for c in CATEGORIES}
+        unpromotable = sorted(i for i in ids if report.site(i).key in rerun.unpromotable)
+        events = sum(rerun.promoted.values())
+        if not events and not unpromotable:
+            raise RuntimeError(f"promoting {label} changed nothing: the rerun never reached the site")
+        why = "; ".join(sorted({rerun.unpromotable[report.site(i).key] for i in unpromotable}))
+        report.promotions.append(Promotion(ids, label, events, unpromotable, movement, unpromotable_why=why))
+    return report
+
+
+def blame(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    promote: Iterable[SiteSpec] = (),
+    promote_top: int = 0,
+    **spawn_kwargs: Any,
+) -> BlameReport:
+    """Run ``fn(rank, *args)`` on ``world_size`` `simdist.spawn` rank threads and blame its rounding, site by site.
+
+    ``fn`` is unmodified ``torch.distributed`` code. For every reducing collective call site and every
+    narrowing cast (file:line and function, over calls, ranks and steps) the report gives elements,
+    calls, max ulp, max error / sum|terms| and max relative error against the exact result of the same
+    inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
+    and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
+    ``spawn_kwargs`` (``model=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
+    holds ``fn``'s per-rank results; ``report.figure()`` draws the sites and their error per step.
+    """
+    from simdist.world.inproc import spawn
+
+    return blame_target(lambda: spawn(fn, world_size, *args, **spawn_kwargs), promote=promote, promote_top=promote_top)

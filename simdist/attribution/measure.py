@@ -1,0 +1,112 @@
+"""Error of one rounded result against its exact (FP64) value, and the per-site accumulation of those errors.
+
+For every element of a result ``r`` (a collective's output, a cast's narrowed value) blame knows the exact
+value ``e`` of the same inputs (an FP64 sum of the members' tensors; the wide input of a cast) and
+``t = sum |terms|`` (the sum of the absolute values of the reduced terms; ``|input|`` for a cast). From
+them, in FP64:
+
+* ``ulp``: ``|r - e|`` in units of the spacing of ``r``'s dtype at ``|e|`` (a correctly rounded result is
+  at most 0.5; the figure explodes where a sum cancels to nearly zero);
+* ``err/sum|t|``: ``|r - e| / t``, the figure that stays comparable to the unit roundoff (the classical
+  bound of a recursive sum of n terms is ``(n - 1) u``); summed over elements it is the site's *error
+  mass*, and a site's share is its mass over the mass of every site of the run;
+* ``rel``: ``|r - e| / |e|`` over non-zero ``e``.
+
+Elements whose exact value or result is not finite are counted (``nonfinite``), never averaged in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+def spacing(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The distance between consecutive values of ``dtype`` at ``|exact|`` (FP64; subnormal spacing near 0)."""
+    info = torch.finfo(dtype)
+    floor = info.tiny * info.eps
+    magnitude = exact.abs()
+    _, exponent = torch.frexp(magnitude)
+    step = torch.ldexp(torch.full_like(magnitude, info.eps), exponent - 1)
+    return torch.where(magnitude < info.tiny, torch.full_like(magnitude, floor), step)
+
+
+@dataclass
+class Errors:
+    """The figures of one comparison (or many, combined with `add`)."""
+
+    elements: int = 0
+    nonfinite: int = 0
+    max_ulp: float = 0.0
+    max_term_relative: float = 0.0
+    max_relative: float = 0.0
+    mass: float = 0.0
+
+    def add(self, other: Errors) -> None:
+        self.elements += other.elements
+        self.nonfinite += other.nonfinite
+        self.max_ulp = max(self.max_ulp, other.max_ulp)
+        self.max_term_relative = max(self.max_term_relative, other.max_term_relative)
+        self.max_relative = max(self.max_relative, other.max_relative)
+        self.mass += other.mass
+
+
+def errors(result: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> Errors:
+    """Compare ``result`` (any floating dtype) with ``exact`` and ``terms`` (FP64, same number of elements)."""
+    r = result.detach().reshape(-1).double()
+    e = exact.detach().reshape(-1).double()
+    t = terms.detach().reshape(-1).double()
+    n = r.numel()
+    if n == 0:
+        return Errors()
+    finite = torch.isfinite(r) & torch.isfinite(e) & torch.isfinite(t)
+    nonfinite = int(n - finite.sum())
+    if nonfinite:
+        r, e, t = r[finite], e[finite], t[finite]
+    if r.numel() == 0:
+        return Errors(elements=n, nonfinite=nonfinite)
+    err = (r - e).abs()
+    ulp = err / spacing(e, result.dtype)
+    scaled = torch.where(t > 0, err / t, torch.where(err > 0, math.inf, 0.0))
+    nonzero = e != 0
+    rel = (err[nonzero] / e[nonzero].abs()) if bool(nonzero.any()) else err.new_zeros(1)
+    return Errors(
+        elements=n,
+        nonfinite=nonfinite,
+        max_ulp=float(ulp.max()),
+        max_term_relative=float(scaled.max()),
+        max_relative=float(rel.max()),
+        mass=float(scaled.sum()),
+    )
+
+
+@dataclass
+class SiteErrors:
+    """Everything blame saw at one site: call count, ranks, groups, errors overall and per step."""
+
+    file: str
+    line: int
+    function: str
+    kind: str  # "collective" or "cast"
+    op: str  # all_reduce, reduce_scatter_tensor, ..., or the cast's aten op
+    dtypes: str  # "fp32" for a collective, "fp32->bf16" for a cast
+    calls: int = 0
+    ranks: set = field(default_factory=set)
+    groups: set = field(default_factory=set)
+    errors: Errors = field(default_factory=Errors)
+    steps: dict = field(default_factory=dict)  # step -> Errors
+
+    @property
+    def key(self) -> tuple:
+        return (self.file, self.line, self.function, self.kind, self.op, self.dtypes)
+
+    def add(self, rank: int | None, step: int, found: Errors, group: str | None = None) -> None:
+        self.calls += 1
+        if rank is not None:
+            self.ranks.add(rank)
+        if group:
+            self.groups.add(group)
+        self.errors.add(found)
+        self.steps.setdefault(step, Errors()).add(found)

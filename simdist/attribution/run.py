@@ -1,0 +1,175 @@
+"""One blamed run: the recorder, the hooks it installs for the run's duration, and the final state it reads.
+
+`Recorder` collects, per site, the errors of the collectives (`simdist.attribution.collectives`) and of the
+narrowing casts (an `simdist.audit.Audit` following every thread, with a ``cast_hook``), the optimizer step
+each rank is at (a global optimizer step post-hook: the step of an event is the number of ``optimizer.step()``
+calls its rank had finished), the loss of each rank (every ``torch.autograd.backward`` root, also reached by
+``loss.backward()``) and the optimizers each rank stepped (their parameters and state are the run's final
+state). `execute` runs a callable under all of that and returns the recorder.
+
+Promotion: a site in ``promote`` is computed without its rounding -- a collective gets its exact FP64
+result rounded once to its dtype, an out-of-place cast returns its wide input unchanged (the program then
+goes on in the wide dtype from there). An in-place cast (``copy_`` into a narrow tensor: the
+destination's dtype is fixed) and a cast inside autograd's backward (autograd checks every gradient's
+dtype) cannot be promoted: they are listed in ``unpromotable`` and computed as usual.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from simdist.attribution import collectives
+from simdist.attribution.measure import Errors, SiteErrors, errors
+from simdist.audit import Audit, dtype_name
+
+_BLAME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_AUDIT_DIR = os.path.join(os.path.dirname(_BLAME_DIR.rstrip(os.sep)), "audit") + os.sep
+
+SiteKey = tuple  # (file, line, function, kind, op, dtypes)
+
+
+def _rank() -> int | None:
+    from simdist.world.inproc import current
+
+    ctx = current()
+    return None if ctx is None else ctx.rank
+
+
+class Recorder:
+    """Per-site errors, steps, losses and optimizers of one run; ``promote`` holds the site keys to promote."""
+
+    def __init__(self, promote: Iterable[SiteKey] = ()) -> None:
+        self.lock = threading.Lock()
+        self.sites: dict[SiteKey, SiteErrors] = {}
+        self.steps: dict[int | None, int] = {}
+        self.optimizers: dict[int | None, list] = {}
+        self.losses: dict[int | None, list[torch.Tensor]] = {}
+        self.promote = set(promote)
+        self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
+        self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
+        self._sites: dict = {}  # (code, line) -> (file, line, function)
+
+    # -- sites -------------------------------------------------------------------------
+
+    def site_of(self, frame) -> tuple[str, int, str]:
+        """The first frame outside torch, simdist's world layer, the audit and blame."""
+        from simdist.world.engine import is_internal
+
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            if not is_internal(name) and not os.path.abspath(name).startswith((_BLAME_DIR, _AUDIT_DIR)):
+                path = name if name.startswith("<") else os.path.abspath(name)
+                return path, frame.f_lineno, code.co_name
+            frame = frame.f_back
+        return ("<no Python frame>", 0, "")
+
+    @staticmethod
+    def key(site: tuple[str, int, str], kind: str, op: str, dtypes: str) -> SiteKey:
+        return (*site, kind, op, dtypes)
+
+    def promotes(self, site, kind: str, op: str, dtype: torch.dtype) -> bool:
+        return bool(self.promote) and self.key(site, kind, op, dtype_name(dtype)) in self.promote
+
+    def record(
+        self, site, kind: str, op: str, dtypes, rank, found: Errors, group: str | None = None, promoted: bool = False
+    ) -> None:
+        if not isinstance(dtypes, str):
+            dtypes = dtype_name(dtypes)
+        key = self.key(site, kind, op, dtypes)
+        with self.lock:
+            entry = self.sites.get(key)
+            if entry is None:
+                entry = self.sites[key] = SiteErrors(*key)
+            entry.add(rank, self.steps.get(rank, 0), found, group)
+            if promoted:
+                self.promoted[key] = self.promoted.get(key, 0) + 1
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def cast_hook(self, site, rank, source: torch.Tensor, result: torch.Tensor, in_place: bool):
+        if collectives.busy():
+            return None
+        if rank is None:
+            rank = _rank()
+        op = "copy_" if in_place else "to"
+        dtypes = f"{dtype_name(source.dtype)}->{dtype_name(result.dtype)}"
+        key = self.key(site, "cast", op, dtypes)
+        wide = source.detach().double()
+        if wide.shape != result.shape:  # copy_ broadcasting its source
+            wide = wide.expand(result.shape)
+        replaced = None
+        if key in self.promote:
+            # in place: the destination's dtype is fixed; in backward: autograd checks each gradient's dtype
+            node = torch._C._current_autograd_node()
+            if in_place or node is not None:
+                why = "an in-place copy into a narrow tensor" if in_place else f"a cast in backward ({node.name()})"
+                with self.lock:
+                    self.unpromotable[key] = why
+            else:
+                replaced = source.detach().clone()
+        measured = replaced if replaced is not None else result
+        self.record(site, "cast", op, dtypes, rank, errors(measured, wide, wide.abs()), promoted=replaced is not None)
+        return replaced
+
+    def step_hook(self, optimizer, args, kwargs) -> None:
+        rank = _rank()
+        with self.lock:
+            self.steps[rank] = self.steps.get(rank, 0) + 1
+            known = self.optimizers.setdefault(rank, [])
+            if not any(o is optimizer for o in known):
+                known.append(optimizer)
+
+    def loss(self, tensors) -> None:
+        first = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
+        if isinstance(first, torch.Tensor):
+            rank = _rank()
+            value = first.detach().clone()
+            with self.lock:
+                self.losses.setdefault(rank, []).append(value)
+
+    # -- the final state ------------------------------------------------------------------
+
+    def final_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{"parameters": {...}, "optimizer state": {...}, "loss": {...}}``, tensors named by rank."""
+        params: dict[str, torch.Tensor] = {}
+        state: dict[str, torch.Tensor] = {}
+        for rank in sorted(self.optimizers, key=lambda r: -1 if r is None else r):
+            for oi, opt in enumerate(self.optimizers[rank]):
+                ps = [p for group in opt.param_groups for p in group["params"]]
+                for pi, p in enumerate(ps):
+                    name = f"rank {rank} optimizer {oi} param {pi}"
+                    params[name] = p.detach().clone()
+                    for k, v in sorted(opt.state.get(p, {}).items()):
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
+                            state[f"{name} {k}"] = v.detach().clone()
+        losses = {f"rank {r} final": v[-1] for r, v in self.losses.items() if v}
+        return {"parameters": params, "optimizer state": state, "loss": losses}
+
+
+def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
+    """Run ``target()`` with ``recorder``'s hooks installed (removed again afterwards, also on error)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    uninstall = collectives.install(recorder)
+    handle = register_optimizer_step_post_hook(recorder.step_hook)
+    original_backward = torch.autograd.backward
+
+    def backward(tensors, *args, **kwargs):
+        recorder.loss(tensors)
+        return original_backward(tensors, *args, **kwargs)
+
+    torch.autograd.backward = backward
+    try:
+        options = {"errors": False, "collectives": False, "threads": True, "max_records": 0}
+        with Audit(skip=(_BLAME_DIR,), cast_hook=recorder.cast_hook, **options):
+            return target()
+    finally:
+        torch.autograd.backward = original_backward
+        handle.remove()
+        uninstall()
