@@ -41,10 +41,21 @@ def test_repro_json_has_every_tensor_of_every_rank(capsys):
     }
 
 
-def test_gas_two_names_the_correction_once_marker(capsys):
+def test_gas_two_states_the_writeback_and_the_marker_separately(capsys):
     assert main(["repro", "8913", "--gas", "2"]) == 0
-    last = capsys.readouterr().out.rstrip().splitlines()[-1]
-    assert "NOT reproduced" in last and "correction-once marker" in last
+    out = capsys.readouterr().out
+    writeback, marker = out.rstrip().splitlines()[-2:]
+    assert "NOT reproduced" not in out
+    assert writeback.startswith("verdict: #8913 REPRODUCED: bf16_writeback first departs from the FP32 oracle")
+    assert marker.startswith("verdict: correction-once marker defect SHOWN")
+    assert main(["repro", "8913", "--gas", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["reproduced"] is True and report["marker_defect"] is True
+    assert {k: (f["shown"], f["applies"]) for k, f in report["findings"].items()} == {
+        "writeback_8913": (True, True),
+        "correction_marker": (True, True),
+    }
+    assert report["verdict"].splitlines() == [writeback.removeprefix("verdict: "), marker.removeprefix("verdict: ")]
     assert main(["repro", "8913", "--gas", "2", "--marker", "per_micro_step"]) == 0
     assert "REPRODUCED" in capsys.readouterr().out.rstrip().splitlines()[-1]
 

@@ -1,5 +1,7 @@
 """Precision policies as data: printed chains, the registry, a policy added from outside simdist/, the #8913 repro."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,9 +9,11 @@ from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name, register
+from simdist.gradpath.probes import Divergence
+from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import make_model
-from simdist.studies.repro import ReproConfig, reproduce, run
+from simdist.studies.repro import CORRECTION_MARKER, ReproConfig, findings, reproduce, run
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -180,9 +184,33 @@ def test_deepspeed_marker_per_update_path(gas):
 def test_repro_verdict_names_the_marker_only_on_the_epilogue_path():
     _, hooks = reproduce(ReproConfig(gas=2, update_path="hooks"))
     assert hooks.reproduced and not hooks.marker_defect, hooks
-    _, epilogue = reproduce(ReproConfig(gas=2, update_path="epilogue"))
-    assert not epilogue.reproduced and epilogue.marker_defect, epilogue
-    assert "correction-once marker" in epilogue.line and "epilogue update path" in epilogue.line
+    marker = {f.key: f for f in hooks.findings}[CORRECTION_MARKER]
+    assert not marker.applies and "not exercised (the hooks update path)" in marker.line
+    assert len(hooks.line.splitlines()) == 1  # a finding that does not apply is not printed
+    config = ReproConfig(gas=2, update_path="epilogue")
+    reports, epilogue = reproduce(config)
+    # each finding on its own: the writeback on micro-step 0 AND the marker on micro-step 1
+    assert epilogue.reproduced and epilogue.marker_defect, epilogue
+    writeback_line, marker_line = epilogue.line.splitlines()
+    assert writeback_line.startswith("#8913 REPRODUCED: bf16_writeback first departs")
+    assert "after the BF16 writeback on micro-step 0" in writeback_line
+    assert "router.weight, router_partial.weight;" in writeback_line
+    assert marker_line.startswith("correction-once marker defect SHOWN: on the epilogue update path")
+    assert "fp32_staging at 'hp' on micro-step >= 1 for expert.w1, router.weight, router_partial.weight" in marker_line
+    # without its writeback (fp32_staging's report under bf16_writeback's name) the #8913 finding is not shown
+    staging = next(r for r in reports if r.name == "fp32_staging")
+    families = {p.name: p.family for p in DEFAULT_PARAMS}
+    alone = findings(config, [dataclasses.replace(staging, name="bf16_writeback"), staging], families)
+    assert not alone.reproduced and alone.marker_defect, alone
+    assert alone.line.startswith("#8913 NOT reproduced as described: bf16_writeback departs at 'hp' on micro-step 0")
+    # a departure neither the writeback nor the marker explains (a local gradient) is named, not absorbed
+    writeback = next(r for r in reports if r.name == "bf16_writeback")
+    stray = Divergence(rank=1, param="dense.weight", step=0, micro=0, stage="local")
+    odd = dataclasses.replace(writeback, divergences={**writeback.divergences, "dense.weight": stray})
+    assert not findings(config, [odd, staging], families).reproduced
+    odd_staging = dataclasses.replace(staging, divergences={**staging.divergences, "dense.weight": stray})
+    unexplained = findings(config, [writeback, odd_staging], families)
+    assert not unexplained.reproduced and "fp32_staging dense.weight: first differs at 'local'" in unexplained.line
 
 
 def test_error_relative_to_the_sum_of_terms_is_bounded_by_the_bf16_unit_roundoff(default_repro):
