@@ -334,3 +334,32 @@ def test_growth_bad_sizes_and_unusable_out_write_nothing(tmp_path, capsys):
     (out / "checkpoint.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     _one_line_error(capsys, [*base, str(out)], f"{out / 'checkpoint.safetensors'}: not a readable safetensors file")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors"]  # nothing written
+
+
+BAD_POLICIES = [
+    ('staging="fp32"', "staging='fp32' is not a dtype the path computes in; valid: torch.float64, torch.float32"),
+    ("accumulate=torch.int32", "accumulate=torch.int32 is not a dtype the path computes in; valid: torch.float64"),
+    ("writeback=torch.int8", "writeback=torch.int8 is not a floating torch.dtype; valid: None or one"),
+    ('rounding="up"', "rounding='up'; valid: 'nearest', 'stochastic'"),
+]
+
+
+@pytest.mark.parametrize(("field", "message"), BAD_POLICIES)
+def test_an_invalid_policy_field_is_one_line_naming_it_and_exit_2(tmp_path, capsys, field, message):
+    module = tmp_path / "bad_policy.py"
+    module.write_text(
+        f"import torch\nfrom simdist.gradpath.policy import Policy\nPolicy(name='bad', summary='-', {field})\n"
+    )
+    err = _one_line_error(capsys, ["repro", "8913", "--policy-module", str(module)], f"Policy 'bad': {message}")
+    assert err.startswith(f"simdist: error: --policy-module {module} at bad_policy.py:3: Policy 'bad': ")
+
+
+def test_a_policy_listed_twice_is_bad_input(capsys):
+    _one_line_error(
+        capsys,
+        ["repro", "8913", "--policies", "bf16_writeback,fp32_staging,bf16_writeback"],
+        "--policies bf16_writeback,fp32_staging,bf16_writeback: 'bf16_writeback' listed more than once",
+    )
+    _one_line_error(
+        capsys, ["growth", "--policies", "bf16_only, bf16_only", "--out", "x"], "'bf16_only' listed more than once"
+    )

@@ -224,3 +224,39 @@ def test_error_relative_to_the_sum_of_terms_is_bounded_by_the_bf16_unit_roundoff
     assert all(0 < r.term_relative <= 2**-8 * (1 + 2**-20) for r in router_hp), [r.term_relative for r in router_hp]
     assert all(r.term_relative is None for r in writeback.rows if r.kind in ("fp32 master", "adam m", "adam v"))
     assert all(r.term_relative == 0 for r in writeback.rows if r.kind == "hp grad" and r.bitwise_equal)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"staging": "fp32"}, "Policy 'p': staging='fp32' is not a dtype the path computes in; valid: torch.float64"),
+        ({"master": torch.int64}, "master=torch.int64 is not a dtype the path computes in"),
+        ({"accumulate": torch.float8_e4m3fn}, "accumulate=torch.float8_e4m3fn is not a dtype the path computes in"),
+        ({"grad_dtype": None}, "grad_dtype=None is not a dtype the path computes in"),
+        ({"writeback": torch.int32}, "writeback=torch.int32 is not a floating torch.dtype"),
+        ({"writeback": "bf16"}, "writeback='bf16' is not a floating torch.dtype"),
+        ({"correct_at": "never"}, "correct_at='never'; valid: 'micro_step', 'boundary', 'after_dp'"),
+        ({"dp_scale": "half"}, "dp_scale='half'; valid: 'postscale', 'prescale', 'pre_post_divide'"),
+        ({"dp_at": "end"}, "dp_at='end'; valid: 'boundary', 'micro_step'"),
+        ({"expert_in_grad_dtype": "yes"}, "expert_in_grad_dtype='yes'; valid: True, False"),
+        ({"tp_model": "ring"}, "tp_model='ring' is not a ReductionModel"),
+        ({"name": "a,b"}, "Policy.name='a,b': expected a non-empty string without commas or spaces"),
+        ({"name": ""}, "Policy.name='': expected a non-empty string"),
+        ({"summary": None}, "summary=None must be a string"),
+    ],
+)
+def test_a_policy_validates_its_fields_on_construction(fields, message):
+    with pytest.raises(ValueError) as info:
+        Policy(**{"name": "p", "summary": "-", **fields})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_valid_policies_construct_and_names_stay_unique():
+    for name in policy_names():  # the catalogue passes its own checks
+        assert Policy(**{f.name: getattr(get_policy(name), f.name) for f in dataclasses.fields(Policy)})
+    fp8 = Policy(name="fp8_writeback", summary="-", writeback=torch.float8_e4m3fn)  # a writeback is only a cast
+    assert register(fp8) is fp8 and register(fp8) is fp8  # the same policy again: a no-op
+    with pytest.raises(ValueError, match="a different policy is already registered as 'fp8_writeback'"):
+        register(dataclasses.replace(fp8, writeback=torch.float8_e5m2))
+    with pytest.raises(ValueError, match="register\\(\\) takes a Policy, got str"):
+        register("fp8_writeback")

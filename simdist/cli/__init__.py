@@ -218,6 +218,9 @@ def _policy_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
         raise ValueError("--policies needs at least one policy name")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--policies {text}: {', '.join(map(repr, twice))} listed more than once (each runs once)")
     for name in names:
         get_policy(name)  # a ValueError names the valid policies
     return names
