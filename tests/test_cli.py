@@ -363,3 +363,22 @@ def test_a_policy_listed_twice_is_bad_input(capsys):
     _one_line_error(
         capsys, ["growth", "--policies", "bf16_only, bf16_only", "--out", "x"], "'bf16_only' listed more than once"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["growth", "--steps", "1", "--seeds", "1", "--out", ""], "--out"),
+        (["growth", "--steps", "1", "--seeds", "1", "--out", "  "], "--out"),
+        (["compare", "", "b"], "dump_a"),
+        (["compare", "a", ""], "dump_b"),
+        (["repro", "8913", "--policy-module", ""], "--policy-module"),
+        (["policies", "--policy-module", " "], "--policy-module"),
+        (["audit", ""], "script"),
+        (["audit", "--skip", "", "script.py"], "--skip"),
+    ],
+)
+def test_an_empty_path_is_bad_input_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, option):
+    monkeypatch.chdir(tmp_path)  # an empty path would mean this directory
+    _one_line_error(capsys, argv, f"argument {option}: expected a path, got ")
+    assert list(tmp_path.iterdir()) == []

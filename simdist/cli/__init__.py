@@ -29,7 +29,7 @@ import traceback
 
 from simdist.audit import add_audit_subcommand, run_audit
 from simdist.cases.cli import add_case_subcommand, run_case_command
-from simdist.cli.inputs import BadInput, check_dump, check_growth_out
+from simdist.cli.inputs import BadInput, check_dump, check_growth_out, path_argument
 from simdist.cli.limits import check_run, growth_estimate, repro_estimate
 from simdist.cli.progress import bar, ticking
 from simdist.gradpath.kernel import Marker, UpdatePath
@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_module(policies)
 
     compare = sub.add_parser("compare", help="compare two per-rank tensor dumps (experiments/crosscheck.py)")
-    compare.add_argument("dump_a", help="a dump directory (rank*.safetensors)")
-    compare.add_argument("dump_b", help="another dump directory of the same run")
+    compare.add_argument("dump_a", type=path_argument, help="a dump directory (rank*.safetensors)")
+    compare.add_argument("dump_b", type=path_argument, help="another dump directory of the same run")
     compare.add_argument(
         "--tolerance-ulp", type=_non_negative, default=0, help="largest ulp difference accepted (default 0: bitwise)"
     )
@@ -198,6 +198,7 @@ def _add_policy_module(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy-module",
         action="append",
+        type=path_argument,
         default=[],
         metavar="MODULE",
         help="load your own policies first: a .py file or a dotted module name that calls "
@@ -253,7 +254,9 @@ def _add_growth_subcommand(sub) -> None:
     )
     _add_layout(growth, etp=False)
     growth.add_argument("--checkpoint-every", type=_positive, default=500, help="steps between checkpoints")
-    growth.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
+    growth.add_argument(
+        "--out", required=True, type=path_argument, help="run directory (resumed if it holds a checkpoint)"
+    )
     growth.add_argument("--force", action="store_true", help="recompute a finished run")
     growth.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
