@@ -9,6 +9,10 @@ The pieces most programs start from:
 * `simdist.gradpath.path.train_rank` -- DeepSpeed's BF16_Optimizer gradient path as a rank program;
 * `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
 * `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``).
+
+Importing ``simdist`` registers the ``torch.distributed`` backend ``simdist``, so a script started by
+torchrun needs only ``import simdist`` before ``dist.init_process_group("simdist")``. That imports torch
+(every simdist module needs it anyway); ``python -m simdist.launch`` runs a rank program under torchrun.
 """
 
 
@@ -19,3 +23,13 @@ def __getattr__(name: str):
 
         return spawn
     raise AttributeError(f"module 'simdist' has no attribute {name!r}")
+
+
+def _register_backend() -> None:
+    """``dist.init_process_group("simdist")`` works after a plain ``import simdist`` (`simdist.world.plugin`)."""
+    from simdist.world.plugin import register
+
+    register()
+
+
+_register_backend()
