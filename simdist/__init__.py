@@ -15,6 +15,10 @@ torchrun needs only ``import simdist`` before ``dist.init_process_group("simdist
 (every simdist module needs it anyway); ``python -m simdist.launch`` runs a rank program under torchrun.
 """
 
+DISTRIBUTION = "simdist-lab"
+"""The name this project is installed under (``pip install 'simdist-lab[megatron]'``, `importlib.metadata`): the
+PyPI name ``simdist`` belongs to an unrelated package. The import name stays ``simdist``."""
+
 
 def __getattr__(name: str):
     """``simdist.spawn`` (`simdist.world.inproc.spawn`), imported on first use."""

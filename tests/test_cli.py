@@ -111,10 +111,16 @@ def test_the_installed_command_gives_one_line_and_status_2():
 
 
 def test_version_and_exit_codes_in_help(capsys):
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    from simdist import DISTRIBUTION
+
+    try:  # the version of this project's distribution, never of PyPI's unrelated "simdist"
+        expected = version(DISTRIBUTION)
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, installed under no name or under the old one
+        expected = "unknown (not installed)"
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"simdist {version('simdist')}"
+    assert capsys.readouterr().out.strip() == f"simdist {expected}"
     for argv in (["--help"], ["compare", "--help"], ["growth", "--help"], ["repro", "--help"]):
         assert main(argv) == 0
         out = capsys.readouterr().out
@@ -382,3 +388,16 @@ def test_an_empty_path_is_bad_input_and_writes_nothing(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)  # an empty path would mean this directory
     _one_line_error(capsys, argv, f"argument {option}: expected a path, got ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fsdp2_reduce_dtype_on_threads_is_refused_for_its_own_spy_not_for_fsdp2(capsys):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    assert hasattr(_fsdp_collectives, "_get_gradient_divide_factors")  # the function the message names exists
+    err = _one_line_error(
+        capsys,
+        ["case", "run", "fsdp2-reduce-dtype", "--world", "threads"],
+        "the case records FSDP2's divide factors by replacing the module function "
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors in each rank",
+    )
+    assert "FSDP2 itself keeps no per-rank module globals" in err and "its framework keeps" not in err

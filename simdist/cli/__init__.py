@@ -71,8 +71,10 @@ class _Parser(argparse.ArgumentParser):
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
+    from simdist import DISTRIBUTION
+
     try:
-        return version("simdist")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
 
