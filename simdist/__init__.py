@@ -10,7 +10,15 @@ The pieces most programs start from:
 * `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
 * `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``);
 * `simdist.blame` -- where such code loses precision: per-call-site error against the exact result.
+
+Importing ``simdist`` registers the ``torch.distributed`` backend ``simdist``, so a script started by
+torchrun needs only ``import simdist`` before ``dist.init_process_group("simdist")``. That imports torch
+(every simdist module needs it anyway); ``python -m simdist.launch`` runs a rank program under torchrun.
 """
+
+DISTRIBUTION = "simdist-lab"
+"""The name this project is installed under (``pip install 'simdist-lab[megatron]'``, `importlib.metadata`): the
+PyPI name ``simdist`` belongs to an unrelated package. The import name stays ``simdist``."""
 
 
 def __getattr__(name: str):
@@ -26,3 +34,13 @@ def __getattr__(name: str):
 
         return blame
     raise AttributeError(f"module 'simdist' has no attribute {name!r}")
+
+
+def _register_backend() -> None:
+    """``dist.init_process_group("simdist")`` works after a plain ``import simdist`` (`simdist.world.plugin`)."""
+    from simdist.world.plugin import register
+
+    register()
+
+
+_register_backend()

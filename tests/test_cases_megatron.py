@@ -1,7 +1,7 @@
 """The megatron-grad-reduce-fp32 case: real Megatron-Core DDP on gloo processes against megatron_grad_reduce_fp32.
 
 Skipped when megatron-core is not installed (CI installs only the deepspeed extra):
-``pip install 'simdist[megatron]'`` runs them. The default tests drive DP2 (two processes); TP2 x DP2 and
+``pip install -e '.[megatron]'`` runs them. The default tests drive DP2 (two processes); TP2 x DP2 and
 the simdist backend are in the slow tests.
 """
 
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install 'simdist[megatron]'")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
 from simdist.cases.megatron_grad_reduce import Config, judge, policy_for, run_real
 from simdist.numerics.floats import unit_roundoff

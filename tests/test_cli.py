@@ -41,10 +41,21 @@ def test_repro_json_has_every_tensor_of_every_rank(capsys):
     }
 
 
-def test_gas_two_names_the_correction_once_marker(capsys):
+def test_gas_two_states_the_writeback_and_the_marker_separately(capsys):
     assert main(["repro", "8913", "--gas", "2"]) == 0
-    last = capsys.readouterr().out.rstrip().splitlines()[-1]
-    assert "NOT reproduced" in last and "correction-once marker" in last
+    out = capsys.readouterr().out
+    writeback, marker = out.rstrip().splitlines()[-2:]
+    assert "NOT reproduced" not in out
+    assert writeback.startswith("verdict: #8913 REPRODUCED: bf16_writeback first departs from the FP32 oracle")
+    assert marker.startswith("verdict: correction-once marker defect SHOWN")
+    assert main(["repro", "8913", "--gas", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["reproduced"] is True and report["marker_defect"] is True
+    assert {k: (f["shown"], f["applies"]) for k, f in report["findings"].items()} == {
+        "writeback_8913": (True, True),
+        "correction_marker": (True, True),
+    }
+    assert report["verdict"].splitlines() == [writeback.removeprefix("verdict: "), marker.removeprefix("verdict: ")]
     assert main(["repro", "8913", "--gas", "2", "--marker", "per_micro_step"]) == 0
     assert "REPRODUCED" in capsys.readouterr().out.rstrip().splitlines()[-1]
 
@@ -100,10 +111,16 @@ def test_the_installed_command_gives_one_line_and_status_2():
 
 
 def test_version_and_exit_codes_in_help(capsys):
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    from simdist import DISTRIBUTION
+
+    try:  # the version of this project's distribution, never of PyPI's unrelated "simdist"
+        expected = version(DISTRIBUTION)
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, installed under no name or under the old one
+        expected = "unknown (not installed)"
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"simdist {version('simdist')}"
+    assert capsys.readouterr().out.strip() == f"simdist {expected}"
     for argv in (["--help"], ["compare", "--help"], ["growth", "--help"], ["repro", "--help"]):
         assert main(argv) == 0
         out = capsys.readouterr().out
@@ -323,3 +340,64 @@ def test_growth_bad_sizes_and_unusable_out_write_nothing(tmp_path, capsys):
     (out / "checkpoint.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     _one_line_error(capsys, [*base, str(out)], f"{out / 'checkpoint.safetensors'}: not a readable safetensors file")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors"]  # nothing written
+
+
+BAD_POLICIES = [
+    ('staging="fp32"', "staging='fp32' is not a dtype the path computes in; valid: torch.float64, torch.float32"),
+    ("accumulate=torch.int32", "accumulate=torch.int32 is not a dtype the path computes in; valid: torch.float64"),
+    ("writeback=torch.int8", "writeback=torch.int8 is not a floating torch.dtype; valid: None or one"),
+    ('rounding="up"', "rounding='up'; valid: 'nearest', 'stochastic'"),
+]
+
+
+@pytest.mark.parametrize(("field", "message"), BAD_POLICIES)
+def test_an_invalid_policy_field_is_one_line_naming_it_and_exit_2(tmp_path, capsys, field, message):
+    module = tmp_path / "bad_policy.py"
+    module.write_text(
+        f"import torch\nfrom simdist.gradpath.policy import Policy\nPolicy(name='bad', summary='-', {field})\n"
+    )
+    err = _one_line_error(capsys, ["repro", "8913", "--policy-module", str(module)], f"Policy 'bad': {message}")
+    assert err.startswith(f"simdist: error: --policy-module {module} at bad_policy.py:3: Policy 'bad': ")
+
+
+def test_a_policy_listed_twice_is_bad_input(capsys):
+    _one_line_error(
+        capsys,
+        ["repro", "8913", "--policies", "bf16_writeback,fp32_staging,bf16_writeback"],
+        "--policies bf16_writeback,fp32_staging,bf16_writeback: 'bf16_writeback' listed more than once",
+    )
+    _one_line_error(
+        capsys, ["growth", "--policies", "bf16_only, bf16_only", "--out", "x"], "'bf16_only' listed more than once"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["growth", "--steps", "1", "--seeds", "1", "--out", ""], "--out"),
+        (["growth", "--steps", "1", "--seeds", "1", "--out", "  "], "--out"),
+        (["compare", "", "b"], "dump_a"),
+        (["compare", "a", ""], "dump_b"),
+        (["repro", "8913", "--policy-module", ""], "--policy-module"),
+        (["policies", "--policy-module", " "], "--policy-module"),
+        (["audit", ""], "script"),
+        (["audit", "--skip", "", "script.py"], "--skip"),
+    ],
+)
+def test_an_empty_path_is_bad_input_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, option):
+    monkeypatch.chdir(tmp_path)  # an empty path would mean this directory
+    _one_line_error(capsys, argv, f"argument {option}: expected a path, got ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fsdp2_reduce_dtype_on_threads_is_refused_for_its_own_spy_not_for_fsdp2(capsys):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    assert hasattr(_fsdp_collectives, "_get_gradient_divide_factors")  # the function the message names exists
+    err = _one_line_error(
+        capsys,
+        ["case", "run", "fsdp2-reduce-dtype", "--world", "threads"],
+        "the case records FSDP2's divide factors by replacing the module function "
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors in each rank",
+    )
+    assert "FSDP2 itself keeps no per-rank module globals" in err and "its framework keeps" not in err

@@ -1,5 +1,7 @@
 """Precision policies as data: printed chains, the registry, a policy added from outside simdist/, the #8913 repro."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,9 +9,11 @@ from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name, register
+from simdist.gradpath.probes import Divergence
+from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import make_model
-from simdist.studies.repro import ReproConfig, reproduce, run
+from simdist.studies.repro import CORRECTION_MARKER, ReproConfig, findings, reproduce, run
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -180,9 +184,33 @@ def test_deepspeed_marker_per_update_path(gas):
 def test_repro_verdict_names_the_marker_only_on_the_epilogue_path():
     _, hooks = reproduce(ReproConfig(gas=2, update_path="hooks"))
     assert hooks.reproduced and not hooks.marker_defect, hooks
-    _, epilogue = reproduce(ReproConfig(gas=2, update_path="epilogue"))
-    assert not epilogue.reproduced and epilogue.marker_defect, epilogue
-    assert "correction-once marker" in epilogue.line and "epilogue update path" in epilogue.line
+    marker = {f.key: f for f in hooks.findings}[CORRECTION_MARKER]
+    assert not marker.applies and "not exercised (the hooks update path)" in marker.line
+    assert len(hooks.line.splitlines()) == 1  # a finding that does not apply is not printed
+    config = ReproConfig(gas=2, update_path="epilogue")
+    reports, epilogue = reproduce(config)
+    # each finding on its own: the writeback on micro-step 0 AND the marker on micro-step 1
+    assert epilogue.reproduced and epilogue.marker_defect, epilogue
+    writeback_line, marker_line = epilogue.line.splitlines()
+    assert writeback_line.startswith("#8913 REPRODUCED: bf16_writeback first departs")
+    assert "after the BF16 writeback on micro-step 0" in writeback_line
+    assert "router.weight, router_partial.weight;" in writeback_line
+    assert marker_line.startswith("correction-once marker defect SHOWN: on the epilogue update path")
+    assert "fp32_staging at 'hp' on micro-step >= 1 for expert.w1, router.weight, router_partial.weight" in marker_line
+    # without its writeback (fp32_staging's report under bf16_writeback's name) the #8913 finding is not shown
+    staging = next(r for r in reports if r.name == "fp32_staging")
+    families = {p.name: p.family for p in DEFAULT_PARAMS}
+    alone = findings(config, [dataclasses.replace(staging, name="bf16_writeback"), staging], families)
+    assert not alone.reproduced and alone.marker_defect, alone
+    assert alone.line.startswith("#8913 NOT reproduced as described: bf16_writeback departs at 'hp' on micro-step 0")
+    # a departure neither the writeback nor the marker explains (a local gradient) is named, not absorbed
+    writeback = next(r for r in reports if r.name == "bf16_writeback")
+    stray = Divergence(rank=1, param="dense.weight", step=0, micro=0, stage="local")
+    odd = dataclasses.replace(writeback, divergences={**writeback.divergences, "dense.weight": stray})
+    assert not findings(config, [odd, staging], families).reproduced
+    odd_staging = dataclasses.replace(staging, divergences={**staging.divergences, "dense.weight": stray})
+    unexplained = findings(config, [writeback, odd_staging], families)
+    assert not unexplained.reproduced and "fp32_staging dense.weight: first differs at 'local'" in unexplained.line
 
 
 def test_error_relative_to_the_sum_of_terms_is_bounded_by_the_bf16_unit_roundoff(default_repro):
@@ -196,3 +224,39 @@ def test_error_relative_to_the_sum_of_terms_is_bounded_by_the_bf16_unit_roundoff
     assert all(0 < r.term_relative <= 2**-8 * (1 + 2**-20) for r in router_hp), [r.term_relative for r in router_hp]
     assert all(r.term_relative is None for r in writeback.rows if r.kind in ("fp32 master", "adam m", "adam v"))
     assert all(r.term_relative == 0 for r in writeback.rows if r.kind == "hp grad" and r.bitwise_equal)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"staging": "fp32"}, "Policy 'p': staging='fp32' is not a dtype the path computes in; valid: torch.float64"),
+        ({"master": torch.int64}, "master=torch.int64 is not a dtype the path computes in"),
+        ({"accumulate": torch.float8_e4m3fn}, "accumulate=torch.float8_e4m3fn is not a dtype the path computes in"),
+        ({"grad_dtype": None}, "grad_dtype=None is not a dtype the path computes in"),
+        ({"writeback": torch.int32}, "writeback=torch.int32 is not a floating torch.dtype"),
+        ({"writeback": "bf16"}, "writeback='bf16' is not a floating torch.dtype"),
+        ({"correct_at": "never"}, "correct_at='never'; valid: 'micro_step', 'boundary', 'after_dp'"),
+        ({"dp_scale": "half"}, "dp_scale='half'; valid: 'postscale', 'prescale', 'pre_post_divide'"),
+        ({"dp_at": "end"}, "dp_at='end'; valid: 'boundary', 'micro_step'"),
+        ({"expert_in_grad_dtype": "yes"}, "expert_in_grad_dtype='yes'; valid: True, False"),
+        ({"tp_model": "ring"}, "tp_model='ring' is not a ReductionModel"),
+        ({"name": "a,b"}, "Policy.name='a,b': expected a non-empty string without commas or spaces"),
+        ({"name": ""}, "Policy.name='': expected a non-empty string"),
+        ({"summary": None}, "summary=None must be a string"),
+    ],
+)
+def test_a_policy_validates_its_fields_on_construction(fields, message):
+    with pytest.raises(ValueError) as info:
+        Policy(**{"name": "p", "summary": "-", **fields})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_valid_policies_construct_and_names_stay_unique():
+    for name in policy_names():  # the catalogue passes its own checks
+        assert Policy(**{f.name: getattr(get_policy(name), f.name) for f in dataclasses.fields(Policy)})
+    fp8 = Policy(name="fp8_writeback", summary="-", writeback=torch.float8_e4m3fn)  # a writeback is only a cast
+    assert register(fp8) is fp8 and register(fp8) is fp8  # the same policy again: a no-op
+    with pytest.raises(ValueError, match="a different policy is already registered as 'fp8_writeback'"):
+        register(dataclasses.replace(fp8, writeback=torch.float8_e5m2))
+    with pytest.raises(ValueError, match="register\\(\\) takes a Policy, got str"):
+        register("fp8_writeback")

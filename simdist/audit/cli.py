@@ -12,6 +12,13 @@ import traceback
 from simdist.audit.mode import Audit
 
 
+def _path(text: str) -> str:
+    """An argparse type: a script path or ``--skip`` prefix must not be empty (an empty prefix skips every frame)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
 def _count(text: str) -> int:
     """An argparse type: an integer >= 0 (``--top``), with a one-line error otherwise."""
     try:
@@ -56,6 +63,7 @@ def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--skip",
         action="append",
+        type=_path,
         default=[],
         metavar="PREFIX",
         help="a module, package or path whose frames are not sites (repeatable)",
@@ -66,7 +74,7 @@ def add_audit_subcommand(subparsers) -> argparse.ArgumentParser:
         "--top", type=_count, default=None, metavar="N", help="print only the N most frequent sites (N >= 0)"
     )
     parser.add_argument("--records", action="store_true", help="with --json: include every raw record")
-    parser.add_argument("script", help="path of the Python script to run")
+    parser.add_argument("script", type=_path, help="path of the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     return parser
 

@@ -38,12 +38,31 @@ def get_case(name: str) -> Case:
     return importlib.import_module(_MODULES[name]).CASE
 
 
+EXTRAS = ("deepspeed", "megatron")
+"""The extras of ``pyproject.toml`` that cases require, named like the packages they import."""
+
+
+def install_hint(package: str) -> str:
+    """The command that installs ``package`` (a case's requirement) as this project's extra.
+
+    With simdist installed, ``pip install 'simdist-lab[extra]'`` adds just the extra's packages (pip takes the
+    installed distribution); DeepSpeed is installed with ``DS_BUILD_OPS=0`` (the cases compile no op).
+    """
+    from simdist import DISTRIBUTION
+
+    if package not in EXTRAS:
+        return f"pip install {package}"
+    prefix = "DS_BUILD_OPS=0 " if package == "deepspeed" else ""
+    checkout = f"{prefix}pip install -e '.[{package}]'"
+    return f"{prefix}pip install '{DISTRIBUTION}[{package}]' (from a source checkout: {checkout})"
+
+
 def run_case(name: str, **options) -> Verdict:
     """Run case ``name``; ``ValueError`` naming the missing package if its framework is not installed."""
     case = get_case(name)
     missing = case.missing()
     if missing:
-        raise ValueError(f"case {name!r} needs {', '.join(missing)}: pip install 'simdist[{missing[0]}]'")
+        raise ValueError(f"case {name!r} needs {', '.join(missing)}: {install_hint(missing[0])}")
     return case.run(**options)
 
 

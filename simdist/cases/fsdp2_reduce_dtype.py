@@ -240,8 +240,19 @@ def summarize(v: FsdpVerdict) -> str:
     return "\n".join(lines)
 
 
+SPY_IS_A_MODULE_GLOBAL = (
+    "the case records FSDP2's divide factors by replacing the module function "
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors in each rank, and rank "
+    "threads would share it (FSDP2 itself keeps no per-rank module globals: on threads its gradients are "
+    "bitwise those of process mode, and fsdp2-reduce-dtype-tp runs on threads)"
+)
+"""Why this case refuses ``--world threads`` (found by experiment: on `simdist.spawn` threads the 96 hp captures
+are bitwise those of process mode, but every rank's divide-factor calls land in the spy of the rank that
+installed it last)."""
+
+
 def run_real(config: Config, world: World = "gloo") -> list[dict[str, RealRun]]:
-    return run_ranks(fsdp_rank, config.spec, config, world=world)
+    return run_ranks(fsdp_rank, config.spec, config, world=world, processes_because=SPY_IS_A_MODULE_GLOBAL)
 
 
 def run(world: World = "gloo", **options) -> FsdpVerdict:

@@ -16,9 +16,11 @@ SUM all-reduce of the parameters marked ``sequence_parallel`` and a TP AVG all-r
 ``average_gradients_across_tp_domain`` (TP average), ``router_gate_partial`` -> ``sequence_parallel`` (TP
 sum), ``dense`` (identical on TP peers) and ``model_parallel`` -> no TP reduction.
 
-One shim: megatron-core 0.16.1 allocates its gradient buffers on ``torch.cuda.current_device()``, which
+Two shims: megatron-core allocates its gradient buffers on ``torch.cuda.current_device()``, which
 raises ``AssertionError: Torch not compiled with CUDA enabled`` on a CPU-only torch; each rank process
-makes that function answer ``"cpu"``. Megatron's arithmetic is untouched. Megatron keeps its process
+makes that function answer ``"cpu"``. megatron-core 0.19.2 (``param_and_grad_buffer.py``) also calls
+``torch.cuda.current_stream()`` in ``start_grad_sync`` to wait on CUDA-graph events (none here); it answers
+``torch.cpu.current_stream()``, whose waits are no-ops. Megatron's arithmetic is untouched. Megatron keeps its process
 groups in module globals (``megatron.core.parallel_state``), so the ranks are processes (``gloo`` or the
 simdist backend in process mode), one world per process.
 
@@ -132,7 +134,11 @@ def megatron_rank(comm, config: Config, layout: str) -> dict[bool, RealRun]:
     """Rank program: for grad_reduce_in_fp32 True/False, GAS micro-steps of Megatron's DDP, then finalize."""
     import importlib.metadata
 
-    torch.cuda.current_device = lambda: "cpu"  # the one shim: megatron-core allocates its buffers there
+    # the CPU shims: megatron-core allocates its buffers on torch.cuda.current_device(), and from 0.17 its
+    # bucket groups also ask for torch.cuda.current_stream() (to wait on CUDA-graph events, none here); torch's
+    # own CPU stream stands in (its waits are no-ops: CPU work is synchronous)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = torch.cpu.current_stream
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads

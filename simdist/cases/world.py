@@ -30,20 +30,29 @@ from simdist.world.spec import ParallelSpec
 World = Literal["gloo", "simdist", "threads"]
 WORLDS: tuple[str, ...] = ("gloo", "simdist", "threads")
 """``threads`` (`simdist.spawn`, one thread per rank) is for cases whose framework keeps no per-rank module
-globals (FSDP2, DTensor); `run_ranks` refuses it."""
+globals (FSDP2, DTensor) and which set none themselves; `run_ranks` refuses it."""
+
+
+PER_RANK_GLOBALS = "its framework keeps per-rank state in module globals that threads would share"
+"""Why `run_ranks` refuses ``threads`` unless a case names its own reason (true of DeepSpeed and Megatron)."""
 
 
 def run_ranks(
-    fn: Callable[..., Any], spec: ParallelSpec, *args: Any, world: World = "gloo", timeout_s: float = 300.0
+    fn: Callable[..., Any],
+    spec: ParallelSpec,
+    *args: Any,
+    world: World = "gloo",
+    timeout_s: float = 300.0,
+    processes_because: str = PER_RANK_GLOBALS,
 ) -> list[Any]:
-    """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``world``; return the per-rank results."""
+    """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``world``; return the per-rank results.
+
+    ``threads`` is refused with ``processes_because``, the case's reason for needing processes.
+    """
     if world not in WORLDS:
         raise ValueError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
     if world == "threads":
-        raise ValueError(
-            "this case runs in processes only (world 'gloo' or 'simdist'): its framework keeps "
-            "per-rank state in module globals that threads would share"
-        )
+        raise ValueError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
     from simdist.world.launch import spawn_gloo
 
     return spawn_gloo(fn, spec, *args, timeout_s=timeout_s, backend=world)

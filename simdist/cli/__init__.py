@@ -31,7 +31,7 @@ import traceback
 from simdist.attribution.cli import add_blame_subcommand, run_blame
 from simdist.audit import add_audit_subcommand, run_audit
 from simdist.cases.cli import add_case_subcommand, run_case_command
-from simdist.cli.inputs import BadInput, check_dump, check_growth_out
+from simdist.cli.inputs import BadInput, check_dump, check_growth_out, path_argument
 from simdist.cli.limits import check_run, growth_estimate, repro_estimate
 from simdist.cli.progress import bar, ticking
 from simdist.gradpath.kernel import Marker, UpdatePath
@@ -73,8 +73,10 @@ class _Parser(argparse.ArgumentParser):
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
+    from simdist import DISTRIBUTION
+
     try:
-        return version("simdist")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
 
@@ -184,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_module(policies)
 
     compare = sub.add_parser("compare", help="compare two per-rank tensor dumps (experiments/crosscheck.py)")
-    compare.add_argument("dump_a", help="a dump directory (rank*.safetensors)")
-    compare.add_argument("dump_b", help="another dump directory of the same run")
+    compare.add_argument("dump_a", type=path_argument, help="a dump directory (rank*.safetensors)")
+    compare.add_argument("dump_b", type=path_argument, help="another dump directory of the same run")
     compare.add_argument(
         "--tolerance-ulp", type=_non_negative, default=0, help="largest ulp difference accepted (default 0: bitwise)"
     )
@@ -201,6 +203,7 @@ def _add_policy_module(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy-module",
         action="append",
+        type=path_argument,
         default=[],
         metavar="MODULE",
         help="load your own policies first: a .py file or a dotted module name that calls "
@@ -221,6 +224,9 @@ def _policy_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
         raise ValueError("--policies needs at least one policy name")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--policies {text}: {', '.join(map(repr, twice))} listed more than once (each runs once)")
     for name in names:
         get_policy(name)  # a ValueError names the valid policies
     return names
@@ -253,7 +259,9 @@ def _add_growth_subcommand(sub) -> None:
     )
     _add_layout(growth, etp=False)
     growth.add_argument("--checkpoint-every", type=_positive, default=500, help="steps between checkpoints")
-    growth.add_argument("--out", required=True, help="run directory (resumed if it holds a checkpoint)")
+    growth.add_argument(
+        "--out", required=True, type=path_argument, help="run directory (resumed if it holds a checkpoint)"
+    )
     growth.add_argument("--force", action="store_true", help="recompute a finished run")
     growth.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 

@@ -8,6 +8,7 @@ so that none of them reaches a traceback, and none is confused with exit status 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -18,6 +19,17 @@ _RANK_FILE = re.compile(r"rank(\d+)\.safetensors")
 
 class BadInput(ValueError):
     """An unreadable, corrupt or missing input (or an unusable output path): one line naming the file."""
+
+
+def path_argument(text: str) -> str:
+    """An argparse type for every path the CLI takes: an empty or blank path is bad input (exit 2).
+
+    Without it ``--out ""`` would mean the current directory (a growth run wrote its files there) and an empty
+    dump or module name would fail later with a message that names nothing.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
 
 
 def _safetensors_header(path: Path) -> dict:

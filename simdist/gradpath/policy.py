@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -120,6 +120,47 @@ class Policy:
     moments: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.bfloat16
     tp_model: ReductionModel | None = None
+
+    def __post_init__(self) -> None:
+        """Reject a field the path cannot run, in one line naming the field and its valid values (a ValueError:
+        the CLI's bad input, exit 2) -- a string for a dtype, an integer dtype, an unknown choice."""
+        if not isinstance(self.name, str) or not self.name or any(c == "," or c.isspace() for c in self.name):
+            raise ValueError(
+                f"Policy.name={self.name!r}: expected a non-empty string without commas or spaces "
+                "(--policies separates names by commas)"
+            )
+        if not isinstance(self.summary, str):
+            raise ValueError(f"Policy {self.name!r}: summary={self.summary!r} must be a string")
+        if not (
+            self.writeback is None or (isinstance(self.writeback, torch.dtype) and self.writeback.is_floating_point)
+        ):
+            raise ValueError(
+                f"Policy {self.name!r}: writeback={self.writeback!r} is not a floating torch.dtype; valid: None or "
+                "one, e.g. torch.bfloat16, torch.float16, torch.float8_e4m3fn (a writeback is only a cast)"
+            )
+        for field in ("staging", "accumulate", "dp_reduce", "master", "moments", "grad_dtype"):
+            value = getattr(self, field)
+            if (value is None and field == "staging") or any(value is d for d in _SHORT):
+                continue
+            raise ValueError(
+                f"Policy {self.name!r}: {field}={value!r} is not a dtype the path computes in; valid: "
+                + ", ".join(f"torch.{str(d).removeprefix('torch.')}" for d in _SHORT)
+                + (" or None" if field == "staging" else "")
+            )
+        for field, choices in _CHOICES.items():
+            if getattr(self, field) not in choices:
+                raise ValueError(
+                    f"Policy {self.name!r}: {field}={getattr(self, field)!r}; valid: {', '.join(map(repr, choices))}"
+                )
+        if not isinstance(self.expert_in_grad_dtype, bool):
+            raise ValueError(
+                f"Policy {self.name!r}: expert_in_grad_dtype={self.expert_in_grad_dtype!r}; valid: True, False"
+            )
+        if self.tp_model is not None and not isinstance(self.tp_model, ReductionModel):
+            raise ValueError(
+                f"Policy {self.name!r}: tp_model={self.tp_model!r} is not a ReductionModel "
+                "(simdist.reduce.make_model(name) builds one) or None"
+            )
 
     def correction_stages(self, correction: Correction, tp: int, dtype: torch.dtype) -> list[Stage]:
         """The TP correction on a value of ``dtype``: all_reduce and/or divide."""
@@ -220,6 +261,15 @@ class Policy:
         return " -> ".join(micro) + " | boundary: " + " -> ".join(boundary)
 
 
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "rounding": get_args(Rounding),
+    "correct_at": ("micro_step", "boundary", "after_dp"),
+    "dp_scale": get_args(DpScale),
+    "dp_at": ("boundary", "micro_step"),
+}
+"""The valid values of each `Policy` field that is a choice (checked on construction)."""
+
+
 def predivide_factor(world: int) -> int:
     """FSDP's split of ``1/world`` into a pre- and post-divide factor: the pre-divide factor (a power of two)."""
     factor = 1
@@ -248,7 +298,13 @@ def registered() -> dict[str, Policy]:
 
 
 def register(policy: Policy) -> Policy:
-    """Add ``policy`` to the registry under its name (names are unique)."""
+    """Add ``policy`` to the registry under its name (names are unique).
+
+    Registering the same policy again (the same object, or an equal one: a policy module that is loaded
+    afresh) is a no-op; a different policy under a taken name is an error.
+    """
+    if not isinstance(policy, Policy):
+        raise ValueError(f"register() takes a Policy, got {type(policy).__name__}")
     if policy.name in _REGISTRY and _REGISTRY[policy.name] != policy:
         raise ValueError(f"a different policy is already registered as {policy.name!r}")
     _REGISTRY[policy.name] = policy

@@ -122,16 +122,36 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """The #8913 verdict, computed from the comparisons: whether it reproduced, and the one line that says so.
+class Finding:
+    """One defect the run looks for, judged from the comparisons: its key, whether it shows, and why.
 
-    ``marker_defect`` is true when the line also names DeepSpeed's correction-once marker (GAS >= 2 on the
-    epilogue path skips the TP correction of micro-steps 1..GAS-1).
+    ``applies`` is false when the configuration cannot exercise it (the correction-once marker needs GAS >= 2
+    on DeepSpeed's epilogue update path with ``--marker deepspeed``); then ``shown`` is false too.
+    """
+
+    key: str
+    shown: bool
+    line: str
+    applies: bool = True
+
+
+WRITEBACK, CORRECTION_MARKER = "writeback_8913", "correction_marker"
+"""The keys of the two findings (`Verdict.findings`, and the fields under ``"findings"`` in ``--json``)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The #8913 verdict, computed from the comparisons: each finding separately, and the lines that say so.
+
+    ``reproduced`` is the #8913 writeback finding; ``marker_defect`` is DeepSpeed's correction-once marker
+    (GAS >= 2 on the epilogue path skips the TP correction of micro-steps 1..GAS-1). Either can show
+    without the other. ``line`` is every applicable finding's line, one per line.
     """
 
     reproduced: bool
     line: str
     marker_defect: bool = False
+    findings: tuple[Finding, ...] = ()
 
     def __str__(self) -> str:
         return self.line
@@ -266,23 +286,7 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
                 divergence,
             )
         )
-    result = verdict(reports, families) if config.model == GradientModel.SYNTHETIC else model_verdict(reports, families)
-    marker_skips = any(
-        d is not None and d.micro >= 1 and d.stage == "hp" for report in reports for d in (first_divergence_of(report),)
-    )
-    marker_path = config.gas > 1 and config.marker == Marker.DEEPSPEED and config.update_path == UpdatePath.EPILOGUE
-    if marker_path and not result.reproduced and marker_skips:
-        result = Verdict(
-            False,
-            result.line
-            + (
-                " -- on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS >= 2, "
-                "DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the boundary) leaves "
-                "micro-steps 1..GAS-1 uncorrected; --marker per_micro_step isolates the #8913 writeback"
-            ),
-            marker_defect=True,
-        )
-    return reports, result
+    return reports, findings(config, reports, families)
 
 
 def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
@@ -400,6 +404,110 @@ def model_verdict(reports: list[PolicyReport], families: dict[str, Family]) -> V
     )
 
 
+def findings(config: ReproConfig, reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:
+    """Both findings, each judged on its own: the #8913 writeback and DeepSpeed's correction-once marker.
+
+    Where the marker shows, ``fp32_staging`` departs from the oracle too, so the writeback is judged by
+    `writeback_beside_marker` (where the departures happen) instead of by `verdict`/`model_verdict`
+    (which require ``fp32_staging`` to match everywhere).
+    """
+    marker = marker_finding(config, reports)
+    if marker.shown:
+        writeback = writeback_beside_marker(reports, families, config.model != GradientModel.SYNTHETIC)
+    else:
+        alone = (
+            verdict(reports, families) if config.model == GradientModel.SYNTHETIC else model_verdict(reports, families)
+        )
+        writeback = Finding(WRITEBACK, alone.reproduced, alone.line)
+    shown = (writeback, marker) if marker.applies else (writeback,)
+    return Verdict(
+        writeback.shown, "\n".join(f.line for f in shown), marker_defect=marker.shown, findings=(writeback, marker)
+    )
+
+
+def _marker_explained(d: Divergence) -> bool:
+    """A departure the correction-once marker causes: at ``hp`` on micro-step >= 1, after no writeback."""
+    return d.stage == Capture.HP and d.micro >= 1 and Capture.WRITTEN_BACK not in d.after
+
+
+def marker_finding(config: ReproConfig, reports: list[PolicyReport]) -> Finding:
+    """DeepSpeed's correction-once marker: shown when some policy first departs at ``hp`` on a micro-step >= 1.
+
+    Only GAS >= 2 with ``--marker deepspeed`` on the epilogue update path exercises it (elsewhere the finding
+    does not apply). Micro-step 0 is always corrected, so a departure there is never the marker's.
+    """
+    if not (config.gas > 1 and config.marker == Marker.DEEPSPEED and config.update_path == UpdatePath.EPILOGUE):
+        why = (
+            "GAS 1"
+            if config.gas == 1
+            else f"--marker {config.marker}"
+            if config.marker != Marker.DEEPSPEED
+            else "the hooks update path"
+        )
+        return Finding(CORRECTION_MARKER, False, f"correction-once marker defect: not exercised ({why})", False)
+    skipped = {
+        report.name: sorted(p for p, d in report.divergences.items() if d is not None and _marker_explained(d))
+        for report in reports
+    }
+    named = [f"{name} at 'hp' on micro-step >= 1 for {', '.join(ps)}" for name, ps in skipped.items() if ps]
+    where = (
+        f"on the epilogue update path (DeepSpeed's default, immediate_grad_update=False) with GAS {config.gas}, "
+        "DeepSpeed's correction-once marker (set on micro-step 0, cleared only at the boundary) "
+    )
+    if not named:
+        return Finding(
+            CORRECTION_MARKER, False, "correction-once marker defect NOT shown: " + where + "left no departure here"
+        )
+    return Finding(
+        CORRECTION_MARKER,
+        True,
+        "correction-once marker defect SHOWN: "
+        + where
+        + "leaves micro-steps 1..GAS-1 uncorrected; first departures: "
+        + "; ".join(named)
+        + " (--marker per_micro_step or --update-path hooks isolates the #8913 writeback)",
+    )
+
+
+def writeback_beside_marker(reports: list[PolicyReport], families: dict[str, Family], propagates: bool) -> Finding:
+    """The #8913 writeback where the correction-once marker also departs from the oracle.
+
+    The marker leaves micro-step 0 corrected, so it cannot explain a departure there. The writeback shows
+    when ``bf16_writeback`` first departs at ``hp`` on micro-step 0 for a router, while ``fp32_staging`` (the
+    same path without the writeback) departs only where the marker explains it, and every other departure
+    of ``bf16_writeback`` is the marker's too (or, on a model whose gradients follow the weights
+    (``propagates``), a later local gradient).
+    """
+    by_name = {r.name: r for r in reports}
+    writeback, staging = by_name.get("bf16_writeback"), by_name.get("fp32_staging")
+    if writeback is None or staging is None:
+        return Finding(WRITEBACK, False, "#8913 NOT judged: it needs both bf16_writeback and fp32_staging")
+    routers = {n for n, f in families.items() if f in (Family.ROUTER_GATE_REPLICATED, Family.ROUTER_GATE_PARTIAL)}
+
+    def explained(d: Divergence) -> bool:
+        return _marker_explained(d) or (propagates and d.stage == Capture.LOCAL and (d.step, d.micro) > (0, 0))
+
+    found = {p: d for p, d in writeback.divergences.items() if d is not None}
+    at_micro_0 = sorted(p for p, d in found.items() if d.stage == Capture.HP and d.micro == 0)
+    unexplained = [str(d) for p, d in found.items() if p not in at_micro_0 and not explained(d)]
+    unexplained += [f"fp32_staging {d}" for d in staging.divergences.values() if d is not None and not explained(d)]
+    if routers & set(at_micro_0) and not unexplained:
+        after = " after the BF16 writeback" if all(Capture.WRITTEN_BACK in found[p].after for p in at_micro_0) else ""
+        return Finding(
+            WRITEBACK,
+            True,
+            f"#8913 REPRODUCED: bf16_writeback first departs from the FP32 oracle at 'hp'{after} on micro-step 0 "
+            f"(which the correction-once marker leaves corrected) for {', '.join(at_micro_0)}; fp32_staging, the "
+            "same path without the writeback, departs only where the marker explains it",
+        )
+    return Finding(
+        WRITEBACK,
+        False,
+        "#8913 NOT reproduced as described: "
+        + ("; ".join(unexplained) if unexplained else "bf16_writeback departs at 'hp' on micro-step 0 for no router"),
+    )
+
+
 def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict, diff_only: bool = True) -> str:
     """The human-readable report: config, per-policy chains, table and divergences, then the verdict.
 
@@ -442,13 +550,17 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
         "max ulp counts values of the oracle's dtype between the two; err/sum|t| is |error| / sum|terms| of the "
         "oracle's reduction (stays comparable to the unit roundoff where a sum cancels); norm rel is "
         "||error|| / ||oracle||.",
-        f"verdict: {verdict.line}",
     ]
+    out += [f"verdict: {line}" for line in verdict.line.splitlines()]
     return "\n".join(out)
 
 
 def to_json(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict) -> dict:
-    """The report as plain data (for ``--json``): every tensor, the verdict line and its flags."""
+    """The report as plain data (for ``--json``): every tensor, the verdict lines, and one field per finding.
+
+    ``reproduced`` and ``marker_defect`` are the two findings' flags; ``findings`` holds each finding's
+    ``shown``, ``applies`` and line under its key (`WRITEBACK`, `CORRECTION_MARKER`).
+    """
     policies = []
     for report in reports:
         data = asdict(report)
@@ -460,4 +572,5 @@ def to_json(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict) 
         "verdict": verdict.line,
         "reproduced": verdict.reproduced,
         "marker_defect": verdict.marker_defect,
+        "findings": {f.key: {"shown": f.shown, "applies": f.applies, "line": f.line} for f in verdict.findings},
     }

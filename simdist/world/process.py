@@ -1,6 +1,6 @@
 """Process mode: the ``simdist`` backend in real processes (torchrun, `simdist.world.launch.spawn_procs`).
 
-    torchrun --nproc-per-node 4 train.py      # train.py: dist.init_process_group("simdist")
+    torchrun --nproc-per-node 4 train.py      # train.py: import simdist; dist.init_process_group("simdist")
     SIMDIST_MODEL=ring torchrun ...           # another reduction model (default: gloo)
 
 Each ``simdist`` group owns an inner gloo group over the same store. A

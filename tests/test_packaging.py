@@ -1,0 +1,65 @@
+"""How the project is installed: its distribution name (``simdist`` on PyPI is an unrelated package), the
+install hints of README and errors, and the Megatron extra across the Python versions pip serves."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import simdist
+from simdist.cases import install_hint, run_case
+from simdist.cases.base import Case
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_distribution_is_simdist_lab_and_every_install_hint_uses_it():
+    assert PYPROJECT["project"]["name"] == simdist.DISTRIBUTION == "simdist-lab"
+    docs = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("simdist/**/*.py"), *ROOT.glob("tests/*.py")]
+    for path in docs:
+        text = path.read_text()
+        assert not re.search(r"""['"]simdist\[""", text), f"{path}: installs the unrelated PyPI package 'simdist'"
+        for line in text.splitlines():  # DeepSpeed is installed without compiling ops, wherever it is meant
+            if re.search(r"pip install .*deepspeed", line) and "DS_BUILD_OPS=0" not in line:
+                pytest.fail(f"{path}: {line.strip()!r} installs DeepSpeed without DS_BUILD_OPS=0")
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert {"deepspeed", "megatron"} <= extras.keys()
+    assert install_hint("megatron") == (
+        "pip install 'simdist-lab[megatron]' (from a source checkout: pip install -e '.[megatron]')"
+    )
+    assert install_hint("deepspeed").startswith("DS_BUILD_OPS=0 pip install 'simdist-lab[deepspeed]' (")
+
+
+def test_a_case_whose_framework_is_missing_names_the_extra(monkeypatch):
+    import simdist.cases as cases
+
+    fake = Case("fake", "-", "-", (), ("megatron",), lambda **_: None)
+    monkeypatch.setattr(Case, "missing", lambda self: list(self.requires))
+    monkeypatch.setattr(cases, "get_case", lambda name: fake)
+    with pytest.raises(ValueError, match=r"needs megatron: pip install 'simdist-lab\[megatron\]'"):
+        run_case("fake")
+
+
+def _megatron_for(python: str) -> list[Requirement]:
+    env = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux"}
+    found = [Requirement(text) for text in PYPROJECT["project"]["optional-dependencies"]["megatron"]]
+    return [r for r in found if r.marker is None or r.marker.evaluate(env)]
+
+
+@pytest.mark.parametrize(
+    ("python", "admitted", "refused"),
+    [
+        ("3.11", ["0.16.1"], ["0.16.0", "0.17.0"]),  # pip's newest for 3.11 is 0.16.1 (0.17+ require 3.12)
+        ("3.12", ["0.16.1", "0.17.1", "0.18.2", "0.19.2"], ["0.15.3", "0.20.0"]),
+        ("3.13", ["0.19.2"], ["0.20.0"]),
+    ],
+)
+def test_the_megatron_extra_spans_the_versions_pip_offers(python, admitted, refused):
+    megatron = [r for r in _megatron_for(python) if r.name == "megatron-core"]
+    assert len(megatron) == 1, megatron
+    assert all(megatron[0].specifier.contains(v) for v in admitted), (megatron, admitted)
+    assert not any(megatron[0].specifier.contains(v) for v in refused), (megatron, refused)
+    assert any(r.name == "triton" for r in _megatron_for(python)) is (python != "3.11")
