@@ -7,6 +7,13 @@ and simdist process mode) and the whole audit at TP2 and TP4 on 4 gloo processes
 
 from __future__ import annotations
 
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -158,6 +165,8 @@ def test_audit_every_run_ran_but_zero3_with_experts(audit):
     for r in audit.runs:
         if "zero3" in r.label and "no experts" not in r.label:
             assert "MoE not supported with Stage 3" in r.error
+        elif "non-contiguous" in r.label:
+            assert "Contiguous Gradients in ZeRO Stage 2 must be set to True for MoE" in r.error
         else:
             assert not r.error, r.error
             assert _row(r, "BF16 local").effect == "bitwise"
@@ -168,7 +177,7 @@ def test_audit_where_each_wrapper_corrects(audit):
     for r in audit.runs:
         if r.error:
             continue
-        if r.label.split()[5] == "bf16_optimizer":
+        if " bf16_optimizer " in r.label:
             assert r.correction_sites == ["bf16_optimizer"]
         elif "zero1 no-overlap" in r.label:
             assert r.correction_sites == ["engine boundary pass"]  # the reduce hook returns early
@@ -194,3 +203,37 @@ def test_audit_fp32_staging_with_fp32_comm_leaves_no_bf16_boundary_in_bf16_optim
     for r in fixed:
         assert _row(r, "FP32 accumulated").effect in ("bitwise", "fp32-order"), r.label
         assert _row(r, "DP-reduced").effect in ("bitwise", "fp32-order"), r.label
+
+
+# -- the standalone reproducer of the ZeRO norm defect ---------------------------------------------------------
+
+NORM_REPRODUCER = Path(__file__).resolve().parents[1] / "simdist/cases/reproducers/deepspeed_zero_norm_experts.py"
+
+
+def test_norm_reproducer_imports_only_torch_and_deepspeed():
+    tree = ast.parse(NORM_REPRODUCER.read_text())
+    roots = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert roots <= {"argparse", "importlib", "logging", "torch", "deepspeed"}
+
+
+def _torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / NORM_REPRODUCER.name
+    shutil.copyfile(NORM_REPRODUCER, script)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)  # the reproducer needs no simdist
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)]
+    return subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_norm_reproducer_zero1_drops_expert_1_and_bf16_optimizer_does_not(tmp_path):
+    zero1 = _torchrun(tmp_path)
+    assert zero1.returncode == 1, zero1.stdout + zero1.stderr[-2000:]
+    assert zero1.stdout.count("(without expert 1: 0.3336587) -> WRONG") == 4
+    assert "global grad norm 0.3336587, expected 0.3563048" in zero1.stdout
+    control = _torchrun(tmp_path, "--bf16-optimizer")
+    assert control.returncode == 0, control.stdout + control.stderr[-2000:]
+    assert control.stdout.count("BF16_Optimizer: global grad norm 0.3563048, expected 0.3563048") == 4
