@@ -205,6 +205,30 @@ def test_audit_fp32_staging_with_fp32_comm_leaves_no_bf16_boundary_in_bf16_optim
         assert _row(r, "DP-reduced").effect in ("bitwise", "fp32-order"), r.label
 
 
+@pytest.mark.slow
+def test_audit_fix_with_fp32_comm_on_the_immediate_path_is_the_oracle_bit_for_bit(audit):
+    runs = [r for r in audit.runs if "immediate comm fp32 GAS 4" in r.label and "fp32_staging" in r.label]
+    assert len(runs) == 2  # TP2 and TP4
+    for r in runs:
+        for row in r.rows:
+            if row.boundary == "global grad norm":
+                assert row.max_error_over_terms < 2.0**-20, r.label  # FP32 summation order of the norm only
+            else:
+                assert row.effect == "bitwise", (r.label, row)
+
+
+@pytest.mark.slow
+def test_audit_zero_norm_leaves_out_experts_but_bf16_optimizer_does_not(audit):
+    for r in audit.runs:
+        if r.error or "GAS 1" not in r.label or "no experts" in r.label:
+            continue
+        norm = _row(r, "global grad norm").max_error_over_terms
+        if " bf16_optimizer " in r.label:
+            assert norm < 1e-3, r.label
+        else:
+            assert norm > 1e-2, r.label  # TP2: 7.2e-2, the expert of TP rank 1 is missing
+
+
 # -- the standalone reproducer of the ZeRO norm defect ---------------------------------------------------------
 
 NORM_REPRODUCER = Path(__file__).resolve().parents[1] / "simdist/cases/reproducers/deepspeed_zero_norm_experts.py"

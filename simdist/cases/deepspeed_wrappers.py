@@ -23,7 +23,7 @@ BF16 local gradients (`simdist.models.synthetic`), which the case checks bitwise
 The verdict table: for every run and boundary (capture), how many elements differ from the oracle, the
 largest error over the sum of the absolute terms that element sums (gradient stages), and an effect class:
 ``bitwise``, ``fp32-order`` (below 2^-16 of sum|terms|: summation order, FP32 rounding) or ``bf16``
-(a BF16 rounding on the path).
+(a BF16 rounding on the path); FP32 masters only ``bitwise`` or ``differs`` (error in units of ``lr x steps``).
 """
 
 from __future__ import annotations
@@ -230,6 +230,8 @@ class RunResult:
     """``micro m: param`` where the helper skipped the TP correction because the marker was set."""
     correction_sites: list[str] = field(default_factory=list)
     """Which DeepSpeed code applied the TP correction (``bf16_optimizer``, ``stage_1_and_2``, ...)."""
+    buffer_dtypes: list[str] = field(default_factory=list)
+    """The dtypes of the gradient buffers the correction wrote back into (``torch.bfloat16``: a BF16 boundary)."""
     norms: dict[int, float] = field(default_factory=dict)
     """Each rank's global gradient norm at step 0 (``engine.get_global_grad_norm``)."""
     oracle_norm: float = 0.0
@@ -268,8 +270,10 @@ class _Acc:
         ratio = err / scale.clamp_min(torch.finfo(torch.float64).tiny)
         self.ratio = max(self.ratio, float(ratio[differ].max()))
 
-    def row(self, boundary: str, note: str = "") -> Row:
+    def row(self, boundary: str, note: str = "", classify: bool = True) -> Row:
         effect = "bitwise" if not self.differing else "bf16" if self.ratio > BF16_LEVEL else "fp32-order"
+        if self.differing and not classify:
+            effect = "differs"
         return Row(boundary, self.compared, self.differing, self.ratio, sorted(self.params), effect, note)
 
 
@@ -283,7 +287,7 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
     steps = oracle(spec, run, seed)
     rows = {name: _Acc() for name in ("local", "fp32", "writeback", "hp", "reduced", "master", "exp_avg", "exp_sq")}
     norm = _Acc()
-    sites, skipped = set(), set()
+    sites, skipped, dtypes = set(), set(), set()
     for c in captures:
         r = c.rank
         for (step, micro, name), value in c.local.items():
@@ -296,6 +300,7 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
             if call.action != "corrected":
                 continue
             sites.add(call.caller)
+            dtypes.add(call.buffer_dtype)
             # The engine's boundary pass, and ZeRO-1's reduce hook (it reduces only at the boundary:
             # stage_1_and_2.py reduce_ready_partitions_and_remove_grads), correct the BF16 gradient accumulated
             # over the micro-steps; BF16_Optimizer, ZeRO-2 and ZeRO-3 correct each micro-step's.
@@ -335,10 +340,14 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
     notes = {"master": "error / (lr x steps)"}
     for key, acc in rows.items():
         if acc.compared:
-            result.rows.append(acc.row(labels[key], notes.get(key, "error / sum|terms|")))
+            # A master's error has no BF16/FP32 scale: Adam's first update is lr * sign(g), so a gradient
+            # whose sign a BF16 rounding flips moves the master by 2 lr; the row says only whether it differs.
+            row = acc.row(labels[key], notes.get(key, "error / sum|terms|"), classify=key != "master")
+            result.rows.append(row)
     if norm.compared:
         result.rows.append(norm.row("global grad norm", "error / |value|"))
     result.correction_sites = sorted(sites)
+    result.buffer_dtypes = sorted(dtypes)
     result.oracle_norm = steps[0].norm
     result.skipped_corrections = sorted(skipped)
     return result
@@ -387,20 +396,46 @@ def run(
     return verdict
 
 
+COLUMNS = (
+    ("FP32 TP-corrected", "FP32 TP value"),
+    ("corrected gradient after", "after write-back"),
+    ("FP32 accumulated", "FP32 accumulated"),
+    ("DP-reduced", "DP-reduced"),
+    ("global grad norm", "norm"),
+    ("FP32 master", "master"),
+    ("Adam exp_avg:", "exp_avg"),
+    ("Adam exp_avg_sq", "exp_avg_sq"),
+)
+
+
+def _cell(row: Row | None) -> str:
+    if row is None:
+        return "-"
+    if row.effect == "bitwise":
+        return f"= ({row.compared})"
+    return f"{row.effect} {row.differing}/{row.compared}, {row.max_error_over_terms:.1e}"
+
+
 def table(v: WrappersVerdict) -> str:
-    """The wrapper x boundary x effect table (markdown)."""
-    lines = ["| run | boundary | differing / compared | max error | effect | params |", "|---|---|---|---|---|---|"]
+    """The wrapper x boundary x effect table (markdown): per boundary ``effect differing/compared, max error``.
+
+    ``= (n)``: all n elements bitwise equal to the oracle. Max error is over sum|terms| for gradients and
+    moments, over ``lr x steps`` for masters, over the value for the norm.
+    """
+    head = "| run | wrapper, correction site, buffer | " + " | ".join(name for _, name in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
     for r in v.runs:
         if r.error:
-            lines.append(f"| {r.label} | not run | | | {r.error} | |")
+            lines.append(f"| {r.label} | not run: {r.error} |" + " |" * len(COLUMNS))
             continue
-        for row in r.rows:
-            if row.boundary.startswith("BF16 local") and row.effect == "bitwise":
-                continue
-            lines.append(
-                f"| {r.label} | {row.boundary} | {row.differing}/{row.compared} | "
-                f"{row.max_error_over_terms:.2e} ({row.note}) | {row.effect} | {', '.join(row.params_differing)} |"
-            )
+        rows = {
+            prefix: next((x for x in r.rows if x.boundary.startswith(prefix.rstrip(":"))), None)
+            for prefix, _ in COLUMNS
+        }
+        rows["Adam exp_avg:"] = next((x for x in r.rows if x.boundary == "Adam exp_avg"), None)
+        dtypes = ", ".join(d.replace("torch.", "") for d in r.buffer_dtypes)
+        where = f"{r.optimizer_class}, {', '.join(r.correction_sites)}, {dtypes}"
+        lines.append(f"| {r.label} | {where} | " + " | ".join(_cell(rows[p]) for p, _ in COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -411,7 +446,8 @@ def summarize(v: WrappersVerdict) -> str:
             lines.append(f"  {r.label}: NOT RUN: {r.error}")
             continue
         lines.append(
-            f"  {r.label} [{r.optimizer_class}; TP correction in {', '.join(r.correction_sites) or 'nowhere'}]"
+            f"  {r.label} [{r.optimizer_class}; TP correction in {', '.join(r.correction_sites) or 'nowhere'}"
+            f" on {', '.join(r.buffer_dtypes) or '-'}]"
             + (f"; marker skipped {'; '.join(r.skipped_corrections)}" if r.skipped_corrections else "")
         )
         for row in r.rows:
