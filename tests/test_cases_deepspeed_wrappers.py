@@ -229,6 +229,20 @@ def test_audit_zero_norm_leaves_out_experts_but_bf16_optimizer_does_not(audit):
             assert norm > 1e-2, r.label  # TP2: 7.2e-2, the expert of TP rank 1 is missing
 
 
+WRITE_BACK = "auto_ep_folding.py:452 reduce_autoep_folding_gradient: aten._to_copy cast fp32->bf16"
+
+
+@pytest.mark.slow
+def test_audit_inside_the_ranks_finds_the_write_back_unless_the_fix_is_in(audit):
+    for r in audit.runs:
+        if r.error:
+            continue
+        found = any(site.endswith(WRITE_BACK) for site in r.narrowing)
+        assert found == ("fp32_staging" not in r.label), (r.label, r.narrowing)
+        if "comm bf16" in r.label and "DP1" not in r.label:  # a DP reduction in BF16 is a bf16 collective
+            assert any("collective bf16" in site for site in r.narrowing), r.label
+
+
 # -- the standalone reproducer of the ZeRO norm defect ---------------------------------------------------------
 
 NORM_REPRODUCER = Path(__file__).resolve().parents[1] / "simdist/cases/reproducers/deepspeed_zero_norm_experts.py"

@@ -68,6 +68,8 @@ class EngineRun:
     fix: Literal["none", "fp32_staging"] = "none"
     accum_fp32: bool = False
     """``data_types.grad_accum_dtype: fp32`` on a ZeRO wrapper (BF16_Optimizer always has it)."""
+    audit: bool = True
+    """Run ``simdist.audit`` around every backward and step in the rank process (the narrowing sites found)."""
     experts: bool = True
     """Whether the module holds the routed-expert parameter (ZeRO-3 refuses MoE without a real AutoEP layer)."""
 
@@ -159,6 +161,9 @@ class EngineCapture:
     master: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     exp_avg: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    narrowing: list[dict] = field(default_factory=list)
+    """The audit's sites on this rank (``where``, ``function``, ``op``, ``kind``, ``dtypes``, ``count``,
+    ``max_rel_error``): every narrowing cast/accumulate/store and every collective with its dtype."""
     error: str = ""
     """Why the run could not be driven (the engine raised): the exception's first line."""
 
@@ -170,7 +175,7 @@ class _Leaf(torch.nn.Module):
         return sum((p * grads[prefix + n].to(p.dtype)).sum() for n, p in self.named_parameters(recurse=False))
 
 
-class _SyntheticModule(torch.nn.Module):
+class SyntheticModule(torch.nn.Module):
     """simdist's synthetic parameters as one rank's shards; ``forward = sum(p * g)`` so ``dL/dp = g``.
 
     The gradients ``g`` are set in ``self.grads`` before each forward, not passed as input: AutoTP checks that
@@ -193,7 +198,7 @@ class _SyntheticModule(torch.nn.Module):
         return sum(leaf(self.grads, f"{name}.") for name, leaf in self.named_children())
 
 
-def _mark(module: torch.nn.Module, params, ep: int) -> list[dict]:
+def mark_families(module: torch.nn.Module, params, ep: int) -> list[dict]:
     """DeepSpeed's family markers on each parameter; the client optimizer's param groups (experts: MoE group)."""
     from deepspeed.module_inject import auto_ep_folding as fold
 
@@ -228,7 +233,7 @@ def _patched(obj, name: str, value) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _no_model_injection() -> Iterator[None]:
+def no_model_injection() -> Iterator[None]:
     """The two hand-done steps: no HF MoE block to detect, no HF preset to shard (see the module docstring)."""
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_layer import ReplacementSourceMap
@@ -292,7 +297,7 @@ class _HelperSpy:
         return spy
 
 
-def _staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
+def staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
     """BF16_Optimizer fix (#8913): correct an FP32 staging copy of ``lp.grad``, add it to the FP32 buffer."""
     bf16_module = importlib.import_module("deepspeed.runtime.bf16_optimizer")
     if lp.grad is None:
@@ -319,7 +324,7 @@ def engine_rank(comm, runs: tuple[EngineRun, ...], seed: int) -> list[EngineCapt
         return [_drive(comm, run, seed) for run in runs]
 
 
-def _init_comm() -> None:
+def init_comm() -> None:
     import logging
 
     from deepspeed import comm as ds_comm
@@ -331,7 +336,7 @@ def _init_comm() -> None:
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
 
 
-def _reset_groups() -> None:
+def reset_groups() -> None:
     """Forget DeepSpeed's module-global groups so the next engine builds its own (they persist per process)."""
     from deepspeed.utils import groups
 
@@ -353,18 +358,18 @@ def _drive(comm, run: EngineRun, seed: int) -> EngineCapture:
     from simdist.models.synthetic import InitialWeights, SyntheticGradients
 
     spec, rank = comm.spec, comm.get_rank()
-    _init_comm()
-    _reset_groups()
+    init_comm()
+    reset_groups()
     capture = EngineCapture(run, rank)
     local_grads = SyntheticGradients(spec, seed=seed)
-    module = _SyntheticModule(run.params(), InitialWeights(spec, seed), rank)
-    groups = _mark(module, run.params(), spec.ep)
+    module = SyntheticModule(run.params(), InitialWeights(spec, seed), rank)
+    groups = mark_families(module, run.params(), spec.ep)
     names = {p: n for n, p in module.named_parameters()}
     spy = _HelperSpy(capture, names)
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     helper = bf16_module.apply_folding_correction_to_grad_buffer
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_no_model_injection())
+        stack.enter_context(no_model_injection())
         for mod in (bf16_module, stage12_module, stage3_module):
             caller = mod.__name__.rsplit(".", 1)[-1]
             stack.enter_context(_patched(mod, "apply_folding_correction_to_grad_buffer", spy.wrap(helper, caller)))
@@ -377,10 +382,34 @@ def _drive(comm, run: EngineRun, seed: int) -> EngineCapture:
             capture.error = f"deepspeed.initialize: {type(exc).__name__}: {first}"
             return capture
         capture.optimizer_class = type(engine.optimizer).__name__
+        inputs = {  # made before any audit: generating them casts FP32 to BF16 outside DeepSpeed
+            (step, micro): {p.name: local_grads(step, micro, rank, p) for p in run.params()}
+            for step in range(run.steps)
+            for micro in range(run.gas)
+        }
         if run.fix == "fp32_staging":
             _apply_fix(engine, run)
         try:
-            _steps(engine, run, spec, rank, local_grads, spy, capture)
+            if run.audit:
+                from simdist.audit import audit  # a lazy import of a lower layer (docs/ARCHITECTURE.md)
+
+                # this module's frames (the spy, the synthetic forward) are skipped: sites land in DeepSpeed
+                with audit(skip=(__name__,), rank=rank) as watched:
+                    _steps(engine, run, inputs, spy, capture)
+                capture.narrowing = [
+                    {
+                        "where": site.where,
+                        "function": site.function,
+                        "op": site.op,
+                        "kind": site.kind,
+                        "dtypes": site.dtypes,
+                        "count": site.count,
+                        "max_rel_error": site.max_rel_error,
+                    }
+                    for site in watched.report().sites
+                ]
+            else:
+                _steps(engine, run, inputs, spy, capture)
         except Exception as exc:
             import traceback
 
@@ -396,12 +425,12 @@ def _drive(comm, run: EngineRun, seed: int) -> EngineCapture:
 
 def _apply_fix(engine, run: EngineRun) -> None:
     if run.wrapper == "bf16_optimizer":
-        engine.optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, engine.optimizer)
+        engine.optimizer._update_hp_grad = types.MethodType(staged_update_hp_grad, engine.optimizer)
         return
     raise ValueError(f"no FP32-staging patch for {run.wrapper}")
 
 
-def _steps(engine, run: EngineRun, spec, rank: int, local_grads, spy: _HelperSpy, capture: EngineCapture) -> None:
+def _steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: EngineCapture) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
     named = dict(engine.module.named_parameters())
@@ -425,7 +454,7 @@ def _steps(engine, run: EngineRun, spec, rank: int, local_grads, spy: _HelperSpy
     for step in range(run.steps):
         for micro in range(run.gas):
             spy.where = (step, micro)
-            grads = {p.name: local_grads(step, micro, rank, p) for p in run.params()}
+            grads = inputs[(step, micro)]
             handles = [
                 param.register_hook(
                     lambda g, name=name, key=(step, micro): capture.local.__setitem__((*key, name), g.detach().clone())

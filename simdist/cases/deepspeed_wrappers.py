@@ -235,6 +235,8 @@ class RunResult:
     norms: dict[int, float] = field(default_factory=dict)
     """Each rank's global gradient norm at step 0 (``engine.get_global_grad_norm``)."""
     oracle_norm: float = 0.0
+    narrowing: list[str] = field(default_factory=list)
+    """The sites ``simdist.audit`` found in rank 0's process during this run's backward and step."""
 
 
 @dataclass
@@ -246,6 +248,10 @@ class WrappersVerdict:
     layouts: list[str]
     seconds: float
     runs: list[RunResult] = field(default_factory=list)
+    narrowing_sites: dict[str, list[str]] = field(default_factory=dict)
+    """Per wrapper, every site ``simdist.audit`` found inside the rank processes (rank 0, all runs): narrowing
+    casts/accumulations/stores of floats and the floating collectives with their dtype, with DeepSpeed's
+    ``file:line``."""
 
 
 class _Acc:
@@ -346,6 +352,7 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
             result.rows.append(row)
     if norm.compared:
         result.rows.append(norm.row("global grad norm", "error / |value|"))
+    result.narrowing = _sites(first)
     result.correction_sites = sorted(sites)
     result.buffer_dtypes = sorted(dtypes)
     result.oracle_norm = steps[0].norm
@@ -380,18 +387,23 @@ def run(
 
     start = time.perf_counter()
     results, layouts = [], []
+    sites: dict[str, list[str]] = {}
     for tp in tps:
         spec = ParallelSpec(world_size, tp=tp, ep=2)
         layouts.append(spec.describe())
         chosen = runs if runs is not None else audit_runs(tp)
         real = run_real(spec, chosen, world)
         results += [judge_run(spec, r, real[r]) for r in chosen]
+        for r in chosen:
+            found = sites.setdefault(r.wrapper, [])
+            found += [s for s in _sites(real[r][0]) if s not in found]
     ok = all(
         (not r.error or any(e in r.error for e in EXPECTED_UNSUPPORTED))
         and all(row.effect == "bitwise" for row in r.rows if row.boundary.startswith("BF16 local"))
         for r in results
     )
     verdict = WrappersVerdict(ok, "", deepspeed.__version__, world, layouts, time.perf_counter() - start, results)
+    verdict.narrowing_sites = sites
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -414,6 +426,17 @@ def _cell(row: Row | None) -> str:
     if row.effect == "bitwise":
         return f"= ({row.compared})"
     return f"{row.effect} {row.differing}/{row.compared}, {row.max_error_over_terms:.1e}"
+
+
+def _sites(capture: EngineCapture) -> list[str]:
+    """The audit's floating-point sites of one rank as ``file:line function: op kind dtypes``."""
+    out = []
+    for s in capture.narrowing:
+        if s["kind"] == "collective" and s["dtypes"] not in ("fp32", "bf16", "fp16", "fp64"):
+            continue  # object broadcasts (int64, uint8)
+        where = s["where"].split("site-packages/")[-1]
+        out.append(f"{where} {s['function']}: {s['op']} {s['kind']} {s['dtypes']}")
+    return out
 
 
 def table(v: WrappersVerdict) -> str:
@@ -457,6 +480,9 @@ def summarize(v: WrappersVerdict) -> str:
                 f"    {row.boundary}: {row.differing}/{row.compared} differ, max {row.max_error_over_terms:.2e} "
                 f"({row.note}) -> {row.effect}" + (f" [{', '.join(row.params_differing)}]" if row.differing else "")
             )
+    for wrapper, found in v.narrowing_sites.items():
+        lines.append(f"  narrowing sites and collectives found by simdist.audit in the {wrapper} rank processes:")
+        lines += [f"    {site}" for site in found]
     lines.append(f"audit time: {v.seconds:.0f} s")
     lines.append("verdict: " + ("every run captured, inputs bitwise" if v.ok else "FAILED (see above)"))
     return "\n".join(lines)
