@@ -436,7 +436,7 @@ def _sites(capture: EngineCapture) -> list[str]:
             continue  # object broadcasts (int64, uint8)
         where = s["where"].split("site-packages/")[-1]
         out.append(f"{where} {s['function']}: {s['op']} {s['kind']} {s['dtypes']}")
-    return out
+    return list(dict.fromkeys(out))  # sites differing only in their context read the same
 
 
 def table(v: WrappersVerdict) -> str:
