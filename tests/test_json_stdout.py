@@ -42,6 +42,14 @@ def test_stdout_to_stderr_leaves_only_the_report_on_stdout():
         assert line in done.stderr
 
 
+def test_a_replaced_sys_stdout_still_receives_the_report(capsys):
+    from simdist.cases.stdout import stdout_to_stderr
+
+    with stdout_to_stderr() as report:
+        print('{"answer": 42}', file=report)
+    assert capsys.readouterr().out == '{"answer": 42}\n'
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",

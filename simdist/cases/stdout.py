@@ -13,6 +13,7 @@ from a forkserver, which is why the rank programs call this too).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 from collections.abc import Iterator
@@ -24,11 +25,18 @@ def stdout_to_stderr() -> Iterator[TextIO]:
     """Inside the block fd 1 (and ``sys.stdout``) go to stderr; yields a stream on the original stdout.
 
     Write the report (the JSON) to the yielded stream; it is flushed and closed
-    when the block ends and fd 1 is restored.
+    when the block ends and fd 1 is restored. When ``sys.stdout`` is not fd 1
+    (replaced by a caller, e.g. pytest's ``capsys``), the report goes to it.
     """
     sys.stdout.flush()
+    try:
+        on_fd1 = sys.stdout.fileno() == 1
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # replaced (pytest's capsys, a StringIO)
+        on_fd1 = False
     saved = os.dup(1)
-    report = os.fdopen(os.dup(saved), "w", encoding="utf-8")
+    # sys.stdout on fd 1 now reaches stderr too, so the report gets its own stream on the original fd 1;
+    # a replaced sys.stdout is not fd 1 and keeps receiving the report
+    report = os.fdopen(os.dup(saved), "w", encoding="utf-8") if on_fd1 else sys.stdout
     os.dup2(2, 1)
     try:
         yield report
@@ -37,5 +45,6 @@ def stdout_to_stderr() -> Iterator[TextIO]:
             sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
-        with contextlib.suppress(BrokenPipeError):
-            report.close()
+        if on_fd1:
+            with contextlib.suppress(BrokenPipeError):
+                report.close()
