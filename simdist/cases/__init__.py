@@ -16,6 +16,7 @@ from simdist.cases.base import Case, Verdict
 _MODULES: dict[str, str] = {
     "deepspeed-8913": "simdist.cases.deepspeed_8913",
     "deepspeed-gas-marker": "simdist.cases.deepspeed_gas_marker",
+    "deepspeed-wrappers": "simdist.cases.deepspeed_wrappers",
     "fsdp2-reduce-dtype": "simdist.cases.fsdp2_reduce_dtype",
     "fsdp2-reduce-dtype-tp": "simdist.cases.fsdp2_tp_mesh",
     "megatron-grad-reduce-fp32": "simdist.cases.megatron_grad_reduce",

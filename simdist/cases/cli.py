@@ -44,9 +44,13 @@ def run_case_command(args: argparse.Namespace) -> int:
                 f"    compared with: {', '.join(case.policies)}"
             )
         return 0
-    verdict = run_case(args.name, world=args.world)
-    if args.json:
-        print(json.dumps(asdict(verdict), indent=2, default=str))
+    if args.json:  # the framework's logging (this process and its ranks) goes to stderr: stdout is the JSON
+        from simdist.cases.stdout import stdout_to_stderr
+
+        with stdout_to_stderr() as report:
+            verdict = run_case(args.name, world=args.world)
+            print(json.dumps(asdict(verdict), indent=2, default=str), file=report)
     else:
+        verdict = run_case(args.name, world=args.world)
         print(verdict.summary)
     return 0 if verdict.ok else 1

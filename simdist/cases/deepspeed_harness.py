@@ -92,7 +92,17 @@ class RankCapture:
 
 
 def deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int) -> list[RankCapture]:
-    """Rank program: every `DsRun` on this rank's real DeepSpeed optimizer; one `RankCapture` each."""
+    """Rank program: every `DsRun` on this rank's real DeepSpeed optimizer; one `RankCapture` each.
+
+    DeepSpeed's log lines go to stderr (`simdist.cases.stdout`): stdout belongs to the CLI's report.
+    """
+    from simdist.cases.stdout import stdout_to_stderr
+
+    with stdout_to_stderr():
+        return _deepspeed_rank(comm, runs, seed)
+
+
+def _deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int) -> list[RankCapture]:
     import deepspeed
 
     from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients

@@ -369,17 +369,26 @@ def _repro(args: argparse.Namespace) -> int:
         model=args.model,
         engine=args.engine,
     )
+    if args.json:  # a real engine's logging (this process and its ranks) goes to stderr: stdout is the JSON
+        from simdist.cases.stdout import stdout_to_stderr
+
+        with stdout_to_stderr() as report:
+            reports, verdict = _reproduce_with_bar(config, args, reproduce, run_count)
+            print(json.dumps(to_json(config, reports, verdict), indent=2), file=report)
+        return EXIT_OK
+    reports, verdict = _reproduce_with_bar(config, args, reproduce, run_count)
+    print(format_report(config, reports, verdict, diff_only=not args.all_tensors))
+    return EXIT_OK
+
+
+def _reproduce_with_bar(config, args: argparse.Namespace, reproduce, run_count):
+    """``reproduce(config)`` with a progress bar on stderr (unless ``--no-progress``)."""
     shown = bar(run_count(config), "repro 8913", unit="run", enabled=not args.no_progress)
     try:
-        reports, verdict = reproduce(config, progress=(lambda label: shown.update(1)) if shown is not None else None)
+        return reproduce(config, progress=(lambda label: shown.update(1)) if shown is not None else None)
     finally:
         if shown is not None:
             shown.close()
-    if args.json:
-        print(json.dumps(to_json(config, reports, verdict), indent=2))
-    else:
-        print(format_report(config, reports, verdict, diff_only=not args.all_tensors))
-    return EXIT_OK
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -1,0 +1,69 @@
+"""``--json`` prints JSON alone on stdout: framework logging goes to stderr (issue 19, item 7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_NOISY = textwrap.dedent(
+    """
+    import json, logging, os, subprocess, sys
+    from simdist.cases.stdout import stdout_to_stderr
+
+    log = logging.getLogger("framework")
+    log.addHandler(logging.StreamHandler(stream=sys.stdout))  # bound before the block, as DeepSpeed's is
+    with stdout_to_stderr() as report:
+        print("a print")
+        log.warning("a log line")
+        os.write(1, b"a raw write\\n")
+        subprocess.run([sys.executable, "-c", "print('a child process')"], check=True)
+        print(json.dumps({"answer": 42}), file=report)
+    print("after the block")
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_stdout_to_stderr_leaves_only_the_report_on_stdout():
+    done = subprocess.run([sys.executable, "-c", _NOISY], capture_output=True, text=True, env=_env(), check=True)
+    assert done.stdout == '{"answer": 42}\nafter the block\n'
+    for line in ("a print", "a log line", "a raw write", "a child process"):
+        assert line in done.stderr
+
+
+def test_a_replaced_sys_stdout_still_receives_the_report(capsys):
+    from simdist.cases.stdout import stdout_to_stderr
+
+    with stdout_to_stderr() as report:
+        print('{"answer": 42}', file=report)
+    assert capsys.readouterr().out == '{"answer": 42}\n'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["case", "run", "deepspeed-gas-marker", "--json"],
+        ["case", "run", "deepspeed-8913", "--json"],
+        ["repro", "8913", "--engine", "deepspeed", "--json", "--steps", "1", "--gas", "1", "--no-progress"],
+    ],
+    ids=["gas-marker", "8913", "repro-engine"],
+)
+def test_json_commands_print_json_alone(argv):
+    done = subprocess.run(
+        [sys.executable, "-m", "simdist.cli", *argv], capture_output=True, text=True, env=_env(), timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    json.loads(done.stdout)  # the whole of stdout is one JSON document
+    assert "[WARNING]" in done.stderr  # DeepSpeed did log: the test would see it if it went to stdout
