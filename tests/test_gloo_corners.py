@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import simdist
+from simdist.reduce.gloo_fidelity import disagreements, fidelity_probes, run_cases_and_probes, run_probes, tally
 from simdist.reduce.gloo_probe import (
     KINDS,
     Case,
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.gloo
 WORLD = 4
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int32, torch.int8, torch.uint8, torch.int64, torch.bool)
+COMPLEX = (torch.complex64, torch.complex128)
 SCALE = {torch.float16: 8, torch.bfloat16: 60, torch.float32: 60, torch.float64: 200}  # |binade| of drawn values
 
 
@@ -44,6 +46,9 @@ def _values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) ->
     """Random values of ``dtype``: normal times exact powers of two (floats), or wrapping-prone integers."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        part = torch.float32 if dtype == torch.complex64 else torch.float64
+        return torch.complex(_values(gen, shape, part), _values(gen, shape, part))
     if not dtype.is_floating_point:
         info = torch.iinfo(dtype)
         return torch.randint(max(info.min, -300), min(info.max, 300) + 1, shape, generator=gen).to(dtype)
@@ -63,7 +68,7 @@ def drawn_cases(draw) -> Case:
     group = None if size == WORLD and draw(st.booleans()) else tuple(order[:size])
     members = sorted(group) if group else list(range(WORLD))
     n = len(members)
-    dtype = draw(st.sampled_from(FLOATS + INTEGERS))
+    dtype = draw(st.sampled_from(FLOATS + INTEGERS + COMPLEX))
     op = draw(st.sampled_from(("SUM", "PRODUCT", "MAX", "MIN", "AVG")))
     layout = "contiguous"
     if kind == "reduce_scatter":
@@ -76,9 +81,10 @@ def drawn_cases(draw) -> Case:
             layout = "transposed"
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     x = _values(gen, (n, *shape), dtype)
-    if dtype.is_floating_point and x[0].numel():
-        specials = from_bits(special_columns(1, dtype), dtype)[0]
-        flat = x.view(n, -1)
+    if (dtype.is_floating_point or dtype.is_complex) and x[0].numel():
+        planted = torch.view_as_real(x) if dtype.is_complex else x  # complex: specials in either part
+        specials = from_bits(special_columns(1, planted.dtype), planted.dtype)[0]
+        flat = planted.view(n, -1)
         for _ in range(draw(st.integers(0, 12))):
             rank, where, which = draw(st.integers(0, n - 1)), draw(st.integers(0, 10**6)), draw(st.integers(0, 99))
             flat[rank, where % flat.shape[1]] = specials[which % specials.numel()]
@@ -100,10 +106,23 @@ def draw_cases() -> list[Case]:
     return found
 
 
+ELSEWHERE = {"monitored_barrier"}
+"""Probes another change owns: monitored_barrier needs the backend to report itself as gloo (helper "iso"'s
+backend naming); drop it from this set once that is merged."""
+
+
 @pytest.fixture(scope="module")
-def corners():
+def spawned():
+    """ONE spawn of WORLD real gloo processes: the corner cases (fixed and drawn) and the fidelity probes."""
     cases = corner_cases(WORLD) + draw_cases()
-    return cases, spawn_procs(run_cases, WORLD, cases, backend="gloo", timeout_s=240)
+    probes = [p for p in fidelity_probes(WORLD) if p.kind not in ELSEWHERE]
+    results = spawn_procs(run_cases_and_probes, WORLD, cases, probes, backend="gloo", timeout_s=240)
+    return cases, [r[0] for r in results], probes, [r[1] for r in results]
+
+
+@pytest.fixture(scope="module")
+def corners(spawned):
+    return spawned[0], spawned[1]
 
 
 def _failures(rows) -> list[str]:
@@ -179,3 +198,26 @@ def test_larger_worlds_and_segmented_lengths_with_special_values(world):
     real = spawn_procs(run_cases, world, cases, backend="gloo", timeout_s=600)
     failures = _failures(compare(cases, real, model_outcomes(cases, world)))
     assert not failures, "\n".join(failures)
+
+
+def test_every_fidelity_category_equals_real_gloo_in_storage_bytes(spawned):
+    """Complex reduce/reduce_scatter, scatter layouts, bool bytes, refusals and the dtype table (threads)."""
+    _, _, probes, real = spawned
+    found = disagreements(probes, real, simdist.spawn(run_probes, WORLD, probes))
+    counts = tally(probes, found, WORLD)
+    assert set(counts) >= {"complex", "scatter layout", "bool bytes", "refusals", "dtype table"}
+    assert not found, "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}: {v.real} | {v.simulated}" for v in found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mode(world):
+    """Every category plus ``dist.reduce`` just above 2P MiB (gloo's own segment sizing) at P = 2..8."""
+    probes = [p for p in fidelity_probes(world, big=True) if p.kind not in ELSEWHERE]
+    real = spawn_procs(run_probes, world, probes, backend="gloo", timeout_s=600)
+    for mode, seen in (
+        ("threads", simdist.spawn(run_probes, world, probes)),
+        ("process", spawn_procs(run_probes, world, probes, backend="simdist", timeout_s=600)),
+    ):
+        found = disagreements(probes, real, seen)
+        assert not found, mode + ":\n" + "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}" for v in found)
