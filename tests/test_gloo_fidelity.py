@@ -170,3 +170,39 @@ def test_simcomm_reduce_and_list_reduce_scatter_give_the_backends_bytes(dtype):
     for r in range(4):
         for a, b in zip(via_comm[r], via_torch[r], strict=True):
             assert torch.equal(a, b), r
+
+
+def _reverse_tags(rank):
+    x = torch.zeros(2)
+    if rank == 0:
+        dist.send(torch.ones(2), 1, tag=1)
+        dist.send(torch.ones(2) * 2, 1, tag=2)
+    else:
+        dist.recv(x, 0, tag=2)  # gloo: rank 0 is still blocked in its tag-1 send; neither returns
+        dist.recv(x, 0, tag=1)
+    return x
+
+
+def _exchange(rank):
+    peer = 1 - rank
+    x = torch.full((2,), float(rank))
+    got = torch.zeros(2)
+    reqs = [dist.isend(x, peer, tag=5), dist.irecv(got, peer, tag=5)]
+    for req in reqs:
+        req.wait()
+    if rank == 0:  # blocking sends received in order
+        dist.send(x + 1, 1, tag=1)
+        dist.send(x + 2, 1, tag=2)
+    else:
+        dist.recv(x, 0, tag=1)
+        dist.recv(got, 0, tag=2)
+    return x, got
+
+
+def test_blocking_sends_received_in_reverse_tag_order_are_a_reported_deadlock():
+    from simdist.world.errors import CollectiveDeadlockError
+
+    with pytest.raises(CollectiveDeadlockError, match="blocking send"):
+        simdist.spawn(_reverse_tags, 2)
+    (_, got0), (x1, got1) = simdist.spawn(_exchange, 2)  # isend/irecv and in-order blocking sends still run
+    assert got0.tolist() == [1.0, 1.0] and x1.tolist() == [1.0, 1.0] and got1.tolist() == [2.0, 2.0]
