@@ -46,8 +46,8 @@ functions do:
   ``acc``'s, quieted (x86: the first operand's), else the default NaN
   ``0xFFC00000`` (``inf - inf``, ``0 * inf``); bf16 results are always
   ``0x7FC0`` (c10's float -> bf16 rounding); fp16 keep that NaN's sign with
-  payload ``0x7E00``. Integers wrap (two's complement); bool SUM is OR,
-  PRODUCT is AND.
+  payload ``0x7E00``. Integers wrap (two's complement); bool tensors are
+  reduced as bytes (``uint8``): three ``True`` sum to byte 3 (found against real gloo).
 * ``MAX``/``MIN``: ``std::max(local, acc)``: ``acc`` if ``acc > local`` (``<``
   for MIN), else ``local``. A comparison with NaN is false, so NaN wins only
   when it is on the receiving side, and of ``+0``/``-0`` the later rank's
@@ -62,10 +62,15 @@ functions do:
 
 What the collectives around the walk do (torch 2.13):
 
-* ``reduce`` to any root leaves the all-reduce's bits on the root
-  (`Gloo.reduce_to`) and, in every other rank's tensor, the partial sums of
-  its own hops of the ring reduce-scatter (`Gloo.reduce_buffers`); with AVG
-  every rank's tensor is then divided by ``n``.
+* ``reduce`` runs gloo's own reduce ring (``gloo/reduce.cc``): segments of
+  ``min(ceil(T / 2n), 1 MiB)`` bytes (`reduce_chunk_length`; the all-reduce's
+  chunks up to ``2n`` MiB, whole 1 MiB segments above). The root gets the full
+  result (`Gloo.reduce_to`), every other rank the partial sums of its own hops
+  (`Gloo.reduce_buffers`, including the ``s - 2`` extra steps when a chunk has
+  ``s > 2`` segments); with AVG every rank's tensor is then divided by ``n``.
+* complex tensors (``reduce`` and both reduce_scatters; torch's Python layer
+  hands the others ``view_as_real``) are reduced on ``view_as_real``; AVG then
+  divides the complex tensor; MAX/MIN/PRODUCT raise ``RuntimeError``.
 * ``reduce_scatter_tensor`` all-reduces a clone of the input (a permuted
   input in memory order) and gives rank ``i`` chunk ``i`` of dim 0.
 * integer ``AVG``: the SUM is in the tensor when ``div_`` raises.
