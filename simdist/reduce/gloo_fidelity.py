@@ -110,6 +110,8 @@ def _run_one(p: Probe, rank: int, world: int) -> list[torch.Tensor]:
         rows = (world * p.shape[0], *p.shape[1:])
         if p.variant == "gaps":
             inp = make((2 * rows[0], *rows[1:]), p.dtype, seed)[::2]
+        elif p.variant == "dim 0 mismatch":  # same numel, but output dim 0 x P != input dim 0
+            inp = make((rows[0] * rows[1] // 2, 2), p.dtype, seed)
         elif p.variant == "expand":
             inp = make((1, *rows[1:]), p.dtype, seed).expand(rows)
         else:
@@ -219,6 +221,13 @@ def fidelity_probes(world: int, big: bool = False) -> list[Probe]:
     add("empty reduce", "refusals", "reduce", shape=(0,), root=last)
     add("reduce_scatter_tensor of a view with gaps", "refusals", "reduce_scatter_tensor", shape=(3, 2), variant="gaps")
     add("reduce_scatter_tensor of an expand()", "refusals", "reduce_scatter_tensor", shape=(2, 3), variant="expand")
+    add(
+        "reduce_scatter_tensor dim 0 mismatch",
+        "refusals",
+        "reduce_scatter_tensor",
+        shape=(2, 3),
+        variant="dim 0 mismatch",
+    )
     add("gather complex64", "refusals", "gather", dtype=torch.complex64, shape=(4,))
     add("send non-contiguous", "refusals", "send", shape=(2, 3))
     add("reduce_scatter mismatched entries", "refusals", "reduce_scatter", shape=(3,), variant="mismatched entries")
