@@ -59,7 +59,7 @@ def _values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) ->
 
 
 @st.composite
-def drawn_cases(draw) -> Case:
+def drawn_cases(draw, dtypes: tuple[torch.dtype, ...] = FLOATS + INTEGERS + COMPLEX) -> Case:
     """A collective on a drawn group (any size, any order), dtype, op, length and layout, with special values
     (NaN payloads, signed zeros, infinities) planted at drawn places."""
     kind = draw(st.sampled_from(KINDS))
@@ -68,7 +68,7 @@ def drawn_cases(draw) -> Case:
     group = None if size == WORLD and draw(st.booleans()) else tuple(order[:size])
     members = sorted(group) if group else list(range(WORLD))
     n = len(members)
-    dtype = draw(st.sampled_from(FLOATS + INTEGERS + COMPLEX))
+    dtype = draw(st.sampled_from(dtypes))
     op = draw(st.sampled_from(("SUM", "PRODUCT", "MAX", "MIN", "AVG")))
     layout = "contiguous"
     if kind == "reduce_scatter":
@@ -94,15 +94,17 @@ def drawn_cases(draw) -> Case:
 
 
 def draw_cases() -> list[Case]:
-    """Cases drawn by Hypothesis (the profile's example count), collected on this side of the spawn."""
+    """Cases drawn by Hypothesis (the profile's example count), collected on this side of the spawn; then as
+    many again of complex dtypes only (reduce and both reduce_scatters cut them on the real view)."""
     found: list[Case] = []
+    for dtypes in (FLOATS + INTEGERS + COMPLEX, COMPLEX):
 
-    @settings(database=None)
-    @given(drawn_cases())
-    def collect(case: Case) -> None:
-        found.append(case)
+        @settings(database=None)
+        @given(drawn_cases(dtypes))
+        def collect(case: Case) -> None:
+            found.append(case)
 
-    collect()
+        collect()
     return found
 
 

@@ -29,8 +29,8 @@ from simdist.reduce.gloo import GLOO_MAX_SEGMENT_BYTES
 
 UNSUPPORTED = (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
 """dtypes torch's gloo backend has no collective kernel for ("Invalid scalar type")."""
-SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32)
-SUPPORTED += (torch.int64, torch.bool)
+SUPPORTED: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8)
+SUPPORTED += (torch.uint8, torch.int32, torch.int64, torch.bool)
 MOVERS = ("broadcast", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "gather", "scatter")
 REDUCERS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
 
@@ -146,9 +146,9 @@ def _run_one(p: Probe, rank: int, world: int) -> list[torch.Tensor]:
         dist.all_to_all_single(out, make((world * p.shape[0], *p.shape[1:]), p.dtype, seed))
         return [out]
     if p.kind == "gather":
-        outs = [torch.zeros(p.shape, dtype=p.dtype) for _ in range(world)] if rank == p.root else None
-        dist.gather(make(p.shape, p.dtype, seed), outs, p.root)
-        return outs or []
+        gathered = [torch.zeros(p.shape, dtype=p.dtype) for _ in range(world)] if rank == p.root else None
+        dist.gather(make(p.shape, p.dtype, seed), gathered, p.root)
+        return gathered or []
     if p.kind == "scatter":
         entries = None
         if rank == p.root:
@@ -258,7 +258,9 @@ class Verdict:
 
 
 def _show(s: Seen) -> str:
-    return f"{s.error}: {s.message[:80]}" if s.error else f"{s.data.numel()} bytes"
+    if s.error or s.data is None:
+        return f"{s.error}: {s.message[:80]}"
+    return f"{s.data.numel()} bytes"
 
 
 def disagreements(
@@ -272,7 +274,7 @@ def disagreements(
             if r.error or s.error:
                 if r.error != s.error:
                     out.append(Verdict(p, rank, "refusal mismatch", _show(r), _show(s)))
-            elif not torch.equal(r.data, s.data):
+            elif r.data is None or s.data is None or not torch.equal(r.data, s.data):
                 out.append(Verdict(p, rank, "silent difference", _show(r), _show(s)))
     return out
 

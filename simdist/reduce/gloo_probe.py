@@ -190,8 +190,10 @@ def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcom
         if case.kind == "all_reduce":
             seen = [_layout_input(case.inputs[r], case.layout)[0] for r in members]
             if case.inputs.is_complex():  # torch's Python layer: refuse MAX/MIN/PRODUCT, else reduce the real view
-                if op not in (ReduceOp.SUM, ReduceOp.AVG):
-                    raise ValueError(f"all_reduce does not support {op.name} on complex tensors")
+                if op not in (ReduceOp.SUM, ReduceOp.AVG):  # before the call: the tensors stay as they were
+                    kept = case.layout == "contiguous"
+                    message = f"all_reduce does not support {op.name} on complex tensors"
+                    return {r: Outcome(case.inputs[r] if kept else None, "ValueError", message) for r in members}
                 result = torch.view_as_complex(model.reduce([torch.view_as_real(t) for t in seen], op))
             else:
                 result = model.reduce(seen, op)
