@@ -18,7 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import simdist
-from simdist.reduce.gloo_fidelity import disagreements, fidelity_probes, run_cases_and_probes, run_probes, tally
+from simdist.reduce.gloo import GLOO_MAX_SEGMENT_BYTES
+from simdist.reduce.gloo_fidelity import (
+    Probe,
+    disagreements,
+    fidelity_probes,
+    run_cases_and_probes,
+    run_probes,
+    tally,
+)
 from simdist.reduce.gloo_probe import (
     KINDS,
     Case,
@@ -211,11 +219,29 @@ def test_every_fidelity_category_equals_real_gloo_in_storage_bytes(spawned):
     assert not found, "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}: {v.real} | {v.simulated}" for v in found)
 
 
+def drawn_big_reduces(world: int, count: int = 3) -> list[Probe]:
+    """``dist.reduce`` probes drawn by Hypothesis around ``2 * world`` MiB (fp32 or bf16, any root)."""
+    found: list[Probe] = []
+
+    @settings(database=None, max_examples=count)
+    @given(st.sampled_from((torch.float32, torch.bfloat16)), st.integers(-2, 2), st.integers(0, 10**6), st.data())
+    def collect(dtype, segments, offset, data) -> None:
+        m = GLOO_MAX_SEGMENT_BYTES // dtype.itemsize
+        numel = (2 * world + segments) * m + offset % m
+        root = data.draw(st.integers(0, world - 1))
+        name = f"drawn reduce {str(dtype)[6:]} {numel} to {root} P={world}"
+        found.append(Probe(name, "reduce 2P MiB", "reduce", dtype, (numel,), root=root, seed=900 + len(found)))
+
+    collect()
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
 def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mode(world):
-    """Every category plus ``dist.reduce`` just above 2P MiB (gloo's own segment sizing) at P = 2..8."""
-    probes = [p for p in fidelity_probes(world, big=True) if p.kind not in ELSEWHERE]
+    """Every category plus ``dist.reduce`` around 2P MiB (gloo's own segment sizing) at P = 2..8: fixed sizes
+    just above it and sizes drawn by Hypothesis around it."""
+    probes = [p for p in fidelity_probes(world, big=True) if p.kind not in ELSEWHERE] + drawn_big_reduces(world)
     real = spawn_procs(run_probes, world, probes, backend="gloo", timeout_s=600)
     for mode, seen in (
         ("threads", simdist.spawn(run_probes, world, probes)),
