@@ -18,6 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import simdist
+from simdist.reduce.gloo import GLOO_MAX_SEGMENT_BYTES
+from simdist.reduce.gloo_fidelity import (
+    Probe,
+    disagreements,
+    fidelity_probes,
+    run_cases_and_probes,
+    run_probes,
+    tally,
+)
 from simdist.reduce.gloo_probe import (
     KINDS,
     Case,
@@ -37,6 +46,7 @@ pytestmark = pytest.mark.gloo
 WORLD = 4
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int32, torch.int8, torch.uint8, torch.int64, torch.bool)
+COMPLEX = (torch.complex64, torch.complex128)
 SCALE = {torch.float16: 8, torch.bfloat16: 60, torch.float32: 60, torch.float64: 200}  # |binade| of drawn values
 
 
@@ -44,6 +54,9 @@ def _values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) ->
     """Random values of ``dtype``: normal times exact powers of two (floats), or wrapping-prone integers."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        part = torch.float32 if dtype == torch.complex64 else torch.float64
+        return torch.complex(_values(gen, shape, part), _values(gen, shape, part))
     if not dtype.is_floating_point:
         info = torch.iinfo(dtype)
         return torch.randint(max(info.min, -300), min(info.max, 300) + 1, shape, generator=gen).to(dtype)
@@ -54,7 +67,7 @@ def _values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) ->
 
 
 @st.composite
-def drawn_cases(draw) -> Case:
+def drawn_cases(draw, dtypes: tuple[torch.dtype, ...] = FLOATS + INTEGERS + COMPLEX) -> Case:
     """A collective on a drawn group (any size, any order), dtype, op, length and layout, with special values
     (NaN payloads, signed zeros, infinities) planted at drawn places."""
     kind = draw(st.sampled_from(KINDS))
@@ -63,7 +76,7 @@ def drawn_cases(draw) -> Case:
     group = None if size == WORLD and draw(st.booleans()) else tuple(order[:size])
     members = sorted(group) if group else list(range(WORLD))
     n = len(members)
-    dtype = draw(st.sampled_from(FLOATS + INTEGERS))
+    dtype = draw(st.sampled_from(dtypes))
     op = draw(st.sampled_from(("SUM", "PRODUCT", "MAX", "MIN", "AVG")))
     layout = "contiguous"
     if kind == "reduce_scatter":
@@ -76,9 +89,10 @@ def drawn_cases(draw) -> Case:
             layout = "transposed"
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     x = _values(gen, (n, *shape), dtype)
-    if dtype.is_floating_point and x[0].numel():
-        specials = from_bits(special_columns(1, dtype), dtype)[0]
-        flat = x.view(n, -1)
+    if (dtype.is_floating_point or dtype.is_complex) and x[0].numel():
+        planted = torch.view_as_real(x) if dtype.is_complex else x  # complex: specials in either part
+        specials = from_bits(special_columns(1, planted.dtype), planted.dtype)[0]
+        flat = planted.view(n, -1)
         for _ in range(draw(st.integers(0, 12))):
             rank, where, which = draw(st.integers(0, n - 1)), draw(st.integers(0, 10**6)), draw(st.integers(0, 99))
             flat[rank, where % flat.shape[1]] = specials[which % specials.numel()]
@@ -88,22 +102,37 @@ def drawn_cases(draw) -> Case:
 
 
 def draw_cases() -> list[Case]:
-    """Cases drawn by Hypothesis (the profile's example count), collected on this side of the spawn."""
+    """Cases drawn by Hypothesis (the profile's example count), collected on this side of the spawn; then as
+    many again of complex dtypes only (reduce and both reduce_scatters cut them on the real view)."""
     found: list[Case] = []
+    for dtypes in (FLOATS + INTEGERS + COMPLEX, COMPLEX):
 
-    @settings(database=None)
-    @given(drawn_cases())
-    def collect(case: Case) -> None:
-        found.append(case)
+        @settings(database=None)
+        @given(drawn_cases(dtypes))
+        def collect(case: Case) -> None:
+            found.append(case)
 
-    collect()
+        collect()
     return found
 
 
+ELSEWHERE = {"monitored_barrier"}
+"""Probes another change owns: monitored_barrier needs the backend to report itself as gloo (helper "iso"'s
+backend naming); drop it from this set once that is merged."""
+
+
 @pytest.fixture(scope="module")
-def corners():
+def spawned():
+    """ONE spawn of WORLD real gloo processes: the corner cases (fixed and drawn) and the fidelity probes."""
     cases = corner_cases(WORLD) + draw_cases()
-    return cases, spawn_procs(run_cases, WORLD, cases, backend="gloo", timeout_s=240)
+    probes = [p for p in fidelity_probes(WORLD) if p.kind not in ELSEWHERE]
+    results = spawn_procs(run_cases_and_probes, WORLD, cases, probes, backend="gloo", timeout_s=240)
+    return cases, [r[0] for r in results], probes, [r[1] for r in results]
+
+
+@pytest.fixture(scope="module")
+def corners(spawned):
+    return spawned[0], spawned[1]
 
 
 def _failures(rows) -> list[str]:
@@ -179,3 +208,44 @@ def test_larger_worlds_and_segmented_lengths_with_special_values(world):
     real = spawn_procs(run_cases, world, cases, backend="gloo", timeout_s=600)
     failures = _failures(compare(cases, real, model_outcomes(cases, world)))
     assert not failures, "\n".join(failures)
+
+
+def test_every_fidelity_category_equals_real_gloo_in_storage_bytes(spawned):
+    """Complex reduce/reduce_scatter, scatter layouts, bool bytes, refusals and the dtype table (threads)."""
+    _, _, probes, real = spawned
+    found = disagreements(probes, real, simdist.spawn(run_probes, WORLD, probes))
+    counts = tally(probes, found, WORLD)
+    assert set(counts) >= {"complex", "scatter layout", "bool bytes", "refusals", "dtype table"}
+    assert not found, "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}: {v.real} | {v.simulated}" for v in found)
+
+
+def drawn_big_reduces(world: int, count: int = 3) -> list[Probe]:
+    """``dist.reduce`` probes drawn by Hypothesis around ``2 * world`` MiB (fp32 or bf16, any root)."""
+    found: list[Probe] = []
+
+    @settings(database=None, max_examples=count)
+    @given(st.sampled_from((torch.float32, torch.bfloat16)), st.integers(-2, 2), st.integers(0, 10**6), st.data())
+    def collect(dtype, segments, offset, data) -> None:
+        m = GLOO_MAX_SEGMENT_BYTES // dtype.itemsize
+        numel = (2 * world + segments) * m + offset % m
+        root = data.draw(st.integers(0, world - 1))
+        name = f"drawn reduce {str(dtype)[6:]} {numel} to {root} P={world}"
+        found.append(Probe(name, "reduce 2P MiB", "reduce", dtype, (numel,), root=root, seed=900 + len(found)))
+
+    collect()
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mode(world):
+    """Every category plus ``dist.reduce`` around 2P MiB (gloo's own segment sizing) at P = 2..8: fixed sizes
+    just above it and sizes drawn by Hypothesis around it."""
+    probes = [p for p in fidelity_probes(world, big=True) if p.kind not in ELSEWHERE] + drawn_big_reduces(world)
+    real = spawn_procs(run_probes, world, probes, backend="gloo", timeout_s=600)
+    for mode, seen in (
+        ("threads", simdist.spawn(run_probes, world, probes)),
+        ("process", spawn_procs(run_probes, world, probes, backend="simdist", timeout_s=600)),
+    ):
+        found = disagreements(probes, real, seen)
+        assert not found, mode + ":\n" + "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}" for v in found)

@@ -46,8 +46,8 @@ functions do:
   ``acc``'s, quieted (x86: the first operand's), else the default NaN
   ``0xFFC00000`` (``inf - inf``, ``0 * inf``); bf16 results are always
   ``0x7FC0`` (c10's float -> bf16 rounding); fp16 keep that NaN's sign with
-  payload ``0x7E00``. Integers wrap (two's complement); bool SUM is OR,
-  PRODUCT is AND.
+  payload ``0x7E00``. Integers wrap (two's complement); bool tensors are
+  reduced as bytes (``uint8``): three ``True`` sum to byte 3 (found against real gloo).
 * ``MAX``/``MIN``: ``std::max(local, acc)``: ``acc`` if ``acc > local`` (``<``
   for MIN), else ``local``. A comparison with NaN is false, so NaN wins only
   when it is on the receiving side, and of ``+0``/``-0`` the later rank's
@@ -62,10 +62,15 @@ functions do:
 
 What the collectives around the walk do (torch 2.13):
 
-* ``reduce`` to any root leaves the all-reduce's bits on the root
-  (`Gloo.reduce_to`) and, in every other rank's tensor, the partial sums of
-  its own hops of the ring reduce-scatter (`Gloo.reduce_buffers`); with AVG
-  every rank's tensor is then divided by ``n``.
+* ``reduce`` runs gloo's own reduce ring (``gloo/reduce.cc``): segments of
+  ``min(ceil(T / 2n), 1 MiB)`` bytes (`reduce_chunk_length`; the all-reduce's
+  chunks up to ``2n`` MiB, whole 1 MiB segments above). The root gets the full
+  result (`Gloo.reduce_to`), every other rank the partial sums of its own hops
+  (`Gloo.reduce_buffers`, including the ``s - 2`` extra steps when a chunk has
+  ``s > 2`` segments); with AVG every rank's tensor is then divided by ``n``.
+* complex tensors (``reduce`` and both reduce_scatters; torch's Python layer
+  hands the others ``view_as_real``) are reduced on ``view_as_real``; AVG then
+  divides the complex tensor; MAX/MIN/PRODUCT raise ``RuntimeError``.
 * ``reduce_scatter_tensor`` all-reduces a clone of the input (a permuted
   input in memory order) and gives rank ``i`` chunk ``i`` of dim 0.
 * integer ``AVG``: the SUM is in the tensor when ``div_`` raises.
@@ -126,6 +131,34 @@ def chunk_length(numel: int, n: int, element_size: int, max_segment_bytes: int =
     return (segments // n) * -(-numel // segments)
 
 
+def reduce_chunk_length(numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> int:
+    """Elements per ring chunk of gloo's ``reduce`` (``gloo/reduce.cc``), which sizes segments its own way.
+
+    ``reduce`` takes the segment as ``ceil(T / 2n)`` bytes (``T`` = the whole
+    buffer), capped at ``max_segment_bytes`` and rounded up to whole elements,
+    and only then counts segments; all-reduce first counts segments and then
+    spreads the elements evenly over them. Both agree up to ``2n`` full
+    segments (``2 * n * 1 MiB``); above it a reduce chunk is whole 1 MiB
+    segments and the last chunks are short or empty (n=3, 1,572,865 fp32:
+    chunks of 786,432, 786,432 and 1 element, where all-reduce cuts 524,289).
+    """
+    segment = reduce_segment_length(numel, n, element_size, max_segment_bytes)
+    if segment == 0:
+        return 0
+    segments = max(-(-numel // segment), 2 * n)
+    segments = -(-segments // n) * n
+    return (segments // n) * segment
+
+
+def reduce_segment_length(
+    numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
+) -> int:
+    """Elements per segment of gloo's ``reduce``: ``ceil(T / 2n)`` bytes, at most ``max_segment_bytes``,
+    rounded up to whole elements (``T`` = the buffer's bytes)."""
+    cap = element_size * (max_segment_bytes // element_size)
+    return -(-min(-(-numel * element_size // (2 * n)), cap) // element_size)
+
+
 def chunk_start_ranks(
     numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
 ) -> list[int]:
@@ -138,16 +171,20 @@ _PLAN_CACHE: dict[tuple, tuple[int, int, torch.Tensor | None]] = {}
 _PAD_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _plan(n: int, numel: int, element_size: int, max_segment_bytes: int, device: torch.device):
+def _plan(
+    n: int, numel: int, element_size: int, max_segment_bytes: int, device: torch.device, for_reduce: bool = False
+):
     """``(chunk length, chunk count, row index)``; the row index puts ``x.view(n * chunks, L)`` in fold order.
 
     Row ``j * chunks + c`` of the ordered tensor is hop ``j`` of chunk ``c``:
     rank ``(c - 1 - j) mod n``. ``None`` when there is a single chunk.
+    ``for_reduce``: the chunks of gloo's ``reduce`` (`reduce_chunk_length`).
     """
-    key = (n, numel, element_size, max_segment_bytes, device)
+    key = (n, numel, element_size, max_segment_bytes, device, for_reduce)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
-        length = chunk_length(numel, n, element_size, max_segment_bytes)
+        chunking = reduce_chunk_length if for_reduce else chunk_length
+        length = chunking(numel, n, element_size, max_segment_bytes)
         chunks = -(-numel // length)
         index = None
         if chunks > 1:
@@ -341,72 +378,104 @@ class Gloo(ReductionModel):
     def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """What ``dist.all_reduce`` leaves on every rank of a gloo group.
 
-        ``AVG`` is the ``SUM`` then ``tensor.div_(n)`` in the tensor's dtype,
-        as torch's gloo backend does after the collective; on integer and bool
+        ``AVG`` is the ``SUM`` then ``tensor.div_(n)`` in the tensor's dtype
+        (for a complex tensor a complex division, whose bits can differ from
+        dividing the real view), as torch's gloo backend does after the collective; on integer and bool
         tensors that division raises torch's ``RuntimeError``, and so does this,
         with the SUM (which real gloo has written into the tensor by then) as
-        the exception's ``written`` attribute.
+        the exception's ``written`` attribute. Complex and bool tensors are
+        reduced as gloo reduces them (`_ring_view`).
         """
+        return self._reduced(tensors, op, "all_reduce", for_reduce=False)
+
+    def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
+        """What ``dist.reduce`` leaves on group rank ``root``: the ring of gloo's ``reduce``, whatever the root.
+
+        Up to ``2n`` MiB its chunks are the all-reduce's; above, gloo's reduce
+        cuts whole 1 MiB segments (`reduce_chunk_length`), so the fold order differs.
+        """
+        if not 0 <= root < len(tensors):
+            raise ValueError(f"root {root} is not a rank of a group of {len(tensors)}")
+        return self._reduced(tensors, op, "reduce", for_reduce=True)
+
+    def _reduced(self, tensors: Tensors, op: ReduceOp, what: str, for_reduce: bool) -> torch.Tensor:
         if len(tensors) == 0:
             raise ValueError("a reduction needs the tensors of at least one rank")
+        dtype = tensors[0].dtype
+        tensors, restore = _ring_view(tensors, op, what)
         rows, back = memory_rows(tensors)
         n = len(rows)
         if op is ReduceOp.AVG:
             if rows[0].is_floating_point():
-                return back(self._ring(rows, ReduceOp.SUM)).div_(n)
+                return restore(back(self._ring(rows, ReduceOp.SUM, for_reduce))).div_(n)  # in the caller's dtype
             try:
-                torch.empty(0, dtype=rows[0].dtype).div_(n)  # torch's own error, as gloo's div_ raises it
+                torch.empty(0, dtype=dtype).div_(n)  # torch's own error, as gloo's div_ raises it
             except RuntimeError as exc:
-                exc.written = back(self._ring(rows, ReduceOp.SUM))  # what the tensor holds when it is raised
+                exc.written = restore(back(self._ring(rows, ReduceOp.SUM, for_reduce)))  # what the tensor holds
                 raise
-            raise AssertionError("unreachable: an integer division in place did not raise")
-        return back(self._ring(rows, op))
-
-    def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
-        """What ``dist.reduce`` leaves on group rank ``root``: the all-reduce's bits, whatever the root."""
-        if not 0 <= root < len(tensors):
-            raise ValueError(f"root {root} is not a rank of a group of {len(tensors)}")
-        return self.reduce(tensors, op)
+            raise AssertionError(f"unreachable: an in-place division of a {dtype} tensor did not raise")
+        return restore(back(self._ring(rows, op, for_reduce)))
 
     def reduce_buffers(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> list[torch.Tensor]:
         """What ``dist.reduce`` leaves in every member's tensor (group-rank order), found by experiment.
 
-        gloo's reduce runs the ring reduce-scatter in place and sends the owned
-        chunks to the root: the root holds the all-reduce result (`reduce_to`);
-        every other rank holds, in each chunk, the partial of the walk up to and
-        including its own hop (the walk's first rank keeps its input; a chunk's
-        owner holds the full result). ``AVG`` divides every rank's tensor by
-        the group size in place afterwards, the root's and the others' alike.
+        gloo's reduce runs the ring reduce-scatter in place (its own chunks,
+        `reduce_chunk_length`) and sends the owned chunks to the root: the root
+        holds the full result (`reduce_to`); every other rank holds, in each
+        chunk, the partial of the walk up to and including its own hop (the
+        walk's first rank keeps its input; a chunk's owner holds the full
+        result). Above ``2n`` MiB a chunk has ``s > 2`` segments and gloo's
+        loop runs ``s - 2`` steps past the reduce-scatter: the owner of chunk
+        ``c`` sends its first ``s - 2`` finished segments on to rank ``c - 1``,
+        which adds its own input to them (``x[c-1] + full``; found against real
+        gloo, P=3, 1,572,865 fp32). ``AVG`` divides every rank's tensor by the group size in place
+        afterwards, the root's and the others' alike. An empty tensor is left
+        empty on every rank.
         """
-        if op is ReduceOp.AVG:
-            if not tensors[0].is_floating_point():
-                return [self.reduce(tensors, op)]  # raises torch's error
-            return [b.div_(len(tensors)) for b in self.reduce_buffers(tensors, ReduceOp.SUM, root)]
-        full = self.reduce_to(tensors, op, root)
+        full = self.reduce_to(tensors, op, root)  # raises what gloo raises (integer AVG, complex MAX, ...)
+        tensors, restore = _ring_view(tensors, op, "reduce")
+        if op is ReduceOp.AVG:  # div_ on the caller's tensor: a complex division for a complex tensor
+            sums = self._buffers(tensors, ReduceOp.SUM, root)
+            return [full if r == root else restore(b).div_(len(sums)) for r, b in enumerate(sums)]
+        return [full if r == root else restore(b) for r, b in enumerate(self._buffers(tensors, op, root))]
+
+    def _buffers(self, tensors: Tensors, op: ReduceOp, root: int) -> list[torch.Tensor]:
+        """Every member's tensor after gloo's reduce of ``op`` (``tensors`` already in gloo's dtype view)."""
         rows, back = memory_rows(tensors)
         n, numel = len(rows), rows[0].numel()
         if n == 1 or numel == 0:
-            return [full]
-        hops, chunks = self._hops(rows)
+            return [back(r.clone()) for r in rows]
+        hops, chunks = self._hops(rows, for_reduce=True)
         partials = [hops[0]]
         for local in hops[1:]:
             pair = [partials[-1], local]
             partials.append(_compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else _arith_walk(
                 pair, multiply=op is ReduceOp.PRODUCT))  # fmt: skip
         stacked = torch.stack(partials).view(n, chunks, -1)
+        length = stacked.shape[2]
+        segment = reduce_segment_length(numel, n, rows[0].element_size(), self.max_segment_bytes)
+        extra = length // segment - 2  # segments per chunk beyond 2: gloo's ring runs that many steps further
         chunk = torch.arange(chunks)
         out = []
         for r in range(n):
-            if r == root:
-                out.append(full)
-                continue
-            own = stacked[(chunk - 1 - r) % n, chunk].reshape(-1)[:numel]  # chunk c: hop (c - 1 - r) mod n
-            out.append(back(own.clone()))
+            own = stacked[(chunk - 1 - r) % n, chunk].reshape(-1)[:numel].clone()  # chunk c: hop (c - 1 - r) mod n
+            c = (r + 1) % n
+            lo, hi = c * length, min(c * length + extra * segment, numel)
+            if extra > 0 and c < chunks and hi > lo:
+                # the owner of chunk c = r + 1 sends the first ``extra`` finished segments on to rank r, which
+                # adds its own input to them (its buffer still holds its input there: it started that walk)
+                pair = [stacked[n - 1, c, : hi - lo], rows[r][lo:hi]]
+                own[lo:hi] = _compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else _arith_walk(
+                    pair, multiply=op is ReduceOp.PRODUCT)  # fmt: skip
+            out.append(back(own))
         return out
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        """``reduce_scatter_tensor``: torch's gloo backend all-reduces a clone of the input (so a permuted
-        input in memory order) and hands rank ``i`` chunk ``i`` of dim 0; flat ``[n, numel / n]`` blocks."""
+        """``reduce_scatter_tensor``: torch's gloo backend all-reduces a clone of the input (``clone()``: a
+        permuted input stays in memory order, a view with gaps or an ``expand()`` becomes contiguous) and
+        hands rank ``i`` chunk ``i`` of dim 0; flat ``[n, numel / n]`` blocks."""
+        if not isinstance(tensors, torch.Tensor):
+            tensors = [t if t.is_contiguous() else t.clone() for t in tensors]
         if isinstance(tensors, torch.Tensor) or all(t.is_contiguous() for t in tensors):
             return super().reduce_scatter(tensors, op)
         n = len(tensors)
@@ -418,7 +487,12 @@ class Gloo(ReductionModel):
     def reduce_scatter_list(
         self, lists: Sequence[Sequence[torch.Tensor]], op: ReduceOp = ReduceOp.SUM
     ) -> list[torch.Tensor]:
-        """``dist.reduce_scatter(out, in_list)``: entry ``i`` of every member's list all-reduced, for rank ``i``."""
+        """``dist.reduce_scatter(out, in_list)``: entry ``i`` of every member's list all-reduced, for rank ``i``.
+
+        torch's gloo backend needs every entry of a rank's list to have that
+        rank's output shape; the simdist backend refuses other lists before
+        this runs (`simdist.world.backend`).
+        """
         n = len(lists)
         if any(len(lst) != n for lst in lists):
             raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
@@ -436,12 +510,12 @@ class Gloo(ReductionModel):
         ranks = rows.view(n, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
         return ranks.repeat_interleave(length, dim=1)[:, :numel].contiguous()
 
-    def _hops(self, rows: Rows) -> tuple[list[torch.Tensor], int]:
+    def _hops(self, rows: Rows, for_reduce: bool = False) -> tuple[list[torch.Tensor], int]:
         """``(hops, chunks)``: ``hops[j]`` holds, per element, the value hop ``j`` of its chunk's
         walk combines (rank ``(c - 1 - j) mod n``), padded with zeros to ``chunks * length`` when there are
         several chunks; one chunk is the ranks in descending order, unpadded."""
         n, numel, first = len(rows), rows[0].numel(), rows[0]
-        length, chunks, index = _plan(n, numel, first.element_size(), self.max_segment_bytes, first.device)
+        length, chunks, index = _plan(n, numel, first.element_size(), self.max_segment_bytes, first.device, for_reduce)
         if index is None:  # a single chunk: x[n-1], x[n-2], ..., x[0]
             return list(rows)[::-1], 1
         padded = chunks * length
@@ -450,7 +524,7 @@ class Gloo(ReductionModel):
             stacked = torch.cat([stacked, _zeros(n, padded - numel, stacked)], dim=1)
         return list(stacked.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)), chunks
 
-    def _ring(self, rows: Rows, op: ReduceOp) -> torch.Tensor:
+    def _ring(self, rows: Rows, op: ReduceOp, for_reduce: bool = False) -> torch.Tensor:
         """The flat result of the ring walk of ``op`` over ``rows`` (see `memory_rows`)."""
         n, numel, first = len(rows), rows[0].numel(), rows[0]
         if n == 1 or numel == 0:
@@ -460,7 +534,7 @@ class Gloo(ReductionModel):
             out = fold(rows, multiply=op is ReduceOp.PRODUCT)
             if not may_hold_nan(out):
                 return out
-        hops, _ = self._hops(rows)
+        hops, _ = self._hops(rows, for_reduce)
         if arith:
             out = _arith_walk(hops, multiply=op is ReduceOp.PRODUCT)
         elif op in (ReduceOp.MAX, ReduceOp.MIN):
@@ -468,3 +542,39 @@ class Gloo(ReductionModel):
         else:
             raise ValueError(f"unsupported reduce op {op!r}")
         return out if out.numel() == numel else out[:numel]
+
+
+def _ring_view(tensors: Tensors, op: ReduceOp, what: str) -> tuple[Tensors, Callable[[torch.Tensor], torch.Tensor]]:
+    """The ranks' tensors as gloo's kernels see them, and the map of a result back to the callers' dtype.
+
+    Found against real gloo (torch 2.13):
+
+    * complex: torch's gloo backend reduces ``view_as_real`` (so chunks are cut
+      on the real view, ``2 * numel`` reals) for ``SUM`` and ``AVG``; other ops
+      raise ``RuntimeError`` ("reduce/all_reduce does not support ... on complex
+      tensors"), raised here with that type;
+    * bool: gloo adds, multiplies and compares the bytes (``uint8``), so a SUM
+      of three ``True`` leaves byte 3 in the bool tensor (``torch.equal`` hides it).
+    """
+    first = tensors[0]
+    if first.is_complex():
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise RuntimeError(
+                f"{what} does not support {op.name} on complex tensors (torch's gloo backend raises RuntimeError)"
+            )
+        if isinstance(tensors, torch.Tensor):
+            return torch.view_as_real(tensors), torch.view_as_complex
+        return [torch.view_as_real(t) for t in tensors], torch.view_as_complex
+    if first.dtype == torch.bool:
+        if isinstance(tensors, torch.Tensor):
+            return tensors.view(torch.uint8), _as_bool
+        return [t.view(torch.uint8) for t in tensors], _as_bool
+    return tensors, _same
+
+
+def _as_bool(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.bool)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

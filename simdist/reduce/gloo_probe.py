@@ -88,11 +88,12 @@ class Outcome:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's raw bits as integers (bool and integer tensors as they are)."""
-    t = t.detach().contiguous()
-    if not t.is_floating_point():
-        return t
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    """A tensor's storage bytes in index order (``uint8``): NaN payloads, complex parts and bool bytes (gloo
+    leaves e.g. 3 in a bool tensor, which ``torch.equal`` on bools would call equal to 1) compare exactly."""
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)  # before any copy: copying a bool tensor writes 0/1
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _torch_op(name: str):
@@ -187,8 +188,15 @@ def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcom
     op = ReduceOp[case.op]
     try:
         if case.kind == "all_reduce":
-            seen = [_layout_input(case.inputs[r], case.layout) for r in members]
-            result = model.reduce([t for t, _ in seen], op)
+            seen = [_layout_input(case.inputs[r], case.layout)[0] for r in members]
+            if case.inputs.is_complex():  # torch's Python layer: refuse MAX/MIN/PRODUCT, else reduce the real view
+                if op not in (ReduceOp.SUM, ReduceOp.AVG):  # before the call: the tensors stay as they were
+                    kept = case.layout == "contiguous"
+                    message = f"all_reduce does not support {op.name} on complex tensors"
+                    return {r: Outcome(case.inputs[r] if kept else None, "ValueError", message) for r in members}
+                result = torch.view_as_complex(model.reduce([torch.view_as_real(t) for t in seen], op))
+            else:
+                result = model.reduce(seen, op)
             return {r: Outcome(result) for r in members}
         if case.kind == "reduce":
             buffers = model.reduce_buffers([case.inputs[r] for r in members], op, members.index(case.root))

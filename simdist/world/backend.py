@@ -304,6 +304,128 @@ def _refuse_layouts(name: str, label: str, tensors: Sequence[torch.Tensor]) -> N
         )
 
 
+GLOO_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64}
+    | {torch.bool}
+)
+"""The dtypes torch's gloo backend has collective kernels for (found by experiment, torch 2.13); others raise
+``RuntimeError("Invalid scalar type")`` at the call. Complex tensors reach it as ``view_as_real`` where torch's
+Python layer converts them (all_reduce, broadcast, all_gather, scatter, all_to_all); ``reduce`` and the
+reduce_scatters take complex SUM/AVG themselves (the model reduces the real view); ``gather`` refuses complex."""
+
+
+def refuse_gloo_dtypes(name: str, label: str, tensors: Sequence[torch.Tensor], complex_ok: bool = True) -> None:
+    """Raise gloo's ``RuntimeError("Invalid scalar type")`` for a dtype it has no kernel for (send/recv excepted)."""
+    for t in tensors:
+        if t.dtype not in GLOO_DTYPES and not (complex_ok and t.is_complex()):
+            raise RuntimeError(
+                f"Invalid scalar type: {name} on {label}: torch's gloo backend has no kernel for {t.dtype} "
+                "(it raises this RuntimeError at the call; send/recv move any dtype)"
+            )
+
+
+def write_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, but a bool result keeps its bytes: gloo leaves e.g. byte 3 after a SUM of three
+    ``True`` (``copy_`` would write 1)."""
+    if dst.dtype == torch.bool and src.dtype == torch.bool:
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    else:
+        dst.copy_(src)
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s ``numel`` elements as torch's gloo backend sends a scatter entry (found by experiment): the
+    ``numel`` consecutive elements from its data pointer, whatever its strides. A transposed entry arrives in
+    storage order; a view with gaps sends the memory between its elements too (the memory is read as real
+    gloo reads it). A view whose elements overlap (``expand()``) is refused with ``ValueError``: gloo would
+    read past the memory the view spans."""
+    if t.is_contiguous():
+        return t.reshape(-1)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    if t.numel() and span < t.numel():
+        raise ValueError(
+            f"scatter: gloo sends a tensor's numel ({t.numel()}) elements from its data pointer; this view (shape "
+            f"{tuple(t.shape)}, strides {t.stride()}) spans only {span} elements, so real gloo would read memory "
+            "past it. Pass a contiguous tensor."
+        )
+    return t.as_strided((t.numel(),), (1,))
+
+
+def reduce_complete(model: ReductionModel, op: Op, root: int, count: int) -> Complete:
+    """The ``complete`` of ``dist.reduce`` of ``count`` tensors per member to group rank ``root``.
+
+    Shared by the backend and `simdist.world.simworld.SimComm.reduce`. Where
+    the model says what every member's tensor holds afterwards
+    (``reduce_buffers``, gloo's non-root partial sums) every target gets it;
+    otherwise only the root's tensor is written.
+    """
+    buffers = getattr(model, "reduce_buffers", None) if op.reduce_op is not None else None
+
+    def complete(calls: list[Call], targets: Sequence[int]) -> None:
+        for k in range(count):
+            members = [c.inputs[k] for c in calls]
+            if buffers is not None:  # the model says what every member's tensor holds afterwards
+                results = buffers(members, op.reduce_op, root)
+                for i in targets:
+                    write_bytes(calls[i].inputs[k], results[i])
+                continue
+            # computed for non-root targets too (process mode), so a model's refusal reaches every rank
+            result = reduce_root(model, members, op, root)
+            if root in targets:
+                write_bytes(calls[root].inputs[k], result)
+
+    return complete
+
+
+def reduce_scatter_list_complete(model: ReductionModel, op: Op, count: int, gloo_rules: bool, label: str) -> Complete:
+    """The ``complete`` of list ``reduce_scatter`` (``count`` outputs per member): entry ``i`` of every member's
+    list reduced, for group rank ``i``. Shared by the backend and `simdist.world.simworld.SimComm.reduce_scatter`;
+    ``gloo_rules`` refuses the entry shapes gloo refuses (`refuse_entry_shapes`)."""
+
+    def complete(calls: list[Call], targets: Sequence[int]) -> None:
+        for k in range(count):
+            if gloo_rules:
+                refuse_entry_shapes(calls, k, label)
+            blocks = reduce_list(model, [c.inputs[k] for c in calls], op)
+            for i in targets:
+                write_bytes(calls[i].outputs[k], blocks[i])
+
+    return complete
+
+
+def refuse_entry_shapes(calls: list[Call], k: int, label: str) -> None:
+    """List reduce_scatter: every entry of every member's list must have the output's shape, or refuse.
+
+    On gloo (torch 2.13) the rank whose own entry differs from its output
+    raises ``RuntimeError`` at the call ("Check failed: outputs[0].sizes()
+    == inputs[0][i].sizes()") while the others enter the collective and hang;
+    simdist refuses on every member instead of answering.
+    """
+    for c in calls:
+        out = c.extra[k]  # each member's output shapes travel in ``extra`` (process mode has no peer outputs)
+        wrong = [j for j, t in enumerate(c.inputs[k]) if tuple(t.shape) != out]
+        if wrong:
+            raise RuntimeError(
+                f"reduce_scatter on {label}: rank {c.rank}'s input entries {wrong} have shapes "
+                f"{[tuple(c.inputs[k][j].shape) for j in wrong]}, its output {out}; gloo needs them "
+                "equal (on gloo the rank whose own entry differs raises this RuntimeError at the call and its peers "
+                "hang in the collective)"
+            )
+
+
+def refuse_scatter_shapes(calls: list[Call], k: int, root: int, label: str) -> None:
+    """scatter: entry ``i`` of the root's list must have rank ``i``'s output shape and dtype, or refuse
+    (on gloo a wrong-shape scatter list leaves the peers hanging)."""
+    sources = calls[root].inputs[k]
+    for i, c in enumerate(calls):
+        (shape, dtype), src = c.extra[k], sources[i]  # each member's output shape travels in ``extra``
+        if tuple(src.shape) != shape or src.dtype != dtype:
+            raise RuntimeError(
+                f"scatter on {label}: the root's entry {i} is {tuple(src.shape)} {src.dtype}, rank {c.rank}'s "
+                f"output {shape} {dtype}; gloo needs them equal (on gloo this hangs the peers)"
+            )
+
+
 class SimProcessGroup(dist.ProcessGroup):
     """One rank's handle on one simulated group; collectives go through a `Transport` to the group's model.
 
@@ -371,6 +493,8 @@ class SimProcessGroup(dist.ProcessGroup):
         op = resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if op.reduce_op is None:
             check_op(self.model, op, tensors)
+        if self.gloo_rules:
+            refuse_gloo_dtypes("all_reduce", self.label, tensors)
         model = self.model
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
@@ -379,10 +503,10 @@ class SimProcessGroup(dist.ProcessGroup):
                     result = reduce_all(model, [c.inputs[k] for c in calls], op)
                 except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
                     for i in targets if hasattr(exc, "written") else ():
-                        calls[i].inputs[k].copy_(exc.written)
+                        write_bytes(calls[i].inputs[k], exc.written)
                     raise
                 for i in targets:
-                    calls[i].inputs[k].copy_(result)
+                    write_bytes(calls[i].inputs[k], result)
 
         # the hot path of every training step: the Call is built here, not through _call
         signature = ("all_reduce", self.label, op.shown, *_meta(tensors))
@@ -392,6 +516,8 @@ class SimProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         op = resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
         check_op(self.model, op, tensors)
+        if self.gloo_rules:
+            refuse_gloo_dtypes("all_reduce_coalesced", self.label, tensors)
         if len({t.dtype for t in tensors}) > 1:
             raise RuntimeError(f"all_reduce_coalesced on {self.label}: the tensors must share one dtype")
         model = self.model
@@ -411,23 +537,9 @@ class SimProcessGroup(dist.ProcessGroup):
         opts = opts or dist.ReduceOptions()
         op, root = resolve_op(opts.reduceOp), opts.rootRank
         check_op(self.model, op, tensors)
-        model = self.model
-
-        buffers = getattr(model, "reduce_buffers", None) if op.reduce_op is not None else None
-
-        def complete(calls: list[Call], targets: Sequence[int]) -> None:
-            for k in range(len(tensors)):
-                members = [c.inputs[k] for c in calls]
-                if buffers is not None:  # the model says what every member's tensor holds afterwards
-                    results = buffers(members, op.reduce_op, root)
-                    for i in targets:
-                        calls[i].inputs[k].copy_(results[i])
-                    continue
-                # computed for non-root targets too (process mode), so a model's refusal reaches every rank
-                result = reduce_root(model, members, op, root)
-                if root in targets:
-                    calls[root].inputs[k].copy_(result)
-
+        if self.gloo_rules:
+            refuse_gloo_dtypes("reduce", self.label, tensors)
+        complete = reduce_complete(self.model, op, root, len(tensors))
         call = self._call("reduce", (op.shown, f"dst={self.ranks[root]}", *_meta(tensors)), tuple(tensors))
         return self._run(call, complete, list(tensors))
 
@@ -445,6 +557,13 @@ class SimProcessGroup(dist.ProcessGroup):
         op = resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
         check_op(self.model, op, inputs)
         n, model = self._group_size, self.model
+        if self.gloo_rules:
+            refuse_gloo_dtypes(name, self.label, inputs)
+            if any(out.dim() == 0 for out in outputs):
+                raise RuntimeError(
+                    f"{name} on {self.label}: a 0-dim output; torch's gloo backend crashes the process "
+                    "(segmentation fault) on this. Give the output a dim 0 (e.g. shape (1,))."
+                )
         for out, inp in zip(outputs, inputs, strict=True):
             if inp.numel() != out.numel() * n or inp.dtype != out.dtype:
                 raise ValueError(
@@ -452,9 +571,10 @@ class SimProcessGroup(dist.ProcessGroup):
                     f"{out.dtype}; need input numel = {n} x output numel, same dtype"
                 )
             if self.gloo_rules and out.dim() and inp.dim() and out.shape[0] * n != inp.shape[0]:
-                raise ValueError(
+                raise RuntimeError(
                     f"{name} on {self.label}: output dim 0 ({out.shape[0]}) x {n} != input dim 0 "
-                    f"({inp.shape[0]}); torch's gloo backend aborts the process on this"
+                    f"({inp.shape[0]}); torch's gloo backend raises this RuntimeError too (Check failed: "
+                    "outputShape[0] * worldSize == inputShape[0])"
                 )
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
@@ -470,17 +590,13 @@ class SimProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
         check_op(self.model, op, [t for lst in input_tensors for t in lst])
-        model = self.model
-
-        def complete(calls: list[Call], targets: Sequence[int]) -> None:
-            for k in range(len(output_tensors)):
-                blocks = reduce_list(model, [c.inputs[k] for c in calls], op)
-                for i in targets:
-                    calls[i].outputs[k].copy_(blocks[i])
-
+        if self.gloo_rules:
+            refuse_gloo_dtypes("reduce_scatter", self.label, [t for lst in input_tensors for t in lst])
+        complete = reduce_scatter_list_complete(self.model, op, len(output_tensors), self.gloo_rules, self.label)
         inputs = tuple(list(lst) for lst in input_tensors)
         details = (op.shown, *_meta([t for lst in input_tensors for t in lst]))
-        call = self._call("reduce_scatter", details, inputs, tuple(output_tensors))
+        extra = tuple(tuple(t.shape) for t in output_tensors)
+        call = self._call("reduce_scatter", details, inputs, tuple(output_tensors), extra)
         return self._run(call, complete, list(output_tensors))
 
     # -- data movement ------------------------------------------------------------
@@ -488,6 +604,8 @@ class SimProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         root = (opts or dist.BroadcastOptions()).rootRank
         gloo_rules, label = self.gloo_rules, self.label
+        if gloo_rules:
+            refuse_gloo_dtypes("broadcast", label, tensors)
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for k in range(len(tensors)):
@@ -502,6 +620,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         n = self._group_size
+        if self.gloo_rules:
+            refuse_gloo_dtypes("all_gather", self.label, input_tensors)
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             if len(outs) != n:
                 raise ValueError(f"all_gather on {self.label}: the output list needs {n} tensors, got {len(outs)}")
@@ -538,6 +658,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _all_gather_tensors(self, outputs, inputs, name):
         n = self._group_size
+        if self.gloo_rules:
+            refuse_gloo_dtypes(name, self.label, inputs)
         for out, inp in zip(outputs, inputs, strict=True):
             piece = (out.shape[0] // n, *out.shape[1:]) if out.dim() and out.shape[0] % n == 0 else None
             if self.gloo_rules and out.dim() and piece != tuple(inp.shape):
@@ -563,6 +685,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root = (opts or dist.GatherOptions()).rootRank
+        if self.gloo_rules:
+            refuse_gloo_dtypes("gather", self.label, input_tensors, complex_ok=False)
 
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             if root in targets:
@@ -582,18 +706,31 @@ class SimProcessGroup(dist.ProcessGroup):
                 "in order, not its elements)"
             )
 
+        if self.gloo_rules:
+            refuse_gloo_dtypes("scatter", self.label, output_tensors)
+        gloo_rules, label = self.gloo_rules, self.label
+
         def complete(calls: list[Call], targets: Sequence[int]) -> None:
             for k in range(len(output_tensors)):
                 sources = calls[root].inputs[k]
-                for i in targets:
-                    calls[i].outputs[k].copy_(sources[i])
+                if not gloo_rules:
+                    for i in targets:
+                        calls[i].outputs[k].copy_(sources[i])
+                    continue
+                refuse_scatter_shapes(calls, k, root, label)
+                for i in targets:  # gloo sends each entry's memory as it lies (a transposed entry: storage order)
+                    out = calls[i].outputs[k]
+                    out.copy_(memory_order(sources[i]).view(out.shape))
 
         inputs = tuple(list(lst) for lst in input_tensors)
-        call = self._call("scatter", (f"src={self.ranks[root]}", *_meta(output_tensors)), inputs, tuple(output_tensors))
+        extra = tuple((tuple(t.shape), t.dtype) for t in output_tensors)
+        details = (f"src={self.ranks[root]}", *_meta(output_tensors))
+        call = self._call("scatter", details, inputs, tuple(output_tensors), extra)
         return self._run(call, complete, list(output_tensors))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if self.gloo_rules:
+            refuse_gloo_dtypes("all_to_all", self.label, input_tensors)
             shapes = {tuple(t.shape) for t in [*input_tensors, *output_tensors]}
             if len(shapes) > 1:
                 raise RuntimeError(
@@ -612,6 +749,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self._group_size
+        if self.gloo_rules:
+            refuse_gloo_dtypes("all_to_all_single", self.label, [input])
         if self.gloo_rules and not (input.is_contiguous() and output.is_contiguous()):
             which = "input" if not input.is_contiguous() else "output"
             raise ValueError(
@@ -640,6 +779,10 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst_rank, tag=0):
         (tensor,) = tensors
+        if self.gloo_rules and not tensor.is_contiguous():
+            raise RuntimeError(
+                f"send on {self.label}: input tensor has to be contiguous (as on gloo, which raises this)"
+            )
         call = self._call("send", (f"dst={self.ranks[dst_rank]}", f"tag={tag}", tensor.shape, tensor.dtype))
         return self.transport.send(self, call, tensor, dst_rank, tag)
 

@@ -147,6 +147,24 @@ class _Recv:
         return f"{self.call.describe()}  [waiting for a message from rank {self.src}]"
 
 
+class _Send:
+    """A sent message: ``done`` once a receive took it. Waiting on it is gloo's blocking send, which returns
+    only after the peer posted the matching receive (so sends received in another order deadlock, as on gloo)."""
+
+    __slots__ = ("call", "done", "dst")
+
+    def __init__(self, call: Call, dst: int) -> None:
+        self.call = call
+        self.dst = dst
+        self.done = False
+
+    def waiting_line(self, rank: int) -> str:
+        return (
+            f"{self.call.describe()}  [a blocking send: on gloo it returns only once rank {self.dst} posts the "
+            "matching recv (same tag)]"
+        )
+
+
 def _fresh(exc: BaseException) -> BaseException:
     """A new exception of the same type and arguments, to raise on another rank's thread."""
     try:
@@ -169,7 +187,7 @@ class Engine:
             w.acquire()
         self.sequence: dict[tuple[int, Hashable], int] = {}
         self.pending: dict[tuple[Hashable, int], _Pending] = {}
-        self.waiting: dict[int, _Pending | _Recv] = {}
+        self.waiting: dict[int, _Pending | _Recv | _Send] = {}
         self.channels: dict[Hashable, deque] = {}
         self.ready: deque[int] = deque()
         self.finished: set[int] = set()
@@ -198,6 +216,11 @@ class Engine:
                 self.fail(CollectiveDeadlockError(f"rank(s) {gone} returned while {group} waits for them:\n  {calls}"))
                 return
         for rank, wait in self.waiting.items():
+            if isinstance(wait, _Send) and wait.dst in self.finished:
+                self.fail(
+                    CollectiveDeadlockError(f"rank {wait.dst} returned without receiving:\n  {wait.waiting_line(rank)}")
+                )
+                return
             if isinstance(wait, _Recv) and wait.src in self.finished:
                 self.fail(
                     CollectiveDeadlockError(f"rank {wait.src} returned without sending:\n  {wait.waiting_line(rank)}")
@@ -207,7 +230,7 @@ class Engine:
             lines = [self.waiting[r].waiting_line(r) for r in sorted(self.waiting)]
             self.fail(CollectiveDeadlockError("no collective can complete:\n  " + "\n  ".join(lines)))
 
-    def block(self, rank: int, wait: _Pending | _Recv) -> None:
+    def block(self, rank: int, wait: _Pending | _Recv | _Send) -> None:
         """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
         self.waiting[rank] = wait
         self.check_progress()
@@ -288,8 +311,13 @@ class Engine:
 
     # -- point to point -------------------------------------------------------
 
-    def send(self, call: Call, channel: Hashable, tensor: torch.Tensor) -> None:
-        """Deliver a copy of ``tensor`` on ``channel`` (to a posted receive, or queued); never blocks."""
+    def send(self, call: Call, channel: Hashable, tensor: torch.Tensor, dst: int = -1) -> _Send:
+        """Deliver a copy of ``tensor`` on ``channel`` (to a posted receive, or queued); never blocks.
+
+        Returns the message's `_Send`: `wait_send` on it blocks until a receive
+        (of global rank ``dst``) has taken the message.
+        """
+        sent = _Send(call, dst)
         with self.lock:
             if self.error is not None:
                 raise Aborted
@@ -297,11 +325,26 @@ class Engine:
             if queue and isinstance(queue[0], _Recv):
                 recv = queue.popleft()
                 self.deliver(recv, tensor, call)
-                recv.done = True
+                recv.done = sent.done = True
                 if self.waiting.get(recv.call.rank) is recv:
                     self.release(recv.call.rank)
             else:
-                queue.append((call, tensor.detach().clone()))
+                queue.append((call, tensor.detach().clone(), sent))
+        return sent
+
+    def wait_send(self, sent: _Send) -> None:
+        """Block until a receive has taken ``sent`` (gloo's blocking send)."""
+        self.lock.acquire()
+        if sent.done:
+            self.lock.release()
+            return
+        try:
+            if self.error is not None:
+                raise Aborted
+        except BaseException:
+            self.lock.release()
+            raise
+        self.block(sent.call.rank, sent)
 
     def post_recv(self, call: Call, channel: Hashable, src: int, tensor: torch.Tensor) -> _Recv:
         """Post a receive into ``tensor``; it completes at once if a message is queued."""
@@ -311,9 +354,11 @@ class Engine:
                 raise Aborted
             queue = self.channels.setdefault(channel, deque())
             if queue and not isinstance(queue[0], _Recv):
-                sent, data = queue.popleft()
+                sent, data, handle = queue.popleft()
                 self.deliver(recv, data, sent)
-                recv.done = True
+                recv.done = handle.done = True
+                if self.waiting.get(handle.call.rank) is handle:
+                    self.release(handle.call.rank)
             else:
                 queue.append(recv)
         return recv

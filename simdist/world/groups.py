@@ -62,6 +62,18 @@ class Comm(Protocol):
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None
     ) -> None: ...
 
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Group | None = None
+    ) -> None: ...
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        group: Group | None = None,
+    ) -> None: ...
+
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None: ...
 
     def all_to_all_single(

@@ -169,6 +169,23 @@ class RecvWork(dist.Work):
         return future
 
 
+class SendWork(DoneWork):
+    """A send; ``wait()`` blocks (deadlock-checked) until the peer's receive has taken the message, as gloo's
+    send does, so blocking sends received in another order are a reported deadlock, not an answer."""
+
+    def __init__(self, engine: Engine, sent, tensor: torch.Tensor) -> None:
+        super().__init__([tensor])
+        self._engine = engine
+        self._sent = sent
+
+    def wait(self, timeout=None) -> bool:
+        self._engine.wait_send(self._sent)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._sent.done
+
+
 class ThreadTransport:
     """Calls of rank threads meet in the shared `Engine`; the last to arrive completes for all."""
 
@@ -181,8 +198,7 @@ class ThreadTransport:
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)
-        self.engine.send(call, channel, tensor)
-        return DoneWork([tensor])
+        return SendWork(self.engine, self.engine.send(call, channel, tensor, pg.ranks[dst]), tensor)
 
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, src, pg.rank(), tag)

@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from simdist.reduce import ReduceOp, ReductionModel, Sequential
-from simdist.world.backend import exchange_plan, exchange_rows
+from simdist.reduce import Gloo, ReduceOp, ReductionModel, Sequential
+from simdist.world.backend import (
+    Op,
+    exchange_plan,
+    exchange_rows,
+    reduce_complete,
+    reduce_scatter_list_complete,
+    refuse_gloo_dtypes,
+)
 from simdist.world.engine import Call as _Call
 from simdist.world.engine import Engine
 from simdist.world.groups import Group, group_for, world_group
@@ -109,6 +116,42 @@ class SimComm:
 
         sig = ("reduce_scatter_tensor", group, op, input.shape, input.dtype, input.device)
         self._collective(_Call(self._rank, sig, sys._getframe(1), (input,), (output,)), group, complete)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
+        """Reduce ``tensor`` across ``group`` to global rank ``dst``, in place, as the ``torch.distributed`` backend
+        does it (same ``complete``): the root gets the model's result; with a gloo model every other member's
+        tensor holds gloo's partial sums afterwards, as on real gloo."""
+        group, op = self._resolve(group), ReduceOp.coerce(op)
+        model = self._model(group)
+        if isinstance(model, Gloo):
+            refuse_gloo_dtypes("reduce", str(group), [tensor])
+        complete = reduce_complete(model, Op(op.name), group.rank_of(dst), 1)
+        n = group.size
+        sig = ("reduce", group, op, f"dst={dst}", tensor.shape, tensor.dtype, tensor.device)
+        call = _Call(self._rank, sig, sys._getframe(1), (tensor,))
+        self._collective(call, group, lambda calls: complete(calls, range(n)))
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        group: Group | None = None,
+    ) -> None:
+        """List reduce_scatter: entry ``i`` of every member's ``input_list`` reduced into group rank ``i``'s
+        ``output``, as the ``torch.distributed`` backend does it (same ``complete``)."""
+        group, op = self._resolve(group), ReduceOp.coerce(op)
+        if len(input_list) != group.size:
+            raise ValueError(f"reduce_scatter on {group}: need {group.size} input tensors, got {len(input_list)}")
+        model = self._model(group)
+        gloo_rules = isinstance(model, Gloo)
+        if gloo_rules:
+            refuse_gloo_dtypes("reduce_scatter", str(group), input_list)
+        complete = reduce_scatter_list_complete(model, Op(op.name), 1, gloo_rules, str(group))
+        n = group.size
+        sig = ("reduce_scatter", group, op, output.shape, output.dtype, output.device)
+        call = _Call(self._rank, sig, sys._getframe(1), (list(input_list),), (output,), (tuple(output.shape),))
+        self._collective(call, group, lambda calls: complete(calls, range(n)))
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None:
         """Concatenate every member's ``input`` (flat, in group-rank order) into ``output``."""

@@ -105,6 +105,23 @@ class TorchComm:
             return
         _reduce_scatter(output, input, _TORCH_OPS[op], group=pg)
 
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
+        """``dist.reduce`` of ``tensor`` to global rank ``dst`` (the other members' tensors hold what the backend
+        leaves there: on gloo, partial sums)."""
+        group, pg = self._resolve(group)
+        dist.reduce(tensor, dst, _TORCH_OPS[ReduceOp.coerce(op)], group=pg)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        group: Group | None = None,
+    ) -> None:
+        """List ``dist.reduce_scatter``: entry ``i`` of every member's list reduced into group rank ``i``'s output."""
+        group, pg = self._resolve(group)
+        dist.reduce_scatter(output, list(input_list), _TORCH_OPS[ReduceOp.coerce(op)], group=pg)
+
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None:
         """Concatenate every rank's ``input`` along dim 0 into ``output`` in ``group.ranks`` order."""
         _, pg = self._resolve(group)
