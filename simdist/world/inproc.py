@@ -22,7 +22,7 @@ groups in the module-level ``_world`` object and in a C++ name registry.
 While a `spawn` runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
 thread sees its own groups; other threads see the original world), and c10d's
 thread-isolation mode makes the C++ registry per thread. Both are restored
-when the last concurrent `spawn` returns. Code that keeps its own module-level
+when the `spawn` returns (spawns run one at a time). Code that keeps its own module-level
 process-group state (DeepSpeed's ``deepspeed.utils.groups``) shares it between
 the rank threads; run such code in process mode (`simdist.world.process`).
 

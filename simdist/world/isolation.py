@@ -29,6 +29,10 @@ numpy's global ``np.random`` is detected when the spawn ends (the state
 differs from the one the spawn started with) and the run raises
 `SharedGlobalStateError` naming it; so does ``torch.compile`` (dynamo's code
 caches are one per process).
+
+Not covered: CUDA's default generators (no GPU was at hand to find a fresh
+process's CUDA generator state by experiment), and threads that a rank
+program starts itself (they run beside the rank that holds the baton).
 """
 
 from __future__ import annotations
