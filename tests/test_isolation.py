@@ -120,6 +120,16 @@ def test_the_callers_generator_and_settings_are_untouched_and_ranks_start_fresh(
     assert len(set(starts)) == N and 123 not in starts  # each rank's generator is seeded from entropy, as a process
     assert all(dtype == torch.float64 for _, dtype in seen)
 
+    def failing(r: int):
+        torch.manual_seed(r)
+        torch.set_default_dtype(torch.float64)
+        raise KeyError(r)
+
+    state = torch.default_generator.get_state()
+    with pytest.raises(KeyError):
+        simdist.spawn(failing, 2)
+    assert torch.equal(torch.default_generator.get_state(), state) and torch.get_default_dtype() == torch.float32
+
 
 @pytest.mark.parametrize("which", ["random", "numpy"])
 def test_python_and_numpy_global_generators_are_refused_by_name(which):

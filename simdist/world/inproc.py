@@ -346,11 +346,13 @@ def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_
 
     try:
         results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
+    except BaseException:
+        isolation.restore()  # the caller's generator and settings, also when a rank failed
+        raise
     finally:
         _uninstall()
         _restore_process_globals(saved)
-        finishing = isolation.finish  # restores the caller's generator and settings; raises on shared state
-    finishing()
+    isolation.finish()  # restores them and refuses state that ranks shared
     return results
 
 

@@ -150,6 +150,15 @@ class RankIsolation:
 
     def finish(self) -> None:
         """Give the caller its own state back; refuse (raise) if a rank used state that is one per process."""
+        used = self.restore()
+        if used:
+            raise SharedGlobalStateError(
+                f"rank threads used {' and '.join(used)}: one per process, shared by every rank thread; "
+                "run in process mode (simdist.world.launch.spawn_procs) for that"
+            )
+
+    def restore(self) -> list[str]:
+        """Give the caller its own state back (also after a failed run); return what ranks used that is shared."""
         torch.default_generator.set_state(self.caller_generator)
         self.current = [get() for get in _GETTERS]
         self._apply(self.caller_settings)
@@ -163,8 +172,4 @@ class RankIsolation:
             used.append("numpy's global `np.random` (use np.random.default_rng per rank)")
         if _dynamo_frames() != self.caller_frames:
             used.append("torch.compile (dynamo's caches are one per process)")
-        if used:
-            raise SharedGlobalStateError(
-                f"rank threads used {' and '.join(used)}: one per process, shared by every rank thread; "
-                "run in process mode (simdist.world.launch.spawn_procs) for that"
-            )
+        return used
