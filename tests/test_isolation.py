@@ -11,6 +11,7 @@ name, the caller's state given back, ``sys.exit`` and bad world sizes.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import subprocess
@@ -181,8 +182,22 @@ def test_spawn_restores_excepthook_c10d_globals_and_dtensor_tables():
 
     hook, backend, init, mesh_init = sys.excepthook, c10d._backend, c10d._default_pg_init_method, DeviceMesh.__init__
     dispatcher_class = type(DTensor._op_dispatcher)
-    tokens = simdist.spawn(lambda r: torch.distributed.device_mesh.init_device_mesh("cpu", (2,))._thread_id, 2)
+
+    def meshes() -> int:
+        gc.collect()
+        return sum(isinstance(o, DeviceMesh) for o in gc.get_objects())
+
+    def rank(r: int):
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+        DTensor.from_local(torch.ones(3, 2), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])  # fills caches
+        return mesh._thread_id
+
+    before = meshes()
+    tokens = simdist.spawn(rank, 2)
     assert len(set(tokens)) == 2 and None not in tokens
+    assert meshes() <= before  # torch's mesh-keyed caches hold no rank's mesh after the spawn
     assert sys.excepthook is hook and c10d._backend == backend and c10d._default_pg_init_method is init
     assert DeviceMesh.__init__ is mesh_init and type(DTensor._op_dispatcher) is dispatcher_class
     assert isinstance(DTensor._op_dispatcher.__dict__["_custom_op_handlers"], dict)

@@ -175,12 +175,26 @@ def _patch_dtensor() -> Callable[[], None]:
             dispatcher.__dict__["_custom_op_handlers"] = shared
 
         undo.append(restore)
+    undo.append(_clear_mesh_caches)
 
     def undo_all() -> None:
         for step in reversed(undo):
             step()
 
     return undo_all
+
+
+def _clear_mesh_caches() -> None:
+    """Drop torch's process-wide caches keyed on meshes: the rank tokens make every spawn's entries new ones."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
+
+    for holder, name in ((_redistribute, "_gen_transform_infos"), (_collective_utils.MeshTopoInfo, "build_from_mesh")):
+        cached = getattr(holder, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    planners = getattr(_redistribute, "_planner_cache", None)
+    if isinstance(planners, dict):
+        planners.clear()
 
 
 _install_lock = threading.Lock()
