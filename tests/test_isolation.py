@@ -148,15 +148,26 @@ def test_python_and_numpy_global_generators_are_refused_by_name(which):
     assert (random.random(), np.random.rand()) == before  # the caller's streams are given back
 
 
+def _other(name: str, original):
+    """A value of setting ``name`` different from ``original``."""
+    if name == "default_dtype":
+        other = torch.float64 if original != torch.float64 else torch.float32
+    elif name == "float32_matmul_precision":
+        other = "medium" if original != "medium" else "highest"
+    elif isinstance(original, tuple):
+        other = (not original[0], original[1])
+    elif isinstance(original, list):
+        other = original[::-1]
+    else:
+        other = not original
+    return other
+
+
 def test_settings_are_process_global_by_experiment():
     """Each entry of SETTINGS really is one per process (a thread's change is seen by another thread)."""
     for name, (get, set_, _) in SETTINGS.items():
         original = get()
-        other = {torch.float32: torch.float64}.get(original) if name == "default_dtype" else None
-        if other is None:
-            other = (not original[0], original[1]) if isinstance(original, tuple) else not original
-        if name == "float32_matmul_precision":
-            other = "medium" if original != "medium" else "highest"
+        other = _other(name, original)
         t = threading.Thread(target=set_, args=(other,))
         t.start()
         t.join()
@@ -164,6 +175,24 @@ def test_settings_are_process_global_by_experiment():
             assert get() == other, name
         finally:
             set_(original)
+
+
+def test_every_setting_is_per_rank_on_threads():
+    """Rank 1 changes every setting; ranks 0, 2, 3 keep a fresh process's values; the caller keeps its own."""
+    caller = {name: get() for name, (get, _, _) in SETTINGS.items()}
+
+    def rank(r: int) -> dict:
+        if r == 1:
+            for name, (get, set_, _) in SETTINGS.items():
+                set_(_other(name, get()))
+        dist.barrier()
+        return {name: get() for name, (get, _, _) in SETTINGS.items()}
+
+    seen = simdist.spawn(rank, N)
+    fresh = {name: value for name, (_, _, value) in SETTINGS.items()}
+    assert seen[0] == seen[2] == seen[3] == fresh
+    assert all(seen[1][name] == _other(name, fresh[name]) for name in SETTINGS)
+    assert {name: get() for name, (get, _, _) in SETTINGS.items()} == caller
 
 
 @pytest.mark.slow

@@ -18,6 +18,13 @@ deterministic algorithms off, ``"highest"`` float32 matmul precision, and the
 backend flags as torch ships them. The caller's own values are restored when
 the spawn returns.
 
+The table was found by experiment: every ``torch._C._get_X``/``_set_X`` pair
+and the Python-level flags, set on one thread and read on another; the
+process-global ones that can change a CPU result (or a CUDA one, cheaply) are
+in `SETTINGS`. Left out: print options and warning switches (text, not bits),
+the CUDA-only preferred BLAS/linalg backends and TF32 switches (linked to the
+matmul precision; not settable on a CPU build).
+
 Found thread-local by experiment (nothing to do): grad and inference mode,
 autocast, ``set_default_device``, ``set_num_threads`` (OpenMP, per thread),
 ``set_flush_denormal`` (per-thread CPU flags).
@@ -79,6 +86,19 @@ SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
     "mem_efficient_sdp": (_SDP.mem_efficient_sdp_enabled, _SDP.enable_mem_efficient_sdp, True),
     "math_sdp": (_SDP.math_sdp_enabled, _SDP.enable_math_sdp, True),
     "cudnn_sdp": (_SDP.cudnn_sdp_enabled, _SDP.enable_cudnn_sdp, True),
+    "math_sdp_allow_fp16_bf16_reduction": (
+        torch._C._get_math_sdp_allow_fp16_bf16_reduction,
+        torch._C._set_math_sdp_allow_fp16_bf16_reduction,
+        False,
+    ),
+    "sdp_priority_order": (torch._C._get_sdp_priority_order, torch._C._set_sdp_priority_order, [1, 2, 0, 3, 4]),
+    "mkldnn_deterministic": (torch._C._get_mkldnn_deterministic, torch._C._set_mkldnn_deterministic, False),
+    "nnpack_enabled": (torch._C._get_nnpack_enabled, torch._C._set_nnpack_enabled, True),
+    "cublas_allow_fp16_accumulation": (
+        torch._C._get_cublas_allow_fp16_accumulation,
+        torch._C._set_cublas_allow_fp16_accumulation,
+        False,
+    ),
     "cudnn_enabled": (*_flag(torch.backends.cudnn, "enabled"), True),
     "cudnn_deterministic": (*_flag(torch.backends.cudnn, "deterministic"), False),
     "cudnn_benchmark": (*_flag(torch.backends.cudnn, "benchmark"), False),
