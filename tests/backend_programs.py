@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from isolation_programs import quick as isolation_quick
 from torch import nn
 
 
@@ -410,4 +411,5 @@ def suite(rank: int) -> dict:
         "dtensor": dtensor_2x2(rank),
         "fsdp2": fsdp2_steps(rank),
         "coverage": coverage(rank),
+        "isolation": isolation_quick(rank),  # last: it seeds torch's global generator (tests/test_isolation.py)
     }
