@@ -411,5 +411,6 @@ def suite(rank: int) -> dict:
         "dtensor": dtensor_2x2(rank),
         "fsdp2": fsdp2_steps(rank),
         "coverage": coverage(rank),
-        "isolation": isolation_quick(rank),  # last: it seeds torch's global generator (tests/test_isolation.py)
+        # last: they seed torch's global generator (tests/test_isolation.py)
+        **{f"isolation_{name}": result for name, result in isolation_quick(rank).items()},
     }
