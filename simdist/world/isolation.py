@@ -57,15 +57,11 @@ class SharedGlobalStateError(RuntimeError):
 
 
 def _deterministic() -> tuple[bool, bool]:
-    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    return torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only()
 
 
 def _set_deterministic(value: tuple[bool, bool]) -> None:
     torch.use_deterministic_algorithms(value[0], warn_only=value[1])
-
-
-def _flag(module: Any, name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
-    return (lambda: getattr(module, name)), (lambda v: setattr(module, name, v))
 
 
 _SDP = torch.backends.cuda
@@ -99,9 +95,9 @@ SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
         torch._C._set_cublas_allow_fp16_accumulation,
         False,
     ),
-    "cudnn_enabled": (*_flag(torch.backends.cudnn, "enabled"), True),
-    "cudnn_deterministic": (*_flag(torch.backends.cudnn, "deterministic"), False),
-    "cudnn_benchmark": (*_flag(torch.backends.cudnn, "benchmark"), False),
+    "cudnn_enabled": (torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled, True),
+    "cudnn_deterministic": (torch._C._get_cudnn_deterministic, torch._C._set_cudnn_deterministic, False),
+    "cudnn_benchmark": (torch._C._get_cudnn_benchmark, torch._C._set_cudnn_benchmark, False),
 }
 
 _GETTERS = [get for get, _, _ in SETTINGS.values()]
