@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from isolation_programs import quick as isolation_quick
 from torch import nn
 
 
@@ -410,4 +411,6 @@ def suite(rank: int) -> dict:
         "dtensor": dtensor_2x2(rank),
         "fsdp2": fsdp2_steps(rank),
         "coverage": coverage(rank),
+        # last: they seed torch's global generator (tests/test_isolation.py)
+        **{f"isolation_{name}": result for name, result in isolation_quick(rank).items()},
     }

@@ -89,6 +89,13 @@ def test_every_op_and_every_refusal_equal_real_gloo(real_gloo, threads):
     _assert_same(mine, gloo, "coverage vs gloo")
 
 
+def test_seed_per_rank_same_seed_init_settings_and_broadcast_equal_real_gloo(real_gloo, threads):
+    """Rank threads behave like processes (tests/test_isolation.py runs these again for identical reruns)."""
+    for name in ("seed_per_rank", "same_seed_init", "settings", "broadcast_params"):
+        program = f"isolation_{name}"
+        _assert_same(_program(threads, program), _program(real_gloo, program), f"{name} vs gloo")
+
+
 @pytest.mark.slow
 def test_process_mode_runs_every_program_with_the_threads_bits(threads):
     processes = spawn_procs(suite, N, backend="simdist", timeout_s=300)

@@ -426,6 +426,17 @@ def refuse_scatter_shapes(calls: list[Call], k: int, root: int, label: str) -> N
             )
 
 
+def _untracked(tree):
+    """A call's tensors as ``.data`` aliases: written as gloo writes from C++ (no autograd record, no version bump).
+
+    So ``dist.broadcast(param, 0)`` on an ``nn.Parameter`` works, and a tensor
+    saved for backward can be overwritten as on gloo (found by experiment).
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.data
+    return type(tree)(_untracked(item) for item in tree)
+
+
 class SimProcessGroup(dist.ProcessGroup):
     """One rank's handle on one simulated group; collectives go through a `Transport` to the group's model.
 
@@ -484,6 +495,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return Call(self.global_rank, (op, self.label, *details), frame, inputs, outputs, extra)
 
     def _run(self, call: Call, complete: Complete, result: list[torch.Tensor]) -> DoneWork:
+        call.inputs, call.outputs = _untracked(call.inputs), _untracked(call.outputs)
         self.transport.collective(self, call, complete)
         return DoneWork(result)
 

@@ -30,7 +30,11 @@ Failure is loud and quick:
 
 Scheduling: completed ranks are woken one at a time, each when the running rank
 blocks or returns, so only one rank thread is runnable at a time (a handoff is
-one wake-up, no contention for the interpreter lock). Rank threads disable
+one wake-up, no contention for the interpreter lock). With a ``switch`` (see
+`Engine.__init__`) the ranks also start one after another, so exactly one rank
+runs from start to end, and ``switch.suspend(rank)``/``switch.resume(rank)``
+run at every handoff (`simdist.world.isolation` swaps per-rank copies of
+process-global state there). Rank threads disable
 autograd's per-device worker threads, so a collective called from a backward
 hook runs on the rank's own thread.
 """
@@ -178,9 +182,10 @@ def _fresh(exc: BaseException) -> BaseException:
 class Engine:
     """Shared state of one run of ``world_size`` rank threads: pending collectives, channels, the first error."""
 
-    def __init__(self, world_size: int, label: str = "simdist") -> None:
+    def __init__(self, world_size: int, label: str = "simdist", switch: Any = None) -> None:
         self.world_size = world_size
         self.label = label
+        self.switch = switch  # suspend(rank)/resume(rank) at every handoff; ranks start one at a time
         self.lock = threading.Lock()
         self.wake = [threading.Lock() for _ in range(world_size)]
         for w in self.wake:
@@ -234,11 +239,15 @@ class Engine:
         """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
         self.waiting[rank] = wait
         self.check_progress()
+        if self.switch is not None and self.error is None:
+            self.switch.suspend(rank)
         self.pass_baton()
         self.lock.release()
         self.wake[rank].acquire()
         if self.error is not None:
             raise Aborted
+        if self.switch is not None:
+            self.switch.resume(rank)
 
     def pass_baton(self) -> None:
         """Wake one rank whose wait completed (call with the lock held, just before blocking or returning)."""
@@ -392,6 +401,8 @@ class Engine:
 
     def rank_finished(self, rank: int, error: BaseException | None) -> None:
         with self.lock:
+            if self.switch is not None and self.error is None:
+                self.switch.suspend(rank)
             self.pass_baton()
             self.finished.add(rank)
             if error is not None:
@@ -423,8 +434,19 @@ class Engine:
         cpu = min(os.sched_getaffinity(0)) if pin else None
         caller_threads = torch.get_num_threads()
 
+        serial = self.switch is not None
+        if serial:  # rank 0 runs first; the others are woken one by one as ranks block or return
+            self.ready.extend(range(1, self.world_size))
+
         def main(rank: int) -> None:
             error: BaseException | None = None
+            if serial:
+                if rank:
+                    self.wake[rank].acquire()
+                if self.error is not None:
+                    self.rank_finished(rank, None)
+                    return
+                self.switch.resume(rank)
             try:
                 if cpu is not None:
                     os.sched_setaffinity(0, {cpu})

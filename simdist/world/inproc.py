@@ -22,13 +22,26 @@ groups in the module-level ``_world`` object and in a C++ name registry.
 While a `spawn` runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
 thread sees its own groups; other threads see the original world), and c10d's
 thread-isolation mode makes the C++ registry per thread. Both are restored
-when the last concurrent `spawn` returns. Code that keeps its own module-level
+when the `spawn` returns (spawns run one at a time). Code that keeps its own module-level
 process-group state (DeepSpeed's ``deepspeed.utils.groups``) shares it between
 the rank threads; run such code in process mode (`simdist.world.process`).
+
+Rank threads behave like processes: they run one at a time and carry their own
+copy of torch's process-global state (default generator, default dtype,
+deterministic flags, ...; `simdist.world.isolation`), and DTensor's tables are
+per rank: each rank's DeviceMeshes carry a rank token where torch's own
+threaded test backend puts the thread id (so the redistribution and sharding
+caches keyed on meshes never hand one rank's plan to another), and DTensor's
+custom-op table (``loss_parallel`` edits it) is one dict per rank thread.
+A spawn restores every global it touches (``sys.excepthook``, which c10d
+wraps on every ``init_process_group``, included).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +52,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
 from simdist.world.engine import Call, Engine
+from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
 from simdist.world.spec import ParallelSpec
 
@@ -101,8 +115,90 @@ class ThreadLocalWorld(c10d._World):
     comms = _per_thread("comms")
 
 
+def _mesh_init(original):
+    """DeviceMesh.__init__, then the rank token in ``_thread_id`` (torch sets it only for its "threaded" backend)."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        ctx = current()
+        if ctx is not None and getattr(self, "_thread_id", 0) is None:
+            self._thread_id = ctx.token  # part of the mesh's hash and equality
+            self._hash = None
+
+    __init__.simdist_original = original  # type: ignore[attr-defined]
+    return __init__
+
+
+class _PerRankHandlers(threading.local):
+    """DTensor's custom-op table, one dict per rank thread (a copy of the process's table at the rank's start)."""
+
+    def __init__(self, shared: dict) -> None:
+        self.table = dict(shared)
+
+
+def _dispatcher_class(base: type, shared: dict) -> type:
+    """A subclass of DTensor's OpDispatcher whose ``_custom_op_handlers`` is the calling rank thread's dict."""
+    local = _PerRankHandlers(shared)
+
+    def get(self):
+        return local.table if current() is not None else shared
+
+    def set_(self, value):
+        if current() is not None:
+            local.table = value
+        else:
+            shared.clear()
+            shared.update(value)
+
+    return type(base.__name__, (base,), {"_custom_op_handlers": property(get, set_), "simdist_base": base})
+
+
+def _patch_dtensor() -> Callable[[], None]:
+    """Make DTensor's mesh identity and custom-op table per rank; returns the undo."""
+    undo: list[Callable[[], None]] = []
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing shared to isolate
+        return lambda: None
+    original = DeviceMesh.__init__
+    setattr(DeviceMesh, "__init__", _mesh_init(original))  # noqa: B010 (mypy: no method assignment)
+    undo.append(lambda: setattr(DeviceMesh, "__init__", original))
+    dispatcher = DTensor._op_dispatcher
+    base, shared = type(dispatcher), dispatcher.__dict__.get("_custom_op_handlers")
+    if isinstance(shared, dict):
+        del dispatcher.__dict__["_custom_op_handlers"]
+        dispatcher.__class__ = _dispatcher_class(base, shared)
+
+        def restore() -> None:
+            dispatcher.__class__ = base
+            dispatcher.__dict__["_custom_op_handlers"] = shared
+
+        undo.append(restore)
+    undo.append(_clear_mesh_caches)
+
+    def undo_all() -> None:
+        for step in reversed(undo):
+            step()
+
+    return undo_all
+
+
+def _clear_mesh_caches() -> None:
+    """Drop torch's process-wide caches keyed on meshes: the rank tokens make every spawn's entries new ones."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
+
+    for holder, name in ((_redistribute, "_gen_transform_infos"), (_collective_utils.MeshTopoInfo, "build_from_mesh")):
+        cached = getattr(holder, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    planners = getattr(_redistribute, "_planner_cache", None)
+    if isinstance(planners, dict):
+        planners.clear()
+
+
 _install_lock = threading.Lock()
-_installed: list = []  # [world, count, saved world] while spawns run; holds no process group
+_installed: list = []  # [world, count, saved world, undo] while spawns run; holds no process group
 
 
 def _install() -> ThreadLocalWorld:
@@ -112,7 +208,7 @@ def _install() -> ThreadLocalWorld:
             world = ThreadLocalWorld(saved)
             c10d._world = world
             torch._C._distributed_c10d._set_thread_isolation_mode(True)
-            _installed[:] = [world, 0, saved]
+            _installed[:] = [world, 0, saved, _patch_dtensor()]
         _installed[1] += 1
         return _installed[0]
 
@@ -121,10 +217,11 @@ def _uninstall() -> None:
     with _install_lock:
         _installed[1] -= 1
         if _installed[1] == 0:
-            world, _, saved = _installed
+            world, _, saved, undo = _installed
             if c10d._world is world:
                 c10d._world = saved
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            undo()
             _installed.clear()
 
 
@@ -132,11 +229,13 @@ class _Context:
     """What the backend's group factory needs on a rank thread: the engine, the rank, the model chooser."""
 
     local = threading.local()
+    tokens = itertools.count(1)
 
     def __init__(self, engine: Engine, rank: int, chooser: Chooser) -> None:
         self.engine = engine
         self.rank = rank
         self.chooser = chooser
+        self.token = next(self.tokens)  # unique per rank of every spawn (a thread id can be reused)
 
 
 def current() -> _Context | None:
@@ -147,10 +246,11 @@ def current() -> _Context | None:
 class RecvWork(dist.Work):
     """A posted receive; ``wait()`` blocks (deadlock-checked) until the message is there."""
 
-    def __init__(self, engine: Engine, recv) -> None:
+    def __init__(self, engine: Engine, recv, tensor: torch.Tensor) -> None:
         super().__init__()
         self._engine = engine
         self._recv = recv
+        self._tensor = tensor
 
     def wait(self, timeout=None) -> bool:
         self._engine.wait_recv(self._recv)
@@ -160,12 +260,12 @@ class RecvWork(dist.Work):
         return self._recv.done
 
     def result(self) -> list[torch.Tensor]:
-        return [self._recv.tensor]
+        return [self._tensor]
 
     def get_future(self) -> torch.futures.Future:
         self.wait()
         future: torch.futures.Future = torch.futures.Future()
-        future.set_result([self._recv.tensor])
+        future.set_result([self._tensor])
         return future
 
 
@@ -202,7 +302,9 @@ class ThreadTransport:
 
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, src, pg.rank(), tag)
-        return RecvWork(self.engine, self.engine.post_recv(call, channel, pg.ranks[src], tensor))
+        # the message is written into a detached alias, as gloo writes from C++: no autograd record, no version bump
+        posted = self.engine.post_recv(call, channel, pg.ranks[src], tensor.data)
+        return RecvWork(self.engine, posted, tensor)
 
 
 def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str):
@@ -230,16 +332,29 @@ def spawn(
     ``spec``, or a callable; see `simdist.world.modelmap`). ``timeout_s``
     bounds the whole run (deadlocks between collectives are detected without
     it). ``one_cpu`` and ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`.
-    The default group is destroyed when ``fn`` returns.
+    The default group is destroyed when ``fn`` returns. Each rank has its own
+    copy of torch's process-global state, starting as a fresh process's
+    (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    world_size = check_world_size(world_size)
+    if current() is not None:
+        raise RuntimeError("simdist.spawn called from a rank thread of another spawn (spawns run one at a time)")
+    with _spawn_lock:  # process-global state is swapped per rank: one spawn at a time
+        return _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads)
+
+
+_spawn_lock = threading.Lock()
+
+
+def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads) -> list[Any]:
     from simdist.world.plugin import register
 
     register()
     chooser = Chooser(model, world_size, spec)
-    engine = Engine(world_size, label="simdist.spawn")
+    isolation = RankIsolation(world_size)
+    engine = Engine(world_size, label="simdist.spawn", switch=isolation)
     store = dist.HashStore()
+    saved = _process_globals()
     world = _install()
 
     def body(rank: int) -> Any:
@@ -249,6 +364,9 @@ def spawn(
             dist.init_process_group(BACKEND_NAME, rank=rank, world_size=world_size, store=store)
             try:
                 return fn(rank, *args, **kwargs)
+            except SystemExit as exc:  # in a real job this rank's process would end: an error naming the rank
+                ended = f"rank {rank} called sys.exit({exc.code!r}); its process would have ended"
+                raise RankExitError(ended) from None
             finally:
                 if engine.error is None:
                     dist.destroy_process_group()
@@ -257,6 +375,41 @@ def spawn(
             _Context.local.ctx = None
 
     try:
-        return engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
+        results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
+    except BaseException:
+        isolation.restore()  # the caller's generator and settings, also when a rank failed
+        raise
     finally:
         _uninstall()
+        _restore_process_globals(saved)
+    isolation.finish()  # restores them and refuses state that ranks shared
+    return results
+
+
+MAX_RANK_THREADS = 512
+"""The most rank threads `spawn` starts (the CLI's ``--world-size`` ceiling, `simdist.cli.limits.LIMITS`)."""
+
+
+class RankExitError(RuntimeError):
+    """A rank called ``sys.exit``: in a real job its process would have ended while its peers ran on."""
+
+
+def check_world_size(world_size: Any) -> int:
+    """``world_size`` as an int; one-line ``TypeError``/``ValueError`` unless it is one in ``[1, MAX_RANK_THREADS]``."""
+    if isinstance(world_size, bool) or not hasattr(type(world_size), "__index__"):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
+    world_size = operator.index(world_size)
+    if not 1 <= world_size <= MAX_RANK_THREADS:
+        raise ValueError(
+            f"world_size must be in [1, {MAX_RANK_THREADS}] (each rank is a thread of this process), got {world_size}"
+        )
+    return world_size
+
+
+def _process_globals() -> tuple:
+    """What ``init_process_group`` changes outside c10d's ``_world``: the excepthook and two module globals."""
+    return sys.excepthook, c10d._backend, c10d._default_pg_init_method
+
+
+def _restore_process_globals(saved: tuple) -> None:
+    sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved

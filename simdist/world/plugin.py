@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from simdist.world.backend import BACKEND_NAME, SimProcessGroup
+from simdist.world.gloo_names import install as install_gloo_names
 from simdist.world.inproc import current, thread_group
 from simdist.world.process import process_group
 
@@ -29,6 +30,7 @@ def create_group(options, backend_options=None) -> SimProcessGroup:
 
 def register() -> None:
     """Make ``dist.init_process_group("simdist")`` available (no-op when already registered)."""
+    install_gloo_names()  # gloo's name-based decisions (monitored_barrier, ZeRO overlap) for gloo-modelled groups
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND_NAME, create_group, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,191 @@
+"""Process-global state made per rank for `simdist.spawn`'s rank threads, or refused.
+
+A rank of a real job is a process: its default random generator, default
+dtype, deterministic-algorithms flags and the other settings below are its
+own. Rank threads share one process, so `RankIsolation` keeps one copy of
+each per rank and swaps them in and out at every baton handoff of the
+`simdist.world.engine.Engine`: rank threads of `simdist.spawn` run one at a
+time (the engine starts them one after another and wakes a rank only when the
+running one blocks in a collective or a receive, or returns), so the global
+state always holds the running rank's values.
+
+What a rank starts with is what a fresh process has (found by experiment with
+torch 2.13 on CPU, each value checked against a new interpreter by
+tests/test_isolation.py): a default CPU generator seeded from OS entropy (a
+new interpreter's ``torch.initial_seed()`` differs from run to run; it is not
+the fixed seed of ``torch.Generator()``), float32 default dtype,
+deterministic algorithms off, ``"highest"`` float32 matmul precision, and the
+backend flags as torch ships them. The caller's own values are restored when
+the spawn returns.
+
+The table was found by experiment: every ``torch._C._get_X``/``_set_X`` pair
+and the Python-level flags, set on one thread and read on another; the
+process-global ones that can change a CPU result (or a CUDA one, cheaply) are
+in `SETTINGS`. Left out: print options and warning switches (text, not bits),
+the CUDA-only preferred BLAS/linalg backends and TF32 switches (linked to the
+matmul precision; not settable on a CPU build).
+
+Found thread-local by experiment (nothing to do): grad and inference mode,
+autocast, ``set_default_device``, ``set_num_threads`` (OpenMP, per thread),
+``set_flush_denormal`` (per-thread CPU flags).
+
+Refused by name, because swapping them at every handoff would cost more than
+the collective itself (~20 us for Python's ``random``, ~150 us for numpy's
+legacy global generator): a rank that uses Python's global ``random`` or
+numpy's global ``np.random`` is detected when the spawn ends (the state
+differs from the one the spawn started with) and the run raises
+`SharedGlobalStateError` naming it; so does ``torch.compile`` (dynamo's code
+caches are one per process).
+
+Not covered: CUDA's default generators (no GPU was at hand to find a fresh
+process's CUDA generator state by experiment), and threads that a rank
+program starts itself (they run beside the rank that holds the baton).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class SharedGlobalStateError(RuntimeError):
+    """A rank thread used process-global state that `simdist.spawn` cannot give each rank (one line, named)."""
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only()
+
+
+def _set_deterministic(value: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(value[0], warn_only=value[1])
+
+
+_SDP = torch.backends.cuda
+
+# name -> (get, set, value in a fresh process); every entry is process-global (tests/test_isolation.py checks both)
+SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
+    "default_dtype": (torch.get_default_dtype, torch.set_default_dtype, torch.float32),
+    "deterministic_algorithms": (_deterministic, _set_deterministic, (False, False)),
+    "float32_matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"),
+    "fill_uninitialized_memory": (
+        torch._C._get_deterministic_fill_uninitialized_memory,
+        torch._C._set_deterministic_fill_uninitialized_memory,
+        True,
+    ),
+    "anomaly_detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled, False),
+    "mkldnn_enabled": (torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled, True),
+    "flash_sdp": (_SDP.flash_sdp_enabled, _SDP.enable_flash_sdp, True),
+    "mem_efficient_sdp": (_SDP.mem_efficient_sdp_enabled, _SDP.enable_mem_efficient_sdp, True),
+    "math_sdp": (_SDP.math_sdp_enabled, _SDP.enable_math_sdp, True),
+    "cudnn_sdp": (_SDP.cudnn_sdp_enabled, _SDP.enable_cudnn_sdp, True),
+    "math_sdp_allow_fp16_bf16_reduction": (
+        torch._C._get_math_sdp_allow_fp16_bf16_reduction,
+        torch._C._set_math_sdp_allow_fp16_bf16_reduction,
+        False,
+    ),
+    "sdp_priority_order": (torch._C._get_sdp_priority_order, torch._C._set_sdp_priority_order, [1, 2, 0, 3, 4]),
+    "mkldnn_deterministic": (torch._C._get_mkldnn_deterministic, torch._C._set_mkldnn_deterministic, False),
+    "nnpack_enabled": (torch._C._get_nnpack_enabled, torch._C._set_nnpack_enabled, True),
+    "cublas_allow_fp16_accumulation": (
+        torch._C._get_cublas_allow_fp16_accumulation,
+        torch._C._set_cublas_allow_fp16_accumulation,
+        False,
+    ),
+    "cudnn_enabled": (torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled, True),
+    "cudnn_deterministic": (torch._C._get_cudnn_deterministic, torch._C._set_cudnn_deterministic, False),
+    "cudnn_benchmark": (torch._C._get_cudnn_benchmark, torch._C._set_cudnn_benchmark, False),
+}
+
+_GETTERS = [get for get, _, _ in SETTINGS.values()]
+_SETTERS = [set_ for _, set_, _ in SETTINGS.values()]
+
+
+def fresh_generator_state() -> torch.Tensor:
+    """The default CPU generator's state in a new interpreter: seeded from OS entropy."""
+    g = torch.Generator()
+    g.seed()
+    return g.get_state()
+
+
+def _numpy_state() -> Any:
+    np = sys.modules.get("numpy")
+    return None if np is None else np.random.get_state(legacy=False)
+
+
+def _same_numpy(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    if not bool((a["state"]["key"] == b["state"]["key"]).all()):
+        return False
+    return (a["state"]["pos"], a["has_gauss"], a["gauss"]) == (b["state"]["pos"], b["has_gauss"], b["gauss"])
+
+
+def _dynamo_frames() -> int:
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return 0 if dynamo is None else int(dynamo.counters["frames"]["total"])
+
+
+class RankIsolation:
+    """Per-rank copies of torch's process-global generator and settings, swapped at baton handoffs.
+
+    `resume` installs a rank's copy (called when the rank gets the baton),
+    `suspend` saves it (called when it gives the baton away), `finish`
+    restores the caller's and raises `SharedGlobalStateError` for what a rank
+    touched that cannot be per rank.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.generators = [fresh_generator_state() for _ in range(world_size)]
+        fresh = [value for _, _, value in SETTINGS.values()]
+        self.settings = [list(fresh) for _ in range(world_size)]
+        self.caller_generator = torch.default_generator.get_state()
+        self.caller_settings = [get() for get in _GETTERS]
+        self.caller_random = random.getstate()
+        self.caller_numpy = _numpy_state()
+        self.caller_frames = _dynamo_frames()
+        self.current = self.caller_settings[:]  # what the process holds now
+
+    def resume(self, rank: int) -> None:
+        torch.default_generator.set_state(self.generators[rank])
+        self._apply(self.settings[rank])
+
+    def suspend(self, rank: int) -> None:
+        self.generators[rank] = torch.default_generator.get_state()
+        self.settings[rank] = self.current = [get() for get in _GETTERS]
+
+    def _apply(self, values: list) -> None:
+        current = self.current
+        for i, value in enumerate(values):
+            if current[i] != value:
+                _SETTERS[i](value)
+        self.current = values[:]
+
+    def finish(self) -> None:
+        """Give the caller its own state back; refuse (raise) if a rank used state that is one per process."""
+        used = self.restore()
+        if used:
+            raise SharedGlobalStateError(
+                f"rank threads used {' and '.join(used)}: one per process, shared by every rank thread; "
+                "run in process mode (simdist.world.launch.spawn_procs) for that"
+            )
+
+    def restore(self) -> list[str]:
+        """Give the caller its own state back (also after a failed run); return what ranks used that is shared."""
+        torch.default_generator.set_state(self.caller_generator)
+        self.current = [get() for get in _GETTERS]
+        self._apply(self.caller_settings)
+        used = []
+        if random.getstate() != self.caller_random:
+            random.setstate(self.caller_random)
+            used.append("Python's global `random` (seed a random.Random per rank)")
+        numpy_now = _numpy_state()
+        if self.caller_numpy is not None and not _same_numpy(numpy_now, self.caller_numpy):
+            sys.modules["numpy"].random.set_state(self.caller_numpy)
+            used.append("numpy's global `np.random` (use np.random.default_rng per rank)")
+        if _dynamo_frames() != self.caller_frames:
+            used.append("torch.compile (dynamo's caches are one per process)")
+        return used
