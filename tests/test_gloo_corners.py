@@ -116,16 +116,11 @@ def draw_cases() -> list[Case]:
     return found
 
 
-ELSEWHERE = {"monitored_barrier"}
-"""Probes another change owns: monitored_barrier needs the backend to report itself as gloo (helper "iso"'s
-backend naming); drop it from this set once that is merged."""
-
-
 @pytest.fixture(scope="module")
 def spawned():
     """ONE spawn of WORLD real gloo processes: the corner cases (fixed and drawn) and the fidelity probes."""
     cases = corner_cases(WORLD) + draw_cases()
-    probes = [p for p in fidelity_probes(WORLD) if p.kind not in ELSEWHERE]
+    probes = [p for p in fidelity_probes(WORLD)]
     results = spawn_procs(run_cases_and_probes, WORLD, cases, probes, backend="gloo", timeout_s=240)
     return cases, [r[0] for r in results], probes, [r[1] for r in results]
 
@@ -241,7 +236,7 @@ def drawn_big_reduces(world: int, count: int = 3) -> list[Probe]:
 def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mode(world):
     """Every category plus ``dist.reduce`` around 2P MiB (gloo's own segment sizing) at P = 2..8: fixed sizes
     just above it and sizes drawn by Hypothesis around it."""
-    probes = [p for p in fidelity_probes(world, big=True) if p.kind not in ELSEWHERE] + drawn_big_reduces(world)
+    probes = [p for p in fidelity_probes(world, big=True)] + drawn_big_reduces(world)
     real = spawn_procs(run_probes, world, probes, backend="gloo", timeout_s=600)
     for mode, seen in (
         ("threads", simdist.spawn(run_probes, world, probes)),
