@@ -77,7 +77,9 @@ BACKEND = "tests/test_backend.py"
 SIMWORLD = "tests/test_simworld.py"
 BATCHED = "tests/test_gradpath_batched.py"
 
-FSDP2 = ("tests/test_cases_fsdp2.py", "tests/test_cases_fsdp2_tp.py")
+FSDP2 = ("tests/test_cases_fsdp2.py",)
+# not tests/test_cases_fsdp2_tp.py until rank threads have their own RNG (issue 18 item 1): in threads it fails
+# about one run in six unmutated (error / sum|terms| of 7.5 seen here), which would count as a kill
 
 GRADPATH = (CHAIN, POLICIES, PROPERTIES)
 REDUCE = (GLOO, REDUCTION)
@@ -206,6 +208,31 @@ CATALOGUE: tuple[Mutation, ...] = (
         'return dp_stages + correction if self.correct_at == "after_dp" else correction + dp_stages',
         "return correction + dp_stages",
         GRADPATH,
+    ),
+    Mutation(
+        "bf16-writeback-tp-sum-in-bf16",
+        "bf16_writeback sums over TP in BF16 (no FP32 staging); at TP2 the one rounding of a two-member sum "
+        "matches the FP32 sum's writeback, so only TP4 data or the printed chain can tell",
+        "policies/bf16_writeback.py",
+        'FP32 accumulation",\n        staging=torch.float32,',
+        'FP32 accumulation",\n        staging=None,',
+        (*GRADPATH, "tests/test_cases_deepspeed.py"),
+    ),
+    Mutation(
+        "expert-dp-over-dp",
+        "experts are reduced over the dense DP group instead of the expert-data-parallel group",
+        "simdist/gradpath/families.py",
+        'return "edp" if self is Family.EXPERT else "dp"',
+        'return "dp"',
+        GRADPATH,
+    ),
+    Mutation(
+        "norm-counts-experts-once",
+        "the global norm counts expert gradients on TP rank 0 only",
+        "simdist/gradpath/families.py",
+        "return self in (Family.MODEL_PARALLEL, Family.EXPERT)",
+        "return self is Family.MODEL_PARALLEL",
+        ("tests/test_gradpath_norm.py", *GRADPATH, BATCHED),
     ),
     # -- the engine (simdist/gradpath/kernel.py) ------------------------------------------------------------------
     Mutation(
