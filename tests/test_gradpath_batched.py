@@ -104,6 +104,13 @@ def test_rank_batched_equals_per_rank_threads(name, layout, model, update_path, 
     assert compare(LAYOUTS[layout], name, model, update_path=update_path, max_norm=max_norm) > 0
 
 
+def test_clipping_that_does_not_bind_changes_no_bit():
+    """A max_norm far above the gradient norm leaves every buffer alone on both engines (the rank-batched one
+    selects per rank whether to scale; scaling by a coefficient above 1 would change the bits)."""
+    spec = LAYOUTS["tp2-ep2-on-4"]
+    assert compare(spec, "bf16_writeback", "gloo", gas=1, steps=2, max_norm=1e6) > 0
+
+
 def test_the_representative_subset_covers_every_policy_layout_and_model():
     assert {c[0] for c in REPRESENTATIVE} == set(POLICIES)
     assert {c[1] for c in REPRESENTATIVE} == set(LAYOUTS)

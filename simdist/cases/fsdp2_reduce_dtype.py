@@ -35,12 +35,13 @@ from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
-from simdist.gradpath.path import PathConfig
+from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.reduce import make_model
+from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 NAME = "fsdp2-reduce-dtype"
@@ -58,6 +59,13 @@ class Config:
     steps: int = 1
     seed: int = 0
     reduce_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    spread: int = 16
+    """Local gradients are scaled by ``2**k``, ``k`` uniform in ``[-spread, spread]``: wide enough that FP32 sums
+    of the four BF16 values round, so the FP32 run tells one summation order from another (with the synthetic
+    default of 3 every FP32 sum here was exact and a transcription in any order matched; with 16, one in
+    sequential, tree or ring order differs from real FSDP2 in every compared tensor, gloo's order in none)."""
+    reduction: str = "gloo"
+    """The reduction model of the transcription (the real run always sums in its backend's order)."""
 
     def __post_init__(self) -> None:
         if self.spec.tp != 1 or self.spec.ep != 1:
@@ -130,7 +138,7 @@ def fsdp_rank(comm, config: Config) -> dict[str, RealRun]:
 
     rank = comm.get_rank()
     spec = comm.spec
-    grads_of = SyntheticGradients(spec, seed=config.seed)
+    grads_of = SyntheticGradients(spec, seed=config.seed, spread=config.spread)
     initial = InitialWeights(spec, config.seed)
     mesh = init_device_mesh("cpu", (spec.world_size,))
     out = {}
@@ -164,16 +172,17 @@ def fsdp_rank(comm, config: Config) -> dict[str, RealRun]:
 
 
 def transcription(config: Config, policy: Policy) -> list[Trace]:
-    from simdist.studies.repro import run
-
+    """``policy`` on SimWorld from the same local gradients, summed in ``config.reduction``'s order."""
     path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed)
-    return run(config.spec, policy, path, make_model("gloo"))
+    grads = SyntheticGradients(config.spec, seed=config.seed, spread=config.spread)
+    world = SimWorld(config.spec, default_model=make_model(config.reduction))
+    return world.run(train_rank, list(DEFAULT_PARAMS), InitialWeights(config.spec, config.seed), grads, policy, path)
 
 
 def sum_of_terms(config: Config, traces: list[Trace]) -> dict:
     """``(rank, hp key) -> sum |terms|``: the DP peers' |local gradients| / dp, summed over micro-steps."""
     spec = config.spec
-    grads_of = SyntheticGradients(spec, seed=config.seed)
+    grads_of = SyntheticGradients(spec, seed=config.seed, spread=config.spread)
     by_name = {p.name: p for p in DEFAULT_PARAMS}
     out = {}
     for trace in traces:

@@ -38,19 +38,23 @@ def _seed(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def _normal(shape, seed: int, scale: float) -> torch.Tensor:
+def _normal(shape, seed: int, scale: float, spread: int = 3) -> torch.Tensor:
+    """``normal * scale * 2**k`` in BF16, ``k`` uniform in ``[-spread, spread]`` per element."""
     g = torch.Generator().manual_seed(seed)
-    spread = torch.randint(-3, 4, shape, generator=g).to(torch.float32)
-    return (torch.randn(shape, generator=g) * scale * torch.pow(2.0, spread)).to(torch.bfloat16)
+    exponent = torch.randint(-spread, spread + 1, shape, generator=g).to(torch.float32)
+    return (torch.randn(shape, generator=g) * scale * torch.pow(2.0, exponent)).to(torch.bfloat16)
 
 
 class SyntheticGradients:
     """``(step, micro, rank, param) -> BF16 local gradient`` for a spec, reproducible from ``seed``."""
 
-    def __init__(self, spec: ParallelSpec, seed: int = 0, scale: float = 1e-3) -> None:
+    def __init__(self, spec: ParallelSpec, seed: int = 0, scale: float = 1e-3, spread: int = 3) -> None:
         self.spec = spec
         self.seed = seed
         self.scale = scale
+        self.spread = spread
+        """Elements are scaled by ``2**k``, ``k`` uniform in ``[-spread, spread]`` (3: a few binades; a wider
+        spread makes FP32 sums of a few BF16 values round, so their order shows in the bits)."""
 
     def owner(self, rank: int, param: ParamSpec) -> tuple:
         """Which ranks share one value: TP peers for dense params, else the rank itself."""
@@ -59,7 +63,8 @@ class SyntheticGradients:
         return ("rank", rank)
 
     def __call__(self, step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
-        return _normal(param.shape, _seed(self.seed, step, micro, param.name, self.owner(rank, param)), self.scale)
+        key = _seed(self.seed, step, micro, param.name, self.owner(rank, param))
+        return _normal(param.shape, key, self.scale, self.spread)
 
 
 class InitialWeights:
