@@ -113,7 +113,7 @@ def real_tp4():
     return run_real(tp4_config(CONFIG))
 
 
-BF16_TP_SUM = "bf16 TP sum"
+BF16_TP_SUM = "bf16_tp_sum"
 
 
 def _bf16_tp_sum():
