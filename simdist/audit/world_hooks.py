@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -62,14 +64,17 @@ def _wrap(method, prefix: str, group_of):
         with audit.paused():
             return method(self, call, *rest, **kwargs)
 
-    collective.__simdist_audit_wrapper__ = method
+    # typeshed types functools.wraps' result as _Wrapped, which declares no further attributes
+    collective.__simdist_audit_wrapper__ = method  # type: ignore[attr-defined]
     return collective
 
 
-def _targets() -> list[tuple[type, str, str, object]]:
+def _targets() -> list[tuple[type, str, str, Callable[[Any, Any], str]]]:
     from simdist.world.simworld import SimComm
 
-    targets = [(SimComm, "_collective", "comm", lambda self, call: getattr(call.signature[1], "kind", "world"))]
+    targets: list[tuple[type, str, str, Callable[[Any, Any], str]]] = [
+        (SimComm, "_collective", "comm", lambda self, call: getattr(call.signature[1], "kind", "world"))
+    ]
     try:
         from simdist.world.backend import SimProcessGroup
     except ImportError:  # a torch without torch.distributed
