@@ -37,7 +37,6 @@ communication op, used only by ``inference_all_reduce``, is disabled).
 import argparse
 import importlib
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,8 +78,8 @@ def main() -> int:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
-    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")  # untyped module: no stubs
-    ds_torch.build_shm_op = lambda: None
+    # (through the module's namespace: the untyped module declares no such attribute)
+    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
     rank = dist.get_rank()
 
@@ -101,7 +100,7 @@ def main() -> int:
     model.sharded.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
     model.expert.weight.allreduce = False  # type: ignore[attr-defined]
     model.expert.weight.group_name = "ep_size_2"  # type: ignore[attr-defined]
-    groups: list[dict[str, Any]] = [
+    groups: list[dict[str, object]] = [
         {"params": [model.dense.weight, model.sharded.weight], "name": "dense"},
         {"params": [model.expert.weight], "moe": True, "name": "ep_size_2"},
     ]
