@@ -196,7 +196,7 @@ class Audit(TorchDispatchMode):
         _push_mode(self)
         self._entered += 1
         self._store.closed = False
-        world_hooks.install()
+        world_hooks.install(Audit)
         if self.threads and self._entered == 1:
             self._previous_profile = threading.getprofile()
             threading.setprofile(self._thread_hook())

@@ -31,11 +31,17 @@ WORLD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 """Frames in simdist/world/ are the simulator's plumbing, never the site of a collective."""
 
 
-def _thread_audit():
-    from simdist.audit.mode import Audit
+_audit_type: type | None = None
+"""The `Audit` class, handed over by `install` (this module does not import `simdist.audit.mode`, which
+imports this one)."""
 
+
+def _thread_audit():
+    audit_type = _audit_type
+    if audit_type is None:
+        return None
     for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, Audit):
+        if isinstance(mode, audit_type):
             return mode
     return None
 
@@ -83,10 +89,12 @@ def _targets() -> list[tuple[type, str, str, Callable[[Any, Any], str]]]:
     return targets
 
 
-def install() -> None:
-    """Wrap the worlds' collective funnels (reference-counted: one call per active audit)."""
-    global _active
+def install(audit_type: type) -> None:
+    """Wrap the worlds' collective funnels (reference-counted: one call per active audit); the wrappers record
+    into the innermost mode of the calling thread that is an ``audit_type`` (`simdist.audit.mode.Audit`)."""
+    global _active, _audit_type
     with _lock:
+        _audit_type = audit_type
         _active += 1
         if _active > 1:
             return

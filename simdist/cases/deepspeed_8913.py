@@ -41,12 +41,13 @@ from simdist.cases.deepspeed_harness import CORRECTED, DsRun, Fix, RankCapture, 
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
-from simdist.gradpath.path import PathConfig
+from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.reduce import make_model
+from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-8913"
@@ -131,9 +132,9 @@ def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapt
 
 
 def transcription(config: Config, policy: Policy, update_path: UpdatePath, gas: int) -> list[Trace]:
-    """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order)."""
-    from simdist.studies.repro import run
-
+    """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order): the synthetic
+    workload `simdist.studies.repro.run` trains (written here so that this module does not import the study
+    that loads it for ``--engine deepspeed``)."""
     path = PathConfig(
         steps=config.steps,
         gas=gas,
@@ -141,7 +142,11 @@ def transcription(config: Config, policy: Policy, update_path: UpdatePath, gas: 
         marker=config.marker,
         update_path=update_path,
     )
-    return run(config.spec, policy, path, make_model("gloo"))
+    spec, seed = config.spec, config.seed
+    world = SimWorld(spec, default_model=make_model("gloo"))
+    return world.run(
+        train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed), policy, path
+    )
 
 
 def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:

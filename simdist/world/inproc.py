@@ -348,9 +348,7 @@ _spawn_lock = threading.Lock()
 
 
 def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads) -> list[Any]:
-    from simdist.world.plugin import register
-
-    register()
+    # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
     isolation = RankIsolation(world_size)
     engine = Engine(world_size, label="simdist.spawn", switch=isolation)
