@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from simdist.gradpath.compact import PARAMS as COMPACT_PARAMS
 from simdist.numerics.floats import float_format
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import EpLayout, ParallelSpec
 
 __all__ = [
     "BF16_SAFE_EXPONENT",
@@ -70,7 +70,7 @@ def parallel_specs(
     max_world_size: int = 8,
     tp: int | None = None,
     min_ep: int = 1,
-    ep_layout: str = "contiguous",
+    ep_layout: EpLayout = "contiguous",
 ) -> ParallelSpec:
     """Valid `ParallelSpec` values with ``world_size <= max_world_size``.
 

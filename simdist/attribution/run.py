@@ -166,8 +166,15 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
 
     torch.autograd.backward = backward
     try:
-        options = {"errors": False, "collectives": False, "threads": True, "max_records": 0}
-        with Audit(skip=(_BLAME_DIR,), cast_hook=recorder.cast_hook, **options):
+        audit = Audit(
+            skip=(_BLAME_DIR,),
+            cast_hook=recorder.cast_hook,
+            errors=False,
+            collectives=False,
+            threads=True,
+            max_records=0,
+        )
+        with audit:
             return target()
     finally:
         torch.autograd.backward = original_backward

@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -170,8 +171,10 @@ class Audit(TorchDispatchMode):
         self.threads = threads
         self._paused = 0
         self._entered = 0
-        self._previous_profile = None
-        self.cast_hook = cast_hook if _parent is None else _parent.cast_hook
+        self._previous_profile: Callable[..., object] | None = None
+        self.cast_hook: Callable[..., torch.Tensor | None] | None = cast_hook if _parent is None else _parent.cast_hook
+        self._store: _Store
+        self._prefixes: tuple[str, ...]
         if _parent is not None:
             self._store = _parent._store
             self._prefixes = _parent._prefixes
@@ -193,7 +196,7 @@ class Audit(TorchDispatchMode):
         _push_mode(self)
         self._entered += 1
         self._store.closed = False
-        world_hooks.install()
+        world_hooks.install(Audit)
         if self.threads and self._entered == 1:
             self._previous_profile = threading.getprofile()
             threading.setprofile(self._thread_hook())
@@ -346,9 +349,9 @@ class Audit(TorchDispatchMode):
             error = _wide_error(op, wide_args, outputs, narrowed)
         inputs = {t.dtype for a in args for t in _tensors(a)}
         inputs.update(t.dtype for k, v in kwargs.items() if k not in op.outs for t in _tensors(v))
-        inputs = sorted((d for d in inputs if d.is_floating_point), key=lambda d: (d.itemsize, str(d)))
+        floating = sorted((d for d in inputs if d.is_floating_point), key=lambda d: (d.itemsize, str(d)))
         first = outputs[narrowed[0]]
-        self._record(op.name, op.kind, tuple(inputs), first.dtype, first.shape, error, "")
+        self._record(op.name, op.kind, tuple(floating), first.dtype, first.shape, error, "")
         return result
 
     # -- recording -------------------------------------------------------------------
@@ -356,6 +359,7 @@ class Audit(TorchDispatchMode):
     def _site(self, outside: tuple[str, ...] = ()) -> tuple[str, int, str]:
         """The first frame outside torch, the audit and ``skip`` (and the path prefixes ``outside``)."""
         store = self._store
+        f: FrameType | None
         if outside:
             f = sys._getframe(1)
             while f is not None:
@@ -425,7 +429,7 @@ class Audit(TorchDispatchMode):
             self._record(op, COLLECTIVE, (tensor.dtype,), tensor.dtype, tensor.shape, None, context, outside)
 
 
-def _plain_key(key: tuple) -> tuple:
+def _plain_key(key: tuple) -> tuple[str, int, str, str, str, tuple[str, ...], str, str]:
     """(site, op, kind, input dtypes, output dtype, context) -> SiteSummary's first eight fields."""
     (file, line, function), op, kind, ins, out, context = key
     return file, line, function, op, kind, tuple(dtype_name(d) for d in ins), dtype_name(out), context

@@ -194,9 +194,9 @@ def _rel_error(narrow: torch.Tensor, wide: torch.Tensor) -> float | torch.Tensor
             np.divide(n, np.abs(w), out=n)
         worst = float(np.fmax.reduce(n, axis=None))  # fmax skips NaN
         return 0.0 if worst != worst else worst
-    w = wide.to(device=narrow.device, dtype=torch.float64)
-    n = narrow.to(torch.float64, copy=True)
-    return n.sub_(w).abs_().div_(w.abs()).nan_to_num_(nan=0.0, posinf=math.inf).max()
+    w64 = wide.to(device=narrow.device, dtype=torch.float64)
+    n64 = narrow.to(torch.float64, copy=True)
+    return n64.sub_(w64).abs_().div_(w64.abs()).nan_to_num_(nan=0.0, posinf=math.inf).max()
 
 
 class _Quiet:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -29,11 +31,17 @@ WORLD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 """Frames in simdist/world/ are the simulator's plumbing, never the site of a collective."""
 
 
-def _thread_audit():
-    from simdist.audit.mode import Audit
+_audit_type: type | None = None
+"""The `Audit` class, handed over by `install` (this module does not import `simdist.audit.mode`, which
+imports this one)."""
 
+
+def _thread_audit():
+    audit_type = _audit_type
+    if audit_type is None:
+        return None
     for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, Audit):
+        if isinstance(mode, audit_type):
             return mode
     return None
 
@@ -62,14 +70,17 @@ def _wrap(method, prefix: str, group_of):
         with audit.paused():
             return method(self, call, *rest, **kwargs)
 
-    collective.__simdist_audit_wrapper__ = method
+    # typeshed types functools.wraps' result as _Wrapped, which declares no further attributes
+    collective.__simdist_audit_wrapper__ = method  # type: ignore[attr-defined]
     return collective
 
 
-def _targets() -> list[tuple[type, str, str, object]]:
+def _targets() -> list[tuple[type, str, str, Callable[[Any, Any], str]]]:
     from simdist.world.simworld import SimComm
 
-    targets = [(SimComm, "_collective", "comm", lambda self, call: getattr(call.signature[1], "kind", "world"))]
+    targets: list[tuple[type, str, str, Callable[[Any, Any], str]]] = [
+        (SimComm, "_collective", "comm", lambda self, call: getattr(call.signature[1], "kind", "world"))
+    ]
     try:
         from simdist.world.backend import SimProcessGroup
     except ImportError:  # a torch without torch.distributed
@@ -78,10 +89,12 @@ def _targets() -> list[tuple[type, str, str, object]]:
     return targets
 
 
-def install() -> None:
-    """Wrap the worlds' collective funnels (reference-counted: one call per active audit)."""
-    global _active
+def install(audit_type: type) -> None:
+    """Wrap the worlds' collective funnels (reference-counted: one call per active audit); the wrappers record
+    into the innermost mode of the calling thread that is an ``audit_type`` (`simdist.audit.mode.Audit`)."""
+    global _active, _audit_type
     with _lock:
+        _audit_type = audit_type
         _active += 1
         if _active > 1:
             return

@@ -12,12 +12,14 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 class Verdict(Protocol):
-    """What every case's verdict has: ``ok`` (every checked claim holds) and a one-paragraph ``summary``."""
+    """What every case's verdict has: ``ok`` (every checked claim holds) and a one-paragraph ``summary``; it is a
+    dataclass (the CLI's ``--json`` is `dataclasses.asdict` of it)."""
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]
     ok: bool
     summary: str
 

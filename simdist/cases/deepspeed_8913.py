@@ -31,27 +31,32 @@ case fails such a transcription (``tests/test_cases_deepspeed.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
-from simdist.cases.deepspeed_harness import CORRECTED, DsRun, RankCapture, deepspeed_rank
+from simdist.cases.deepspeed_harness import CORRECTED, DsRun, Fix, RankCapture, deepspeed_rank
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
-from simdist.gradpath.path import PathConfig
+from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.reduce import make_model
+from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-8913"
 
 TP4_SPEC = ParallelSpec(4, tp=4, ep=2)
 """The TP4 layout `run` adds, where an FP32 and a BF16 TP sum differ."""
+
+FIXES: tuple[Fix, ...] = ("none", "fp32_staging")
+"""DeepSpeed as shipped and with the #8913 fix (FP32 staging)."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,7 @@ class Config:
 
     def runs(self) -> tuple[DsRun, ...]:
         return tuple(
-            DsRun(path, gas, self.steps, fix)  # type: ignore[arg-type]
-            for path in self.update_paths
-            for gas in self.gas
-            for fix in ("none", "fp32_staging")
+            DsRun(path, gas, self.steps, fix) for path in self.update_paths for gas in self.gas for fix in FIXES
         )
 
 
@@ -129,18 +131,22 @@ def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapt
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
-def transcription(config: Config, policy: Policy, update_path: str, gas: int) -> list[Trace]:
-    """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order)."""
-    from simdist.studies.repro import run
-
+def transcription(config: Config, policy: Policy, update_path: UpdatePath, gas: int) -> list[Trace]:
+    """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order): the synthetic
+    workload `simdist.studies.repro.run` trains (written here so that this module does not import the study
+    that loads it for ``--engine deepspeed``)."""
     path = PathConfig(
         steps=config.steps,
         gas=gas,
         seed=config.seed,
-        marker=config.marker,  # type: ignore[arg-type]
+        marker=config.marker,
         update_path=update_path,
-    )  # type: ignore[arg-type]
-    return run(config.spec, policy, path, make_model("gloo"))
+    )
+    spec, seed = config.spec, config.seed
+    world = SimWorld(spec, default_model=make_model("gloo"))
+    return world.run(
+        train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed), policy, path
+    )
 
 
 def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:
@@ -156,10 +162,15 @@ def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:
             local = trace.values[(step, micro, param, "local")].double().abs()
             if capture.actions.get((step, micro, param)) == CORRECTED and correction.reduces:
                 peers = spec.group_of("tp", rank)
-                local = sum(captures[p].trace.values[(step, micro, param, "local")].double().abs() for p in peers)
+                # sum() starts from the int 0; a TP group is never empty, so the result is a tensor
+                local = cast(
+                    torch.Tensor,
+                    sum(captures[p].trace.values[(step, micro, param, "local")].double().abs() for p in peers),
+                )
             if capture.actions.get((step, micro, param)) == CORRECTED and correction.divides:
                 local = local / spec.tp
-            total = running.get((step, param), 0) + local
+            prior = running.get((step, param))
+            total = local if prior is None else prior + local
             running[(step, param)] = total
             out[(rank, key)] = total
     return out
@@ -181,8 +192,8 @@ def judge(
     results = []
     for path in config.update_paths:
         for gas in config.gas:
-            shipped = real[DsRun(path, gas, config.steps, "none")]  # type: ignore[arg-type]
-            patched = real[DsRun(path, gas, config.steps, "fp32_staging")]  # type: ignore[arg-type]
+            shipped = real[DsRun(path, gas, config.steps, "none")]
+            patched = real[DsRun(path, gas, config.steps, "fp32_staging")]
             shipped_traces = [c.trace for c in shipped]
             patched_traces = [c.trace for c in patched]
             skipped = sorted({k for k, v in shipped[0].actions.items() if v.startswith("skipped")})
@@ -269,7 +280,7 @@ CASE = Case(
 )
 
 
-ENGINE_POLICIES = {"bf16_writeback": "none", "fp32_staging": "fp32_staging"}
+ENGINE_POLICIES: dict[str, Fix] = {"bf16_writeback": "none", "fp32_staging": "fp32_staging"}
 """What ``simdist repro 8913 --engine deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
 
 

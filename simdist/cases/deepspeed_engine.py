@@ -37,7 +37,7 @@ import importlib
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -81,7 +81,7 @@ class EngineRun:
 
     @property
     def label(self) -> str:
-        parts = [self.wrapper]
+        parts: list[str] = [self.wrapper]
         if self.wrapper == "bf16_optimizer":
             parts.append("immediate" if self.immediate else "epilogue")
         if self.wrapper in ("zero1", "zero2"):
@@ -172,7 +172,11 @@ class _Leaf(torch.nn.Module):
     """Holds some parameters; ``forward(grads) = sum(p * g)`` over them (ZeRO-3 gathers a module's own params)."""
 
     def forward(self, grads: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        return sum((p * grads[prefix + n].to(p.dtype)).sum() for n, p in self.named_parameters(recurse=False))
+        # sum() starts from the int 0; the leaves of the one-level parameter names hold parameters: a tensor
+        return cast(
+            torch.Tensor,
+            sum((p * grads[prefix + n].to(p.dtype)).sum() for n, p in self.named_parameters(recurse=False)),
+        )
 
 
 class SyntheticModule(torch.nn.Module):
@@ -203,7 +207,8 @@ def mark_families(module: torch.nn.Module, params, ep: int) -> list[dict]:
     from deepspeed.module_inject import auto_ep_folding as fold
 
     named = dict(module.named_parameters())
-    dense, experts = [], []
+    dense: list[torch.nn.Parameter] = []
+    experts: list[torch.nn.Parameter] = []
     for p in params:
         param = named[p.name]
         if p.family is Family.ROUTER_GATE_REPLICATED:
@@ -211,12 +216,13 @@ def mark_families(module: torch.nn.Module, params, ep: int) -> list[dict]:
         elif p.family is Family.ROUTER_GATE_PARTIAL:
             fold.mark_autoep_folding_partial_router_parameter(param)
         elif p.family is Family.MODEL_PARALLEL:
-            param.tensor_model_parallel = True
+            # DeepSpeed's family markers are ad-hoc attributes that torch's Parameter does not declare
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]
         elif p.family is Family.EXPERT:
-            param.allreduce = False
-            param.group_name = f"ep_size_{ep}"
+            param.allreduce = False  # type: ignore[attr-defined]
+            param.group_name = f"ep_size_{ep}"  # type: ignore[attr-defined]
         (experts if p.family is Family.EXPERT else dense).append(param)
-    groups = [{"params": dense, "name": "dense"}]
+    groups: list[dict[str, object]] = [{"params": dense, "name": "dense"}]
     if experts:
         groups.append({"params": experts, "moe": True, "name": f"ep_size_{ep}"})
     return groups
@@ -331,7 +337,7 @@ def init_comm() -> None:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")  # untyped module: no stubs
     ds_torch.build_shm_op = lambda: None  # the shm CPU op compiles on first use; collectives don't need it
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
 

@@ -36,6 +36,7 @@ from simdist.cases.deepspeed_8913 import transcription
 from simdist.cases.deepspeed_harness import DsRun, RankCapture, deepspeed_rank
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
@@ -51,11 +52,11 @@ class Config:
     steps: int = 1
     seed: int = 0
 
-    def base(self, marker: str) -> Config8913:
+    def base(self, marker: Marker) -> Config8913:
         return Config8913(self.spec, self.steps, self.seed, (self.gas,), marker=marker)
 
     def runs(self) -> tuple[DsRun, ...]:
-        return tuple(DsRun(path, self.gas, self.steps) for path in ("epilogue", "hooks"))  # type: ignore[arg-type]
+        return tuple(DsRun(path, self.gas, self.steps) for path in (UpdatePath.EPILOGUE, UpdatePath.HOOKS))
 
 
 @dataclass
@@ -115,8 +116,8 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy |
         for (step, micro, param), action in sorted(captures[0].actions.items()):
             if step == 0 and action.startswith("skipped"):
                 skipped.setdefault(param, []).append(micro)
-        shipped = transcription(config.base("deepspeed"), policy, run.update_path, config.gas)
-        intended = transcription(config.base("per_micro_step"), policy, run.update_path, config.gas)
+        shipped = transcription(config.base(Marker.DEEPSPEED), policy, run.update_path, config.gas)
+        intended = transcription(config.base(Marker.PER_MICRO_STEP), policy, run.update_path, config.gas)
         paths.append(
             PathFinding(
                 run.update_path,

@@ -160,7 +160,8 @@ def _module(params, initial, rank: int, ep: int):
     from deepspeed.module_inject import auto_ep_folding as fold
 
     root = torch.nn.Module()
-    dense, experts = [], []
+    dense: list[torch.nn.Parameter] = []
+    experts: list[torch.nn.Parameter] = []
     for p in params:
         *path, leaf = p.name.split(".")
         owner = root
@@ -175,12 +176,13 @@ def _module(params, initial, rank: int, ep: int):
         elif p.family is Family.ROUTER_GATE_PARTIAL:
             fold.mark_autoep_folding_partial_router_parameter(param)
         elif p.family is Family.MODEL_PARALLEL:
-            param.tensor_model_parallel = True
+            # DeepSpeed's family markers are ad-hoc attributes that torch's Parameter does not declare
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]
         elif p.family is Family.EXPERT:
-            param.allreduce = False
-            param.group_name = f"ep_size_{ep}"
+            param.allreduce = False  # type: ignore[attr-defined]
+            param.group_name = f"ep_size_{ep}"  # type: ignore[attr-defined]
         (experts if p.family is Family.EXPERT else dense).append(param)
-    param_groups = [{"params": dense}]
+    param_groups: list[dict[str, object]] = [{"params": dense}]
     if experts:
         param_groups.append({"params": experts, "moe": True, "name": f"ep_size_{ep}"})
     return root, param_groups

@@ -43,6 +43,7 @@ from simdist.cases.deepspeed_engine import (
     WEIGHT_DECAY,
     EngineCapture,
     EngineRun,
+    Wrapper,
     engine_rank,
 )
 from simdist.cases.world import World, run_ranks
@@ -60,7 +61,9 @@ CLIP = 0.05
 
 def audit_runs(tp: int = 2) -> tuple[EngineRun, ...]:
     """The full audit at one TP size: every wrapper and switch the issue names."""
-    b, z1, z2 = "bf16_optimizer", "zero1", "zero2"
+    b: Wrapper = "bf16_optimizer"
+    z1: Wrapper = "zero1"
+    z2: Wrapper = "zero2"
     return (
         EngineRun(b, gas=1, clip=CLIP),
         EngineRun(b, gas=4, clip=CLIP),
@@ -330,8 +333,8 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
         ):
             for (step, name), value in store.items():
                 rows[boundary].add(name, value, *getattr(steps[step], key)[(r, name)])
-        for step, value in c.norm.items():
-            norm.add(f"rank {r}", torch.tensor([value]), torch.tensor([steps[step].norm]), None)
+        for step, norm_value in c.norm.items():
+            norm.add(f"rank {r}", torch.tensor([norm_value]), torch.tensor([steps[step].norm]), None)
         result.norms[r] = c.norm.get(0, float("nan"))
     labels = {
         "local": "BF16 local gradient (input check)",

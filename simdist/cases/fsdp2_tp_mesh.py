@@ -47,6 +47,7 @@ from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.fsdp2_reduce_dtype import DTYPES, policy_for
 from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name
 from simdist.gradpath.probes import Trace
@@ -179,13 +180,15 @@ def fsdp_tp_rank(rank: int, config: Config) -> dict[tuple[str, str], RealRun]:
             torch.manual_seed(config.seed)  # every rank builds the same initial weights
             module = Block()
             parallelize_module(module, mesh["tp"], _tp_plan(plan))
-            fully_shard(
+            sharded = fully_shard(  # the same module, now an FSDPModule
                 module,
                 mesh=mesh["dp"],
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[name]),
             )
             micro = [0]
-            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+            param_group = sharded._get_fsdp_state()._fsdp_param_group
+            assert param_group is not None, "fully_shard of a module with parameters builds its param group"
+            for fsdp_param in param_group.fsdp_params:
                 _spy_arrivals(fsdp_param, run, micro)
             for m in range(config.gas):
                 micro[0] = m
@@ -254,7 +257,7 @@ def simdist_traces(config: Config, runs: list[RealRun], policy: Policy) -> list[
     """simdist's gradient path on the recorded local gradients (hp captures: FP32 after every micro-step)."""
     params = list(param_specs(runs))
     # FSDP2 has no correction-once marker: whatever TP stage a gradient has runs on every micro-step
-    path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker="per_micro_step")
+    path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker=Marker.PER_MICRO_STEP)
     return SimWorld(config.spec, default_model=make_model("gloo")).run(
         train_rank, params, zero_weights, RecordedGradients(runs), policy, path, frozenset({"hp"})
     )

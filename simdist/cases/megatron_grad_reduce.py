@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -48,6 +49,7 @@ from simdist.cases.compare import Figures, Match, figures, match_traces, only, z
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import CommOps, PathConfig, train_rank
 from simdist.gradpath.policy import Policy, Stage
 from simdist.gradpath.probes import BOUNDARY, Trace
@@ -113,7 +115,8 @@ def _holder(initial: InitialWeights, rank: int) -> torch.nn.Module:
 
     class Holder(torch.nn.Module):
         def forward(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-            return sum((p * grads[name]).float().sum() for name, p in self.named_parameters())
+            # sum() starts from the int 0; the holder always holds PARAMS, so the result is a tensor
+            return cast(torch.Tensor, sum((p * grads[name]).float().sum() for name, p in self.named_parameters()))
 
     root = Holder()
     for p in PARAMS:
@@ -137,8 +140,9 @@ def megatron_rank(comm, config: Config, layout: str) -> dict[bool, RealRun]:
     # the CPU shims: megatron-core allocates its buffers on torch.cuda.current_device(), and from 0.17 its
     # bucket groups also ask for torch.cuda.current_stream() (to wait on CUDA-graph events, none here); torch's
     # own CPU stream stands in (its waits are no-ops: CPU work is synchronous)
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = torch.cpu.current_stream
+    # (shims of another type than torch's CUDA functions, on purpose)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.current_stream = torch.cpu.current_stream  # type: ignore[assignment]
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -205,7 +209,7 @@ def policy_for(fp32: bool) -> Policy:
 def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     """The policy on simdist's gradient path (SimWorld, gloo's order): hp per micro-step, dp_reduced."""
     spec = config.spec(layout)
-    path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker="per_micro_step")
+    path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker=Marker.PER_MICRO_STEP)
     return SimWorld(spec, default_model=make_model("gloo")).run(
         train_rank,
         list(PARAMS),
@@ -222,6 +226,7 @@ def _apply(ops: CommOps | None, stage: Stage, value: torch.Tensor) -> torch.Tens
     if stage.kind == "cast":
         return value.to(stage.dtype)
     if stage.kind == "all_reduce":
+        assert ops is not None, "an all_reduce stage needs the ranks' ops"
         return ops.all_reduce(value, stage.group)
     if stage.kind == "divide":
         return value / stage.divisor
@@ -396,7 +401,7 @@ def summarize(v: MegatronVerdict) -> str:
                 f"differ, {100 * f.fraction_differing:.1f}% of elements, max {f.max_ulp} ulp, max error / "
                 f"sum|terms| {f.max_error_over_terms:.2e}"
             )
-        if r.boundary_vs_flat_bucket is not None:
+        if r.boundary_vs_flat_bucket is not None and r.boundary_vs_policy is not None:  # (set together)
             f, m = r.boundary_vs_policy, r.boundary_vs_flat_bucket
             lines.append(
                 f"{head} boundary (DP > 2): Megatron all-reduces one flat bucket, the policy each parameter: "

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from simdist.attribution.cli import add_blame_subcommand, run_blame
 from simdist.audit import add_audit_subcommand, run_audit
@@ -66,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         return f"{super().format_help().rstrip()}\n\n{self._raw_epilog}\n"
 
-    def error(self, message: str) -> None:  # one line, exit status 2
+    def error(self, message: str) -> NoReturn:  # one line, exit status 2
         self.exit(EXIT_BAD_INPUT, f"simdist: error: {message}\n")
 
 

@@ -58,7 +58,7 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
     if kind in (Sequential, Tree, Upcast) or k == 1 or numel == 0:
         return model.sum(stacked)
     count = math.prod(batch)
-    if kind is Ring:
+    if type(model) is Ring:  # (``kind is Ring``, spelled so that the type checker narrows ``model``)
         if k <= 2:  # one addition: every order gives the same bits
             return fold(stacked)
         index = model.fold_order(k, numel, stacked.device)
@@ -67,11 +67,11 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
         if k <= 2:  # one addition: the value of every order, the NaN bits aside (below)
             result = fold(stacked)
         else:
-            index = _gloo_index(model, k, numel, stacked.element_size(), stacked.device)
-            if index is None:  # one chunk: x[k-1] + ... + x[0]
+            order = _gloo_index(model, k, numel, stacked.element_size(), stacked.device)
+            if order is None:  # one chunk: x[k-1] + ... + x[0]
                 result = fold(stacked.unbind(0)[::-1])
             else:
-                result = _ordered_fold(stacked, index, count).reshape(*batch, *shape)
+                result = _ordered_fold(stacked, order, count).reshape(*batch, *shape)
         if not may_hold_nan(result):
             return result
         # gloo's NaN bits depend on which operand was NaN at which hop: the model's own walk, item by item
@@ -159,7 +159,7 @@ class BatchedOps:
         default_model: ReductionModel | None = None,
     ) -> None:
         self.spec, self.seeds = spec, list(seeds)
-        self.batch = (len(self.seeds), spec.world_size)
+        self.batch: tuple[int, ...] = (len(self.seeds), spec.world_size)
         self.models = dict(models or {})
         self.default_model = default_model or Sequential()
         self._tables, self._tp_root = _group_tables(spec)
@@ -229,9 +229,9 @@ class BatchedTrace:
         for key, value in self.values.items():
             for rank, trace in enumerate(traces):
                 trace.values[key] = value[item, rank]
-        for key, value in self.scalars.items():
+        for scalar_key, scalar in self.scalars.items():
             for rank, trace in enumerate(traces):
-                trace.scalars[key] = float(value[item, rank])
+                trace.scalars[scalar_key] = float(scalar[item, rank])
         return traces
 
 

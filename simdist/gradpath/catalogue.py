@@ -56,7 +56,7 @@ def _where(exc: BaseException, path: str | None = None) -> str:
     names its own file and line)."""
     if isinstance(exc, SyntaxError):
         return ""
-    frames = traceback.extract_tb(exc.__traceback__)
+    frames: list[traceback.FrameSummary] = traceback.extract_tb(exc.__traceback__)
     if path is not None:
         frames = [f for f in frames if Path(f.filename).resolve() == Path(path).resolve()] or frames
     return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""

@@ -30,7 +30,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.optim.adam import adam
@@ -55,7 +55,10 @@ class UpdatePath(enum.StrEnum):
     HOOKS = "hooks"
 
 
-def coerce(enum_type: type[enum.Enum], value: object, what: str) -> enum.Enum:
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def coerce(enum_type: type[_E], value: object, what: str) -> _E:
     """``value`` as a member of ``enum_type`` (a member or its value); ValueError listing the valid values."""
     try:
         return enum_type(value)
@@ -121,7 +124,7 @@ class GradPath:
         tp: int,
         dp: int,
         capture: Callable[[int, int, str, str, torch.Tensor], None],
-        scalar: Callable[[int, str, object], None] | None = None,
+        scalar: Callable[[int, str, Any], None] | None = None,  # the value: a float per rank, a tensor batched
         norm: bool = True,
     ) -> None:
         self.ops, self.policy, self.config, self.tp, self.dp = ops, policy, config, tp, dp
@@ -257,6 +260,7 @@ class GradPath:
         kind = stage.kind
         if kind == "cast":
             if stage.rounding == "stochastic":
+                assert stage.dtype is not None, "a cast stage always names its dtype"
                 return self.ops.stochastic_cast(value, stage.dtype, key)
             return value.to(stage.dtype)
         if kind == "all_reduce":

@@ -125,6 +125,7 @@ class GradientSource(Protocol):
     post-accumulate-grad hook during backward when ``hooks`` is true
     (DeepSpeed's ``immediate_grad_update``), else after backward in parameter
     order (the backward epilogue). Collectives may run inside ``backward``.
+    What it returns (the MoE source: its loss) is not used.
     """
 
     def backward(
@@ -135,7 +136,7 @@ class GradientSource(Protocol):
         lp: dict[str, torch.Tensor],
         deliver: Callable[[str, torch.Tensor], None],
         hooks: bool,
-    ) -> None: ...
+    ) -> object: ...
 
 
 class CommOps:

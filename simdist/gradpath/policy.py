@@ -71,6 +71,7 @@ class Stage:
     @property
     def label(self) -> str:
         if self.kind == "cast":
+            assert self.dtype is not None, "every Policy method that builds a cast passes its dtype"
             return dtype_name(self.dtype) + (" (stochastic)" if self.rounding == "stochastic" else "")
         if self.kind == "all_reduce":
             return f"all_reduce[{self.group}]"

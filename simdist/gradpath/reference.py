@@ -285,6 +285,7 @@ def oracle_traces(
     def capture(rank: int, step: int, micro: int, param: str, stage: str, value: torch.Tensor) -> None:
         traces[rank].capture(step, micro, param, stage, value)
 
+    source: Callable[[int, dict[Key, torch.Tensor]], dict[Key, torch.Tensor]]
     for step in range(steps):
         if hasattr(local_grads, "backward"):
             source = _SourceGrads(spec, params, local_grads, step, world_model or dp_model)

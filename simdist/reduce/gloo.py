@@ -411,7 +411,8 @@ class Gloo(ReductionModel):
             try:
                 torch.empty(0, dtype=dtype).div_(n)  # torch's own error, as gloo's div_ raises it
             except RuntimeError as exc:
-                exc.written = restore(back(self._ring(rows, ReduceOp.SUM, for_reduce)))  # what the tensor holds
+                # what the tensor holds, on torch's own RuntimeError (which declares no such field: set via __dict__)
+                vars(exc)["written"] = restore(back(self._ring(rows, ReduceOp.SUM, for_reduce)))
                 raise
             raise AssertionError(f"unreachable: an in-place division of a {dtype} tensor did not raise")
         return restore(back(self._ring(rows, op, for_reduce)))

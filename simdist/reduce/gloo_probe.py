@@ -84,6 +84,7 @@ class Outcome:
     def describe(self) -> str:
         if self.error is not None:
             return f"{self.error}: {self.message[:60]}"
+        assert self.tensor is not None, "an outcome without an error holds the tensor"
         return f"{self.tensor.dtype} {tuple(self.tensor.shape)}"
 
 
@@ -137,7 +138,7 @@ def run_cases(rank: int, cases: Sequence[Case]) -> list[Outcome | None]:
         if rank not in case.members(world):
             out.append(None)
             continue
-        pg = groups.get(case.group)
+        pg = groups.get(case.group) if case.group is not None else None
         op = _torch_op(case.op)
         x = case.inputs[rank]
         try:
@@ -199,11 +200,12 @@ def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcom
                 result = model.reduce(seen, op)
             return {r: Outcome(result) for r in members}
         if case.kind == "reduce":
+            assert case.root is not None, "a reduce case names its root"
             buffers = model.reduce_buffers([case.inputs[r] for r in members], op, members.index(case.root))
             return {r: Outcome(b) for r, b in zip(members, buffers, strict=True)}
         if case.kind == "reduce_scatter":
-            blocks = model.reduce_scatter_list([list(case.inputs[r]) for r in members], op)
-            return {r: Outcome(blocks[i]) for i, r in enumerate(members)}
+            block_lists = model.reduce_scatter_list([list(case.inputs[r]) for r in members], op)
+            return {r: Outcome(block_lists[i]) for i, r in enumerate(members)}
         blocks = model.reduce_scatter([_layout_input(case.inputs[r], case.layout)[0] for r in members], op)
         shape = (case.inputs.shape[1] // len(members), *case.inputs.shape[2:])
         return {r: Outcome(blocks[i].view(shape)) for i, r in enumerate(members)}
@@ -247,8 +249,9 @@ def compare(cases: Sequence[Case], real: Sequence[Sequence[Outcome | None]], mod
         bad = [(r, m) for r, m in pairs if not agree(r, m)]
         first_r, first_m = (bad or pairs)[0]
         if not bad:
-            verdict = "same error" if first_r.error else "bitwise equal"
-        elif all(r.error is None and m is not None and m.error == "ValueError" for r, m in bad):
+            # (both None never pairs; one None alone disagrees: an agreeing pair holds two outcomes)
+            verdict = "same error" if first_r is not None and first_r.error else "bitwise equal"
+        elif all(r is not None and r.error is None and m is not None and m.error == "ValueError" for r, m in bad):
             verdict = "refused"
         else:
             verdict = "DIFFERENT"

@@ -313,11 +313,11 @@ def dtree(nranks: int, rank: int) -> tuple[tuple[int, int, int, int], tuple[int,
     first = btree(nranks, rank)
     if nranks % 2:
         up, d0, d1, kind = btree(nranks, (rank - 1) % nranks)
-        moved = tuple(-1 if v == -1 else (v + 1) % nranks for v in (up, d0, d1))
+        up, d0, d1 = (-1 if v == -1 else (v + 1) % nranks for v in (up, d0, d1))
     else:
         up, d0, d1, kind = btree(nranks, nranks - 1 - rank)
-        moved = tuple(-1 if v == -1 else nranks - 1 - v for v in (up, d0, d1))
-    return first, (*moved, kind)
+        up, d0, d1 = (-1 if v == -1 else nranks - 1 - v for v in (up, d0, d1))
+    return first, (up, d0, d1, kind)
 
 
 TreeDown = tuple[tuple[int, ...], ...]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from simdist.gradpath.catalogue import get_policy
+from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
@@ -183,8 +184,17 @@ def train(
     source = MoEGradients(spec, model or MoEConfig(), seed, gas)
     lockstep = _Lockstep(steps, spec.world_size, lag, progress)
     runs = {
-        "policy": (policy, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker=marker, update_path=update_path)),
-        "oracle": (oracle, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker="per_micro_step")),
+        "policy": (
+            policy,
+            PathConfig(
+                steps=steps + 1,
+                gas=gas,
+                seed=seed,
+                marker=coerce(Marker, marker, "marker"),
+                update_path=coerce(UpdatePath, update_path, "update_path"),
+            ),
+        ),
+        "oracle": (oracle, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker=Marker.PER_MICRO_STEP)),
     }
     traces: dict[str, list] = {}
     errors: list[BaseException] = []

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName
 
 from simdist.reduce import Gloo, ReduceOp, ReductionModel
 from simdist.world.engine import Call
@@ -454,7 +455,8 @@ class SimProcessGroup(dist.ProcessGroup):
         model: ReductionModel,
         transport: Transport,
     ) -> None:
-        super().__init__(rank, size)
+        # torch's stub lists only (store, rank, size); the binding also takes (rank, size), as the backend API uses
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._group_rank = rank
         self._group_size = size
         self.ranks = ranks
@@ -478,8 +480,8 @@ class SimProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     @property
-    def group_name(self) -> str:
-        return self._name
+    def group_name(self) -> GroupName:
+        return GroupName(self._name)
 
     @property
     def pg_name(self) -> str:
@@ -514,8 +516,10 @@ class SimProcessGroup(dist.ProcessGroup):
                 try:
                     result = reduce_all(model, [c.inputs[k] for c in calls], op)
                 except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
-                    for i in targets if hasattr(exc, "written") else ():
-                        write_bytes(calls[i].inputs[k], exc.written)
+                    written = getattr(exc, "written", None)
+                    if written is not None:
+                        for i in targets:
+                            write_bytes(calls[i].inputs[k], written)
                     raise
                 for i in targets:
                     write_bytes(calls[i].inputs[k], result)

@@ -335,8 +335,9 @@ class Engine:
                 recv = queue.popleft()
                 self.deliver(recv, tensor, call)
                 recv.done = sent.done = True
-                if self.waiting.get(recv.call.rank) is recv:
-                    self.release(recv.call.rank)
+                receiver = recv.call.rank
+                if self.waiting.get(receiver) is recv:
+                    self.release(receiver)
             else:
                 queue.append((call, tensor.detach().clone(), sent))
         return sent
@@ -366,8 +367,9 @@ class Engine:
                 sent, data, handle = queue.popleft()
                 self.deliver(recv, data, sent)
                 recv.done = handle.done = True
-                if self.waiting.get(handle.call.rank) is handle:
-                    self.release(handle.call.rank)
+                sender = handle.call.rank
+                if self.waiting.get(sender) is handle:
+                    self.release(sender)
             else:
                 queue.append(recv)
         return recv
@@ -490,7 +492,7 @@ def _where_ranks_are(threads: list[threading.Thread], timeout_s: float | None) -
     frames = sys._current_frames()
     lines = [f"the run did not finish within {timeout_s} s; ranks still running:"]
     for rank, t in enumerate(threads):
-        frame = frames.get(t.ident) if t.is_alive() else None
+        frame = frames.get(t.ident) if t.is_alive() and t.ident is not None else None
         if frame is not None:
             where = traceback.format_stack(frame, limit=1)[0].strip().splitlines()[0]
             lines.append(f"  rank {rank}: {where}")

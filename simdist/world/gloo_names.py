@@ -51,7 +51,7 @@ def _monitored_barrier(original):
             timeout = datetime.timedelta(seconds=timeout)
         return inner.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
-    monitored_barrier.simdist_original = original  # type: ignore[attr-defined]
+    monitored_barrier.simdist_original = original
     return monitored_barrier
 
 
@@ -62,7 +62,7 @@ def _zero_hook(original):
             raise RuntimeError("Gloo backend using Overlapping DDP with ZeRO may meet hangs")
         return original(comm_hook, ddp, zero, *args, **kwargs)
 
-    hook.simdist_original = original  # type: ignore[attr-defined]
+    hook.simdist_original = original
     return hook
 
 

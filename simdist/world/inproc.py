@@ -125,7 +125,7 @@ def _mesh_init(original):
             self._thread_id = ctx.token  # part of the mesh's hash and equality
             self._hash = None
 
-    __init__.simdist_original = original  # type: ignore[attr-defined]
+    __init__.simdist_original = original
     return __init__
 
 
@@ -190,7 +190,7 @@ def _clear_mesh_caches() -> None:
 
     for holder, name in ((_redistribute, "_gen_transform_infos"), (_collective_utils.MeshTopoInfo, "build_from_mesh")):
         cached = getattr(holder, name, None)
-        if hasattr(cached, "cache_clear"):
+        if cached is not None and hasattr(cached, "cache_clear"):
             cached.cache_clear()
     planners = getattr(_redistribute, "_planner_cache", None)
     if isinstance(planners, dict):
@@ -207,7 +207,8 @@ def _install() -> ThreadLocalWorld:
             saved = c10d._world
             world = ThreadLocalWorld(saved)
             c10d._world = world
-            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            # torch's _distributed_c10d stub omits this binding (the threaded process group's switch)
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
             _installed[:] = [world, 0, saved, _patch_dtensor()]
         _installed[1] += 1
         return _installed[0]
@@ -220,7 +221,7 @@ def _uninstall() -> None:
             world, _, saved, undo = _installed
             if c10d._world is world:
                 c10d._world = saved
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
             undo()
             _installed.clear()
 
@@ -347,9 +348,7 @@ _spawn_lock = threading.Lock()
 
 
 def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads) -> list[Any]:
-    from simdist.world.plugin import register
-
-    register()
+    # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
     isolation = RankIsolation(world_size)
     engine = Engine(world_size, label="simdist.spawn", switch=isolation)

@@ -147,6 +147,6 @@ def process_group(store, group_rank: int, group_size: int, ranks: tuple[int, ...
     world = int(os.environ.get("WORLD_SIZE", len(ranks)))
     kind = "world" if len(ranks) == world else "group"
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
-    return SimProcessGroup(
-        group_rank, group_size, ranks, name, label, model, ProcessTransport(inner, group_rank, group_size)
-    )
+    # torch's stub derives ProcessGroupGloo from a Backend stub without the collectives the C++ class binds
+    transport = ProcessTransport(inner, group_rank, group_size)  # type: ignore[arg-type]
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, transport)

@@ -88,8 +88,9 @@ class SimComm:
             try:
                 result = model.reduce([c.inputs[0] for c in calls], op)
             except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
-                for c in calls if hasattr(exc, "written") else ():
-                    c.inputs[0].copy_(exc.written)
+                written = getattr(exc, "written", None)
+                for c in calls if written is not None else ():
+                    c.inputs[0].copy_(written)
                 raise
             for c in calls:
                 c.inputs[0].copy_(result)

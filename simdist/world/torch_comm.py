@@ -52,7 +52,7 @@ class TorchComm:
         self.backend = str(dist.get_backend())
         self._rank = dist.get_rank()
         world = world_group(spec).ranks
-        self._pgs: dict[tuple[int, ...], object] = {world: dist.group.WORLD}
+        self._pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {world: dist.group.WORLD}
         for kind in GROUP_KINDS:  # same order on every rank
             for ranks in spec.groups(kind):
                 if ranks not in self._pgs:
@@ -72,7 +72,7 @@ class TorchComm:
         """The group of ``kind`` (or ``"world"``) that holds this rank."""
         return group_for(self.spec, kind, self._rank)
 
-    def _resolve(self, group: Group | None) -> tuple[Group, object]:
+    def _resolve(self, group: Group | None) -> tuple[Group, dist.ProcessGroup]:
         group = group or world_group(self.spec)
         if self._rank not in group.ranks:
             raise ValueError(f"rank {self._rank} called a collective on {group}, which it is not a member of")

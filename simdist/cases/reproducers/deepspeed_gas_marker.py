@@ -55,7 +55,8 @@ def main() -> int:
     from deepspeed.utils import groups, logger
 
     logger.setLevel(logging.ERROR)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # (through the module's namespace: the untyped module declares no such attribute)
+    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
     world, rank = dist.get_world_size(), dist.get_rank()
     folding = build_folding_spec(world_size=world, pp_size=1, tp_size=2, ep_size=2, etp_size=1, mp_mode="tp")

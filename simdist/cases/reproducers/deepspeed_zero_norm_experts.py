@@ -78,7 +78,8 @@ def main() -> int:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # (through the module's namespace: the untyped module declares no such attribute)
+    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
     rank = dist.get_rank()
 
@@ -95,16 +96,15 @@ def main() -> int:
     DeepSpeedEngine._configure_expert_parallel = configure_ep_with_moe
 
     model = Model()
-    model.sharded.weight.tensor_model_parallel = True  # a TP-sharded weight (one shard per TP rank)
-    model.expert.weight.allreduce = False
-    model.expert.weight.group_name = "ep_size_2"
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [model.dense.weight, model.sharded.weight], "name": "dense"},
-            {"params": [model.expert.weight], "moe": True, "name": "ep_size_2"},
-        ],
-        lr=1e-3,
-    )
+    # a TP-sharded weight (one shard per TP rank); DeepSpeed reads ad-hoc attributes that Parameter does not declare
+    model.sharded.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+    model.expert.weight.allreduce = False  # type: ignore[attr-defined]
+    model.expert.weight.group_name = "ep_size_2"  # type: ignore[attr-defined]
+    groups: list[dict[str, object]] = [
+        {"params": [model.dense.weight, model.sharded.weight], "name": "dense"},
+        {"params": [model.expert.weight], "moe": True, "name": "ep_size_2"},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},

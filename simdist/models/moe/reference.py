@@ -38,7 +38,11 @@ def reference_gradients(
     or expert block for sharded ones.
     """
     names = [p.name for p in moe_params(spec, cfg)]
-    bf16 = {n: unshard(spec, n, lambda r, n=n: weights(r, n).cpu(), cfg) for n in names}
+
+    def on_cpu(name: str) -> Callable[[int], torch.Tensor]:
+        return lambda r: weights(r, name).cpu()
+
+    bf16 = {n: unshard(spec, n, on_cpu(n), cfg) for n in names}
     full = {n: t.to(dtype).requires_grad_(True) for n, t in bf16.items()}
     total = torch.zeros((), dtype=dtype)
     for micro in range(gas):
@@ -48,7 +52,13 @@ def reference_gradients(
                 chosen = route(bf16, x, cfg)[3]
             total = total + _reference_loss(full, x.to(dtype), target.to(dtype), chosen, cfg) / (gas * spec.dp)
     total.backward()
-    return {(r, n): shard(spec, r, n, full[n].grad, cfg) for r in range(spec.world_size) for n in names}
+    return {(r, n): shard(spec, r, n, _grad(full[n]), cfg) for r in range(spec.world_size) for n in names}
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """``t.grad`` after the reference backward (every parameter takes part in the loss)."""
+    assert t.grad is not None, "a parameter took no part in the reference loss"
+    return t.grad
 
 
 def _reference_loss(w, x, target, chosen, cfg: MoEConfig) -> torch.Tensor:
@@ -82,14 +92,11 @@ def gradient_errors(
     errors: dict[str, float] = {}
     params = {p.name: p for p in moe_params(spec, cfg)}
     for step in steps:
-        if step == 0:
 
-            def weights(r, n):
+        def weights(r, n, step=step):
+            if step == 0:
                 return initial(r, params[n])
-        else:
-
-            def weights(r, n, step=step):
-                return traces[r].get(step - 1, BOUNDARY, n, "param")
+            return traces[r].get(step - 1, BOUNDARY, n, "param")
 
         ref = reference_gradients(spec, cfg, weights, seed, step, gas)
         for (rank, name), expected in ref.items():

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary file and an atomic rename, so a kill never leaves half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)

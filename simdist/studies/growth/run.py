@@ -154,13 +154,13 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
     initial = [InitialWeights(spec, seed) for seed in seeds]
     model = make_model(config.reduction)
 
-    def batched(policy, marker: str) -> BatchedPath:
+    def batched(policy, marker: Marker) -> BatchedPath:
         path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
         return BatchedPath(spec, params, policy, path, initial, seeds, default_model=model)
 
-    runs = [_OracleRun(spec, params, initial, len(seeds), config.gas, model)] + [
-        batched(p, config.marker) for p in policies
-    ]
+    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, model)
+    paths = [batched(p, config.marker) for p in policies]
+    runs: list[_OracleRun | BatchedPath] = [oracle_run, *paths]
     metrics = np.zeros((config.steps, len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
     start = 0
     if ckpt.exists():
@@ -193,10 +193,10 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
         for step in range(start, config.steps):
             for run in runs:
                 run.run_step(stream.draw)
-            oracle = runs[0].oracle
+            oracle = oracle_run.oracle
             per_kind = []
             for kind in ("master", "m", "v"):  # every policy at once: [P, S, R, N] against the oracle's [S, R, N]
-                state = torch.stack([getattr(run.path, kind) for run in runs[1:]])
+                state = torch.stack([getattr(path.path, kind) for path in paths])
                 per_kind.append(divergence(state, Reference(oracle.flat(kind))))
             metrics[step] = torch.cat(per_kind, dim=-1).numpy()
             if bar is not None:
