@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
@@ -116,7 +118,8 @@ def _holder(params, initial, rank: int) -> torch.nn.Module:
 
     class Holder(torch.nn.Module):
         def forward(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-            return sum((p * grads[name]).sum() for name, p in self.named_parameters())
+            # sum() starts from the int 0; a module with parameters always returns a tensor
+            return cast(torch.Tensor, sum((p * grads[name]).sum() for name, p in self.named_parameters()))
 
     root = Holder()
     for p in params:
@@ -163,7 +166,9 @@ def fsdp_rank(comm, config: Config) -> dict[str, RealRun]:
                     grads = {p.name: grads_of(step, micro, rank, p) for p in DEFAULT_PARAMS}
                     module(grads).backward()
                     for pname, param in module.named_parameters():
-                        run.trace.capture(step, micro, pname, "hp", param.grad.full_tensor())
+                        grad = param.grad
+                        assert isinstance(grad, DTensor), f"FSDP2 leaves {pname}.grad a DTensor"
+                        run.trace.capture(step, micro, pname, "hp", grad.full_tensor())
                 module.zero_grad(set_to_none=True)
         finally:
             collectives._get_gradient_divide_factors = real_factors

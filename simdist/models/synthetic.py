@@ -79,6 +79,7 @@ class InitialWeights:
         self.seed = seed
 
     def __call__(self, rank: int, param: ParamSpec) -> torch.Tensor:
+        owner: tuple[str | int, ...]
         if param.family is Family.MODEL_PARALLEL:
             owner = ("tp-rank", self.spec.group_of("tp", rank).index(rank))
         elif param.family is Family.EXPERT:
