@@ -31,10 +31,6 @@ from simdist.studies.repro import ReproConfig, run
 THREAD_CASES = ("fsdp2-reduce-dtype-tp",)
 """The cases whose framework allows the threads world (`simdist case run NAME --world threads`)."""
 
-SHARED_RNG = pytest.mark.xfail(
-    strict=True, reason="shared RNG across rank threads; fixed by the iso branch (issue 18 item 1)"
-)
-
 
 def fingerprint(obj: object, h: hashlib._Hash | None = None) -> str:
     """sha256 over a fixed walk of ``obj``: each tensor's dtype, shape and raw bytes; dataclass fields, dict
@@ -145,11 +141,10 @@ def test_repro_and_growth_20_reruns_are_identical(tmp_path):
 
 
 @pytest.mark.slow
-@SHARED_RNG
 def test_threads_case_20_reruns_are_identical():
     """``simdist case run fsdp2-reduce-dtype-tp --world threads``: every recorded arrival and gradient of every
-    rank and the verdict, 20 runs. Slow only: with the shared RNG, about 1 run in 6 differs (measured: 1 of 6
-    in-process reruns), so a few reruns in the default suite would pass or fail by chance."""
+    rank and the verdict, 20 runs (before rank threads had their own RNG, about 1 run in 6 differed). Slow: the
+    default suite reruns repro and growth; tests/test_isolation.py reruns the RNG idioms themselves."""
     assert len({_tp_case_fingerprint() for _ in range(20)}) == 1
 
 
