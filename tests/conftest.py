@@ -6,7 +6,7 @@ marked ``slow`` (subprocess, notebook, SIGKILL and exhaustive sweeps):
 
     pytest                                   # the default suite
     pytest --run-slow                        # ... plus the slow tests
-    HYPOTHESIS_PROFILE=nightly pytest        # many more examples, slow tests included
+    HYPOTHESIS_PROFILE=nightly pytest        # many more examples, slow and nightly-only tests included
 """
 
 import os
@@ -25,12 +25,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow") or PROFILE == "nightly":
+    if PROFILE == "nightly":
         return
-    skip = pytest.mark.skip(reason="slow: run with --run-slow or HYPOTHESIS_PROFILE=nightly")
+    nightly = pytest.mark.skip(reason="nightly: run with HYPOTHESIS_PROFILE=nightly (too long for CI's budget)")
+    slow = pytest.mark.skip(reason="slow: run with --run-slow or HYPOTHESIS_PROFILE=nightly")
+    run_slow = config.getoption("--run-slow")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "nightly" in item.keywords:
+            item.add_marker(nightly)
+        elif "slow" in item.keywords and not run_slow:
+            item.add_marker(slow)
 
 
 @pytest.fixture(autouse=True)

@@ -232,7 +232,7 @@ def drawn_big_reduces(world: int, count: int = 3) -> list[Probe]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3, 5, 8])
+@pytest.mark.parametrize("world", [2, 3, 5, pytest.param(8, marks=pytest.mark.nightly)])  # P=8: ~2 min
 def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mode(world):
     """Every category plus ``dist.reduce`` around 2P MiB (gloo's own segment sizing) at P = 2..8: fixed sizes
     just above it and sizes drawn by Hypothesis around it."""
