@@ -435,7 +435,8 @@ CATALOGUE: tuple[Mutation, ...] = (
         "the backend's all-reduce result goes through bf16 on its way into the tensor",
         "simdist/world/backend.py",
         "                for i in targets:\n                    write_bytes(calls[i].inputs[k], result)",
-        "                for i in targets:\n                    write_bytes(calls[i].inputs[k], result.to(torch.bfloat16))",
+        "                for i in targets:\n"
+        "                    write_bytes(calls[i].inputs[k], result.to(torch.bfloat16))",
         (BACKEND,),
     ),
     Mutation(
