@@ -80,6 +80,7 @@ def verdict():
 @pytest.mark.slow
 def test_save_load_is_bit_exact_and_the_format_does_not_change_with_the_fix(verdict):
     assert verdict.ok, verdict.summary
+    assert verdict.optimizer_class == "BF16_Optimizer"
     assert controls_bitwise(verdict)
     for c in verdict.cells:
         if c.comparison.startswith(("control", "load restores")):

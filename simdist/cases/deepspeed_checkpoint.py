@@ -173,6 +173,7 @@ def checkpoint_rank(comm, n: int, m: int, root: str, seed: int, mutation: str) -
         for fixed in (False, True):
             tag = "fixed" if fixed else "shipped"
             engine = _engine(comm, fixed, seed)
+            out["optimizer_class"] = type(engine.optimizer).__name__
             _train(comm, engine, range(n + m), seed)
             out["snap"][f"{tag} N+M"] = snapshot(engine)
             engine.destroy()
@@ -355,7 +356,7 @@ def run(
         deepspeed_version=deepspeed.__version__,
         world=world,
         layout=spec.describe(),
-        optimizer_class="BF16_Optimizer",
+        optimizer_class=", ".join(sorted({r["optimizer_class"] for r in per_rank})),
         steps=(n, m),
         mutation=mutation,
         seconds=time.perf_counter() - start,
