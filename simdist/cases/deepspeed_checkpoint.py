@@ -66,8 +66,15 @@ def _run(fixed: bool, steps: int):
     fix changes no bit of the state at GAS 1: both paths round the router's TP average to BF16 once)."""
     from simdist.cases.deepspeed_engine import EngineRun
 
-    fix = "fp32_staging" if fixed else "none"
-    return EngineRun("bf16_optimizer", gas=1, steps=steps, fix=fix, comm_dtype="fp32", clip=CLIP, audit=False)
+    return EngineRun(
+        "bf16_optimizer",
+        gas=1,
+        steps=steps,
+        fix="fp32_staging" if fixed else "none",
+        comm_dtype="fp32",
+        clip=CLIP,
+        audit=False,
+    )
 
 
 def _engine(comm, fixed: bool, seed: int):
