@@ -15,6 +15,7 @@ from simdist.cases.base import Case, Verdict
 
 _MODULES: dict[str, str] = {
     "deepspeed-8913": "simdist.cases.deepspeed_8913",
+    "deepspeed-checkpoint": "simdist.cases.deepspeed_checkpoint",
     "deepspeed-gas-marker": "simdist.cases.deepspeed_gas_marker",
     "deepspeed-wrappers": "simdist.cases.deepspeed_wrappers",
     "fsdp2-reduce-dtype": "simdist.cases.fsdp2_reduce_dtype",
