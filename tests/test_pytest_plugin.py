@@ -108,6 +108,7 @@ def test_the_readme_example_fails_under_pytest_with_the_plugin(tmp_path):
         "simdist.pytest_plugin",
         "-p",
         "no:cacheprovider",
+        "--hypothesis-seed=0",  # 100 random examples find the defect under 19 of 20 seeds (measured): pin one
     ]
     done = subprocess.run([*cmd, "test_average.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr
