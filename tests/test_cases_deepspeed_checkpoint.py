@@ -130,7 +130,7 @@ def test_simdist_process_mode_gives_the_same_table(verdict):
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # ~25 s; the control it breaks runs in the slow suite
 @pytest.mark.parametrize("mutation,broken", [("skip-optimizer-load", "exp_avg"), ("skip-fp32-load", "fp32 master")])
 def test_a_broken_load_flips_the_control(mutation, broken):
     v = run("gloo", mutation=mutation)
