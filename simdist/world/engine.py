@@ -344,17 +344,7 @@ class Engine:
 
     def wait_send(self, sent: _Send) -> None:
         """Block until a receive has taken ``sent`` (gloo's blocking send)."""
-        self.lock.acquire()
-        if sent.done:
-            self.lock.release()
-            return
-        try:
-            if self.error is not None:
-                raise Aborted
-        except BaseException:
-            self.lock.release()
-            raise
-        self.block(sent.call.rank, sent)
+        self._wait_done(sent)
 
     def post_recv(self, call: Call, channel: Hashable, src: int, tensor: torch.Tensor) -> _Recv:
         """Post a receive into ``tensor``; it completes at once if a message is queued."""
@@ -376,8 +366,12 @@ class Engine:
 
     def wait_recv(self, recv: _Recv) -> None:
         """Block until ``recv`` is filled."""
+        self._wait_done(recv)
+
+    def _wait_done(self, item: _Send | _Recv) -> None:
+        """Block ``item``'s rank until the matching peer marks it done (at once if it is already)."""
         self.lock.acquire()
-        if recv.done:
+        if item.done:
             self.lock.release()
             return
         try:
@@ -386,7 +380,7 @@ class Engine:
         except BaseException:
             self.lock.release()
             raise
-        self.block(recv.call.rank, recv)
+        self.block(item.call.rank, item)
 
     def deliver(self, recv: _Recv, data: torch.Tensor, sent: Call) -> None:
         """Copy a message into a receive buffer (lock held); a misfit fails the run naming both calls."""
