@@ -41,6 +41,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from simdist.cases.deepspeed_harness import mark_family
 from simdist.gradpath.families import Family
 
 Wrapper = Literal["bf16_optimizer", "zero1", "zero2", "zero3"]
@@ -204,23 +205,13 @@ class SyntheticModule(torch.nn.Module):
 
 def mark_families(module: torch.nn.Module, params, ep: int) -> list[dict]:
     """DeepSpeed's family markers on each parameter; the client optimizer's param groups (experts: MoE group)."""
-    from deepspeed.module_inject import auto_ep_folding as fold
 
     named = dict(module.named_parameters())
     dense: list[torch.nn.Parameter] = []
     experts: list[torch.nn.Parameter] = []
     for p in params:
         param = named[p.name]
-        if p.family is Family.ROUTER_GATE_REPLICATED:
-            fold.mark_autoep_folding_router_parameter(param)
-        elif p.family is Family.ROUTER_GATE_PARTIAL:
-            fold.mark_autoep_folding_partial_router_parameter(param)
-        elif p.family is Family.MODEL_PARALLEL:
-            # DeepSpeed's family markers are ad-hoc attributes that torch's Parameter does not declare
-            param.tensor_model_parallel = True  # type: ignore[attr-defined]
-        elif p.family is Family.EXPERT:
-            param.allreduce = False  # type: ignore[attr-defined]
-            param.group_name = f"ep_size_{ep}"  # type: ignore[attr-defined]
+        mark_family(param, p.family, ep)
         (experts if p.family is Family.EXPERT else dense).append(param)
     groups: list[dict[str, object]] = [{"params": dense, "name": "dense"}]
     if experts:

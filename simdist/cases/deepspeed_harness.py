@@ -157,7 +157,6 @@ def _setup_deepspeed(spec):
 
 def _module(params, initial, rank: int, ep: int):
     """A module holding ``params`` (dotted names) with DeepSpeed's family markers; ``(module, param groups)``."""
-    from deepspeed.module_inject import auto_ep_folding as fold
 
     root = torch.nn.Module()
     dense: list[torch.nn.Parameter] = []
@@ -171,21 +170,29 @@ def _module(params, initial, rank: int, ep: int):
             owner = getattr(owner, part)
         param = torch.nn.Parameter(initial(rank, p).to(torch.bfloat16).clone())
         owner.register_parameter(leaf, param)
-        if p.family is Family.ROUTER_GATE_REPLICATED:
-            fold.mark_autoep_folding_router_parameter(param)
-        elif p.family is Family.ROUTER_GATE_PARTIAL:
-            fold.mark_autoep_folding_partial_router_parameter(param)
-        elif p.family is Family.MODEL_PARALLEL:
-            # DeepSpeed's family markers are ad-hoc attributes that torch's Parameter does not declare
-            param.tensor_model_parallel = True  # type: ignore[attr-defined]
-        elif p.family is Family.EXPERT:
-            param.allreduce = False  # type: ignore[attr-defined]
-            param.group_name = f"ep_size_{ep}"  # type: ignore[attr-defined]
+        mark_family(param, p.family, ep)
         (experts if p.family is Family.EXPERT else dense).append(param)
     param_groups: list[dict[str, object]] = [{"params": dense}]
     if experts:
         param_groups.append({"params": experts, "moe": True, "name": f"ep_size_{ep}"})
     return root, param_groups
+
+
+def mark_family(param: torch.nn.Parameter, family: Family, ep: int) -> None:
+    """Mark ``param`` as DeepSpeed's AutoEP/AutoTP injection would for its family (its own marker functions for
+    routers; the ad-hoc attributes DeepSpeed reads for TP-sharded and expert parameters)."""
+    from deepspeed.module_inject import auto_ep_folding as fold
+
+    if family is Family.ROUTER_GATE_REPLICATED:
+        fold.mark_autoep_folding_router_parameter(param)
+    elif family is Family.ROUTER_GATE_PARTIAL:
+        fold.mark_autoep_folding_partial_router_parameter(param)
+    elif family is Family.MODEL_PARALLEL:
+        # DeepSpeed's family markers are ad-hoc attributes that torch's Parameter does not declare
+        param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    elif family is Family.EXPERT:
+        param.allreduce = False  # type: ignore[attr-defined]
+        param.group_name = f"ep_size_{ep}"  # type: ignore[attr-defined]
 
 
 def _staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
