@@ -3,7 +3,7 @@
     python bench/properties.py [--examples 400] [--layout tp2-ep2 | any] [--profile]
 
 Runs property (a) as ``tests/test_gradpath_properties.py`` runs it (the same strategy and check, from
-`simdist.gradpath.compact`, on the rank-batched engine) under the ci profile's settings (derandomized, no
+`simdist.testing.compact`, on the rank-batched engine) under the ci profile's settings (derandomized, no
 deadline) with ``--examples`` examples, and prints examples per second, split into the time Hypothesis spends
 drawing an example (the layout, GAS, steps and the gradient bytes, and decoding them) and the time the two runs
 (fp32_staging and the oracle) take. ``--layout tp2-ep2`` (default) fixes the layout to TP2/EP2 on 4 ranks, as
@@ -22,8 +22,8 @@ import time
 
 from hypothesis import given, settings
 
-from simdist.gradpath.compact import staging_departs_from_oracle
-from simdist.strategies import oracle_cases
+from simdist.testing.compact import staging_departs_from_oracle
+from simdist.testing.strategies import oracle_cases
 from simdist.world.spec import DEFAULT_SPEC
 
 TARGET, GOAL = 100.0, 500.0

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from simdist.attribution import blame
 from simdist.cli import main
 from simdist.numerics.floats import bits
-from simdist.strategies import float_values, rank_tensors
+from simdist.testing.strategies import float_values, rank_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))

@@ -11,8 +11,8 @@ from simdist.cli import main
 from simdist.gradpath.probes import Trace
 from simdist.numerics.compare import Difference, difference
 from simdist.numerics.floats import bits, ordered_integers, ulp_distance
-from simdist.strategies import bit_patterns, float_values, pattern_tensor
 from simdist.studies.dumps import write_rank_dump
+from simdist.testing.strategies import bit_patterns, float_values, pattern_tensor
 
 
 def test_bitwise_equal_distinguishes_signed_zeros_and_counts_elements():

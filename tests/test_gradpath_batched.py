@@ -28,8 +28,8 @@ from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
 from simdist.reduce.gloo import Gloo
-from simdist.strategies import float_values
 from simdist.studies.growth import BatchedGradients
+from simdist.testing.strategies import float_values
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 

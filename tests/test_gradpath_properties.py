@@ -4,7 +4,7 @@ Every property runs the gradient path on the rank-batched engine
 (`simdist.gradpath.batched.BatchedPath`: every rank in one thread, the same
 kernel `train_rank` runs, proven bitwise equal to it in
 ``tests/test_gradpath_batched.py``) for a drawn topology and drawn BF16 local
-gradients (`simdist.strategies.gradient_batches`: bytes read as BF16 bits --
+gradients (`simdist.testing.strategies.gradient_batches`: bytes read as BF16 bits --
 zeros, small integers, subnormals, huge magnitudes -- with cancellation between
 TP peers and TP averages on BF16 rounding ties) and compares captures bit for
 bit, or against a stated rounding bound.
@@ -18,7 +18,14 @@ from hypothesis import assume, find, given, settings
 from hypothesis import strategies as st
 
 from simdist.gradpath.catalogue import get_policy, policy_names
-from simdist.gradpath.compact import (
+from simdist.gradpath.families import Correction, Family, ParamSpec
+from simdist.gradpath.oracle import FP32_ORACLE, reference_reduced_gradients
+from simdist.gradpath.path import PathConfig
+from simdist.gradpath.probes import BOUNDARY, first_divergence
+from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
+from simdist.reduce import Ring, Sequential, Tree
+from simdist.reduce.gloo import Gloo
+from simdist.testing.compact import (
     OPTIMIZER_STAGES,
     PARAMS,
     ROUTER,
@@ -27,14 +34,7 @@ from simdist.gradpath.compact import (
     run_oracle,
     staging_departs_from_oracle,
 )
-from simdist.gradpath.families import Correction, Family, ParamSpec
-from simdist.gradpath.oracle import FP32_ORACLE, reference_reduced_gradients
-from simdist.gradpath.path import PathConfig
-from simdist.gradpath.probes import BOUNDARY, first_divergence
-from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
-from simdist.reduce import Ring, Sequential, Tree
-from simdist.reduce.gloo import Gloo
-from simdist.strategies import (
+from simdist.testing.strategies import (
     PEER_LAYOUTS,
     VALUE_MODES,
     bf16_gradients,

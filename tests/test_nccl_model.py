@@ -38,13 +38,13 @@ from simdist.reduce.nccl import (
     ring_segments,
     task_channels,
 )
-from simdist.reduce.nccl_sim import (
+from simdist.testing.nccl_sim import (
     simulate_ring_allreduce,
     simulate_ring_reduce,
     simulate_ring_reduce_scatter,
     simulate_tree_allreduce,
 )
-from simdist.strategies import float_values, rank_tensors
+from simdist.testing.strategies import float_values, rank_tensors
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_BUFFERS = {"simple": ("buffsize", (1024, 2048, 8192)), "ll": ("ll_buffsize", (256, 512, 4096)),

@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simdist.gradpath import kernel
-from simdist.gradpath.compact import PARAMS, run_oracle
 from simdist.gradpath.families import _CORRECTIONS, Correction, Family
 from simdist.gradpath.path import AdamW
 from simdist.gradpath.probes import BOUNDARY
@@ -22,8 +21,9 @@ from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import Sequential
 from simdist.reduce.gloo import Gloo
-from simdist.strategies import float_values
 from simdist.studies.repro import ReproConfig, reproduce
+from simdist.testing.compact import PARAMS, run_oracle
+from simdist.testing.strategies import float_values
 from simdist.world.spec import ParallelSpec
 
 FAST = ReproConfig(steps=2)
@@ -184,9 +184,9 @@ def test_the_compact_oracle_sees_a_tp4_sum_rounded_to_bf16():
 
 def test_the_engine_run_of_the_oracle_precision_gives_the_independent_oracles_bits():
     """`FP32_ORACLE` (a Policy the engine runs, used by engine tests) agrees with the independent oracle."""
-    from simdist.gradpath.compact import OPTIMIZER_STAGES, run_batched
     from simdist.gradpath.oracle import FP32_ORACLE
     from simdist.gradpath.path import PathConfig
+    from simdist.testing.compact import OPTIMIZER_STAGES, run_batched
 
     spec = ParallelSpec(4, tp=2, ep=2)
 

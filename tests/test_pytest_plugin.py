@@ -37,7 +37,7 @@ def _namespace() -> dict:
 def test_the_readme_example_is_about_fifteen_lines_and_uses_the_fixture():
     code = [line for line in readme_example().splitlines() if line.strip()]
     assert len(code) <= 20
-    assert "simdist_world" in readme_example() and "simdist.strategies" in readme_example()
+    assert "simdist_world" in readme_example() and "simdist.testing.strategies" in readme_example()
 
 
 def test_the_readme_example_fails_on_a_sum_that_loses_its_small_terms():

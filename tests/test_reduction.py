@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from simdist.numerics.floats import bits, bitwise_equal, float_format, round_exact, unit_roundoff
 from simdist.numerics.rounding import round_to
 from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
-from simdist.strategies import float_values, rank_tensors
+from simdist.testing.strategies import float_values, rank_tensors
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast
 from simdist.reduce.gloo import Gloo
-from simdist.strategies import float_values, parallel_specs
+from simdist.testing.strategies import float_values, parallel_specs
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

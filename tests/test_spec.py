@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given
 
-from simdist.strategies import parallel_specs
+from simdist.testing.strategies import parallel_specs
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 

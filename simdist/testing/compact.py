@@ -6,7 +6,7 @@ initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
 the independent FP32 oracle on the same workload (`run_oracle`, `simdist.gradpath.reference`), and property
 (a) -- ``fp32_staging`` equals the FP32 oracle bit for bit -- as a function that returns where the two first
 differ (``None`` when they do not). Its Hypothesis strategy is
-`simdist.strategies.oracle_cases`.
+`simdist.testing.strategies.oracle_cases`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ OPTIMIZER_STAGES = frozenset({Capture.HP, Capture.DP_REDUCED, Capture.MASTER, Ca
 """What property (a) compares: hp buffers after every micro-step, DP-reduced gradients, masters and moments."""
 
 Gradients = Any
-"""A drawn `simdist.strategies.GradientBatch` (anything with ``batch(step, micro) -> {name: [1, rank, ...]}``),
+"""A drawn `simdist.testing.strategies.GradientBatch` (anything with ``batch(step, micro) -> {name: [1, rank, ...]}``),
 or a ``(step, micro, rank, param) -> BF16 tensor`` function."""
 
 

@@ -21,7 +21,7 @@ fixture of `simdist.pytest_plugin`; README, "Property-test your own distributed 
   rank-batched (`GradientBatch`) for `simdist.gradpath.batched.BatchedPath`;
 * `policies` -- registered precision policies;
 * `oracle_cases` -- property (a)'s cases: a layout, GAS, steps and a gradient batch for the compact workload
-  of `simdist.gradpath.compact`.
+  of `simdist.testing.compact`.
 
 All values are built from sign, exponent and significand integers, so every
 drawn value is exactly representable in the requested dtype and shrinks
@@ -36,8 +36,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from simdist.gradpath.compact import PARAMS as COMPACT_PARAMS
 from simdist.numerics.floats import float_format
+from simdist.testing.compact import PARAMS as COMPACT_PARAMS
 from simdist.world.spec import EpLayout, ParallelSpec
 
 __all__ = [
@@ -553,7 +553,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 @st.composite
 def oracle_cases(draw, spec: ParallelSpec | None = None, max_world_size: int = 8):
     """``(spec, gas, steps, gradients)`` for property (a): a layout with 2-rank TP groups (or ``spec``),
-    GAS 1..4, 1..2 steps, and a `GradientBatch` drawn cheaply (`simdist.strategies.gradient_batches`)."""
+    GAS 1..4, 1..2 steps, and a `GradientBatch` drawn cheaply (`simdist.testing.strategies.gradient_batches`)."""
     if spec is None:
         spec = draw(parallel_specs(max_world_size=max_world_size, tp=2))
     gas = draw(st.integers(1, 4))
