@@ -66,19 +66,19 @@ hypothesis.find = _find_shrinking
 """A pytest plugin written into each private tree (``-p simdist_mutation_profile``)."""
 
 # test selections shared by several mutations (pytest node ids, relative to the repository root)
-CHAIN = "tests/test_gradpath_chain.py"
-POLICIES = "tests/test_policies.py"
-PROPERTIES = "tests/test_gradpath_properties.py"
-GLOO = "tests/test_gloo_model.py"
-NCCL = "tests/test_nccl_model.py"
-REDUCTION = "tests/test_reduction.py"
-COMPARE = ("tests/test_compare.py", "tests/test_compare_nan.py")
-BACKEND = "tests/test_backend.py"
-SIMWORLD = "tests/test_simworld.py"
-BATCHED = "tests/test_gradpath_batched.py"
-ORACLE = "tests/test_oracle.py"
+CHAIN = "tests/unit/test_gradpath_chain.py"
+POLICIES = "tests/unit/test_policies.py"
+PROPERTIES = "tests/unit/test_gradpath_properties.py"
+GLOO = "tests/integration/test_gloo_model.py"
+NCCL = "tests/integration/test_nccl_model.py"
+REDUCTION = "tests/unit/test_reduction.py"
+COMPARE = ("tests/unit/test_compare.py", "tests/unit/test_compare_nan.py")
+BACKEND = "tests/unit/test_backend.py"
+SIMWORLD = "tests/unit/test_simworld.py"
+BATCHED = "tests/unit/test_gradpath_batched.py"
+ORACLE = "tests/unit/test_oracle.py"
 
-FSDP2 = ("tests/test_cases_fsdp2.py", "tests/test_cases_fsdp2_tp.py")
+FSDP2 = ("tests/integration/test_cases_fsdp2.py", "tests/integration/test_cases_fsdp2_tp.py")
 
 GRADPATH = (CHAIN, POLICIES, PROPERTIES)
 REDUCE = (GLOO, REDUCTION)
@@ -158,7 +158,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/policy.py",
         'if self.correct_at != "micro_step":\n            correction = Correction.SKIP',
         "if False:\n            correction = Correction.SKIP",
-        (*GRADPATH, "tests/test_cases_megatron.py"),
+        (*GRADPATH, "tests/integration/test_cases_megatron.py"),
     ),
     Mutation(
         "policy-dp-reduce-dtype",
@@ -215,7 +215,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "policies/bf16_writeback.py",
         'FP32 accumulation",\n        staging=torch.float32,',
         'FP32 accumulation",\n        staging=None,',
-        (*GRADPATH, "tests/test_cases_deepspeed.py"),
+        (*GRADPATH, "tests/integration/test_cases_deepspeed.py"),
     ),
     Mutation(
         "expert-dp-over-dp",
@@ -231,7 +231,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/families.py",
         "return self in (Family.MODEL_PARALLEL, Family.EXPERT)",
         "return self is Family.MODEL_PARALLEL",
-        ("tests/test_gradpath_norm.py", *GRADPATH, BATCHED),
+        ("tests/unit/test_gradpath_norm.py", *GRADPATH, BATCHED),
     ),
     # -- the engine (simdist/gradpath/kernel.py) ------------------------------------------------------------------
     Mutation(
@@ -248,7 +248,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/kernel.py",
         "self.run_stages(dp_stages + correction, hp, key)",
         "self.run_stages(correction + dp_stages, hp, key)",
-        (*GRADPATH, "tests/test_gradpath_after_dp.py", "tests/test_cases_megatron.py"),
+        (*GRADPATH, "tests/unit/test_gradpath_after_dp.py", "tests/integration/test_cases_megatron.py"),
     ),
     Mutation(
         "kernel-marker-never-set",
@@ -256,7 +256,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/kernel.py",
         'if correcting and self.policy.correct_at == "micro_step":\n            slot.marker = True',
         'if correcting and self.policy.correct_at == "micro_step":\n            slot.marker = False',
-        (*GRADPATH, "tests/test_cases_gas_marker.py"),
+        (*GRADPATH, "tests/integration/test_cases_gas_marker.py"),
     ),
     Mutation(
         "kernel-marker-kept-at-boundary",
@@ -264,7 +264,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/kernel.py",
         "clears every set marker\n            slot.marker = False",
         "clears every set marker\n            slot.marker = slot.marker",
-        (*GRADPATH, "tests/test_cases_gas_marker.py"),
+        (*GRADPATH, "tests/integration/test_cases_gas_marker.py"),
     ),
     Mutation(
         "kernel-marker-kept-by-hooks",
@@ -272,9 +272,9 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/kernel.py",
         "after every hook call\n            slot.marker = False",
         "after every hook call\n            slot.marker = slot.marker",
-        (*GRADPATH, "tests/test_cases_gas_marker.py"),
+        (*GRADPATH, "tests/integration/test_cases_gas_marker.py"),
     ),
-    # the engine's AdamW is torch's own functional adam (kernel.adamw_step); tests/test_oracle.py judges it with
+    # the engine's AdamW is torch's own functional adam (kernel.adamw_step); tests/unit/test_oracle.py judges it with
     # the independent oracle (torch.optim.AdamW on FP32 masters, simdist.gradpath.reference)
     Mutation(
         "adamw-eps",

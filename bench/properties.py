@@ -2,7 +2,7 @@
 
     python bench/properties.py [--examples 400] [--layout tp2-ep2 | any] [--profile]
 
-Runs property (a) as ``tests/test_gradpath_properties.py`` runs it (the same strategy and check, from
+Runs property (a) as ``tests/unit/test_gradpath_properties.py`` runs it (the same strategy and check, from
 `simdist.testing.compact`, on the rank-batched engine) under the ci profile's settings (derandomized, no
 deadline) with ``--examples`` examples, and prints examples per second, split into the time Hypothesis spends
 drawing an example (the layout, GAS, steps and the gradient bytes, and decoding them) and the time the two runs

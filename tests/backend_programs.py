@@ -1,10 +1,10 @@
-"""Plain torch.distributed rank programs for tests/test_backend*.py.
+"""Plain torch.distributed rank programs for tests/unit/test_backend.py and tests/integration/test_backend_gloo.py.
 
 Nothing here knows simdist: each function is ``fn(rank, *args)`` and calls only
 ``torch.distributed`` (and DTensor/FSDP2), so the same function runs on
 `simdist.spawn` (threads), on `spawn_procs(..., backend="simdist")` (process
 mode) and on `spawn_procs(..., backend="gloo")` (real gloo). Importable by
-spawned children because pytest puts tests/ on ``sys.path``.
+spawned children because pytest puts tests/ on ``sys.path`` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -405,12 +405,12 @@ def coverage(rank: int) -> dict:
 
 
 def suite(rank: int) -> dict:
-    """All programs in one run (one real-gloo spawn serves every comparison of tests/test_backend_gloo.py)."""
+    """All programs in one run (one real-gloo spawn serves every comparison of test_backend_gloo.py)."""
     return {
         "tp_mlp": tp_mlp(rank),
         "dtensor": dtensor_2x2(rank),
         "fsdp2": fsdp2_steps(rank),
         "coverage": coverage(rank),
-        # last: they seed torch's global generator (tests/test_isolation.py)
+        # last: they seed torch's global generator (tests/integration/test_isolation.py)
         **{f"isolation_{name}": result for name, result in isolation_quick(rank).items()},
     }

@@ -1,10 +1,18 @@
-"""Shared test set-up: Hypothesis profiles, the ``slow`` marker, and a clean policy registry per test.
+"""Shared test set-up for ``tests/unit`` and ``tests/integration``: Hypothesis profiles, the ``slow`` and
+``nightly`` markers, and a clean policy registry per test.
+
+``tests/unit`` runs in one process (no child process, no subprocess, no gloo; its own conftest.py refuses
+them) and takes well under a minute; ``tests/integration`` holds the rest (real gloo, process mode, the real
+frameworks, the CLI as a subprocess, scripts). The rank programs both use (``backend_programs.py``,
+``isolation_programs.py``) sit here, beside this file: pytest's default ``prepend`` import mode puts this
+folder on ``sys.path`` when it loads this conftest, so tests and the processes they spawn import them by name.
 
 ``ci`` (default) keeps the suite within CI's budget on 2 cores; ``nightly``
 runs the same properties with many more examples and also runs the tests
 marked ``slow`` (subprocess, notebook, SIGKILL and exhaustive sweeps):
 
     pytest                                   # the default suite
+    pytest tests/unit                        # ... its in-process part only
     pytest --run-slow                        # ... plus the slow tests
     HYPOTHESIS_PROFILE=nightly pytest        # many more examples, slow and nightly-only tests included
 """

@@ -1,4 +1,4 @@
-"""Ordinary training idioms as plain torch.distributed rank programs, for tests/test_isolation.py.
+"""Ordinary training idioms as plain torch.distributed rank programs, for tests/integration/test_isolation.py.
 
 Nothing here knows simdist: each function is ``fn(rank)`` and the same code runs
 on `simdist.spawn` (threads), on `spawn_procs(..., backend="simdist")` (process

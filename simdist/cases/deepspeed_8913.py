@@ -25,7 +25,7 @@ GAS 1, one step): with two TP peers an FP32 TP sum and a BF16 TP sum give the
 same bits (the sum of two BF16 values is rounded once either way, and ``/2`` is
 exact), so at TP2 the case cannot tell a transcription that sums TP in BF16
 from the real code; with four peers the BF16 sum rounds three times and the
-case fails such a transcription (``tests/test_cases_deepspeed.py``).
+case fails such a transcription (``tests/integration/test_cases_deepspeed.py``).
 """
 
 from __future__ import annotations

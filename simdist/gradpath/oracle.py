@@ -7,7 +7,7 @@ rule, local gradients and DP normalisation, changes only precision -- the BF16
 local gradient staged into ``dtype``, every later stage in ``dtype``, the TP
 correction on every micro-step -- and runs through the same `GradPath` as every
 policy. Engine tests use it (rank-batched == per-rank, the MoE study's FP64
-ground truth), and ``tests/test_oracle.py`` checks that its FP32 form gives the
+ground truth), and ``tests/unit/test_oracle.py`` checks that its FP32 form gives the
 independent oracle's bits.
 
 `reference_reduced_gradients` computes the data-parallel-reduced gradients

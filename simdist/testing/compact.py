@@ -1,6 +1,6 @@
 """A compact workload: one small parameter of every folding family, run rank-batched on drawn gradients.
 
-What the gradient-path properties (``tests/test_gradpath_properties.py``) and
+What the gradient-path properties (``tests/unit/test_gradpath_properties.py``) and
 their benchmark (``bench/properties.py``) share: the parameters, replicated
 initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
 the independent FP32 oracle on the same workload (`run_oracle`, `simdist.gradpath.reference`), and property

@@ -12,7 +12,7 @@ same `run_probes` runs on real gloo processes, on `simdist.spawn` threads and
 in process mode, and `tally` counts, per category, the silent differences
 (both succeed, storage bytes differ) and refusal mismatches (one side raises,
 or the exception types differ). ``experiments/gloo_corners.py`` prints the
-table; ``tests/test_gloo_corners.py`` asserts it.
+table; ``tests/integration/test_gloo_corners.py`` asserts it.
 
 Outcomes are storage bytes (``uint8`` views): a bool byte 3 or a NaN payload
 is compared as it lies in memory.

@@ -9,7 +9,7 @@ layout, and every global rank's input. `run_cases` is an ordinary
 (`simdist.spawn`, thread ranks) and compare the per-rank `Outcome` lists with
 `compare`; `model_outcomes` gives the same lists straight from the `Gloo`
 model, without any backend. ``experiments/gloo_corners.py`` prints the table;
-``tests/test_gloo_corners.py`` asserts it.
+``tests/integration/test_gloo_corners.py`` asserts it.
 
 Outcomes hold raw bits (`bits`), so NaN payloads and signed zeros compare
 exactly. A case that the model refuses (a strided view: gloo would reduce

@@ -3,7 +3,7 @@
 ``dist.get_backend(group)`` of a simdist group is ``"simdist"`` (it must stay
 so: ``new_group`` creates its groups with the default group's backend name).
 Two decisions torch takes on that name change what a gloo program does, found
-by reading torch 2.13 and checked against real gloo by tests/test_isolation.py:
+by reading torch 2.13 and checked against real gloo by tests/integration/test_isolation.py:
 
 * ``dist.monitored_barrier`` runs only on gloo (``ValueError`` elsewhere): on a
   simdist group whose model is gloo it is a barrier of the group's members (in

@@ -11,7 +11,7 @@ state always holds the running rank's values.
 
 What a rank starts with is what a fresh process has (found by experiment with
 torch 2.13 on CPU, each value checked against a new interpreter by
-tests/test_isolation.py): a default CPU generator seeded from OS entropy (a
+tests/integration/test_isolation.py): a default CPU generator seeded from OS entropy (a
 new interpreter's ``torch.initial_seed()`` differs from run to run; it is not
 the fixed seed of ``torch.Generator()``), float32 default dtype,
 deterministic algorithms off, ``"highest"`` float32 matmul precision, and the
@@ -66,7 +66,8 @@ def _set_deterministic(value: tuple[bool, bool]) -> None:
 
 _SDP = torch.backends.cuda
 
-# name -> (get, set, value in a fresh process); every entry is process-global (tests/test_isolation.py checks both)
+# name -> (get, set, value in a fresh process); every entry is process-global (tests/integration/test_isolation.py
+# checks both)
 SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
     "default_dtype": (torch.get_default_dtype, torch.set_default_dtype, torch.float32),
     "deterministic_algorithms": (_deterministic, _set_deterministic, (False, False)),

@@ -428,7 +428,7 @@ def test_example_script_reports_the_writeback_as_the_readme_shows(capsys):
     import re
     import runpy
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     namespace = runpy.run_path(str(root / "experiments" / "audit_example.py"))
     assert namespace["main"]([]) == 0
     out = capsys.readouterr().out

@@ -90,7 +90,7 @@ def test_every_op_and_every_refusal_equal_real_gloo(real_gloo, threads):
 
 
 def test_seed_per_rank_same_seed_init_settings_and_broadcast_equal_real_gloo(real_gloo, threads):
-    """Rank threads behave like processes (tests/test_isolation.py runs these again for identical reruns)."""
+    """Rank threads behave like processes (test_isolation.py runs these again for identical reruns)."""
     for name in ("seed_per_rank", "same_seed_init", "settings", "broadcast_params"):
         program = f"isolation_{name}"
         _assert_same(_program(threads, program), _program(real_gloo, program), f"{name} vs gloo")

@@ -18,7 +18,7 @@ from simdist.cli import main
 from simdist.numerics.floats import bits
 from simdist.testing.strategies import float_values, rank_tensors
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 from blame_8913 import train  # noqa: E402

@@ -141,7 +141,7 @@ def test_a_broken_load_flips_the_control(mutation, broken):
 
 # -- the standalone reproducer of the accessor defect --------------------------------------------------------------
 
-REPRODUCER = Path(__file__).resolve().parents[1] / "simdist/cases/reproducers/deepspeed_bf16_load_unlinks_state.py"
+REPRODUCER = Path(__file__).resolve().parents[2] / "simdist/cases/reproducers/deepspeed_bf16_load_unlinks_state.py"
 
 
 def test_reproducer_imports_only_torch_and_deepspeed():

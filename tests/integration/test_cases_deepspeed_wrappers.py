@@ -245,7 +245,7 @@ def test_audit_inside_the_ranks_finds_the_write_back_unless_the_fix_is_in(audit)
 
 # -- the standalone reproducer of the ZeRO norm defect ---------------------------------------------------------
 
-NORM_REPRODUCER = Path(__file__).resolve().parents[1] / "simdist/cases/reproducers/deepspeed_zero_norm_experts.py"
+NORM_REPRODUCER = Path(__file__).resolve().parents[2] / "simdist/cases/reproducers/deepspeed_zero_norm_experts.py"
 
 
 def test_norm_reproducer_imports_only_torch_and_deepspeed():

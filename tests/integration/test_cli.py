@@ -127,7 +127,7 @@ def test_version_and_exit_codes_in_help(capsys):
         assert EXIT_CODES in out
     assert main(["audit", "--help"]) == 0
     assert "exit status: the script's own" in capsys.readouterr().out
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert EXIT_CODES in readme, "README's exit-status block must be the CLI's"
 
 
@@ -305,7 +305,7 @@ def test_readme_parallel_specs_are_valid_and_name_no_file_outside_the_repository
 
     from simdist.world.spec import ParallelSpec
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     calls = re.findall(r"ParallelSpec\([^()]*\)", readme)
     assert calls
     for call in calls:

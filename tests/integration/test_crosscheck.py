@@ -20,7 +20,7 @@ from simdist.studies.dumps import compare_dumps, format_comparison, load_dump
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = CrossCheck(steps=3, policies=("bf16_writeback", "fp32_staging"))
 HOOKS = CrossCheck(steps=3, gas=2, policies=("bf16_writeback",), update_path="hooks", marker="per_micro_step")
 

@@ -197,7 +197,7 @@ def test_the_same_rank_program_in_simworld_gives_real_gloos_bits(gloo_run):
                 assert_bitwise(sim, got, f"rank {rank} {key} case {i}")
 
 
-# -- gloo's element-wise functions on the ring walk (facts found against real gloo: tests/test_gloo_corners.py) --
+# -- gloo's element-wise functions on the ring walk (facts found against real gloo: test_gloo_corners.py) --
 
 
 def _raw(values: list[int], dtype: torch.dtype) -> torch.Tensor:

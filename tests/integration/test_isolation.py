@@ -4,7 +4,7 @@ The programs (tests/isolation_programs.py) use torch's global generator,
 default dtype, DTensor's tables, ``broadcast`` into parameters and pipelining
 as real programs do. The default suite runs the cheap ones three times on
 threads (reruns identical) and compares them with real gloo in
-tests/test_backend_gloo.py, whose one real-gloo spawn runs them too; the slow
+tests/integration/test_backend_gloo.py, whose one real-gloo spawn runs them too; the slow
 suite runs every program on real gloo, on process mode and three times on threads.
 The rest checks what `simdist.spawn` does around the run: state refused by
 name, the caller's state given back, ``sys.exit`` and bad world sizes.
@@ -80,7 +80,7 @@ def _threads_reruns(fn) -> list:
 
 
 def test_seed_per_rank_same_seed_init_settings_and_broadcast_are_identical_in_every_rerun():
-    """Against real gloo in the default suite: tests/test_backend_gloo.py (its one shared gloo spawn runs `quick`)."""
+    """Against real gloo in the default suite: test_backend_gloo.py (its one shared gloo spawn runs `quick`)."""
     threads = _threads_reruns(programs.quick)
     # the idioms mean what they say: per-rank streams differ, same-seed weights agree, versions are not bumped
     assert not torch.equal(threads[0]["seed_per_rank"]["after"], threads[1]["seed_per_rank"]["after"])

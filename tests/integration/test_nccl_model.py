@@ -50,7 +50,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_BUFFERS = {"simple": ("buffsize", (1024, 2048, 8192)), "ll": ("ll_buffsize", (256, 512, 4096)),
                  "ll128": ("ll128_buffsize", (16384, 32768))}  # fmt: skip
 SPREAD_FOR = {torch.float32: 12, torch.bfloat16: 4, torch.float16: 4}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ipykernel", reason="the notebooks' kernel (ipykernel) is not installed")
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ("rounding_tour.ipynb", "growth_explorer.ipynb", "blame_tour.ipynb")
 
 

@@ -18,8 +18,8 @@ from hypothesis import settings
 from simdist.numerics.floats import round_exact
 from simdist.pytest_plugin import SimdistWorld, simdist_world  # the fixture, as the plugin gives it
 
-ROOT = Path(__file__).resolve().parent.parent
-MARKER = "<!-- tests/test_pytest_plugin.py runs this block -->"
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = "<!-- tests/integration/test_pytest_plugin.py runs this block -->"
 
 
 def readme_example() -> str:

@@ -144,7 +144,7 @@ def test_repro_and_growth_20_reruns_are_identical(tmp_path):
 def test_threads_case_20_reruns_are_identical():
     """``simdist case run fsdp2-reduce-dtype-tp --world threads``: every recorded arrival and gradient of every
     rank and the verdict, 20 runs (before rank threads had their own RNG, about 1 run in 6 differed). Slow: the
-    default suite reruns repro and growth; tests/test_isolation.py reruns the RNG idioms themselves."""
+    default suite reruns repro and growth; tests/integration/test_isolation.py reruns the RNG idioms themselves."""
     assert len({_tp_case_fingerprint() for _ in range(20)}) == 1
 
 

@@ -1,7 +1,7 @@
 """The ``simdist`` torch.distributed backend on `simdist.spawn` (threads): coverage, bits, failures.
 
 Bits are compared on raw integer views. The real-gloo and process-mode
-comparisons live in tests/test_backend_gloo.py.
+comparisons live in tests/integration/test_backend_gloo.py.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def test_the_readme_example_runs():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("## Run your own distributed code", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}

@@ -1,6 +1,6 @@
 """gloo's reduce segmenting, complex and bool tensors, and simdist's refusals where gloo crashes or hangs.
 
-In-process checks (no real gloo; `tests/test_gloo_corners.py` holds the
+In-process checks (no real gloo; `tests/integration/test_gloo_corners.py` holds the
 comparisons against real gloo processes). The reference for ``dist.reduce`` is
 a step-by-step run of gloo's reduce loop (``gloo/reduce.cc``: segments,
 iterations, the two scratch slots, the gather to the root), written from the

@@ -3,7 +3,7 @@
 Every property runs the gradient path on the rank-batched engine
 (`simdist.gradpath.batched.BatchedPath`: every rank in one thread, the same
 kernel `train_rank` runs, proven bitwise equal to it in
-``tests/test_gradpath_batched.py``) for a drawn topology and drawn BF16 local
+``tests/unit/test_gradpath_batched.py``) for a drawn topology and drawn BF16 local
 gradients (`simdist.testing.strategies.gradient_batches`: bytes read as BF16 bits --
 zeros, small integers, subnormals, huge magnitudes -- with cancellation between
 TP peers and TP averages on BF16 rounding ties) and compares captures bit for

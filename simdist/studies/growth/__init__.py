@@ -30,10 +30,10 @@ every seed sits in one tensor with leading ``[seed, rank]`` dimensions:
   *metrics* reduce, within one seed.
 
 What batching changes: nothing in the bits of masters, moments or BF16
-params (``tests/test_gradpath_batched.py`` proves rank-batched == `train_rank`
+params (``tests/unit/test_gradpath_batched.py`` proves rank-batched == `train_rank`
 on `SimWorld` threads at every step, rank, seed and captured tensor, for every
 registered policy and the oracle, several layouts and every reduction model;
-``tests/test_growth.py`` that a seed gives the same bits alone and inside an
+``tests/integration/test_growth.py`` that a seed gives the same bits alone and inside an
 ensemble). Not recorded: the gradient-norm scalar (growth runs use
 ``max_norm = 0``, the `PathConfig` default, so no norm is computed). The
 stream has the distribution of `simdist.models.synthetic.SyntheticGradients`
