@@ -293,6 +293,7 @@ def gloo_rank(comm):
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # by default: the audit on real gloo (next test) and raw dist.all_reduce sites (CLI test below)
 def test_gloo_collectives_are_recorded_with_their_dtype():
     results = spawn_gloo(gloo_rank, ParallelSpec(2, tp=1, ep=1), timeout_s=120)
     for rank, result in enumerate(results):

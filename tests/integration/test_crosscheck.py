@@ -31,6 +31,7 @@ def both_checks(comm, out: str, where: dict) -> list[str]:
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # by default: test_gradpath_gloo.py (the gradient path, SimWorld vs 4 real gloo ranks, bitwise)
 def test_real_gloo_and_simworld_dumps_are_bitwise_equal(tmp_path):
     spec = CHECK.spec
     real = spawn_gloo(both_checks, spec, str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"}, timeout_s=240)

@@ -256,6 +256,7 @@ def test_cli_growth_moe_writes_loss_difference_metrics_and_plot(tmp_path, capsys
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow  # by default: test_an_interrupted_run_resumes_bitwise and the MoE growth CLI test
 def test_an_interrupted_moe_run_resumes_per_policy_and_seed(tmp_path):
     """A MoE growth run stopped between (policy, seed) runs keeps the finished ones and ends with the same files."""
     config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=3, seeds=2, model="moe")

@@ -407,6 +407,7 @@ def test_bad_ring_or_tree_for_the_group_is_refused():
         Nccl(algorithm="tree", trees=(((1,), (0,), ()),)).sum(torch.zeros(3, 3))
 
 
+@pytest.mark.slow  # a subprocess (~7 s CPU); by default the Nccl model meets the same nccl_sim in-process above
 def test_fingerprint_script_dry_run(tmp_path):
     script = ROOT / "experiments" / "nccl_fingerprint.py"
     done = subprocess.run(

@@ -93,7 +93,7 @@ def _repro_fingerprint(gas: int) -> str:
     return fingerprint([out.getvalue(), traces])
 
 
-@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("gas", [1, pytest.param(2, marks=pytest.mark.slow)])  # GAS 2 by default: test_cli.py
 def test_repro_8913_reruns_are_bit_identical(gas):
     """``simdist repro 8913`` (and ``--gas 2``): three runs in one process, one fingerprint."""
     prints = {_repro_fingerprint(gas) for _ in range(3)}
