@@ -101,6 +101,8 @@ def _untracked(tree):
     """
     if isinstance(tree, torch.Tensor):
         return tree.data
+    if not tree:  # most collectives have no separate outputs
+        return tree
     return type(tree)(_untracked(item) for item in tree)
 
 
