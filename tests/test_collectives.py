@@ -243,3 +243,24 @@ def test_an_observer_may_wrap_the_completion():
         Engine.unsubscribe(observer)
     assert calls == ["all_reduce"]  # the completion runs once, on the last member to arrive
     assert all(torch.equal(r, torch.full((3,), 6.0)) for r in results)
+
+
+# -- a Comm program's policy-order gather on a gloo group (gloo's rules now apply to SimComm too) -------------------
+
+
+def _own_order(comm):
+    from simdist.gradpath.path import CommOps
+    from simdist.reduce import Ring
+
+    (x,) = _inputs(comm.get_rank(), 1, 12)
+    return x, CommOps(comm, 0).all_reduce(x.view(3, 4), "tp", model=Ring(chunk_size=1))
+
+
+def test_a_policys_own_tp_order_runs_on_a_gloo_world():
+    from simdist.reduce import Ring
+
+    results = SimWorld(SPEC, default_model=Gloo()).run(_own_order)
+    for ranks in SPEC.groups("tp"):
+        expected = Ring(chunk_size=1).reduce([results[r][0].view(3, 4) for r in ranks])
+        for r in ranks:
+            assert _same_bits(results[r][1], expected)
