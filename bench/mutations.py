@@ -421,30 +421,29 @@ CATALOGUE: tuple[Mutation, ...] = (
         "return self.combine(x, received) if self.scale is None else self.combine(x * self.scale, received)",
         (NCCL,),
     ),
-    # -- the backend's and SimWorld's write-back -------------------------------------------------------------------
+    # -- the front ends' write-back (world/collectives.py; SimComm's targets) -----------------------------------------
     Mutation(
         "backend-writeback-first-only",
         "the torch.distributed backend writes an all-reduce's result into the first waiting member only",
-        "simdist/world/backend.py",
-        "                for i in targets:\n                    write_bytes(calls[i].inputs[k], result)",
-        "                for i in targets[:1]:\n                    write_bytes(calls[i].inputs[k], result)",
+        "simdist/world/collectives.py",
+        "            for i in targets:\n                write_bytes(calls[i].inputs[k], result)",
+        "            for i in targets[:1]:\n                write_bytes(calls[i].inputs[k], result)",
         (BACKEND,),
     ),
     Mutation(
         "backend-writeback-bf16",
         "the backend's all-reduce result goes through bf16 on its way into the tensor",
-        "simdist/world/backend.py",
-        "                for i in targets:\n                    write_bytes(calls[i].inputs[k], result)",
-        "                for i in targets:\n"
-        "                    write_bytes(calls[i].inputs[k], result.to(torch.bfloat16))",
+        "simdist/world/collectives.py",
+        "            for i in targets:\n                write_bytes(calls[i].inputs[k], result)",
+        "            for i in targets:\n                write_bytes(calls[i].inputs[k], result.to(torch.bfloat16))",
         (BACKEND,),
     ),
     Mutation(
         "simworld-writeback-first-only",
         "SimWorld writes an all-reduce's result into the first member only",
         "simdist/world/simworld.py",
-        "            for c in calls:\n                c.inputs[0].copy_(result)",
-        "            for c in calls[:1]:\n                c.inputs[0].copy_(result)",
+        "engine, ranks, targets = self._engine, members.ranks, range(members.size)",
+        "engine, ranks, targets = self._engine, members.ranks, range(1)",
         (SIMWORLD, *GRADPATH),
     ),
     # -- comparisons (simdist/numerics/) --------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """The exact result of every reducing collective of the ``simdist`` backend, computed in the same run.
 
-`install` wraps `simdist.world.backend.SimProcessGroup._run`, the one method every collective of the backend
-passes (the audit's `simdist.audit.world_hooks` wraps the same funnel). The wrapper hands the transport a
-``complete`` that, before the group's reduction model runs, sums the members' input tensors in FP64 (and
-their absolute values: ``sum |terms|``), lets the model compute the result as usual, and then compares
-every member's output with the exact value (`simdist.attribution.measure.errors`). The reference shares no code
-with the reduction models it judges: it is ``torch.stack(inputs).double().sum(0)``.
+`install` subscribes an observer to the engine's observer list (`simdist.world.engine.Engine.observers`, which
+every collective of both front ends passes; the audit's `simdist.audit.world_hooks` subscribes there too). For a
+collective of the backend the observer replaces the event's ``complete`` with one that, before the group's
+reduction model runs, sums the members' input tensors in FP64 (and their absolute values: ``sum |terms|``), lets
+the model compute the result as usual, and then compares every member's output with the exact value
+(`simdist.attribution.measure.errors`). The reference shares no code with the reduction models it judges: it is
+``torch.stack(inputs).double().sum(0)``.
 
 A promoted site gets the exact result instead, rounded once to the tensor's dtype.
 
@@ -17,7 +18,6 @@ Thread mode (`simdist.spawn`) only: in process mode each process sees only its o
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -139,21 +139,18 @@ _lock = threading.Lock()
 
 def install(recorder) -> Callable[[], None]:
     """Measure (and promote) the backend's collectives for ``recorder``; returns the function that undoes it."""
-    from simdist.world.backend import SimProcessGroup
+    from simdist.world.engine import CollectiveEvent, Engine
+
+    def observe(event: CollectiveEvent) -> None:
+        if event.front == "dist":  # the torch.distributed backend's collectives (SimComm's are not measured)
+            event.complete = _measured(event.complete, recorder)
 
     with _lock:
-        original = SimProcessGroup.__dict__["_run"]
-
-        @functools.wraps(original)
-        def _run(self, call, complete, result):
-            return original(self, call, _measured(complete, recorder), result)
-
-        # a run-time patch of the class (the audit's hooks do the same); mypy forbids assigning to a method
-        SimProcessGroup._run = _run  # type: ignore[method-assign]
+        Engine.subscribe(observe)
 
     def uninstall() -> None:
         with _lock:
-            if SimProcessGroup.__dict__.get("_run") is _run:
-                SimProcessGroup._run = original  # type: ignore[method-assign]
+            if observe in Engine.observers:
+                Engine.unsubscribe(observe)
 
     return uninstall

@@ -156,9 +156,9 @@ class CommOps:
     def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
         group = self.groups[kind]
         if model is not None:  # the policy's own order: gather every member's value (exact), then model's sum
-            gathered = torch.empty((group.size, *value.shape), dtype=value.dtype, device=value.device)
-            self.comm.all_gather_into_tensor(gathered, value.contiguous(), group=group)
-            return model.reduce(gathered)
+            gathered = torch.empty(group.size * value.numel(), dtype=value.dtype, device=value.device)
+            self.comm.all_gather_into_tensor(gathered, value.contiguous().view(-1), group=group)  # flat: gloo's shapes
+            return model.reduce(gathered.view(group.size, *value.shape))
         out = value.clone()
         self.comm.all_reduce(out, op=ReduceOp.SUM, group=group)
         return out

@@ -67,6 +67,8 @@ class ReductionModel(ABC):
     """How a group reduces: a summation order plus the dtype each partial is rounded to."""
 
     avg: AvgMode = "postdiv"
+    gloo_rules: bool = False
+    """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to collectives on this model."""
 
     @property
     @abstractmethod

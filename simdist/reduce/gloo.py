@@ -356,6 +356,7 @@ class Gloo(ReductionModel):
 
     max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
     avg: AvgMode = "postdiv"
+    gloo_rules = True
 
     def __post_init__(self) -> None:
         if self.max_segment_bytes < 1:

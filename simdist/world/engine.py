@@ -28,6 +28,11 @@ Failure is loud and quick:
 * an optional ``timeout_s`` turns a rank stuck outside collectives into
   `SimTimeoutError`.
 
+Observers: `Engine.observers` is an explicit list of callables that see every
+collective of both front ends (`observed`, called by each front end's one
+funnel, in thread and process mode alike). The audit and blame subscribe to it
+(`Engine.subscribe`); nothing swaps methods at run time.
+
 Scheduling: completed ranks are woken one at a time, each when the running rank
 blocks or returns, so only one rank thread is runnable at a time (a handoff is
 one wake-up, no contention for the interpreter lock). With a ``switch`` (see
@@ -47,7 +52,7 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -179,8 +184,71 @@ def _fresh(exc: BaseException) -> BaseException:
     return copy
 
 
+class CollectiveEvent:
+    """One rank's collective as an observer sees it, before it runs.
+
+    ``call`` is the rank's `Call` (its ``signature[0]`` the collective's name),
+    ``front`` the front end (``"comm"`` for `SimComm`, ``"dist"`` for the
+    ``torch.distributed`` backend), ``group`` the group as text, and
+    ``complete`` the function that will compute the collective's result: an
+    observer may replace it with one that wraps it (blame measures there).
+    """
+
+    __slots__ = ("call", "complete", "front", "group")
+
+    def __init__(self, call: Call, front: str, group: str, complete: Callable) -> None:
+        self.call = call
+        self.front = front
+        self.group = group
+        self.complete = complete
+
+
+Observer = Callable[[CollectiveEvent], Callable[[], None] | None]
+"""Called on the calling rank's thread before the collective runs; may return a function called after it returns
+(or raises)."""
+
+
+def observed(
+    call: Call, complete: Callable, front: str, group: Callable[[], str], proceed: Callable[[Callable], None]
+) -> None:
+    """Run ``proceed(complete)`` (the front end's rendezvous) with every subscribed observer told first.
+
+    ``group`` is called only when there are observers (formatting text on every collective would cost).
+    """
+    observers = Engine.observers
+    if not observers:
+        proceed(complete)
+        return
+    event = CollectiveEvent(call, front, group(), complete)
+    after: list[Callable[[], None]] = []
+    try:
+        for observer in list(observers):
+            done = observer(event)
+            if done is not None:
+                after.append(done)
+        proceed(event.complete)
+    finally:
+        for done in reversed(after):
+            done()
+
+
 class Engine:
     """Shared state of one run of ``world_size`` rank threads: pending collectives, channels, the first error."""
+
+    observers: ClassVar[list[Observer]] = []
+    """Who sees every collective of both front ends (see `observed`); shared by every engine of the process."""
+
+    @classmethod
+    def subscribe(cls, observer: Observer) -> None:
+        """Add ``observer`` to `observers` (a new list: a collective in flight keeps iterating the old one)."""
+        cls.observers = [*cls.observers, observer]
+
+    @classmethod
+    def unsubscribe(cls, observer: Observer) -> None:
+        """Remove ``observer`` (once) from `observers`."""
+        remaining = list(cls.observers)
+        remaining.remove(observer)
+        cls.observers = remaining
 
     def __init__(self, world_size: int, label: str = "simdist", switch: Any = None) -> None:
         self.world_size = world_size

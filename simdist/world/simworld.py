@@ -3,10 +3,12 @@
 `SimWorld.run(fn, *args)` starts one thread per rank, calls ``fn(comm, *args)``
 on each with a `SimComm`, and returns the per-rank results in rank order.
 
-`SimComm` is a thin adapter: each of its collectives is a `Call` plus a
-``complete`` function handed to the rendezvous `simdist.world.engine.Engine`,
-the same engine that serves the ``torch.distributed`` backend
-(`simdist.world.backend`, `simdist.spawn`). The engine's docstring says how
+`SimComm` is a thin adapter: each of its collectives is the one written in
+`simdist.world.collectives` (a `Call` plus a ``complete`` function), handed to
+the rendezvous `simdist.world.engine.Engine`, exactly as the
+``torch.distributed`` backend (`simdist.world.backend`, `simdist.spawn`) does:
+same checks (gloo's rules where the group's model has ``gloo_rules``), same
+completion, same bits. The engine's docstring says how
 calls are matched, how results stay independent of thread arrival order, and
 how mismatches, deadlocks, exceptions and timeouts are reported (every rank's
 call with its source line; no hangs).
@@ -21,23 +23,34 @@ from typing import Any
 
 import torch
 
-from simdist.reduce import Gloo, ReduceOp, ReductionModel, Sequential
-from simdist.world.backend import (
-    Op,
-    exchange_plan,
-    exchange_rows,
-    reduce_complete,
-    reduce_scatter_list_complete,
-    refuse_gloo_dtypes,
-)
-from simdist.world.engine import Call as _Call
-from simdist.world.engine import Engine
+from simdist.reduce import ReduceOp, ReductionModel, Sequential
+from simdist.world import collectives as cc
+from simdist.world.engine import Engine, observed
 from simdist.world.groups import Group, group_for, world_group
 from simdist.world.spec import ParallelSpec
 
 
+class _Members:
+    """SimComm's view of one `Group` for `simdist.world.collectives` (built once per group and communicator)."""
+
+    __slots__ = ("gloo_rules", "group", "kind", "label", "model", "ranks", "size")
+
+    def __init__(self, group: Group, model: ReductionModel) -> None:
+        self.group = group
+        self.kind = group.kind
+        self.label = str(group)
+        self.model = model
+        self.gloo_rules = model.gloo_rules
+        self.ranks = group.ranks
+        self.size = len(group.ranks)
+
+
 class SimComm:
-    """One rank's communicator in a `SimWorld` run (implements `simdist.world.groups.Comm`)."""
+    """One rank's communicator in a `SimWorld` run (implements `simdist.world.groups.Comm`).
+
+    Each collective is `simdist.world.collectives`' (the backend's too), run on
+    the rendezvous engine; this class only resolves groups and ranks.
+    """
 
     def __init__(self, engine: Engine, world: SimWorld, rank: int) -> None:
         self._engine = engine
@@ -46,6 +59,7 @@ class SimComm:
         self.spec: ParallelSpec = world.spec
         self._world = world_group(self.spec)
         self._groups: dict[str, Group] = {}
+        self._members: dict[Group | None, _Members] = {}
 
     # -- identity ------------------------------------------------------------
 
@@ -62,75 +76,55 @@ class SimComm:
             found = self._groups[kind] = group_for(self.spec, kind, self._rank)
         return found
 
-    def _resolve(self, group: Group | None) -> Group:
-        if group is None:
-            return self._world
-        if self._rank not in group.ranks:
-            raise ValueError(f"rank {self._rank} called a collective on {group}, which it is not a member of")
-        if list(group.ranks) != sorted(group.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
-            group = Group(group.kind, tuple(sorted(group.ranks)))
-        return group
+    def _resolve(self, group: Group | None) -> _Members:
+        """The members of ``group`` (``None``: the world), checked and cached per group."""
+        found = self._members.get(group)
+        if found is not None:
+            return found
+        resolved = self._world if group is None else group
+        if self._rank not in resolved.ranks:
+            raise ValueError(f"rank {self._rank} called a collective on {resolved}, which it is not a member of")
+        if list(resolved.ranks) != sorted(resolved.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
+            resolved = Group(resolved.kind, tuple(sorted(resolved.ranks)))
+        found = self._members[group] = _Members(resolved, self._world_obj.model_for(resolved.kind))
+        return found
 
-    def _model(self, group: Group) -> ReductionModel:
-        return self._world_obj.model_for(group.kind)
-
-    def _collective(self, call: _Call, group: Group, complete: Callable[[list[_Call]], None]) -> None:
-        self._engine.collective(call, group.ranks, complete)
+    def _run(self, members: _Members, prepared: cc.Prepared) -> None:
+        """The one funnel of every collective: the engine's observers are told, then the engine runs it."""
+        call, complete = prepared
+        engine, ranks, targets = self._engine, members.ranks, range(members.size)
+        if Engine.observers:
+            observed(
+                call,
+                complete,
+                "comm",
+                lambda: members.kind,
+                lambda c: engine.collective(call, ranks, lambda calls: c(calls, targets)),
+            )
+            return
+        engine.collective(call, ranks, lambda calls: complete(calls, targets))
 
     # -- collectives ---------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
         """Reduce ``tensor`` across ``group`` in place with the group's reduction model."""
-        group, op = self._resolve(group), ReduceOp.coerce(op)
-        model = self._model(group)
-
-        def complete(calls: list[_Call]) -> None:
-            try:
-                result = model.reduce([c.inputs[0] for c in calls], op)
-            except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
-                written = getattr(exc, "written", None)
-                for c in calls if written is not None else ():
-                    c.inputs[0].copy_(written)
-                raise
-            for c in calls:
-                c.inputs[0].copy_(result)
-
-        sig = ("all_reduce", group, op, tensor.shape, tensor.dtype, tensor.device)
-        self._collective(_Call(self._rank, sig, sys._getframe(1), (tensor,)), group, complete)
+        m = self._resolve(group)
+        self._run(m, cc.all_reduce(m, self._rank, sys._getframe(1), (tensor,), cc.named_op(op)))
 
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None
     ) -> None:
         """Reduce ``input`` across ``group``; group rank ``i`` receives block ``i`` of the flat result."""
-        group, op = self._resolve(group), ReduceOp.coerce(op)
-        if input.numel() != output.numel() * group.size or input.dtype != output.dtype:
-            raise ValueError(
-                f"reduce_scatter_tensor on {group}: input has {input.numel()} {input.dtype} elements, "
-                f"output {output.numel()} {output.dtype}; need input numel = {group.size} x output numel, same dtype"
-            )
-        model = self._model(group)
-
-        def complete(calls: list[_Call]) -> None:
-            blocks = model.reduce_scatter([c.inputs[0] for c in calls], op)  # as laid out: gloo reads memory
-            for i, c in enumerate(calls):
-                c.outputs[0].copy_(blocks[i].view(c.outputs[0].shape))
-
-        sig = ("reduce_scatter_tensor", group, op, input.shape, input.dtype, input.device)
-        self._collective(_Call(self._rank, sig, sys._getframe(1), (input,), (output,)), group, complete)
+        m = self._resolve(group)
+        self._run(m, cc.reduce_scatter_tensors(m, self._rank, sys._getframe(1), (output,), (input,), cc.named_op(op)))
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
-        """Reduce ``tensor`` across ``group`` to global rank ``dst``, in place, as the ``torch.distributed`` backend
-        does it (same ``complete``): the root gets the model's result; with a gloo model every other member's
-        tensor holds gloo's partial sums afterwards, as on real gloo."""
-        group, op = self._resolve(group), ReduceOp.coerce(op)
-        model = self._model(group)
-        if isinstance(model, Gloo):
-            refuse_gloo_dtypes("reduce", str(group), [tensor])
-        complete = reduce_complete(model, Op(op.name), group.rank_of(dst), 1)
-        n = group.size
-        sig = ("reduce", group, op, f"dst={dst}", tensor.shape, tensor.dtype, tensor.device)
-        call = _Call(self._rank, sig, sys._getframe(1), (tensor,))
-        self._collective(call, group, lambda calls: complete(calls, range(n)))
+        """Reduce ``tensor`` across ``group`` to global rank ``dst``, in place: the root gets the model's result;
+        with a model that says what the others hold (gloo's) every other member's tensor holds that afterwards
+        (gloo's partial sums), as on the real backend."""
+        m = self._resolve(group)
+        root = m.group.rank_of(dst)
+        self._run(m, cc.reduce(m, self._rank, sys._getframe(1), (tensor,), cc.named_op(op), root))
 
     def reduce_scatter(
         self,
@@ -140,36 +134,15 @@ class SimComm:
         group: Group | None = None,
     ) -> None:
         """List reduce_scatter: entry ``i`` of every member's ``input_list`` reduced into group rank ``i``'s
-        ``output``, as the ``torch.distributed`` backend does it (same ``complete``)."""
-        group, op = self._resolve(group), ReduceOp.coerce(op)
-        if len(input_list) != group.size:
-            raise ValueError(f"reduce_scatter on {group}: need {group.size} input tensors, got {len(input_list)}")
-        model = self._model(group)
-        gloo_rules = isinstance(model, Gloo)
-        if gloo_rules:
-            refuse_gloo_dtypes("reduce_scatter", str(group), input_list)
-        complete = reduce_scatter_list_complete(model, Op(op.name), 1, gloo_rules, str(group))
-        n = group.size
-        sig = ("reduce_scatter", group, op, output.shape, output.dtype, output.device)
-        call = _Call(self._rank, sig, sys._getframe(1), (list(input_list),), (output,), (tuple(output.shape),))
-        self._collective(call, group, lambda calls: complete(calls, range(n)))
+        ``output``."""
+        m = self._resolve(group)
+        prepared = cc.reduce_scatter_list(m, self._rank, sys._getframe(1), (output,), (input_list,), cc.named_op(op))
+        self._run(m, prepared)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None:
         """Concatenate every member's ``input`` (flat, in group-rank order) into ``output``."""
-        group = self._resolve(group)
-        if output.numel() != input.numel() * group.size or input.dtype != output.dtype:
-            raise ValueError(
-                f"all_gather_into_tensor on {group}: input has {input.numel()} {input.dtype} elements, "
-                f"output {output.numel()} {output.dtype}; need output numel = {group.size} x input numel, same dtype"
-            )
-
-        def complete(calls: list[_Call]) -> None:
-            gathered = torch.cat([c.inputs[0].reshape(-1) for c in calls])
-            for c in calls:
-                c.outputs[0].copy_(gathered.view(c.outputs[0].shape))
-
-        sig = ("all_gather_into_tensor", group, input.shape, input.dtype, input.device)
-        self._collective(_Call(self._rank, sig, sys._getframe(1), (input,), (output,)), group, complete)
+        m = self._resolve(group)
+        self._run(m, cc.all_gather_tensors(m, self._rank, sys._getframe(1), (output,), (input,)))
 
     def all_to_all_single(
         self,
@@ -184,37 +157,19 @@ class SimComm:
         Without split sizes dim 0 is cut evenly. Split sizes may be uneven; each
         member's input split for ``j`` must equal ``j``'s output split for it.
         """
-        group = self._resolve(group)
-        n = group.size
-        in_splits, out_splits, trailing = exchange_plan(
-            output, input, output_split_sizes, input_split_sizes, n, str(group)
-        )
-
-        def complete(calls: list[_Call]) -> None:
-            exchange_rows(calls, range(n), str(group))
-
-        sig = ("all_to_all_single", group, input.dtype, f"trailing dims={trailing}", input.device)
-        call = _Call(self._rank, sig, sys._getframe(1), (input,), (output,), (in_splits, out_splits))
-        self._collective(call, group, complete)
+        m = self._resolve(group)
+        frame = sys._getframe(1)
+        self._run(m, cc.all_to_all_single(m, self._rank, frame, output, input, output_split_sizes, input_split_sizes))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None) -> None:
         """Copy global rank ``src``'s ``tensor`` into every member's ``tensor``."""
-        group = self._resolve(group)
-        source = group.rank_of(src)
-
-        def complete(calls: list[_Call]) -> None:
-            value = calls[source].inputs[0]
-            for i, c in enumerate(calls):
-                if i != source:
-                    c.inputs[0].copy_(value)
-
-        sig = ("broadcast", group, f"src={src}", tensor.shape, tensor.dtype, tensor.device)
-        self._collective(_Call(self._rank, sig, sys._getframe(1), (tensor,)), group, complete)
+        m = self._resolve(group)
+        self._run(m, cc.broadcast(m, self._rank, sys._getframe(1), (tensor,), m.group.rank_of(src)))
 
     def barrier(self, group: Group | None = None) -> None:
         """Wait until every member of ``group`` has arrived."""
-        group = self._resolve(group)
-        self._collective(_Call(self._rank, ("barrier", group), sys._getframe(1)), group, lambda calls: None)
+        m = self._resolve(group)
+        self._run(m, cc.barrier(m, self._rank, sys._getframe(1)))
 
 
 class SimWorld:
