@@ -1,10 +1,13 @@
 """Comparing tensors from two runs: bitwise first, then ulps, relative figures and the differing fraction.
 
 One vocabulary for every comparison in simdist (the #8913 report, MoE training next to the oracle, dump
-comparisons, growth): `difference` measures one tensor pair, `Difference.pool` combines many (over ranks,
-steps, micro-steps or parameters) without losing what a reader needs: whether every element was bitwise
+comparisons, the cases, growth): `difference` measures one tensor pair, `Difference.pool` combines many (over
+ranks, steps, micro-steps or parameters) without losing what a reader needs: whether every element was bitwise
 equal, the worst ulp distance, how many elements differ, and norms from which a pooled normwise relative
-error follows.
+error follows. `same_bits` is the one bitwise test of two captures, `first_divergence` the one rule for where
+two runs first differ (the smallest caller-given order among the pairs that are not `same_bits`), and `compare`
+pools many pairs into one `Comparison` (counts, pooled `Difference`, first divergence, names that differ), of
+which every report row is a view.
 
 Why a figure relative to the sum of |terms|: near an element whose reduction cancels to ~0, one ulp of the
 result is tiny, so a max-ulp figure explodes (a billion ulps for an error at the level of the inputs'
@@ -208,6 +211,10 @@ class Comparison:
         return self.tensors > 0 and self.equal == self.tensors
 
 
+Pair = tuple[str, Any, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+"""``(name, order, actual, expected, magnitude)``: one tensor pair for `compare`."""
+
+
 def compare(pairs: Iterable[Pair], exact_across_dtypes: bool = False) -> Comparison:
     """Compare every `Pair` ``(name, order, actual, expected, magnitude)`` and pool the results (`Comparison`).
 
@@ -226,7 +233,3 @@ def compare(pairs: Iterable[Pair], exact_across_dtypes: bool = False) -> Compari
     first = first_divergence(((o, a, e) for o, _, a, e in differing), exact_across_dtypes)
     names = tuple(dict.fromkeys(name for _, name, _, _ in sorted(differing, key=lambda d: d[0])))
     return Comparison(Difference.pool(diffs), tensors, equal, first, names)
-
-
-Pair = tuple[str, Any, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
-"""``(name, order, actual, expected, magnitude)``: one tensor pair for `compare`."""

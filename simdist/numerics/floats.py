@@ -1,7 +1,8 @@
 """Floating-point facts used everywhere: raw bits, ulps, unit roundoff, exact rounding.
 
-Comparisons in simdist are bit for bit first (`bitwise_equal` compares the raw
-bit patterns, so ``-0.0 != +0.0`` and NaNs compare by payload), and only then
+Comparisons in simdist are bit for bit first (`bits` gives the raw bit patterns
+of a tensor of any dtype, bool and integers included; `bitwise_equal` compares
+them, so ``-0.0 != +0.0`` and NaNs compare by payload), and only then
 in ulps (`ulp_distance`: how many representable values lie between two
 numbers of one dtype).
 """
