@@ -97,3 +97,30 @@ def test_pooling_an_infinite_reference_does_not_overflow():
     inf = torch.tensor([float("inf")])
     pooled = Difference.pool([difference(inf, inf), difference(inf, inf)])
     assert pooled.bitwise_equal and pooled.reference_norm == float("inf") and pooled.norm_relative == 0.0
+
+
+def test_per_parameter_divergence_names_the_rank_and_the_stages_only_one_run_captured():
+    """`probes.first_divergence`: path order before rank; only common captures compared, BF16 against its exact
+    FP32 widening is equal; ``after`` lists the captures only run a made right before the divergence."""
+    from simdist.gradpath.probes import Divergence, Trace
+    from simdist.gradpath.probes import first_divergence as per_parameter
+
+    one = torch.tensor([1.0078125], dtype=torch.bfloat16)
+    runs: list[list[Trace]] = [[Trace(0), Trace(1)], [Trace(0), Trace(1)]]
+    for rank in (0, 1):
+        a, b = runs[0][rank], runs[1][rank]
+        for stage in ("local", "staged", "corrected", "written_back", "hp"):
+            a.capture(0, 0, "w", stage, one if stage == "local" else one.float() + (stage == "hp"))
+            if stage not in ("staged", "written_back"):  # run b lacks the staging copy and the writeback
+                b.capture(0, 0, "w", stage, one.float())  # local: the BF16 value widened exactly
+        a.capture(0, 0, "v", "local", one)
+        b.capture(0, 0, "v", "local", -one)
+        a.capture(1, 0, "v", "local", one)
+        b.capture(1, 0, "v", "local", one)
+    b_rank1 = runs[1][1]
+    b_rank1.values[(0, 0, "w", "corrected")] = b_rank1.values[(0, 0, "w", "corrected")] * 2  # rank 1: earlier
+    found = per_parameter(*runs)
+    assert found["w"] == Divergence(1, "w", 0, 0, "corrected", ("staged",))
+    assert found["v"] == Divergence(0, "v", 0, 0, "local", ())
+    runs[1][1].values[(0, 0, "w", "corrected")] = one.float()
+    assert per_parameter(*runs)["w"] == Divergence(0, "w", 0, 0, "hp", ("written_back",))
