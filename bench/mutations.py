@@ -201,14 +201,6 @@ CATALOGUE: tuple[Mutation, ...] = (
         (*GRADPATH, *FSDP2),
     ),
     Mutation(
-        "chain-boundary-order",
-        "the printed chain of an after_dp policy shows the TP correction before the DP reduction",
-        "simdist/gradpath/policy.py",
-        'return dp_stages + correction if self.correct_at == "after_dp" else correction + dp_stages',
-        "return correction + dp_stages",
-        GRADPATH,
-    ),
-    Mutation(
         "bf16-writeback-tp-sum-in-bf16",
         "bf16_writeback sums over TP in BF16 (no FP32 staging); at TP2 the one rounding of a two-member sum "
         "matches the FP32 sum's writeback, so only TP4 data or the printed chain can tell",
@@ -244,11 +236,12 @@ CATALOGUE: tuple[Mutation, ...] = (
     ),
     Mutation(
         "kernel-after-dp-order",
-        "correct_at='after_dp' (Megatron) runs the TP correction before the DP reduction",
-        "simdist/gradpath/kernel.py",
-        "self.run_stages(dp_stages + correction, hp, key)",
-        "self.run_stages(correction + dp_stages, hp, key)",
-        (*GRADPATH, "tests/unit/test_gradpath_after_dp.py", "tests/integration/test_cases_megatron.py"),
+        "correct_at='after_dp' (Megatron) runs and prints the TP correction before the DP reduction (the one "
+        "statement of the boundary order, Policy.boundary_segments: it was chain-boundary-order too)",
+        "simdist/gradpath/policy.py",
+        'return [(dp_stages + correction, "dp_reduced")]',
+        'return [(correction + dp_stages, "dp_reduced")]',
+        (*GRADPATH, "tests/unit/test_gradpath_after_dp.py", "tests/integration/test_cases_megatron.py"),  # the chain reads it too
     ),
     Mutation(
         "kernel-marker-never-set",

@@ -1,4 +1,9 @@
-"""Comparing a real framework's captures with simdist's, capture by capture and element by element."""
+"""Comparing a real framework's captures with simdist's, capture by capture and element by element.
+
+Both verdict rows are views of one `simdist.numerics.compare.Comparison` (`compare` pools the pairs and finds
+the first divergence): `Match` keeps the counts and where the runs first differ, `Figures` the pooled
+distance; they keep their fields because the cases' ``--json`` prints them as they are.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import torch
 
 from simdist.gradpath.families import ParamSpec
 from simdist.gradpath.probes import Key, Trace, path_order
-from simdist.numerics.compare import difference
+from simdist.numerics.compare import Comparison, Pair, compare
 from simdist.numerics.floats import bits
 
 
@@ -23,6 +28,15 @@ class Match:
     @property
     def bitwise_equal(self) -> bool:
         return self.compared > 0 and self.compared == self.equal
+
+    @classmethod
+    def of(cls, comparison: Comparison, names: tuple[str, str] = ("real", "simdist")) -> Match:
+        """The counts of ``comparison`` and its first divergence, described (its order holds rank and key)."""
+        first = None
+        if comparison.first is not None:
+            (_, rank, _, key), value, theirs = comparison.first
+            first = _describe(key, rank, value, theirs, names)
+        return cls(comparison.tensors, comparison.equal, first)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,18 @@ class Figures:
     max_error_over_terms: float
     params_differing: tuple[str, ...]
 
+    @classmethod
+    def of(cls, comparison: Comparison) -> Figures:
+        d = comparison.difference
+        return cls(
+            comparison.tensors - comparison.equal,
+            comparison.tensors,
+            d.fraction_differing,
+            d.max_ulp,
+            d.max_term_relative or 0.0,
+            tuple(sorted(comparison.differing)),
+        )
+
 
 def _element(a: torch.Tensor, b: torch.Tensor) -> str:
     differing = (bits(a) != bits(b)).reshape(a.shape)
@@ -55,27 +81,15 @@ def match_traces(
     stages: tuple[str, ...] = ("local", "hp"),
     names: tuple[str, str] = ("real", "simdist"),
 ) -> Match:
-    """Compare every capture of ``real`` at ``stages`` with ``model``'s (same key), bitwise."""
-    compared = equal = 0
-    first: tuple[tuple, str] | None = None
+    """Compare every capture of ``real`` at ``stages`` with ``model``'s (same key), bitwise: a capture ``model``
+    lacks, or holds in another dtype or shape, differs; the first difference is the earliest in path order,
+    then rank, then capture order."""
+    pairs: list[Pair] = []
     for trace, other in zip(real, model, strict=True):
-        for key, value in trace.values.items():
-            if key[3] not in stages:
-                continue
-            compared += 1
-            theirs = other.values.get(key)
-            if (
-                theirs is not None
-                and value.dtype == theirs.dtype
-                and value.shape == theirs.shape
-                and torch.equal(bits(value), bits(theirs))
-            ):
-                equal += 1
-                continue
-            where = (path_order(key), trace.rank)
-            if first is None or where < first[0]:
-                first = (where, _describe(key, trace.rank, value, theirs, names))
-    return Match(compared, equal, first[1] if first else None)
+        for index, (key, value) in enumerate(trace.values.items()):
+            if key[3] in stages:
+                pairs.append((key[2], (path_order(key), trace.rank, index, key), value, other.values.get(key), None))
+    return Match.of(compare(pairs), names)
 
 
 def _describe(key: Key, rank: int, value: torch.Tensor, theirs: torch.Tensor | None, names) -> str:
@@ -93,32 +107,12 @@ def figures(
     run_a: list[Trace], run_b: list[Trace], terms: dict[tuple[int, Key], torch.Tensor], stage: str = "hp"
 ) -> Figures:
     """`Figures` of ``run_a`` against ``run_b`` over their ``stage`` captures; ``terms[(rank, key)]`` = sum |terms|."""
-    tensors = differing_tensors = 0
-    numel = differing = 0.0
-    max_ulp = 0
-    worst = 0.0
-    params: set[str] = set()
+    pairs: list[Pair] = []
     for a, b in zip(run_a, run_b, strict=True):
-        for key, value in a.values.items():
-            if key[3] != stage:
-                continue
-            other = b.values[key]
-            d = difference(value, other)
-            tensors += 1
-            numel += d.numel
-            differing += d.fraction_differing * d.numel
-            max_ulp = max(max_ulp, d.max_ulp)
-            if not d.bitwise_equal:
-                differing_tensors += 1
-                params.add(key[2])
-                scale = terms[(a.rank, key)].double()
-                error = (value.double() - other.double()).abs()
-                usable = scale > 0
-                if usable.any():
-                    worst = max(worst, float((error[usable] / scale[usable]).max()))
-    return Figures(
-        differing_tensors, tensors, differing / numel if numel else 0.0, max_ulp, worst, tuple(sorted(params))
-    )
+        for index, (key, value) in enumerate(a.values.items()):
+            if key[3] == stage:
+                pairs.append((key[2], (path_order(key), a.rank, index), value, b.values[key], terms.get((a.rank, key))))
+    return Figures.of(compare(pairs))
 
 
 def only(traces: list[Trace], names: set[str], stages: set[str] | None = None) -> list[Trace]:

@@ -35,6 +35,7 @@ import torch
 
 from simdist.cases.base import Case
 from simdist.cases.world import World, run_ranks
+from simdist.numerics.floats import bits
 from simdist.world.spec import ParallelSpec
 
 NAME = "deepspeed-checkpoint"
@@ -263,13 +264,6 @@ class CheckpointVerdict:
     """``scenario -> ranks: mapped params, unlinked fragments`` (`fragment_probe`)."""
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    if t.dtype.is_floating_point:
-        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t
-
-
 def compare(per_rank: list[dict], got: str, want: str, group: str, comparison: str) -> Cell:
     """Bitwise comparison of one tensor group of two scenarios over every rank."""
     compared = differing = 0
@@ -282,7 +276,7 @@ def compare(per_rank: list[dict], got: str, want: str, group: str, comparison: s
                 n = max(x.numel() if x is not None else 0, y.numel() if y is not None else 0)
                 compared, differing, max_abs = compared + n, differing + n, float("inf")
                 continue
-            diff = _bits(x) != _bits(y)
+            diff = bits(x) != bits(y)
             compared += x.numel()
             k = int(diff.sum())
             if k:
@@ -315,7 +309,7 @@ def _files(files: dict) -> tuple[bool, list[str], list[str], list[str], dict[str
             elif _leaf_sig(a[key]) != _leaf_sig(b[key]):
                 fmt.append(f"{f}{key}: {_leaf_sig(a[key])} vs {_leaf_sig(b[key])}")
             elif isinstance(a[key], torch.Tensor):
-                k = int((_bits(a[key]) != _bits(b[key])).sum())
+                k = int((bits(a[key]) != bits(b[key])).sum())
                 path = key.rsplit("/", 3)[-1] if "/state/" in key else key.rsplit("/", 1)[-1]
                 total = per_key.setdefault(f"{f.split('_rank')[0]}: {path}", [0, 0])
                 total[0], total[1] = total[0] + k, total[1] + a[key].numel()

@@ -49,6 +49,7 @@ from simdist.cases.deepspeed_engine import (
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.families import Correction, Family
 from simdist.models.synthetic import InitialWeights, SyntheticGradients
+from simdist.numerics.floats import bits
 from simdist.world.spec import ParallelSpec
 
 NAME = "deepspeed-wrappers"
@@ -268,7 +269,7 @@ class _Acc:
     def add(self, param: str, got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor | None) -> None:
         got, want = got.float().reshape(want.shape), want.float()
         self.compared += want.numel()
-        differ = got.view(torch.int32) != want.view(torch.int32)
+        differ = bits(got) != bits(want)
         n = int(differ.sum())
         if not n:
             return

@@ -49,9 +49,9 @@ from simdist.cases.compare import Figures, Match, figures, match_traces, only, z
 from simdist.cases.world import World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
-from simdist.gradpath.kernel import Marker
-from simdist.gradpath.path import CommOps, PathConfig, train_rank
-from simdist.gradpath.policy import Policy, Stage
+from simdist.gradpath.kernel import Marker, apply_stage
+from simdist.gradpath.path import PathConfig, train_rank
+from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import BOUNDARY, Trace
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
@@ -221,20 +221,6 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     )
 
 
-def _apply(ops: CommOps | None, stage: Stage, value: torch.Tensor) -> torch.Tensor:
-    """One stage as `simdist.gradpath.kernel.GradPath.apply` runs it (nearest rounding)."""
-    if stage.kind == "cast":
-        return value.to(stage.dtype)
-    if stage.kind == "all_reduce":
-        assert ops is not None, "an all_reduce stage needs the ranks' ops"
-        return ops.all_reduce(value, stage.group)
-    if stage.kind == "divide":
-        return value / stage.divisor
-    if stage.kind == "scale":
-        return value * (1.0 / stage.divisor)
-    raise ValueError(f"unexpected boundary stage {stage.kind!r}")
-
-
 def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]) -> list[Trace]:
     """The policy's DP stages on one flat bucket per rank (parameters in reverse order, as Megatron lays out its
     buffer), reduced with simdist's gloo model: the boundary as Megatron runs it when DP is the whole world."""
@@ -248,11 +234,11 @@ def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]
     for trace in traces:
         value = torch.cat([trace.get(0, config.gas - 1, p.name, "hp").flatten() for p in order])
         for stage in stages[:at]:
-            value = _apply(None, stage, value)
+            value = apply_stage(stage, value)
         buffers.append(value)
     value = make_model("gloo").reduce(torch.stack(buffers))
     for stage in stages[at + 1 :]:
-        value = _apply(None, stage, value)
+        value = apply_stage(stage, value)
     out = []
     for trace in traces:
         result, offset = Trace(trace.rank), 0

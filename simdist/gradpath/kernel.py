@@ -256,21 +256,8 @@ class GradPath:
             slot.marker = True
 
     def apply(self, stage: Stage, value: torch.Tensor, key: tuple[int, int, int]) -> torch.Tensor:
-        """Run one non-accumulating stage on ``value``; a new tensor."""
-        kind = stage.kind
-        if kind == "cast":
-            if stage.rounding == "stochastic":
-                assert stage.dtype is not None, "a cast stage always names its dtype"
-                return self.ops.stochastic_cast(value, stage.dtype, key)
-            return value.to(stage.dtype)
-        if kind == "all_reduce":
-            model = self.policy.tp_model if stage.group == "tp" else None
-            return self.ops.all_reduce(value, stage.group, model)
-        if kind == "divide":
-            return value / stage.divisor
-        if kind == "scale":
-            return value * (1.0 / stage.divisor)
-        raise ValueError(f"unknown stage kind {kind!r}")
+        """Run one non-accumulating stage on ``value``; a new tensor (`apply_stage` with this path's ops)."""
+        return apply_stage(stage, value, self.ops, key, self.policy.tp_model)
 
     # -- the boundary ----------------------------------------------------------------------------------------------
 
@@ -292,16 +279,9 @@ class GradPath:
             name, family = slot.spec.name, slot.spec.family
             hp = self.view(self.hp, slot)
             key = (step, BOUNDARY, slot.index)
-            correction = policy.boundary_correction_stages(family, self.tp)
-            dp_stages = policy.dp_stages(family.dp_group, self.dp, hp.dtype) if policy.dp_at == "boundary" else []
-            if policy.correct_at == "boundary":  # TP correction, then the DP reduction
-                self.run_stages(correction, hp, key)
-                self.capture(step, BOUNDARY, name, "boundary_corrected", hp)
-                self.run_stages(dp_stages, hp, key)
-            else:  # after_dp (Megatron's finalize_model_grads): the DP reduction, then the TP correction
-                self.run_stages(dp_stages + correction, hp, key)
-            # "dp_reduced" is the gradient the optimizer sees, whichever order produced it
-            self.capture(step, BOUNDARY, name, "dp_reduced", hp)
+            for stages, capture in policy.boundary_segments(family, self.tp, self.dp):  # the policy states the order
+                self.run_stages(stages, hp, key)
+                self.capture(step, BOUNDARY, name, capture, hp)
         if self.norm:
             norm = self.global_norm()
             if self.scalar is not None:
@@ -375,6 +355,41 @@ class GradPath:
             for stage, buffer in (("master", self.master), ("adam_m", self.m), ("adam_v", self.v), ("param", self.lp)):
                 self.capture(step, BOUNDARY, name, stage, self.view(buffer, slot))
         self.hp.zero_()
+
+
+def apply_stage(
+    stage: Stage,
+    value: torch.Tensor,
+    ops: Ops | None = None,
+    key: tuple[int, int, int] = (0, 0, 0),
+    tp_model: ReductionModel | None = None,
+) -> torch.Tensor:
+    """Run one non-accumulating stage of a policy on ``value``; a new tensor. The one stage interpreter: the
+    kernel's micro-steps and boundary, and the cases that replay a policy's stages on their own buffers.
+
+    ``ops`` meets the other ranks (an ``all_reduce`` stage, in ``tp_model``'s order for the TP group; a
+    stochastic cast, seeded by ``key = (step, micro, index)``); element-wise stages need none.
+    """
+    kind = stage.kind
+    if kind == "cast":
+        if stage.rounding == "stochastic":
+            assert stage.dtype is not None, "a cast stage always names its dtype"
+            return _needs(ops, stage).stochastic_cast(value, stage.dtype, key)
+        return value.to(stage.dtype)
+    if kind == "all_reduce":
+        model = tp_model if stage.group == "tp" else None
+        return _needs(ops, stage).all_reduce(value, stage.group, model)
+    if kind == "divide":
+        return value / stage.divisor
+    if kind == "scale":
+        return value * (1.0 / stage.divisor)
+    raise ValueError(f"unknown stage kind {kind!r}")
+
+
+def _needs(ops: Ops | None, stage: Stage) -> Ops:
+    if ops is None:
+        raise ValueError(f"the stage {stage.label!r} meets the other ranks: apply_stage needs their ops")
+    return ops
 
 
 def adamw_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h) -> None:

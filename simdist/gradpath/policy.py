@@ -237,12 +237,26 @@ class Policy:
             return []
         return self.correction_stages(family.correction(tp), tp, self.accumulate)
 
-    def boundary_stages(self, family: Family, tp: int, dp: int | None = None) -> list[Stage]:
-        """Stages run once on the accumulated buffer at the boundary: the TP correction and the DP reduction, in
-        the order ``correct_at`` names (``boundary``: correction first; ``after_dp``: DP reduction first)."""
+    def boundary_segments(self, family: Family, tp: int, dp: int | None = None) -> list[tuple[list[Stage], str]]:
+        """The boundary as ``(stages, capture)`` segments: the kernel runs each segment's stages on the
+        accumulated buffer, writes the result back and captures it under ``capture``.
+
+        The one statement of the boundary order: ``correct_at="boundary"`` runs the TP correction (captured as
+        ``boundary_corrected``, even where the family has no correction) and then the DP reduction;
+        ``after_dp`` (Megatron's ``finalize_model_grads``) the DP reduction and then the TP correction. The
+        last capture is ``dp_reduced``: the gradient the optimizer sees, whichever order produced it.
+        """
         correction = self.boundary_correction_stages(family, tp)
         dp_stages = self.dp_stages(family.dp_group, dp, self.accumulate) if self.dp_at == "boundary" else []
-        return dp_stages + correction if self.correct_at == "after_dp" else correction + dp_stages
+        if self.correct_at == "boundary":
+            return [(correction, "boundary_corrected"), (dp_stages, "dp_reduced")]
+        return [(dp_stages + correction, "dp_reduced")]
+
+    def boundary_stages(self, family: Family, tp: int, dp: int | None = None) -> list[Stage]:
+        """Stages run once on the accumulated buffer at the boundary: the TP correction and the DP reduction, in
+        the order ``correct_at`` names (``boundary``: correction first; ``after_dp``: DP reduction first), as
+        `boundary_segments` states it."""
+        return [stage for stages, _ in self.boundary_segments(family, tp, dp) for stage in stages]
 
     def chain(self, family: Family, tp: int, dp: int | None = None) -> str:
         """The printable chain of every stage that runs, with the dtype each runs in, e.g.

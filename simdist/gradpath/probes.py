@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.numerics.floats import bitwise_equal
+from simdist.numerics import compare
 
 
 class Capture(enum.StrEnum):
@@ -121,35 +121,41 @@ class Divergence:
 
 
 def first_divergence(run_a: list[Trace], run_b: list[Trace]) -> dict[str, Divergence | None]:
-    """Per parameter, the first stage (in path order, then rank) where ``run_a`` and ``run_b`` differ.
+    """Per parameter, the first stage (in path order, then rank) where ``run_a`` and ``run_b`` differ
+    (`simdist.numerics.compare.first_divergence` over the parameter's captures).
 
     Only stages captured in both runs are compared (a writeback that one
     policy has and the other lacks shows up at the next common stage, ``hp``);
     values of different dtypes are compared exactly in fp64.
     ``None`` means every common capture is bitwise equal.
     """
-    found: dict[str, list[tuple[tuple[int, int, int], int, Key, tuple[str, ...]]]] = {}
+    pairs: dict[str, list[tuple[tuple[tuple[int, int, int], int, Key], torch.Tensor, torch.Tensor | None]]] = {}
     for trace_a, trace_b in zip(run_a, run_b, strict=True):
         for param in trace_a.params():
-            found.setdefault(param, [])
-            only_a: list[str] = []
-            for key in trace_a.keys_for(param):
-                other = trace_b.values.get(key)
-                if other is None:
-                    only_a.append(key[3])
-                    continue
-                value = trace_a.values[key]
-                if value.dtype != other.dtype:
-                    value, other = value.double(), other.double()
-                if not bitwise_equal(value, other):
-                    found[param].append((path_order(key), trace_a.rank, key, tuple(only_a)))
-                    break
-                only_a = []
+            pairs.setdefault(param, [])
+        for key, value in trace_a.values.items():
+            other = trace_b.values.get(key)
+            if other is not None:
+                pairs[key[2]].append(((path_order(key), trace_a.rank, key), value, other))
     result: dict[str, Divergence | None] = {}
-    for param, hits in found.items():
-        if not hits:
+    traces = {trace.rank: (trace, other) for trace, other in zip(run_a, run_b, strict=True)}
+    for param, found in pairs.items():
+        first = compare.first_divergence(found, exact_across_dtypes=True)
+        if first is None:
             result[param] = None
             continue
-        _, rank, (step, micro, _, stage), after = min(hits)
-        result[param] = Divergence(rank, param, step, micro, stage, after)
+        _, rank, key = first[0]
+        step, micro, _, stage = key
+        result[param] = Divergence(rank, param, step, micro, stage, _only_before(*traces[rank], key))
     return result
+
+
+def _only_before(trace_a: Trace, trace_b: Trace, key: Key) -> tuple[str, ...]:
+    """The stages ``trace_a`` captured right before ``key`` (same parameter) that ``trace_b`` lacks."""
+    earlier = [k for k in trace_a.keys_for(key[2]) if path_order(k) < path_order(key)]
+    after: list[str] = []
+    for k in reversed(earlier):
+        if k in trace_b.values:
+            break
+        after.insert(0, k[3])
+    return tuple(after)

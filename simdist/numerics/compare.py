@@ -1,10 +1,13 @@
 """Comparing tensors from two runs: bitwise first, then ulps, relative figures and the differing fraction.
 
 One vocabulary for every comparison in simdist (the #8913 report, MoE training next to the oracle, dump
-comparisons, growth): `difference` measures one tensor pair, `Difference.pool` combines many (over ranks,
-steps, micro-steps or parameters) without losing what a reader needs: whether every element was bitwise
+comparisons, the cases, growth): `difference` measures one tensor pair, `Difference.pool` combines many (over
+ranks, steps, micro-steps or parameters) without losing what a reader needs: whether every element was bitwise
 equal, the worst ulp distance, how many elements differ, and norms from which a pooled normwise relative
-error follows.
+error follows. `same_bits` is the one bitwise test of two captures, `first_divergence` the one rule for where
+two runs first differ (the smallest caller-given order among the pairs that are not `same_bits`), and `compare`
+pools many pairs into one `Comparison` (counts, pooled `Difference`, first divergence, names that differ), of
+which every report row is a view.
 
 Why a figure relative to the sum of |terms|: near an element whose reduction cancels to ~0, one ulp of the
 result is tiny, so a max-ulp figure explodes (a billion ulps for an error at the level of the inputs'
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,8 +82,8 @@ class Difference:
             differing=sum(p.differing for p in parts),
             max_ulp=max((p.max_ulp for p in parts), default=0),
             max_relative=max((p.max_relative for p in parts), default=0.0),
-            error_norm=math.sqrt(sum(p.error_norm**2 for p in parts)),
-            reference_norm=math.sqrt(sum(p.reference_norm**2 for p in parts)),
+            error_norm=_pooled_norm([p.error_norm for p in parts]),
+            reference_norm=_pooled_norm([p.reference_norm for p in parts]),
             max_term_relative=max(terms) if terms else None,
             nonfinite_differing=sum(p.nonfinite_differing for p in parts),
         )
@@ -93,6 +97,15 @@ class Difference:
             f"max {self.max_ulp} ulp{nonfinite}, {100 * self.fraction_differing:.1f}% differ, "
             f"normwise rel {self.norm_relative:.2e}{terms}"
         )
+
+
+def _pooled_norm(norms: list[float]) -> float:
+    """``sqrt(sum of squares)`` of 2-norms; `math.hypot` where a square overflows (a norm near the fp64 maximum,
+    as an infinite reference gives: `difference` counts an infinity as the largest finite value there)."""
+    try:
+        return math.sqrt(sum(n**2 for n in norms))
+    except OverflowError:
+        return math.hypot(*norms)
 
 
 def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | None = None) -> Difference:
@@ -147,3 +160,76 @@ def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Te
         max_term_relative=term_relative,
         nonfinite_differing=int(nonfinite.sum()),
     )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor | None, exact_across_dtypes: bool = False) -> bool:
+    """Whether ``b`` exists and holds ``a``'s shape and bit patterns (`bits`: NaN payloads and the sign of zero
+    count). Two dtypes differ, unless ``exact_across_dtypes``: then both are compared exactly in fp64 (a
+    BF16 value and its FP32 widening are the same value)."""
+    if b is None or a.shape != b.shape:
+        return False
+    if a.dtype != b.dtype:
+        if not exact_across_dtypes:
+            return False
+        a, b = a.double(), b.double()
+    return torch.equal(bits(a.detach().cpu()), bits(b.detach().cpu()))
+
+
+def first_divergence(
+    pairs: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None]], exact_across_dtypes: bool = False
+) -> tuple[Any, torch.Tensor, torch.Tensor | None] | None:
+    """The ``(order, a, b)`` with the smallest ``order`` whose tensors are not `same_bits`, or ``None``.
+
+    The one first-divergence rule of simdist: the caller's ``order`` says what comes first (path order,
+    then rank; step, micro-step, then rank); ``b`` ``None`` (the other run lacks the capture) diverges.
+    """
+    for pair in sorted(pairs, key=lambda p: p[0]):
+        if not same_bits(pair[1], pair[2], exact_across_dtypes):
+            return pair
+    return None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Many tensor pairs compared as one row: the one result every report is a view of.
+
+    ``difference`` pools the `Difference` of every pair both runs hold with one shape (a pair that lacks a
+    tensor or whose shapes differ adds none); ``tensors`` counts the pairs, ``equal`` those that are
+    `same_bits`; ``first`` is the `first_divergence` (its ``(order, a, b)``), ``differing`` the names of the
+    pairs that differ, in order.
+    """
+
+    difference: Difference
+    tensors: int
+    equal: int
+    first: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
+    differing: tuple[str, ...] = ()
+
+    @property
+    def bitwise_equal(self) -> bool:
+        """Every pair bitwise equal, and at least one compared."""
+        return self.tensors > 0 and self.equal == self.tensors
+
+
+Pair = tuple[str, Any, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+"""``(name, order, actual, expected, magnitude)``: one tensor pair for `compare`."""
+
+
+def compare(pairs: Iterable[Pair], exact_across_dtypes: bool = False) -> Comparison:
+    """Compare every `Pair` ``(name, order, actual, expected, magnitude)`` and pool the results (`Comparison`).
+
+    ``actual`` is measured against ``expected`` in ``expected``'s dtype (`difference`); ``magnitude`` is its
+    per-element ``sum|terms|`` or ``None``.
+    """
+    diffs, differing, equal, tensors = [], [], 0, 0
+    for name, order, actual, expected, magnitude in pairs:
+        tensors += 1
+        if expected is not None and actual.shape == expected.shape:
+            diffs.append(difference(actual, expected, magnitude))
+        if same_bits(actual, expected, exact_across_dtypes):
+            equal += 1
+        else:
+            differing.append((order, name, actual, expected))
+    first = first_divergence(((o, a, e) for o, _, a, e in differing), exact_across_dtypes)
+    names = tuple(dict.fromkeys(name for _, name, _, _ in sorted(differing, key=lambda d: d[0])))
+    return Comparison(Difference.pool(diffs), tensors, equal, first, names)

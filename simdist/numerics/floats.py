@@ -1,7 +1,8 @@
 """Floating-point facts used everywhere: raw bits, ulps, unit roundoff, exact rounding.
 
-Comparisons in simdist are bit for bit first (`bitwise_equal` compares the raw
-bit patterns, so ``-0.0 != +0.0`` and NaNs compare by payload), and only then
+Comparisons in simdist are bit for bit first (`bits` gives the raw bit patterns
+of a tensor of any dtype, bool and integers included; `bitwise_equal` compares
+them, so ``-0.0 != +0.0`` and NaNs compare by payload), and only then
 in ulps (`ulp_distance`: how many representable values lie between two
 numbers of one dtype).
 """
@@ -14,7 +15,7 @@ from fractions import Fraction
 
 import torch
 
-_INT_OF_WIDTH = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+_INT_OF_WIDTH = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,33 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit patterns of ``t`` as a signed integer tensor of the same width."""
-    return t.contiguous().view(_INT_OF_WIDTH[t.element_size() * 8])
+    """The raw bit patterns of ``t`` as a contiguous signed integer tensor of the same element width and shape.
+
+    Every dtype torch stores element by element: floating (the 8-bit floats too), integer, unsigned and bool.
+    The dtype is reinterpreted *before* any copy: copying a bool tensor writes 0 or 1, so a byte that is
+    neither (gloo's SUM of bools leaves counts) would otherwise be lost; float copies keep NaN payloads, but
+    integer copies are bit-exact by definition. A complex tensor gives its components' bits (a trailing
+    dimension of 2, real then imaginary). Quantized tensors are refused: their values need a scale and a zero
+    point beside the bits.
+    """
+    if t.is_quantized:
+        raise ValueError(f"bits: {t.dtype} is quantized (its bits are not its values); use t.int_repr()")
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.is_complex():
+        return bits(torch.view_as_real(t))
+    return t.view(_INT_OF_WIDTH[t.element_size() * 8]).contiguous()
+
+
+def from_bits(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` whose `bits` are ``raw`` (a signed integer tensor of ``dtype``'s width; for a
+    complex ``dtype``, its components' width with a trailing dimension of 2): the inverse of `bits`, a view."""
+    if dtype.is_complex:
+        real = torch.view_as_real(torch.empty(0, dtype=dtype)).dtype
+        return torch.view_as_complex(from_bits(raw, real).contiguous())
+    width = torch.empty(0, dtype=dtype).element_size() * 8
+    if raw.dtype != _INT_OF_WIDTH[width]:
+        raise ValueError(f"from_bits: {dtype} needs {_INT_OF_WIDTH[width]} bits, got {raw.dtype}")
+    return raw.view(dtype)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, safe_open, save_file
 
 from simdist.gradpath.probes import BOUNDARY, Capture, Trace
-from simdist.numerics.compare import difference
+from simdist.numerics.compare import Comparison, Pair, compare
 
 FORMAT = "simdist-dump/1"
 DUMP_STAGES: frozenset[str] = frozenset(
@@ -102,6 +102,25 @@ class TensorRow:
     nonfinite: int = 0
     """Differing elements with a NaN or an infinity on either side (beyond every ulp tolerance)."""
 
+    @classmethod
+    def of(cls, param: str, stage: str, comparison: Comparison) -> TensorRow:
+        """The row of one (parameter, stage): a view of its `Comparison`, whose order is (step, micro, rank)."""
+        first = ""
+        if comparison.first is not None:
+            (step, _, rank, micro), _, _ = comparison.first
+            first = f"rank {rank}, step {step}, " + ("boundary" if micro == BOUNDARY else f"micro-step {micro}")
+        d = comparison.difference
+        return cls(
+            param,
+            stage,
+            comparison.tensors,
+            comparison.equal,
+            d.max_ulp,
+            d.fraction_differing,
+            first,
+            d.nonfinite_differing,
+        )
+
 
 @dataclass
 class DumpComparison:
@@ -148,7 +167,7 @@ def compare_dumps(dir_a: str | Path, dir_b: str | Path, tolerance_ulp: int = 0) 
         if a.keys() != b.keys():
             only = sorted(a.keys() ^ b.keys())
             raise NotSameRun(f"the dumps do not describe the same run: rank {rank} tensors differ, e.g. {only[0]}")
-    groups: dict[tuple[str, str], list] = {}
+    groups: dict[tuple[str, str], list[Pair]] = {}
     for rank, (a, b) in enumerate(zip(ranks_a, ranks_b, strict=True)):
         for name in sorted(a, key=lambda n: _order(parse_key(n))):
             param, stage, step, micro = parse_key(name)
@@ -157,32 +176,16 @@ def compare_dumps(dir_a: str | Path, dir_b: str | Path, tolerance_ulp: int = 0) 
                     f"the dumps do not describe the same run: {name} on rank {rank} is "
                     f"{a[name].dtype}{tuple(a[name].shape)} vs {b[name].dtype}{tuple(b[name].shape)}"
                 )
-            groups.setdefault((param, stage), []).append(((step, micro, rank), difference(a[name], b[name])))
+            where = (step, _micro(micro), rank, micro)
+            groups.setdefault((param, stage), []).append((name, where, a[name], b[name], None))
     result = DumpComparison(
         tolerance_ulp=tolerance_ulp, where=(str(metas_a[0].get("world")), str(metas_b[0].get("world")))
     )
     order = {n: i for i, n in enumerate(metas_a[0].get("shapes", {}))}
-    for (param, stage), diffs in sorted(
+    for (param, stage), pairs in sorted(
         groups.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0], Capture(kv[0][1]).order)
     ):
-        differing = [(w, d) for w, d in diffs if not d.bitwise_equal]
-        numel = sum(d.numel for _, d in diffs)
-        first = ""
-        if differing:
-            (step, micro, rank), _ = min(differing, key=lambda wd: (wd[0][0], _micro(wd[0][1]), wd[0][2]))
-            first = f"rank {rank}, step {step}, " + ("boundary" if micro == BOUNDARY else f"micro-step {micro}")
-        result.rows.append(
-            TensorRow(
-                param,
-                stage,
-                len(diffs),
-                len(diffs) - len(differing),
-                max((d.max_ulp for _, d in diffs), default=0),
-                sum(d.fraction_differing * d.numel for _, d in diffs) / numel if numel else 0.0,
-                first,
-                sum(d.nonfinite_differing for _, d in diffs),
-            )
-        )
+        result.rows.append(TensorRow.of(param, stage, compare(pairs)))
     return result
 
 

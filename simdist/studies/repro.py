@@ -23,11 +23,11 @@ from simdist.gradpath.families import Family
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
-from simdist.gradpath.probes import Capture, Divergence, Trace, first_divergence
+from simdist.gradpath.probes import Capture, Divergence, Trace, first_divergence, path_order
 from simdist.gradpath.reference import oracle_traces
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
-from simdist.numerics.compare import Difference, difference
+from simdist.numerics.compare import Comparison, Pair, compare
 from simdist.reduce import Reduction, ReductionModel, make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
@@ -108,7 +108,9 @@ class Row:
     term_relative: float | None
 
     @classmethod
-    def of(cls, rank: int, param: str, kind: str, diff: Difference) -> Row:
+    def of(cls, rank: int, param: str, kind: str, comparison: Comparison) -> Row:
+        """The row of one rank's tensor: a view of its `Comparison` (fields kept: ``--json`` prints them)."""
+        diff = comparison.difference
         return cls(
             rank,
             param,
@@ -230,11 +232,11 @@ def compare_with_oracle(traces: list[Trace], oracle: list[Trace], magnitudes: li
                 keys = [k for k in trace.values if k[2] == param and k[3] == stage and k in reference.values]
                 if not keys:
                     continue
-                diffs = [
-                    difference(trace.values[k], reference.values[k], scale.get(k) if stage in GRADIENT_STAGES else None)
-                    for k in keys
+                sums = scale if stage in GRADIENT_STAGES else {}
+                pairs: list[Pair] = [
+                    (param, path_order(k), trace.values[k], reference.values[k], sums.get(k)) for k in keys
                 ]
-                rows.append(Row.of(trace.rank, param, stage.label, Difference.pool(diffs)))
+                rows.append(Row.of(trace.rank, param, stage.label, compare(pairs)))
     return rows
 
 
@@ -301,12 +303,6 @@ def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
 def run_count(config: ReproConfig) -> int:
     """How many runs `reproduce` makes (its ``progress`` calls): the oracle, the |terms| run, the policies."""
     return 1 + (config.model == GradientModel.SYNTHETIC) + len(config.policies)
-
-
-def first_divergence_of(report: PolicyReport):
-    """The earliest recorded divergence of a report (by step, then micro-step), or None."""
-    found = [d for d in report.divergences.values() if d is not None]
-    return min(found, key=lambda d: (d.step, d.micro if d.micro >= 0 else 1 << 30), default=None)
 
 
 def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:

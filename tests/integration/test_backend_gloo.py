@@ -16,18 +16,12 @@ import torch
 from backend_programs import suite, tp_mlp
 
 import simdist
+from simdist.numerics.floats import bits
 from simdist.world.launch import RankFailure, spawn_procs
 
 pytestmark = pytest.mark.gloo
 
 N = 4
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    if not t.is_floating_point():
-        return t
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _leaves(value) -> list:
@@ -49,7 +43,7 @@ def _assert_same(a: list[dict], b: list[dict], what: str) -> None:
                 assert isinstance(p, torch.Tensor) == isinstance(q, torch.Tensor), f"{what}: rank {rank} {key}: {kinds}"
                 if isinstance(p, torch.Tensor):
                     assert p.dtype == q.dtype and p.shape == q.shape, (what, rank, key, p, q)
-                    assert torch.equal(_bits(p), _bits(q)), f"{what}: rank {rank} {key} differs"
+                    assert torch.equal(bits(p), bits(q)), f"{what}: rank {rank} {key} differs"
                 else:
                     assert p == q, f"{what}: rank {rank} {key}: {p!r} != {q!r}"
 

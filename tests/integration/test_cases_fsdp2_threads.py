@@ -10,6 +10,7 @@ import torch.distributed as dist
 import simdist
 from simdist.cases.fsdp2_reduce_dtype import Config, fsdp_rank
 from simdist.cases.world import run_ranks
+from simdist.numerics.floats import bits
 
 
 class _ThreadComm:
@@ -20,10 +21,6 @@ class _ThreadComm:
 
     def get_rank(self) -> int:
         return dist.get_rank()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
 
 
 @pytest.mark.slow
@@ -39,7 +36,7 @@ def test_fsdp2_is_bitwise_the_same_on_threads_but_the_cases_spy_is_not():
             values = in_processes[name].trace.values
             assert run.trace.values.keys() == values.keys()
             for key, value in run.trace.values.items():
-                assert torch.equal(_bits(value), _bits(values[key])), (name, key)
+                assert torch.equal(bits(value), bits(values[key])), (name, key)
                 compared += 1
     assert compared == 4 * 2 * 6 * config.gas * config.steps  # ranks x reduce dtypes x params x micro-steps
     per_rank = [{n: len(r.divide_factors) for n, r in ranks.items()} for ranks in processes]

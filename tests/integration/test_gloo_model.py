@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from simdist.numerics.floats import bits
 from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
 from simdist.reduce.gloo import Gloo, chunk_length, chunk_start_ranks
 from simdist.testing.gloo_probe import order_fingerprint
@@ -25,13 +26,9 @@ LENGTHS = (1, 2, 3, 7, 8, 63, 64, 65, 1000, 1023, 1024, 4097, 65536, 100000)
 SEGMENT_ELEMENTS = {torch.float32: 262144, torch.bfloat16: 524288}  # 1 MiB gloo segments
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
-    differ = (_bits(actual) != _bits(expected)).nonzero().flatten()
+    differ = (bits(actual) != bits(expected)).nonzero().flatten()
     assert differ.numel() == 0, f"{what}: {differ.numel()} elements differ, first at {differ[:5].tolist()}"
 
 
@@ -208,7 +205,7 @@ def _raw(values: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 def _hex(t: torch.Tensor) -> list[str]:
     width = 8 * t.element_size()
-    return [hex(v % (1 << width)) for v in _bits(t).tolist()]
+    return [hex(v % (1 << width)) for v in bits(t).tolist()]
 
 
 NAN = float("nan")
@@ -295,7 +292,7 @@ def test_product_max_min_follow_the_same_walk_as_the_sum(n, dtype):
             assert_bitwise(Gloo().reduce(x, op), expected, f"{op} n={n} numel={numel}")
     if n >= 3 and dtype == torch.bfloat16:
         x = 1 + random_ranks(n, n, 4096, dtype, wide=False) / 16
-        assert not torch.equal(_bits(Gloo().product(x)), _bits(Sequential().product(x)))  # the order shows
+        assert not torch.equal(bits(Gloo().product(x)), bits(Sequential().product(x)))  # the order shows
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool])
@@ -320,7 +317,7 @@ def test_dense_permuted_tensors_are_reduced_in_memory_order():
     got = Gloo().sum(transposed)
     assert got.stride() == transposed[0].stride()
     assert_bitwise(got.contiguous(), Gloo().sum(torch.stack([t.t() for t in transposed])).t(), "memory order")
-    assert not torch.equal(_bits(got.contiguous()), _bits(Gloo().sum(x)))  # chunks cut in logical order differ
+    assert not torch.equal(bits(got.contiguous()), bits(Gloo().sum(x)))  # chunks cut in logical order differ
 
 
 def test_views_with_gaps_and_mixed_layouts_are_refused_naming_the_hazard():
@@ -385,4 +382,4 @@ def test_reduce_scatter_tensor_of_a_permuted_input_is_chunked_after_a_memory_ord
     full = Gloo().sum(permuted)
     for i in range(4):
         assert_bitwise(blocks[i], full[2 * i : 2 * i + 2].reshape(-1), f"block {i}")
-    assert not torch.equal(_bits(blocks), _bits(Gloo().reduce_scatter(x)))  # logical order differs
+    assert not torch.equal(bits(blocks), bits(Gloo().reduce_scatter(x)))  # logical order differs

@@ -20,7 +20,7 @@ from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
-from simdist.numerics.floats import ulp_distance
+from simdist.numerics.floats import bits, ulp_distance
 from simdist.reduce.gloo import Gloo
 from simdist.studies.growth import (
     COLUMNS,
@@ -62,7 +62,7 @@ def test_growth_states_are_the_batched_paths_states(tmp_path):
     )
     path.run(stream.draw)
     for key, value in path.state().items():
-        assert torch.equal(_raw(saved[f"run1.{key}"]), _raw(value)), key
+        assert torch.equal(bits(saved[f"run1.{key}"]), bits(value)), key
 
 
 def test_dense_gradients_are_identical_on_tp_peers_and_seeds_differ():
@@ -108,10 +108,6 @@ def test_a_seed_gives_the_same_bits_alone_and_in_an_ensemble(tmp_path):
     np.testing.assert_array_equal(m3[:, :, 1], m1[:, :, 0])
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def _outputs(out: Path) -> dict[str, bytes]:
     return {name: (out / FILES[name]).read_bytes() for name in ("metrics", "summary", "plot")}
 
@@ -132,7 +128,7 @@ def test_an_interrupted_run_resumes_bitwise(tmp_path):
     b = load_file(str(tmp_path / "straight" / FILES["checkpoint"]))
     assert a.keys() == b.keys()
     for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(_raw(a[k]), _raw(b[k])), k
+        assert a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])), k
     assert not list(killed.glob(".*.tmp"))
 
 

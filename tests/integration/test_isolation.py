@@ -27,19 +27,13 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import simdist
+from simdist.numerics.floats import bits
 from simdist.world import inproc
 from simdist.world.isolation import SETTINGS, SharedGlobalStateError
 from simdist.world.launch import spawn_procs
 
 N = 4
 RERUNS = 3
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    if not t.is_floating_point():
-        return t
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _leaves(value, path: str = ""):
@@ -65,7 +59,7 @@ def _assert_same(a: list, b: list, what: str) -> int:
             assert isinstance(p, torch.Tensor) == isinstance(q, torch.Tensor), (what, rank, key)
             if isinstance(p, torch.Tensor):
                 assert p.dtype == q.dtype and p.shape == q.shape, (what, rank, key, p, q)
-                assert torch.equal(_bits(p), _bits(q)), f"{what}: rank {rank} {key} differs:\n{p}\n{q}"
+                assert torch.equal(bits(p), bits(q)), f"{what}: rank {rank} {key} differs:\n{p}\n{q}"
             else:
                 assert p == q, f"{what}: rank {rank} {key}: {p!r} != {q!r}"
             count += 1

@@ -15,14 +15,10 @@ import torch.distributed._functional_collectives as funcol
 from backend_programs import data, dtensor_2x2, fsdp2_steps, tp_mlp
 
 import simdist
+from simdist.numerics.floats import bits
 from simdist.reduce import Gloo, ReduceOp, Sequential, Tree
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
 from simdist.world.spec import ParallelSpec
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

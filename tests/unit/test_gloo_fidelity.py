@@ -15,16 +15,12 @@ import torch
 import torch.distributed as dist
 
 import simdist
+from simdist.numerics.floats import bits
 from simdist.reduce import ReduceOp
 from simdist.reduce.gloo import Gloo, chunk_length, reduce_chunk_length
 from simdist.world.groups import Group
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    t = t.view(torch.uint8) if t.dtype == torch.bool else t
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def step_by_step_gloo_reduce(xs: list[torch.Tensor], root: int, max_segment_bytes: int) -> list[torch.Tensor]:
@@ -76,7 +72,7 @@ def test_reduce_buffers_equal_a_step_by_step_run_of_gloos_reduce_loop(n, numel):
             expected = step_by_step_gloo_reduce(list(x), root, segment_bytes)
             got = model.reduce_buffers(list(x), ReduceOp.SUM, root)
             for r in range(n):
-                assert torch.equal(_raw(got[r]), _raw(expected[r])), (segment_bytes, root, r)
+                assert torch.equal(bits(got[r]), bits(expected[r])), (segment_bytes, root, r)
 
 
 def test_reduce_chunks_are_all_reduce_chunks_up_to_2n_segments_and_whole_segments_above():
@@ -95,9 +91,9 @@ def test_complex_reduce_is_reduced_on_the_real_view_and_refuses_what_gloo_refuse
     modelled = Gloo().reduce_buffers(list(x), ReduceOp.SUM, 1), Gloo().reduce_buffers(list(real), ReduceOp.SUM, 1)
     pairs = zip(*modelled, strict=True)
     for r, (got, want) in enumerate(pairs):
-        assert torch.equal(_raw(got), _raw(torch.view_as_complex(want))), r
+        assert torch.equal(bits(got), bits(torch.view_as_complex(want))), r
     avg = Gloo().reduce_to(list(x), ReduceOp.AVG, 0)
-    assert torch.equal(_raw(avg), _raw(torch.view_as_complex(Gloo().reduce(list(real))).div_(4)))  # complex div_
+    assert torch.equal(bits(avg), bits(torch.view_as_complex(Gloo().reduce(list(real))).div_(4)))  # complex div_
     for op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT):
         with pytest.raises(RuntimeError, match=r"does not support \w+ on complex tensors"):
             Gloo().reduce_to(list(x), op, 0)
@@ -105,16 +101,16 @@ def test_complex_reduce_is_reduced_on_the_real_view_and_refuses_what_gloo_refuse
 
 def test_bool_sum_leaves_byte_counts_and_reduce_leaves_partial_counts():
     ones = [torch.ones(4, dtype=torch.bool)] * 3
-    assert _raw(Gloo().reduce(ones)).tolist() == [3] * 4  # real gloo: bytes [3, 3, 3, 3]
+    assert bits(Gloo().reduce(ones)).tolist() == [3] * 4  # real gloo: bytes [3, 3, 3, 3]
     buffers = Gloo().reduce_buffers(ones, ReduceOp.SUM, 0)
-    assert [_raw(b).tolist() for b in buffers] == [[3, 3, 3, 3], [2, 2, 3, 3], [1, 1, 2, 2]]  # as real gloo
+    assert [bits(b).tolist() for b in buffers] == [[3, 3, 3, 3], [2, 2, 3, 3], [1, 1, 2, 2]]  # as real gloo
 
 
 def _bool_and_refusals(rank):
     out = {}
     t = torch.ones(2, dtype=torch.bool)
     dist.all_reduce(t)
-    out["bool sum"] = _raw(t)
+    out["bool sum"] = bits(t)
     for name, call in (
         ("0-dim output", lambda: dist.reduce_scatter_tensor(torch.zeros(()), torch.ones(dist.get_world_size()))),
         ("wrong-shape scatter", lambda: dist.scatter(torch.zeros(3), [torch.ones(2)] * 3 if rank == 0 else None, 0)),
@@ -141,7 +137,7 @@ def _reduces_via_comm(comm, dtype):
     comm.reduce(x, dst=2, group=Group("world", tuple(range(n))))
     out = torch.zeros(5, dtype=dtype)
     comm.reduce_scatter(out, list(_inputs(comm.get_rank() + 10, n, dtype).split(5)))
-    return _raw(x), _raw(out)
+    return bits(x), bits(out)
 
 
 def _reduces_via_torch(rank, dtype):
@@ -150,7 +146,7 @@ def _reduces_via_torch(rank, dtype):
     dist.reduce(x, dst=2)
     out = torch.zeros(5, dtype=dtype)
     dist.reduce_scatter(out, list(_inputs(rank + 10, n, dtype).split(5)))
-    return _raw(x), _raw(out)
+    return bits(x), bits(out)
 
 
 def _inputs(seed: int, n: int, dtype: torch.dtype) -> torch.Tensor:
