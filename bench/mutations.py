@@ -241,7 +241,8 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/policy.py",
         'return [(dp_stages + correction, "dp_reduced")]',
         'return [(correction + dp_stages, "dp_reduced")]',
-        (*GRADPATH, "tests/unit/test_gradpath_after_dp.py", "tests/integration/test_cases_megatron.py"),  # the chain reads it too
+        # the chain reads it too
+        (*GRADPATH, "tests/unit/test_gradpath_after_dp.py", "tests/integration/test_cases_megatron.py"),
     ),
     Mutation(
         "kernel-marker-never-set",
