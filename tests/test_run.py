@@ -37,6 +37,10 @@ def dist_sum(rank: int, numel: int, *, scale: float = 1.0) -> torch.Tensor:
     return t
 
 
+def summed_on(rank: int, numel: int) -> tuple[str, torch.Tensor]:
+    return dist.get_backend(), dist_sum(rank, numel)
+
+
 def comm_sums(comm, numel: int, *, scale: float = 1.0) -> list[torch.Tensor]:
     out = []
     for kind in (None, "tp", GroupKind.DP):
@@ -91,11 +95,11 @@ def test_threads_comm_is_simworld_bit_for_bit_and_simworld_now_defaults_to_gloo(
     seq = simdist.run(comm_sums, SPEC, api="comm", args=(64,), kwargs={"scale": 2.0}, reduction="sequential")
     assert same_bits(seq, SimWorld(SPEC, default_model=Sequential()).run(comm_sums, 64, scale=2.0))
     assert same_bits([r[0] for r in seq], [left_fold(64, scale=2.0)] * N)
-    mixed = {"tp": "sequential", "default": Reduction.RING}
-    older = SimWorld(SPEC, models={"tp": Sequential()}, default_model=Ring()).run(comm_sums, 64)
-    assert same_bits(simdist.run(comm_sums, SPEC, api="comm", args=(64,), reduction=mixed), older)
-    tp = SPEC.group_of("tp", 0)
-    assert same_bits(older[0][1], left_fold(64, ranks=list(tp)))
+    tp4 = ParallelSpec(N, tp=N)  # a tp group of 4 members: its order shows (a 2-member sum has only one)
+    mixed = simdist.run(comm_sums, tp4, api="comm", args=(64,), reduction={"tp": "sequential", "default": "ring"})
+    assert same_bits(mixed, SimWorld(tp4, models={"tp": Sequential()}, default_model=Ring()).run(comm_sums, 64))
+    assert same_bits([r[1] for r in mixed], [left_fold(64)] * N)  # tp: the fold
+    assert same_bits([r[0] for r in mixed], simdist.run(dist_sum, N, args=(64,), reduction="ring"))  # world: ring
     flat = simdist.run(comm_sums, N, api="comm", args=(8,))  # a size is a flat spec: tp = dp = ... = 1
     assert flat[0][1].equal(values(0, 8)) and flat[0][2].equal(flat[0][0])
 
@@ -191,8 +195,10 @@ def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings
     ring = simdist.run(dist_sum, N, where="processes", args=(64,), reduction=Ring(), preload=("json",))
     assert same_bits(ring, spawn_procs(dist_sum, N, 64, backend="simdist", model="ring"))
     assert same_bits(ring, simdist.spawn(dist_sum, N, 64, reduction="ring"))
-    real = simdist.run(dist_sum, N, where="gloo", args=(64,))
-    assert same_bits(real, spawn_procs(dist_sum, N, 64, backend="gloo"))
+    real = simdist.run(summed_on, N, where="gloo", args=(64,))
+    assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo model (which gives the same bits)
+    assert same_bits([t for _, t in real], spawn_procs(dist_sum, N, 64, backend="gloo"))
+    assert {name for name, _ in simdist.run(summed_on, 2, where="processes", args=(4,))} == {"simdist"}
     comm = simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,), timings=timings)
     assert same_bits(comm, spawn_gloo(comm_sums, SPEC, 64, backend="simdist"))
     assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", args=(64,)))
