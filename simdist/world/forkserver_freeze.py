@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import gc
 import sys
+import types
 
 
 def _in_forkserver() -> bool:
     """Whether this import runs inside ``multiprocessing.forkserver.main``'s preloading."""
-    frame = sys._getframe()
+    frame: types.FrameType | None = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver":
             return True

@@ -71,14 +71,14 @@ def run(
     forkserver the ranks are forked from; ``timings`` (a list) receives the launch's `LaunchTimings`.
     Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
     """
-    where = choose(Where, where, "where")
-    api = choose(Api, api, "api")
-    spec, size = _world(world, api)
+    place: Where = choose(Where, where, "where")
+    hand: Api = choose(Api, api, "api")
+    spec, size = _world(world, hand)
     args, kwargs = _arguments(args, kwargs)
-    if where == Where.THREADS:
+    if place == Where.THREADS:
         if preload or timings is not None:
             raise ValueError("preload= and timings= are for process launches (where='processes' or 'gloo')")
-        if api == Api.COMM:
+        if hand == Api.COMM:
             assert spec is not None
             threads = SimWorld(
                 spec, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads, reduction=reduction
@@ -87,8 +87,8 @@ def run(
         return spawn_threads(fn, size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads)
     timeout = check_timeout(timeout_s, none_ok=False)
     assert timeout is not None
-    backend = "gloo" if where == Where.GLOO else "simdist"
-    comm_spec = spec if api == Api.COMM else None
+    backend = "gloo" if place == Where.GLOO else "simdist"
+    comm_spec = spec if hand == Api.COMM else None
     return spawn_processes(fn, size, comm_spec, args, kwargs, timeout, backend, reduction, tuple(preload), timings)
 
 

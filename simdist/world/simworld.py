@@ -253,9 +253,7 @@ class SimWorld:
         reduction: ReductionChoice = _UNSET,
     ) -> None:
         self.spec = spec
-        older = {} if models is None else {"models": models}
-        if default_model is not None:
-            older["default_model"] = default_model
+        older = [name for name, value in (("models", models), ("default_model", default_model)) if value is not None]
         if older and reduction is not _UNSET:
             raise TypeError(f"give the reduction model once, as reduction= (got reduction= and {', '.join(older)}=)")
         if older:  # the deprecated spellings: a kind -> model table and a default
