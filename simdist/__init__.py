@@ -17,10 +17,21 @@ torchrun needs only ``import simdist`` before ``dist.init_process_group("simdist
 (every simdist module needs it anyway); ``python -m simdist.launch`` runs a rank program under torchrun.
 """
 
+from typing import TYPE_CHECKING
+
 DISTRIBUTION = "simdist-lab"
 """The name this project is installed under (``pip install 'simdist-lab[megatron]'``, `importlib.metadata`): the
 PyPI name ``simdist`` belongs to an unrelated package. The import name stays ``simdist``."""
 
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports each on first use
+    from simdist.attribution import blame
+    from simdist.reduce import Reduction, ReductionModel
+    from simdist.world.inproc import spawn
+    from simdist.world.options import Api, Where
+    from simdist.world.runner import run
+    from simdist.world.simworld import SimWorld
+    from simdist.world.spec import GroupKind, ParallelSpec
 
 _LAZY: dict[str, tuple[str, str]] = {
     "run": ("simdist.world.runner", "run"),
@@ -36,7 +47,20 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 """Public name -> (module, attribute), imported on first use (`__getattr__`)."""
 
-__all__ = ["DISTRIBUTION", *_LAZY]
+__all__ = [
+    "DISTRIBUTION",
+    "Api",
+    "GroupKind",
+    "ParallelSpec",
+    "Reduction",
+    "ReductionModel",
+    "SimWorld",
+    "Where",
+    "blame",
+    "run",
+    "spawn",
+]
+"""``DISTRIBUTION`` and every name of `_LAZY` (``tests/test_run.py`` checks that they are the same)."""
 
 
 def __getattr__(name: str):

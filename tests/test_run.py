@@ -175,6 +175,7 @@ def test_group_kinds_are_a_str_enum_that_equals_the_strings():
 
 def test_the_package_exports_its_public_names():
     assert set(simdist.__all__) >= {"run", "spawn", "SimWorld", "ParallelSpec", "GroupKind", "Reduction", "blame"}
+    assert sorted(simdist.__all__) == sorted(["DISTRIBUTION", *simdist._LAZY])
     for name in simdist.__all__:
         assert getattr(simdist, name) is not None
     assert simdist.run.__module__ == "simdist.world.runner" and simdist.Where is Where and simdist.Api is Api
