@@ -205,3 +205,30 @@ def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings
     assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", args=(64,)))
     assert len(timings) == 2 and all(t.world_size == N and t.total > 0 for t in timings)
     assert all(min(t.server, t.start, t.imports, t.rendezvous, t.work, t.finish) >= 0 for t in timings)
+
+
+def preload_probe(rank: int) -> tuple[bool, bool, bool]:
+    """(the probe was imported by another process, the forkserver froze, this rank's gc has frozen objects)."""
+    import gc
+    import os
+
+    import launch_probe
+
+    from simdist.world import forkserver_freeze
+
+    return os.getpid() != launch_probe.IMPORTED_IN, forkserver_freeze.FROZE, gc.get_freeze_count() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_preloaded_modules_are_imported_once_in_the_forkserver_which_freezes_its_objects(monkeypatch):
+    """The start-up cut of issue 22 item 5, checked by where imports happen (never by a clock). Python 3.11's
+    forkserver imports its preload list on the environment's path (PYTHONPATH), not on this process's
+    ``sys.path``: the probe's folder goes there (the server restarts for the new module and inherits it)."""
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    results = simdist.run(preload_probe, 2, where="gloo", preload=("launch_probe",))
+    assert results == [(True, True, True)] * 2

@@ -68,7 +68,9 @@ def run(
 
     Processes only: ``fn``, its arguments and results must be picklable (``fn`` a top-level function);
     ``preload`` names modules every rank imports (a framework such as ``deepspeed``), imported once in the
-    forkserver the ranks are forked from; ``timings`` (a list) receives the launch's `LaunchTimings`.
+    forkserver the ranks are forked from (on the environment's path: Python 3.11's forkserver ignores this
+    process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
+    ``timings`` (a list) receives the launch's `LaunchTimings`.
     Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
     """
     place: Where = choose(Where, where, "where")
