@@ -20,9 +20,14 @@ Entry points:
   gloo transport, arithmetic by a reduction model; `simdist.world.process`).
   It is the process twin of `simdist.spawn`.
 
-Process start-up dominates small runs, so `spawn_gloo` starts children from a
-``forkserver`` that has torch preloaded (``spawn`` where forkserver does not
-exist): run many cases inside one rank function rather than spawning per case.
+Both are ``simdist.run`` (`simdist.world.runner`) with ``where``/``api`` fixed; `spawn_processes` is the
+process launcher behind all three.
+
+Process start-up dominates small runs, so ranks start from a ``forkserver`` that has torch preloaded
+(``spawn`` where forkserver does not exist), plus the launch's ``preload`` modules (a framework: DeepSpeed's
+and Megatron-Core's imports cost about 13 s per rank otherwise), and that froze its objects out of the
+ranks' garbage collections (`simdist.world.forkserver_freeze`). `LaunchTimings` says where a launch's time
+went (``bench/startup.py``). Run many cases inside one rank function rather than launching per case.
 """
 
 from __future__ import annotations
