@@ -10,7 +10,7 @@
 Each `Mutation` is an exact source edit (``old`` -> ``new``, ``old`` occurring exactly ``count`` times in
 ``path``) of one rule the project states: a policy stage, the engine's optimizer, the correction-once marker,
 the DP normalisation and order, a reduction model's order or NaN rule, the backend's write-back, a comparison.
-The edit is applied to a private copy of the source tree (``simdist/``, ``policies/``, ``tests/`` and the
+The edit is applied to a private copy of the source tree (``simdist/``, ``tests/`` and the
 files the tests read; the worktree is never touched), and pytest runs the mutation's tests in that copy with
 ``-x -q -p no:cacheprovider`` and ``PYTHONPATH`` pointing at it. A mutation is *killed* when the tests fail
 (the first failing test is named), *survives* when they pass, and is an *error* when the edit does not apply
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("simdist", "policies", "tests", "pyproject.toml", "experiments", "notebooks", "README.md", "docs")
+COPIED = ("simdist", "tests", "pyproject.toml", "experiments", "notebooks", "README.md", "docs")
 """What a mutation's private tree holds: the package, the policies, the tests and what tests read."""
 
 PYTEST = ("-x", "-q", "-p", "no:cacheprovider", "-p", "simdist_mutation_profile", "--hypothesis-profile=mutation")
@@ -204,7 +204,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "bf16-writeback-tp-sum-in-bf16",
         "bf16_writeback sums over TP in BF16 (no FP32 staging); at TP2 the one rounding of a two-member sum "
         "matches the FP32 sum's writeback, so only TP4 data or the printed chain can tell",
-        "policies/bf16_writeback.py",
+        "simdist/policies/bf16_writeback.py",
         'FP32 accumulation",\n        staging=torch.float32,',
         'FP32 accumulation",\n        staging=None,',
         (*GRADPATH, "tests/integration/test_cases_deepspeed.py"),

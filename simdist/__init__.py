@@ -8,6 +8,7 @@ The pieces most programs start from:
 * `simdist.gradpath.policy` / ``policies/`` -- precision policies of the BF16 gradient path;
 * `simdist.gradpath.path.train_rank` -- DeepSpeed's BF16_Optimizer gradient path as a rank program;
 * `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
+* `simdist.run` -- the launcher: a rank function on threads, processes or real gloo (`simdist.world.runner`);
 * `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``);
 * `simdist.blame` -- where such code loses precision: per-call-site error against the exact result.
 
@@ -16,24 +17,67 @@ torchrun needs only ``import simdist`` before ``dist.init_process_group("simdist
 (every simdist module needs it anyway); ``python -m simdist.launch`` runs a rank program under torchrun.
 """
 
+from typing import TYPE_CHECKING
+
 DISTRIBUTION = "simdist-lab"
 """The name this project is installed under (``pip install 'simdist-lab[megatron]'``, `importlib.metadata`): the
 PyPI name ``simdist`` belongs to an unrelated package. The import name stays ``simdist``."""
 
 
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports each on first use
+    from simdist.attribution import blame
+    from simdist.reduce import Reduction, ReductionModel
+    from simdist.world.inproc import spawn
+    from simdist.world.options import Api, Where
+    from simdist.world.runner import run
+    from simdist.world.simworld import SimWorld
+    from simdist.world.spec import GroupKind, ParallelSpec
+
+_LAZY: dict[str, tuple[str, str]] = {
+    "run": ("simdist.world.runner", "run"),
+    "Where": ("simdist.world.options", "Where"),
+    "Api": ("simdist.world.options", "Api"),
+    "spawn": ("simdist.world.inproc", "spawn"),
+    "SimWorld": ("simdist.world.simworld", "SimWorld"),
+    "ParallelSpec": ("simdist.world.spec", "ParallelSpec"),
+    "GroupKind": ("simdist.world.spec", "GroupKind"),
+    "Reduction": ("simdist.reduce", "Reduction"),
+    "ReductionModel": ("simdist.reduce", "ReductionModel"),
+    "blame": ("simdist.attribution", "blame"),
+}
+"""Public name -> (module, attribute), imported on first use (`__getattr__`)."""
+
+__all__ = [
+    "DISTRIBUTION",
+    "Api",
+    "GroupKind",
+    "ParallelSpec",
+    "Reduction",
+    "ReductionModel",
+    "SimWorld",
+    "Where",
+    "blame",
+    "run",
+    "spawn",
+]
+"""``DISTRIBUTION`` and every name of `_LAZY` (``tests/integration/test_run.py`` checks that they are the same)."""
+
+
 def __getattr__(name: str):
-    """``simdist.spawn`` (`simdist.world.inproc.spawn`) and ``simdist.blame`` (`simdist.attribution.blame`),
-    imported on first use. (The package behind ``blame`` is not named ``simdist.blame``: importing it would bind
-    the module over this function.)"""
-    if name == "spawn":
-        from simdist.world.inproc import spawn
+    """The names of `__all__`, each imported from its module on first use. (The package behind ``blame`` is
+    not named ``simdist.blame``: importing it would bind the module over this function.)"""
+    found = _LAZY.get(name)
+    if found is None:
+        raise AttributeError(f"module 'simdist' has no attribute {name!r}")
+    import importlib
 
-        return spawn
-    if name == "blame":
-        from simdist.attribution import blame
+    value = getattr(importlib.import_module(found[0]), found[1])
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return blame
-    raise AttributeError(f"module 'simdist' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def _register_backend() -> None:

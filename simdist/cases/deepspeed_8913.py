@@ -38,7 +38,7 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.deepspeed_harness import CORRECTED, DsRun, Fix, RankCapture, deepspeed_rank
-from simdist.cases.world import World, run_ranks
+from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
@@ -127,7 +127,7 @@ class Verdict8913:
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     """Every run of ``config`` on real DeepSpeed, in one launch of ``world_size`` ranks."""
     runs = config.runs()
-    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
+    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world, preload=DEEPSPEED_MODULES)
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
@@ -306,5 +306,5 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
         if got != value:
             raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
     runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name]) for name in config.policies)
-    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
+    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world, preload=DEEPSPEED_MODULES)
     return {name: [captures[i].trace for captures in per_rank] for i, name in enumerate(config.policies)}

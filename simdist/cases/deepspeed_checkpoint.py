@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from simdist.cases.base import Case
-from simdist.cases.world import World, run_ranks
+from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.numerics.floats import bits
 from simdist.world.spec import ParallelSpec
 
@@ -340,7 +340,8 @@ def run(
     spec = ParallelSpec(4, tp=2, ep=2)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="simdist-ckpt-") as root:
-        per_rank = run_ranks(checkpoint_rank, spec, n, m, root, seed, mutation, world=world, timeout_s=timeout_s)
+        args = (n, m, root, seed, mutation)
+        per_rank = run_ranks(checkpoint_rank, spec, *args, world=world, timeout_s=timeout_s, preload=DEEPSPEED_MODULES)
     cells = [
         compare(per_rank, got, want, group, comparison) for comparison, got, want in COMPARISONS for group in GROUPS
     ]

@@ -34,7 +34,7 @@ from simdist.cases.compare import Match, match_traces
 from simdist.cases.deepspeed_8913 import Config as Config8913
 from simdist.cases.deepspeed_8913 import transcription
 from simdist.cases.deepspeed_harness import DsRun, RankCapture, deepspeed_rank
-from simdist.cases.world import World, run_ranks
+from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
@@ -179,7 +179,7 @@ def write_reproducer(path: str | Path) -> Path:
 
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     runs = config.runs()
-    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world)
+    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world, preload=DEEPSPEED_MODULES)
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 

@@ -46,7 +46,7 @@ from simdist.cases.deepspeed_engine import (
     Wrapper,
     engine_rank,
 )
-from simdist.cases.world import World, run_ranks
+from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.gradpath.families import Correction, Family
 from simdist.models.synthetic import InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bits
@@ -369,7 +369,7 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
 
 def run_real(spec: ParallelSpec, runs: tuple[EngineRun, ...], world: World = "gloo", seed: int = 0):
     """Every run on the real engine in one launch of ``spec.world_size`` ranks; ``{run: per-rank captures}``."""
-    per_rank = run_ranks(engine_rank, spec, runs, seed, world=world, timeout_s=1800.0)
+    per_rank = run_ranks(engine_rank, spec, runs, seed, world=world, timeout_s=1800.0, preload=DEEPSPEED_MODULES)
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 

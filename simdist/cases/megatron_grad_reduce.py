@@ -46,7 +46,7 @@ import torch
 
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
-from simdist.cases.world import World, run_ranks
+from simdist.cases.world import MEGATRON_MODULES, World, run_ranks
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker, apply_stage
@@ -187,7 +187,7 @@ def megatron_rank(comm, config: Config, layout: str) -> dict[bool, RealRun]:
 
 
 def run_real(config: Config, layout: str, world: World = "gloo") -> list[dict[bool, RealRun]]:
-    return run_ranks(megatron_rank, config.spec(layout), config, layout, world=world)
+    return run_ranks(megatron_rank, config.spec(layout), config, layout, world=world, preload=MEGATRON_MODULES)
 
 
 # -- the simdist side ---------------------------------------------------------------------------------------------

@@ -23,9 +23,13 @@ them last.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
+
+if TYPE_CHECKING:
+    from simdist.world.launch import LaunchTimings
 
 World = Literal["gloo", "simdist", "threads"]
 WORLDS: tuple[str, ...] = ("gloo", "simdist", "threads")
@@ -37,22 +41,47 @@ PER_RANK_GLOBALS = "its framework keeps per-rank state in module globals that th
 """Why `run_ranks` refuses ``threads`` unless a case names its own reason (true of DeepSpeed and Megatron)."""
 
 
+DEEPSPEED_MODULES: tuple[str, ...] = (
+    "deepspeed",
+    "deepspeed.comm.torch",
+    "deepspeed.utils.groups",
+    "deepspeed.runtime.bf16_optimizer",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.muon.muon_optimizer",  # BF16_Optimizer imports it; it torch.compile()s at import: 13 s
+)
+"""What the DeepSpeed cases' ranks import: preloaded once in the forkserver (``preload=``) instead of per rank."""
+
+MEGATRON_MODULES: tuple[str, ...] = (
+    "megatron.core",
+    "megatron.core.parallel_state",
+    "megatron.core.distributed",
+    "megatron.core.transformer",
+)
+"""What the Megatron case's ranks import (about 5 s on the 2-core CI machine): preloaded the same way."""
+
+
 def run_ranks(
     fn: Callable[..., Any],
     spec: ParallelSpec,
     *args: Any,
     world: World = "gloo",
-    timeout_s: float = 300.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     processes_because: str = PER_RANK_GLOBALS,
+    preload: tuple[str, ...] = (),
+    timings: list[LaunchTimings] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``world``; return the per-rank results.
 
-    ``threads`` is refused with ``processes_because``, the case's reason for needing processes.
+    ``simdist.run(fn, spec, api="comm", where=...)`` with the cases' names for ``where`` (``gloo``, and
+    ``simdist`` for process mode). ``threads`` is refused with ``processes_because``, the case's reason for
+    needing processes. ``preload`` (`DEEPSPEED_MODULES`, `MEGATRON_MODULES`) and ``timings`` as for
+    `simdist.world.launch.spawn_processes`.
     """
     if world not in WORLDS:
         raise ValueError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
     if world == "threads":
         raise ValueError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
-    from simdist.world.launch import spawn_gloo
+    from simdist.world.runner import run
 
-    return spawn_gloo(fn, spec, *args, timeout_s=timeout_s, backend=world)
+    where = "gloo" if world == "gloo" else "processes"
+    return run(fn, spec, api="comm", where=where, args=args, timeout_s=timeout_s, preload=preload, timings=timings)

@@ -315,5 +315,5 @@ class _SourceGrads:
             self.source.backward(comm, self.step, micro, weights, lambda n, g: got.__setitem__(n, g.detach()), False)
             return got
 
-        results = SimWorld(self.spec, default_model=self.model).run(rank)
+        results = SimWorld(self.spec, default_model=self.model, timeout_s=None).run(rank)
         return {(r, name): g for r, got in enumerate(results) for name, g in got.items()}

@@ -192,7 +192,8 @@ def run(
     ``training_model`` picks where the local gradients come from (`GradientModel`).
     """
     params, initial, grads = workload(training_model, spec, config.seed, config.gas)
-    return SimWorld(spec, default_model=model).run(train_rank, list(params), initial, grads, policy, config)
+    world = SimWorld(spec, default_model=model, timeout_s=None)  # a long study has no deadline
+    return world.run(train_rank, list(params), initial, grads, policy, config)
 
 
 def run_oracle(config: ReproConfig, model: ReductionModel, magnitudes: bool = False) -> list[Trace]:

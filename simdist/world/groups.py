@@ -9,6 +9,7 @@ which one it has.
 
 Group handles are plain data (`Group`: a kind and its global ranks in
 group-rank order), so they compare, print and hash the same in both worlds.
+Kinds are `GroupKind` members (a ``StrEnum``: ``"tp"`` and ``GroupKind.TP`` are the same key).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from simdist.reduce import ReduceOp
-from simdist.world.spec import ParallelSpec
+from simdist.world.spec import GroupKind, ParallelSpec
+
+__all__ = ["Comm", "Group", "GroupKind", "group_for", "world_group"]
 
 
 @dataclass(frozen=True)
 class Group:
-    """A process group: its kind (``tp``, ``dp``, ..., or ``world``) and its global ranks."""
+    """A process group: its kind (a `GroupKind`: ``tp``, ``dp``, ..., or ``world``) and its global ranks."""
 
-    kind: str
+    kind: GroupKind | str
     ranks: tuple[int, ...]
 
     @property
@@ -54,7 +57,7 @@ class Comm(Protocol):
 
     def get_world_size(self, group: Group | None = None) -> int: ...
 
-    def group(self, kind: str) -> Group: ...
+    def group(self, kind: GroupKind | str) -> Group: ...
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None: ...
 
@@ -92,11 +95,11 @@ class Comm(Protocol):
 
 def world_group(spec: ParallelSpec) -> Group:
     """The group of every rank."""
-    return Group("world", tuple(range(spec.world_size)))
+    return Group(GroupKind.WORLD, tuple(range(spec.world_size)))
 
 
-def group_for(spec: ParallelSpec, kind: str, rank: int) -> Group:
+def group_for(spec: ParallelSpec, kind: GroupKind | str, rank: int) -> Group:
     """The group of ``kind`` that holds ``rank`` (``kind="world"`` for all ranks)."""
-    if kind == "world":
+    if kind == GroupKind.WORLD:
         return world_group(spec)
     return Group(kind, spec.group_of(kind, rank))

@@ -54,6 +54,7 @@ from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
 from simdist.world.engine import Call, Engine
 from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
+from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
 from simdist.world.spec import ParallelSpec
 
 
@@ -319,29 +320,53 @@ def spawn(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    model: ModelChoice = "gloo",
+    reduction: ModelChoice = _UNSET,
     spec: ParallelSpec | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
     one_cpu: bool = True,
     intra_op_threads: int | None = 1,
+    model: ModelChoice = _UNSET,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads with ``torch.distributed`` initialised.
 
-    Returns the per-rank results in rank order. ``model`` chooses each group's
-    reduction model (a name, a model, a kind -> model mapping used with
-    ``spec``, or a callable; see `simdist.world.modelmap`). ``timeout_s``
-    bounds the whole run (deadlocks between collectives are detected without
-    it). ``one_cpu`` and ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`.
+    The older name of ``simdist.run(fn, spec or world_size, where="threads", api="dist", args=args,
+    kwargs=kwargs)``: the same run, with this function's own keywords mixed into ``fn``'s (so ``fn`` cannot
+    take a keyword named like one of them; `simdist.run` keeps them apart).
+
+    Returns the per-rank results in rank order. ``reduction`` chooses each group's
+    reduction model (a name, a `Reduction` member, a model, a kind -> model mapping used with
+    ``spec``, or a callable; see `simdist.world.modelmap`; default gloo, ``model=`` is its older
+    spelling). ``timeout_s`` bounds the whole run (deadlocks between collectives are detected without
+    it; ``None``: no bound). ``one_cpu`` and ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`.
     The default group is destroyed when ``fn`` returns. Each rank has its own
     copy of torch's process-global state, starting as a fresh process's
     (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`.
     """
+    return spawn_threads(
+        fn, world_size, args, kwargs, pick_reduction(reduction, model=model), spec, timeout_s, one_cpu, intra_op_threads
+    )
+
+
+def spawn_threads(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    reduction: ModelChoice,
+    spec: ParallelSpec | None,
+    timeout_s: float | None,
+    one_cpu: bool,
+    intra_op_threads: int | None,
+) -> list[Any]:
+    """The thread launcher behind `spawn` and ``simdist.run(where="threads", api="dist")``: ``fn(rank, *args,
+    **kwargs)`` on ``world_size`` rank threads (arguments checked here, once for both)."""
     world_size = check_world_size(world_size)
+    timeout_s = check_timeout(timeout_s)
     if current() is not None:
         raise RuntimeError("simdist.spawn called from a rank thread of another spawn (spawns run one at a time)")
     with _spawn_lock:  # process-global state is swapped per rank: one spawn at a time
-        return _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads)
+        return _spawn(fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads)
 
 
 _spawn_lock = threading.Lock()

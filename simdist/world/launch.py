@@ -20,21 +20,29 @@ Entry points:
   gloo transport, arithmetic by a reduction model; `simdist.world.process`).
   It is the process twin of `simdist.spawn`.
 
-Process start-up dominates small runs, so `spawn_gloo` starts children from a
-``forkserver`` that has torch preloaded (``spawn`` where forkserver does not
-exist): run many cases inside one rank function rather than spawning per case.
+Both are ``simdist.run`` (`simdist.world.runner`) with ``where``/``api`` fixed; `spawn_processes` is the
+process launcher behind all three.
+
+Process start-up dominates small runs, so ranks start from a ``forkserver`` that has torch preloaded
+(``spawn`` where forkserver does not exist), plus the launch's ``preload`` modules (a framework: DeepSpeed's
+and Megatron-Core's imports cost about 13 s per rank otherwise), and that froze its objects out of the
+ranks' garbage collections (`simdist.world.forkserver_freeze`). `LaunchTimings` says where a launch's time
+went (``bench/startup.py``). Run many cases inside one rank function rather than launching per case.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import socket
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,7 +51,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simdist.world.process import MODEL_ENV
+from simdist.reduce import Gloo, ReductionModel
+from simdist.world.modelmap import as_model
+from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
+from simdist.world.process import use_reduction
 from simdist.world.spec import ParallelSpec
 from simdist.world.torch_comm import TorchComm
 
@@ -129,27 +140,37 @@ def _rank_main(
     outdir: str,
     timeout_s: float,
     backend: str = "gloo",
-    model: str | None = None,
+    reduction: ReductionModel | None = None,
+    kwargs: dict | None = None,
+    preload: tuple[str, ...] = (),
 ) -> None:
     """Body of one spawned rank: init the group, run ``fn``, save its result or its traceback.
 
-    ``fn`` gets a `TorchComm` when ``spec`` is given, else its rank (plain ``torch.distributed`` code).
+    ``fn`` gets a `TorchComm` when ``spec`` is given, else its rank (plain ``torch.distributed`` code). The
+    wall-clock times of its phases go to ``rank{r}.times`` (`LaunchTimings`).
     """
     out = Path(outdir)
+    entered = time.time()
     try:
+        for module in preload:  # already in sys.modules when the forkserver preloaded them
+            importlib.import_module(module)
+        imported = time.time()
         torch.set_num_threads(1)
         ifname = _loopback_ifname()
         if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname  # keep gloo on 127.0.0.1
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        if model is not None:
-            os.environ[MODEL_ENV] = model
+        use_reduction(reduction)
         timeout = timedelta(seconds=timeout_s + 30)  # a backstop: the parent's deadline comes first
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        result = fn(TorchComm(spec), *args) if spec is not None else fn(rank, *args)
+        joined = time.time()
+        first = TorchComm(spec) if spec is not None else rank
+        result = fn(first, *args, **(kwargs or {}))
+        done = time.time()
         dist.destroy_process_group()
         torch.save(result, out / f"rank{rank}.tmp")
+        (out / f"rank{rank}.times").write_text(json.dumps([entered, imported, joined, done]))
         os.replace(out / f"rank{rank}.tmp", out / f"rank{rank}.pt")
     except BaseException:  # every failure, KeyboardInterrupt included, is reported to the parent
         (out / f"rank{rank}.err.tmp").write_text(traceback.format_exc())
@@ -157,30 +178,95 @@ def _rank_main(
         os._exit(1)  # peers may be blocked in a collective with us: no teardown
 
 
-def _context():
-    methods = mp.get_all_start_methods()
-    if "forkserver" in methods:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "simdist.world.launch"])
-        return ctx
-    return mp.get_context("spawn")
+SERVER_PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo", "simdist.world.launch")
+"""What the forkserver always imports before it forks ranks: torch's import is most of a small run."""
+
+FREEZE = "simdist.world.forkserver_freeze"
+"""Preloaded last: freezes the server's objects out of the ranks' garbage collections (see the module)."""
+
+_server_lock = threading.Lock()
+
+
+def _context(preload: tuple[str, ...] = ()):
+    """The start method: a ``forkserver`` that has imported `SERVER_PRELOAD` and ``preload`` (``spawn`` where
+    forkserver does not exist). A module is imported once in the server and every rank forked from it has it,
+    so a framework's import (DeepSpeed's, Megatron's: seconds each) is paid once per process of the caller,
+    not once per rank and launch. When a launch needs a module the running server lacks, the server is
+    restarted with the union (Python's own API has no other way to add a module; the restart happens between
+    launches, when no rank of ours is alive)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)  # the stdlib's one server per process (private name)
+    with _server_lock:
+        have = list(getattr(server, "_preload_modules", ()))
+        wanted = list(dict.fromkeys([*SERVER_PRELOAD, *have, *preload]))
+        wanted = [m for m in wanted if m not in ("__main__", FREEZE)] + [FREEZE]  # __main__: the stdlib's default
+        if set(wanted) - set(have):
+            if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
+                server._stop()  # type: ignore[union-attr]
+            ctx.set_forkserver_preload(wanted)
+    return ctx
+
+
+def _ready() -> None:
+    """A no-op child: starting it waits for the forkserver to have finished its imports."""
+
+
+@dataclass(frozen=True)
+class LaunchTimings:
+    """Where the wall time of one process launch went, in seconds, phase after phase (they add up to ``total``).
+
+    ``server`` (re)starting the forkserver and its preloaded imports, until it forks (a no-op child, some
+    milliseconds, when it was running with them already);
+    ``start`` until every rank was running its body (fork, unpickling ``fn`` and importing its module);
+    ``imports`` until every rank had imported the launch's ``preload`` modules (0 when the server had);
+    ``rendezvous`` until every rank had joined the process group; ``work`` until every rank's ``fn``
+    returned; ``finish`` tearing down and loading the results here.
+    """
+
+    world_size: int
+    server: float
+    start: float
+    imports: float
+    rendezvous: float
+    work: float
+    finish: float
+
+    @property
+    def total(self) -> float:
+        return self.server + self.start + self.imports + self.rendezvous + self.work + self.finish
+
+    def describe(self) -> str:
+        phases = ("server", "start", "imports", "rendezvous", "work", "finish")
+        return " | ".join(f"{name} {getattr(self, name):6.2f} s" for name in phases) + f" | total {self.total:6.2f} s"
 
 
 def spawn_gloo(
-    fn: RankFn, spec: ParallelSpec, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
+    fn: RankFn,
+    spec: ParallelSpec,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
+    preload: tuple[str, ...] = (),
+    timings: list[LaunchTimings] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``spec.world_size`` local gloo processes; return the per-rank results.
 
-    ``fn`` must be a picklable top-level function and its results picklable by
+    The older name of ``simdist.run(fn, spec, api="comm", where="gloo")`` (``backend="simdist"``:
+    ``where="processes"``). ``fn`` must be a picklable top-level function and its results picklable by
     ``torch.save``. Each child sets ``torch.set_num_threads(1)``, joins a gloo
     group through a TCP store that this process hosts on a free 127.0.0.1 port,
     and builds a `TorchComm`. If a rank raises, every child is killed and
     `RankFailure` names the first rank that failed, with its traceback; after
     ``timeout_s`` every child is killed and ``TimeoutError`` names the ranks
     that had not finished. ``backend="simdist"`` runs the same processes on the
-    simdist backend in process mode (modelled arithmetic, gloo transport).
+    simdist backend in process mode (modelled arithmetic, gloo transport). ``preload`` and ``timings`` as
+    for `spawn_processes`.
     """
-    return _spawn(fn, spec.world_size, spec, args, timeout_s, backend, None)
+    return spawn_processes(fn, spec.world_size, spec, args, {}, timeout_s, backend, None, preload, timings)
 
 
 def spawn_procs(
@@ -188,38 +274,64 @@ def spawn_procs(
     world_size: int,
     *args: Any,
     backend: str = "gloo",
-    model: str | None = None,
-    timeout_s: float = 120.0,
+    reduction: Any = _UNSET,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    model: Any = _UNSET,
 ) -> list[Any]:
     """Run plain ``torch.distributed`` code ``fn(rank, *args)`` on ``world_size`` local processes.
 
-    The process-mode twin of `simdist.spawn`: each child initialises the
+    The older name of ``simdist.run(fn, world_size, where="gloo")`` (``backend="simdist"``:
+    ``where="processes"``), and the process-mode twin of `simdist.spawn`: each child initialises the
     default group with ``backend`` (``"gloo"`` for real gloo, ``"simdist"`` for
-    the simdist backend in process mode, whose reduction model is the name
-    ``model``, default gloo; see `simdist.world.process`) and calls
+    the simdist backend in process mode, whose reduction model is ``reduction``
+    (``model=`` is its older spelling), default gloo; see `simdist.world.process`) and calls
     ``fn(rank, *args)``. Results come back in rank order; failures and
     timeouts are reported as by `spawn_gloo`.
     """
-    return _spawn(fn, world_size, None, args, timeout_s, backend, model)
+    unset = reduction is _UNSET and model in (_UNSET, None)  # None was model='s default: process mode's own
+    chosen = None if unset else pick_reduction(reduction, model=model)
+    return spawn_processes(fn, world_size, None, args, {}, timeout_s, backend, chosen, (), None)
 
 
-def _spawn(
+def spawn_processes(
     fn: RankFn,
     n: int,
     spec: ParallelSpec | None,
     args: tuple,
+    kwargs: dict,
     timeout_s: float,
     backend: str,
-    model: str | None,
+    reduction: Any,
+    preload: tuple[str, ...] = (),
+    timings: list[LaunchTimings] | None = None,
 ) -> list[Any]:
-    store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    ctx = _context()
+    """The process launcher behind `spawn_gloo`, `spawn_procs` and ``simdist.run(where="processes"|"gloo")``.
+
+    ``fn(comm or rank, *args, **kwargs)`` on ``n`` processes of ``backend`` (``gloo`` or ``simdist``).
+    ``reduction`` is process mode's model (a name, `Reduction` member or `ReductionModel`; ``None``:
+    ``SIMDIST_REDUCTION`` or gloo, `simdist.world.process`); real gloo accepts only gloo's own.
+    ``preload``: modules every rank needs (a framework), imported once in the forkserver instead of once
+    per rank (`_context`). When ``timings`` is a list, this launch's `LaunchTimings` is appended to it.
+    """
+    timeout = check_timeout(timeout_s, none_ok=False)
+    assert timeout is not None
+    if backend not in ("gloo", "simdist"):
+        raise ValueError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
+    model = _process_model(reduction, backend)
+    began = time.time()
+    ctx = _context(tuple(preload))
+    if ctx.get_start_method() == "forkserver":
+        warm = ctx.Process(target=_ready, name="simdist-forkserver-ready", daemon=True)
+        warm.start()  # returns once the server, after its imports, has forked it: those imports are `server`
+        warm.join()
+    started = time.time()
+    store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="simdist-gloo-") as outdir:
         out = Path(outdir)
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, n, store.port, fn, spec, args, outdir, timeout_s, backend, model),
+                args=(r, n, store.port, fn, spec, args, outdir, timeout, backend, model, kwargs, tuple(preload)),
                 name=f"simdist-rank{r}",
                 daemon=True,
             )
@@ -228,8 +340,19 @@ def _spawn(
         for p in procs:
             p.start()
         try:
-            _supervise(procs, out, timeout_s)
-            return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+            _supervise(procs, out, timeout)
+            results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+            if timings is not None:
+                times = [json.loads((out / f"rank{r}.times").read_text()) for r in range(n)]
+                entered, imported, joined, done = (max(t[i] for t in times) for i in range(4))
+                ended = time.time()
+                timings.append(
+                    LaunchTimings(
+                        n, started - began, entered - started, imported - entered, joined - imported, done - joined,
+                        ended - done,
+                    )
+                )  # fmt: skip
+            return results
         finally:
             for p in procs:
                 if p.is_alive():
@@ -237,6 +360,24 @@ def _spawn(
             for p in procs:
                 p.join(timeout=5)
             del store
+
+
+def _process_model(reduction: Any, backend: str) -> ReductionModel | None:
+    """The model the ranks install (`simdist.world.process.use_reduction`); ``None`` for real gloo."""
+    if isinstance(reduction, Mapping) or (callable(reduction) and not isinstance(reduction, ReductionModel)):
+        raise TypeError(
+            "in processes every group of a rank uses one reduction model (a name, a Reduction member or a "
+            f"ReductionModel); per-kind tables and callables need where='threads', got {type(reduction).__name__}"
+        )
+    model = None if reduction is None else as_model(reduction, "reduction")
+    if backend == "gloo":
+        if model is not None and not isinstance(model, Gloo):
+            raise ValueError(
+                f"reduction={reduction!r} with real gloo: real gloo sums in its own order; a reduction model is "
+                "simulated with where='threads' or where='processes'"
+            )
+        return None
+    return model
 
 
 def _supervise(procs: list, out: Path, timeout_s: float) -> None:

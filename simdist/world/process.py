@@ -1,7 +1,7 @@
 """Process mode: the ``simdist`` backend in real processes (torchrun, `simdist.world.launch.spawn_procs`).
 
     torchrun --nproc-per-node 4 train.py      # train.py: import simdist; dist.init_process_group("simdist")
-    SIMDIST_MODEL=ring torchrun ...           # another reduction model (default: gloo)
+    SIMDIST_REDUCTION=ring torchrun ...       # another reduction model (default: gloo)
 
 Each ``simdist`` group owns an inner gloo group over the same store. A
 collective first all-gathers every member's call description (op, shapes,
@@ -15,8 +15,9 @@ module-global framework state (DeepSpeed's ``groups``, Megatron's
 ``parallel_state``) lives in each process as usual. Point-to-point messages
 and barriers go straight over the inner gloo group.
 
-The model is chosen per process from the environment: ``SIMDIST_MODEL`` (a
-model name, default ``gloo``). Hangs are bounded by the group's timeout.
+The model is chosen per process: the model `use_reduction` installed in this process (the launcher
+`simdist.run` does, for a `ReductionModel` it was given), else the environment's ``SIMDIST_REDUCTION`` (a
+model name; ``SIMDIST_MODEL`` is its older spelling), else gloo. Hangs are bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -27,12 +28,38 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from simdist.reduce import ReductionModel
 from simdist.world.backend import SimProcessGroup
 from simdist.world.engine import Call
 from simdist.world.errors import CollectiveMismatchError
 from simdist.world.modelmap import as_model
 
+REDUCTION_ENV = "SIMDIST_REDUCTION"
+"""The environment variable naming process mode's reduction model."""
 MODEL_ENV = "SIMDIST_MODEL"
+"""Its older spelling, read when `REDUCTION_ENV` is not set."""
+
+
+class _Chosen:
+    """The reduction model installed in this rank process by its launcher (`use_reduction`), if any."""
+
+    model: ReductionModel | None = None
+
+
+def use_reduction(model: ReductionModel | None) -> None:
+    """Make every ``simdist`` group created later in this process use ``model`` (``None``: the environment's).
+
+    Called by the launcher in each rank process it starts, before the process's groups exist; a model object
+    cannot travel in an environment variable."""
+    _Chosen.model = model
+
+
+def process_reduction() -> ReductionModel:
+    """This process's reduction model (see the module docstring)."""
+    if _Chosen.model is not None:
+        return _Chosen.model
+    name = os.environ.get(REDUCTION_ENV) or os.environ.get(MODEL_ENV) or "gloo"
+    return as_model(name, REDUCTION_ENV if REDUCTION_ENV in os.environ else MODEL_ENV)
 
 
 def _flatten(tree) -> list[torch.Tensor]:
@@ -143,7 +170,7 @@ def _bytes(data: bytes) -> torch.Tensor:
 def process_group(store, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str, timeout):
     """The backend's group in a real process: an inner gloo group on the same store carries the calls."""
     inner = dist.ProcessGroupGloo(dist.PrefixStore("simdist-inner/", store), group_rank, group_size, timeout)
-    model = as_model(os.environ.get(MODEL_ENV, "gloo"))
+    model = process_reduction()
     world = int(os.environ.get("WORLD_SIZE", len(ranks)))
     kind = "world" if len(ranks) == world else "group"
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")

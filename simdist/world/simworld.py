@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 
-from simdist.reduce import ReduceOp, ReductionModel, Sequential
+from simdist.reduce import ReduceOp, ReductionModel
 from simdist.world import collectives as cc
 from simdist.world.engine import Engine, observed
 from simdist.world.groups import Group, group_for, world_group
-from simdist.world.spec import ParallelSpec
+from simdist.world.modelmap import as_model
+from simdist.world.options import _UNSET, DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
+from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 
 
 class _Members:
@@ -69,7 +71,7 @@ class SimComm:
     def get_world_size(self, group: Group | None = None) -> int:
         return self.spec.world_size if group is None else group.size
 
-    def group(self, kind: str) -> Group:
+    def group(self, kind: GroupKind | str) -> Group:
         """The group of ``kind`` (``tp``, ``dp``, ``ep``, ``etp``, ``edp``, ``pp`` or ``world``) holding this rank."""
         found = self._groups.get(kind)
         if found is None:
@@ -175,9 +177,12 @@ class SimComm:
 class SimWorld:
     """Runs a rank function on every rank of ``spec``, one thread per rank, in this process.
 
-    ``models`` maps a group kind (``tp``, ``dp``, ``ep``, ``etp``, ``edp``,
-    ``pp``, ``world``) to the `ReductionModel` its collectives use; kinds not
-    named use ``default_model`` (a rank-order fold).
+    ``reduction`` chooses the `ReductionModel` of each group's collectives: a model name, a `Reduction`
+    member or a model for every group, or a mapping from group kind (``tp``, ``dp``, ``ep``, ``etp``,
+    ``edp``, ``pp``, ``world``) to one of those, kinds not named using its ``"default"`` entry. The default is
+    `simdist.world.options.DEFAULT_REDUCTION` (gloo's order; it was a rank-order fold, `Sequential`, before
+    every launcher shared one default: pass ``reduction="sequential"`` for that). ``models`` (kind -> model)
+    and ``default_model`` are the older spellings, kept as deprecated aliases.
 
     ``one_cpu`` (default on) pins the rank threads to one CPU. Ranks run in
     lockstep at every collective, so each collective hands the interpreter
@@ -186,8 +191,9 @@ class SimWorld:
     (about 30 us there). Turn it off for rank programs whose local compute is
     large enough to profit from intra-op threads on several CPUs.
 
-    ``timeout_s`` bounds a whole run; a rank still busy then is reported with
-    its current source line (collective deadlocks are detected without it).
+    ``timeout_s`` bounds a whole run (`simdist.world.options.DEFAULT_TIMEOUT_S`; ``None``: no bound); a rank
+    still busy then is reported with its current source line (collective deadlocks are detected without it).
+    `SimWorld.run` is ``simdist.run(fn, spec, api="comm", where="threads")`` on this world's settings.
     """
 
     def __init__(
@@ -195,18 +201,26 @@ class SimWorld:
         spec: ParallelSpec,
         models: Mapping[str, ReductionModel] | None = None,
         default_model: ReductionModel | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
         one_cpu: bool = True,
         intra_op_threads: int | None = 1,
+        *,
+        reduction: ReductionChoice = _UNSET,
     ) -> None:
         self.spec = spec
-        self.models = dict(models or {})
-        self.default_model = default_model or Sequential()
-        self.timeout_s = timeout_s
+        older = [name for name, value in (("models", models), ("default_model", default_model)) if value is not None]
+        if older and reduction is not _UNSET:
+            raise TypeError(f"give the reduction model once, as reduction= (got reduction= and {', '.join(older)}=)")
+        if older:  # the deprecated spellings: a kind -> model table and a default
+            reduction = {**(models or {}), "default": default_model or as_model(DEFAULT_REDUCTION)}
+        per_kind = kind_models(pick_reduction(reduction))
+        self.default_model = per_kind.pop("default")
+        self.models = per_kind
+        self.timeout_s = check_timeout(timeout_s)
         self.one_cpu = one_cpu and hasattr(os, "sched_setaffinity")
         self.intra_op_threads = intra_op_threads
 
-    def model_for(self, kind: str) -> ReductionModel:
+    def model_for(self, kind: GroupKind | str) -> ReductionModel:
         """The reduction model used by groups of ``kind``."""
         return self.models.get(kind, self.default_model)
 
@@ -219,3 +233,28 @@ class SimWorld:
             one_cpu=self.one_cpu,
             intra_op_threads=self.intra_op_threads,
         )
+
+
+ReductionChoice = str | ReductionModel | Mapping[str, str | ReductionModel]
+"""What `SimWorld` accepts as ``reduction=``: a name or `Reduction` member, a model, or a kind -> either table."""
+
+SIMWORLD_KINDS: tuple[str, ...] = (*GROUP_KINDS, GroupKind.WORLD, "default")
+"""The keys of a `SimWorld` kind -> model table."""
+
+
+def kind_models(choice: ReductionChoice) -> dict[str, ReductionModel]:
+    """``{kind: model}`` with a ``"default"`` entry from a `ReductionChoice`; unknown kinds and names are errors."""
+    if isinstance(choice, str | ReductionModel):
+        return {"default": as_model(choice, "reduction")}
+    if isinstance(choice, Mapping):
+        unknown = [k for k in choice if k not in SIMWORLD_KINDS]
+        if unknown:
+            raise ValueError(f"reduction: unknown group kind(s) {unknown}; valid: {', '.join(SIMWORLD_KINDS)}")
+        table = {str(k): as_model(m, f"reduction[{k!r}]") for k, m in choice.items()}
+        table.setdefault("default", as_model(DEFAULT_REDUCTION))
+        return table
+    raise TypeError(
+        "reduction must be a model name, a Reduction member, a ReductionModel or a mapping from group kind to one "
+        f"of those (SimWorld has no per-rank-tuple callable: use simdist.spawn), got {type(choice).__name__} "
+        f"{choice!r}"
+    )

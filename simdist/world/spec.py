@@ -21,11 +21,27 @@ layout. Both are derived here, neither is a copy.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-GROUP_KINDS: tuple[str, ...] = ("tp", "dp", "ep", "etp", "edp", "pp")
+
+class GroupKind(enum.StrEnum):
+    """The kinds of process group. Members compare equal to their strings (``GroupKind.TP == "tp"``), so code
+    that passes ``"tp"`` keeps working; ``WORLD`` is every rank, ``GROUP`` any group that is no spec kind."""
+
+    TP = "tp"
+    DP = "dp"
+    EP = "ep"
+    ETP = "etp"
+    EDP = "edp"
+    PP = "pp"
+    WORLD = "world"
+    GROUP = "group"
+
+
+GROUP_KINDS: tuple[GroupKind, ...] = tuple(k for k in GroupKind if k not in (GroupKind.WORLD, GroupKind.GROUP))
 """Every group kind a spec defines. ``dp`` is the dense data-parallel group."""
 
 EpLayout = Literal["contiguous", "tp_lane_major"]

@@ -34,9 +34,9 @@ layers: Python runs it before any submodule, so importing it cannot reorder anyt
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package (following the ``policies`` link)."""
+    """Dotted module name -> file, for every module of the package (``simdist.policies`` included)."""
     modules = {}
-    for folder, _, files in os.walk(root / "simdist", followlinks=True):
+    for folder, _, files in os.walk(root / "simdist"):
         for name in files:
             if name.endswith(".py"):
                 path = Path(folder) / name

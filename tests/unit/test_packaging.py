@@ -2,7 +2,11 @@
 install hints of README and errors, and the Megatron extra across the Python versions pip serves."""
 
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -63,3 +67,38 @@ def test_the_megatron_extra_spans_the_versions_pip_offers(python, admitted, refu
     assert all(megatron[0].specifier.contains(v) for v in admitted), (megatron, admitted)
     assert not any(megatron[0].specifier.contains(v) for v in refused), (megatron, refused)
     assert any(r.name == "triton" for r in _megatron_for(python)) is (python != "3.11")
+
+
+def test_the_policies_are_real_files_inside_the_package():
+    """``simdist/policies`` was a symlink to a top-level folder: absent where checkouts have no symlinks (Windows)
+    and outside the package in an sdist. Now the catalogue is plain files that setuptools finds as a package."""
+    import setuptools
+
+    import simdist.policies
+
+    folder = ROOT / "simdist" / "policies"
+    links = [p for p in (ROOT / "simdist").rglob("*") if p.is_symlink()]
+    assert not links, f"symlinks in the package: {links}"
+    assert folder.is_dir() and Path(simdist.policies.__file__).resolve().parent == folder.resolve()
+    found = setuptools.find_packages(str(ROOT), include=PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert "simdist.policies" in found
+    git = ROOT / ".git"
+    if git.exists():  # a checkout: no file of the index is a symlink (mode 120000)
+        staged = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True)
+        assert not [line for line in staged.stdout.splitlines() if line.startswith("120000")]
+    assert not list((ROOT / "policies").glob("*.py")), "policies/ holds only the README for users' own policies"
+
+
+@pytest.mark.slow
+def test_a_built_wheel_holds_every_policy_module(tmp_path):
+    """A non-editable wheel (what ``pip install simdist-lab`` gets) ships the whole catalogue."""
+    source = tmp_path / "source"  # a copy: the build leaves build/ and *.egg-info beside the sources
+    shutil.copytree(ROOT / "simdist", source / "simdist", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("simdist_lab-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"simdist/policies/{p.name}" for p in (ROOT / "simdist" / "policies").glob("*.py")}
+    assert len(expected) >= 8 and expected <= names, sorted(expected - names)

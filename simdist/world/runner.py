@@ -1,0 +1,115 @@
+"""`run`: the one launcher of rank programs, on rank threads or on rank processes.
+
+    import simdist
+
+    def step(rank, n):                          # api="dist": plain torch.distributed code
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t)
+        return t
+
+    simdist.run(step, 4, args=(8,))                                 # threads, gloo's order
+    simdist.run(step, 4, args=(8,), where="processes")              # one process per rank, same bits
+    simdist.run(step, 4, args=(8,), where="gloo")                   # real gloo processes
+    simdist.run(rank_program, ParallelSpec(4, tp=2, ep=2), api="comm", reduction="ring")
+
+``where`` says where ranks live (`Where`: ``threads``, ``processes``, ``gloo``), ``api`` what the rank
+function is handed (`Api`: ``dist`` -- its rank, with the default ``torch.distributed`` group initialised;
+``comm`` -- a `simdist.world.groups.Comm` of the run's `ParallelSpec`). ``fn``'s arguments travel apart from
+the launcher's keywords, as in ``torch.multiprocessing.spawn``: ``args=`` and ``kwargs=``. ``reduction=``
+(`simdist.world.options`) and ``timeout_s=`` have one default each, whatever ``where`` and ``api``.
+
+The older launchers are this function with fixed ``where``/``api``, on the same code path:
+
+=============================  ========================================================
+``simdist.spawn``              ``run(fn, n, where="threads", api="dist")`` (`inproc.spawn_threads`)
+``SimWorld(spec).run``         ``run(fn, spec, where="threads", api="comm")``
+``spawn_procs(backend=...)``   ``run(fn, n, where="gloo"|"processes", api="dist")`` (`launch.spawn_processes`)
+``spawn_gloo(backend=...)``    ``run(fn, spec, where="gloo"|"processes", api="comm")``
+=============================  ========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from simdist.world.inproc import spawn_threads
+from simdist.world.launch import LaunchTimings, spawn_processes
+from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where, check_timeout, choose
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import ParallelSpec
+
+__all__ = ["Api", "Where", "run"]
+
+
+def run(
+    fn: Callable[..., Any],
+    world: int | ParallelSpec,
+    *,
+    where: Where | str = Where.THREADS,
+    api: Api | str = Api.DIST,
+    reduction: Any = DEFAULT_REDUCTION,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    preload: Sequence[str] = (),
+    timings: list[LaunchTimings] | None = None,
+    one_cpu: bool = True,
+    intra_op_threads: int | None = 1,
+) -> list[Any]:
+    """Run ``fn(rank or comm, *args, **kwargs)`` on every rank of ``world``; return the results in rank order.
+
+    ``world``: a world size, or a `ParallelSpec` (needed for ``api="comm"`` layouts other than a flat world,
+    and for per-kind reduction tables). ``reduction``: a model name, a `Reduction` member or a
+    `ReductionModel` for every group; in threads also a mapping from group kind to one of those (with a
+    ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> ReductionModel``
+    (`simdist.world.modelmap`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
+    bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank.
+
+    Processes only: ``fn``, its arguments and results must be picklable (``fn`` a top-level function);
+    ``preload`` names modules every rank imports (a framework such as ``deepspeed``), imported once in the
+    forkserver the ranks are forked from (on the environment's path: Python 3.11's forkserver ignores this
+    process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
+    ``timings`` (a list) receives the launch's `LaunchTimings`.
+    Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
+    """
+    place: Where = choose(Where, where, "where")
+    hand: Api = choose(Api, api, "api")
+    spec, size = _world(world, hand)
+    args, kwargs = _arguments(args, kwargs)
+    if place == Where.THREADS:
+        if preload or timings is not None:
+            raise ValueError("preload= and timings= are for process launches (where='processes' or 'gloo')")
+        if hand == Api.COMM:
+            assert spec is not None
+            threads = SimWorld(
+                spec, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads, reduction=reduction
+            )
+            return threads.run(fn, *args, **kwargs)
+        return spawn_threads(fn, size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads)
+    timeout = check_timeout(timeout_s, none_ok=False)
+    assert timeout is not None
+    backend = "gloo" if place == Where.GLOO else "simdist"
+    comm_spec = spec if hand == Api.COMM else None
+    return spawn_processes(fn, size, comm_spec, args, kwargs, timeout, backend, reduction, tuple(preload), timings)
+
+
+def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:
+    """The run's spec (made flat from a size for ``api="comm"``) and its size."""
+    if isinstance(world, ParallelSpec):
+        return world, world.world_size
+    if isinstance(world, bool) or not isinstance(world, int):
+        raise TypeError(f"world must be a world size (int) or a ParallelSpec, got {type(world).__name__} {world!r}")
+    if world < 1:
+        raise ValueError(f"world must be at least 1 rank, got {world}")
+    return (ParallelSpec(world) if api == Api.COMM else None), world
+
+
+def _arguments(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """``args`` as a tuple and ``kwargs`` as a dict, refusing the shapes that are mistakes (a bare string,
+    a dict passed as ``args``) instead of splatting them."""
+    if isinstance(args, str | bytes | Mapping) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a tuple or list of fn's positional arguments, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping of fn's keyword arguments, got {type(kwargs).__name__}")
+    return tuple(args), dict(kwargs or {})

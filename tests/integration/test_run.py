@@ -1,0 +1,234 @@
+"""`simdist.run`, the one launcher: the same bits as its older names in every ``where``, one default reduction
+(gloo's order, not the rank-order fold), ``fn``'s arguments apart from the launcher's, and one-line errors.
+
+The data make the orders tell apart: float32 values of mixed magnitude on 4 ranks, whose rank-order fold, ring
+and gloo sums differ (checked here, so a launcher that dropped ``reduction=`` cannot pass). The reference for
+the rank-order fold is a left fold written in this file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import simdist
+from simdist.reduce import Gloo, Reduction, Ring, Sequential
+from simdist.world.launch import spawn_gloo, spawn_procs
+from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
+from simdist.world.simworld import SimWorld
+from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
+
+N = 4
+SPEC = ParallelSpec(N, tp=2, ep=2)
+
+
+def values(rank: int, numel: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234 + rank)
+    scale = torch.tensor([10.0 ** (k % 9 - 4) for k in range(numel)])
+    return (torch.randn(numel, generator=g) * scale).float()
+
+
+def dist_sum(rank: int, numel: int, *, scale: float = 1.0) -> torch.Tensor:
+    t = values(rank, numel) * scale
+    dist.all_reduce(t)
+    return t
+
+
+def summed_on(rank: int, numel: int) -> tuple[str, torch.Tensor]:
+    return dist.get_backend(), dist_sum(rank, numel)
+
+
+def comm_sums(comm, numel: int, *, scale: float = 1.0) -> list[torch.Tensor]:
+    out = []
+    for kind in (None, "tp", GroupKind.DP):
+        t = values(comm.get_rank(), numel) * scale
+        comm.all_reduce(t, group=None if kind is None else comm.group(kind))
+        out.append(t)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def same_bits(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(bits(a), bits(b))
+    return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b, strict=True))
+
+
+def left_fold(numel: int, ranks=range(N), scale: float = 1.0) -> torch.Tensor:
+    acc = values(ranks[0], numel) * scale
+    for r in ranks[1:]:
+        acc = acc + values(r, numel) * scale
+    return acc
+
+
+def test_the_data_tell_the_orders_apart():
+    """Guards the rest: on these values the rank-order fold, ring and gloo give different bits."""
+    seq = simdist.run(dist_sum, N, args=(64,), reduction="sequential")[0]
+    ring = simdist.run(dist_sum, N, args=(64,), reduction="ring")[0]
+    gloo = simdist.run(dist_sum, N, args=(64,))[0]
+    assert not same_bits(seq, gloo) and not same_bits(seq, ring) and not same_bits(ring, gloo)
+    assert same_bits(seq, left_fold(64))  # the fold written above, not simdist's
+
+
+def test_threads_dist_is_spawn_bit_for_bit_with_args_kwargs_and_every_reduction_spelling():
+    ran = simdist.run(dist_sum, N, args=(64,), kwargs={"scale": 0.5})
+    old = simdist.spawn(dist_sum, N, 64, scale=0.5)
+    assert len(ran) == N and same_bits(ran, old)
+    assert same_bits(ran, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)  # default: gloo's order
+    ring = [simdist.run(dist_sum, N, args=[64], reduction=choice) for choice in ("ring", Reduction.RING, Ring())]
+    assert all(same_bits(r, simdist.spawn(dist_sum, N, 64, model="ring")) for r in ring)
+    assert same_bits(simdist.spawn(dist_sum, N, 64, reduction="ring"), ring[0])
+    seq = simdist.run(dist_sum, SPEC, args=(64,), reduction={"world": "sequential", "default": "gloo"})
+    assert same_bits(seq, [left_fold(64)] * N)
+
+
+def test_threads_comm_is_simworld_bit_for_bit_and_simworld_now_defaults_to_gloo():
+    ran = simdist.run(comm_sums, SPEC, api="comm", args=(64,), kwargs={"scale": 2.0})
+    assert same_bits(ran, SimWorld(SPEC, default_model=Gloo()).run(comm_sums, 64, scale=2.0))
+    assert same_bits(ran, SimWorld(SPEC).run(comm_sums, 64, scale=2.0))  # one default everywhere
+    seq = simdist.run(comm_sums, SPEC, api="comm", args=(64,), kwargs={"scale": 2.0}, reduction="sequential")
+    assert same_bits(seq, SimWorld(SPEC, default_model=Sequential()).run(comm_sums, 64, scale=2.0))
+    assert same_bits([r[0] for r in seq], [left_fold(64, scale=2.0)] * N)
+    tp4 = ParallelSpec(N, tp=N)  # a tp group of 4 members: its order shows (a 2-member sum has only one)
+    mixed = simdist.run(comm_sums, tp4, api="comm", args=(64,), reduction={"tp": "sequential", "default": "ring"})
+    assert same_bits(mixed, SimWorld(tp4, models={"tp": Sequential()}, default_model=Ring()).run(comm_sums, 64))
+    assert same_bits([r[1] for r in mixed], [left_fold(64)] * N)  # tp: the fold
+    assert same_bits([r[0] for r in mixed], simdist.run(dist_sum, N, args=(64,), reduction="ring"))  # world: ring
+    flat = simdist.run(comm_sums, N, api="comm", args=(8,))  # a size is a flat spec: tp = dp = ... = 1
+    assert flat[0][1].equal(values(0, 8)) and flat[0][2].equal(flat[0][0])
+
+
+def test_one_default_reduction_and_timeout_across_the_launchers():
+    import inspect
+
+    from simdist.world import inproc, launch
+
+    assert DEFAULT_REDUCTION == "gloo" and DEFAULT_TIMEOUT_S == 300.0
+    assert SimWorld(SPEC).timeout_s == DEFAULT_TIMEOUT_S
+    assert isinstance(SimWorld(SPEC).default_model, Gloo)
+    for fn in (simdist.run, inproc.spawn, launch.spawn_procs, launch.spawn_gloo):
+        assert inspect.signature(fn).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S, fn
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"where": "thread"}, ValueError, r"where='thread' is unknown; valid: 'threads', 'processes', 'gloo'"),
+        ({"api": "torch"}, ValueError, r"api='torch' is unknown; valid: 'dist', 'comm'"),
+        ({"reduction": "rign"}, ValueError, r"unknown reduction model 'rign'; valid names: sequential"),
+        ({"reduction": 3}, TypeError, r"model must be a model name"),
+        ({"reduction": "ring", "where": "gloo"}, ValueError, r"real gloo sums in its own order"),
+        ({"reduction": {"tp": "ring"}, "where": "processes"}, TypeError, r"per-kind tables and callables need"),
+        ({"reduction": {"tpp": "ring"}, "api": "comm"}, ValueError, r"unknown group kind\(s\) \['tpp'\]"),
+        ({"timeout_s": 0}, ValueError, r"timeout_s must be a positive, finite number of seconds, got 0"),
+        ({"timeout_s": -1.0}, ValueError, r"positive, finite"),
+        ({"timeout_s": math.nan}, ValueError, r"positive, finite"),
+        ({"timeout_s": math.inf, "where": "processes"}, ValueError, r"positive, finite"),
+        ({"timeout_s": "60"}, TypeError, r"timeout_s must be a number of seconds or None, got str '60'"),
+        ({"timeout_s": True}, TypeError, r"got bool"),
+        ({"timeout_s": None, "where": "gloo"}, ValueError, r"timeout_s=None \(no deadline\) is for threads only"),
+        ({"args": "abc"}, TypeError, r"args must be a tuple or list of fn's positional arguments, got str"),
+        ({"args": {"numel": 4}}, TypeError, r"args must be a tuple or list"),
+        ({"kwargs": [("scale", 1.0)]}, TypeError, r"kwargs must be a mapping of fn's keyword arguments, got list"),
+        ({"preload": ("json",)}, ValueError, r"preload= and timings= are for process launches"),
+    ],
+)
+def test_bad_launch_arguments_are_one_line_errors_before_any_rank_starts(kwargs, error, match):
+    def never(*_a, **_k):  # a local function: a process launch could not even pickle it
+        raise AssertionError("a rank started")
+
+    with pytest.raises(error, match=match):
+        simdist.run(never, N, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world", "error", "match"),
+    [(0, ValueError, "at least 1 rank"), (2.0, TypeError, "got float 2.0"), (True, TypeError, "got bool")],
+)
+def test_a_bad_world_is_an_error(world, error, match):
+    with pytest.raises(error, match=match):
+        simdist.run(dist_sum, world, args=(4,))
+
+
+def test_the_reduction_is_given_once():
+    with pytest.raises(TypeError, match=r"give the reduction model once, as reduction= \(got reduction=, model=\)"):
+        simdist.spawn(dist_sum, N, 4, reduction="ring", model="ring")
+    with pytest.raises(TypeError, match=r"got reduction= and default_model="):
+        SimWorld(SPEC, default_model=Ring(), reduction="ring")
+    with pytest.raises(TypeError, match=r"reduction must be a model name"):
+        SimWorld(SPEC, reduction=lambda ranks: Ring())
+
+
+def test_group_kinds_are_a_str_enum_that_equals_the_strings():
+    assert [str(k) for k in GROUP_KINDS] == ["tp", "dp", "ep", "etp", "edp", "pp"]
+    assert GroupKind.TP == "tp" and hash(GroupKind.EDP) == hash("edp") and f"{GroupKind.WORLD}" == "world"
+    assert SPEC.groups(GroupKind.EDP) == SPEC.groups("edp")
+    groups = simdist.run(lambda comm: (comm.group("tp"), comm.group(GroupKind.TP)), SPEC, api="comm")
+    assert all(a == b and str(a) == str(b) for a, b in groups)
+
+
+def test_the_package_exports_its_public_names():
+    assert set(simdist.__all__) >= {"run", "spawn", "SimWorld", "ParallelSpec", "GroupKind", "Reduction", "blame"}
+    assert sorted(simdist.__all__) == sorted(["DISTRIBUTION", *simdist._LAZY])
+    for name in simdist.__all__:
+        assert getattr(simdist, name) is not None
+    assert simdist.run.__module__ == "simdist.world.runner" and simdist.Where is Where and simdist.Api is Api
+    with pytest.raises(AttributeError, match="no attribute 'spwan'"):
+        simdist.spwan  # noqa: B018
+
+
+# -- processes: one launch costs seconds (torch in a forkserver), so these are slow ---------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings():
+    timings: list = []
+    processes = simdist.run(dist_sum, N, where="processes", args=(64,), kwargs={"scale": 0.5}, timings=timings)
+    assert same_bits(processes, simdist.spawn(dist_sum, N, 64, scale=0.5))  # process mode = threads, bitwise
+    assert same_bits(processes, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)
+    ring = simdist.run(dist_sum, N, where="processes", args=(64,), reduction=Ring(), preload=("json",))
+    assert same_bits(ring, spawn_procs(dist_sum, N, 64, backend="simdist", model="ring"))
+    assert same_bits(ring, simdist.spawn(dist_sum, N, 64, reduction="ring"))
+    real = simdist.run(summed_on, N, where="gloo", args=(64,))
+    assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo model (which gives the same bits)
+    assert same_bits([t for _, t in real], spawn_procs(dist_sum, N, 64, backend="gloo"))
+    assert {name for name, _ in simdist.run(summed_on, 2, where="processes", args=(4,))} == {"simdist"}
+    comm = simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,), timings=timings)
+    assert same_bits(comm, spawn_gloo(comm_sums, SPEC, 64, backend="simdist"))
+    assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", args=(64,)))
+    assert len(timings) == 2 and all(t.world_size == N and t.total > 0 for t in timings)
+    assert all(min(t.server, t.start, t.imports, t.rendezvous, t.work, t.finish) >= 0 for t in timings)
+
+
+def preload_probe(rank: int) -> tuple[bool, bool, bool]:
+    """(the probe was imported by another process, the forkserver froze, this rank's gc has frozen objects)."""
+    import gc
+    import os
+
+    import launch_probe
+
+    from simdist.world import forkserver_freeze
+
+    return os.getpid() != launch_probe.IMPORTED_IN, forkserver_freeze.FROZE, gc.get_freeze_count() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_preloaded_modules_are_imported_once_in_the_forkserver_which_freezes_its_objects(monkeypatch):
+    """The start-up cut of issue 22 item 5, checked by where imports happen (never by a clock). Python 3.11's
+    forkserver imports its preload list on the environment's path (PYTHONPATH), not on this process's
+    ``sys.path``: the probe's folder goes there (the server restarts for the new module and inherits it)."""
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    results = simdist.run(preload_probe, 2, where="gloo", preload=("launch_probe",))
+    assert results == [(True, True, True)] * 2
