@@ -182,7 +182,7 @@ def test_bf16_writeback_names_the_writeback_and_fp32_staging_has_none():
     assert in_gradpath["bf16_writeback"] == {(writeback, "cast", "aten._to_copy"), (copy_back, "cast", "aten.copy_")}
     assert in_gradpath["fp32_staging"] == {(copy_back, "cast", "aten.copy_")}
     site = next(s for s in reports["bf16_writeback"].sites if s.where == writeback and s.dtypes == "fp32->bf16")
-    assert site.function == "apply" and site.ranks == [0, 1, 2, 3] and 0 < site.max_rel_error <= 2.0**-8
+    assert site.function == "apply_stage" and site.ranks == [0, 1, 2, 3] and 0 < site.max_rel_error <= 2.0**-8
     for report in reports.values():  # every other fp32 -> bf16 narrowing generates the synthetic data
         assert {s.file for s in report.narrowings()} == {GRADPATH, SYNTHETIC}
         tp = [
@@ -433,7 +433,7 @@ def test_example_script_reports_the_writeback_as_the_readme_shows(capsys):
     namespace = runpy.run_path(str(root / "experiments" / "audit_example.py"))
     assert namespace["main"]([]) == 0
     out = capsys.readouterr().out
-    assert f"simdist/gradpath/kernel.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in apply" in out
+    assert f"simdist/gradpath/kernel.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in apply_stage" in out
     printed = out.replace(str(Path(simdist.__file__).resolve().parent.parent) + "/", "")
     printed = re.sub(r"(\.py):\d+", r"\1", printed)
     readme = (root / "README.md").read_text()
