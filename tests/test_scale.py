@@ -136,19 +136,19 @@ def test_a_512_rank_nccl_tree_all_reduce_is_the_plain_loop_restatement_bit_for_b
 
 
 @pytest.mark.parametrize(
-    ("n", "model"),
+    ("n", "model", "shape"),
     [
-        (N, Nccl("ring")),
-        (24, Nccl("ring", channels=4, protocol="ll")),
-        (6, Nccl("ring")),
-        (N, Nccl("tree", trees=double_binary_trees([list(range(k * 8, k * 8 + 8)) for k in range(64)]))),
+        (N, Nccl("ring"), (40, 9)),
+        (24, Nccl("ring", channels=4, protocol="ll"), (40, 9)),
+        (6, Nccl("ring"), (40, 9)),
+        # 16 KiB per member: one channel (tree 0); the 6 reductions' flat length would use two (tree 1 too)
+        (N, Nccl("tree", trees=double_binary_trees([list(range(k * 8, k * 8 + 8)) for k in range(64)])), (64, 64)),
     ],
     ids=["ring-512", "ring-24-ll", "ring-6", "tree-512"],
 )
-def test_the_batched_engine_reduces_nccl_groups_as_each_alone(n, model):
+def test_the_batched_engine_reduces_nccl_groups_as_each_alone(n, model, shape):
     """`batched_sum` (the rank-batched engine's collective) gives every group and seed the bits `Nccl.reduce`
     gives it alone: the plan is one member's, never that of the batch's flat length."""
-    shape = (40, 9)  # 360 elements per member
     stacked = _inputs(n, 3 * 2 * math.prod(shape), seed=4).view(n, 3, 2, *shape)
     together = batched_sum(model, stacked, shape)
     for b in range(3):
