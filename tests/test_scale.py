@@ -205,3 +205,16 @@ def test_tp8_dp64_growth_matches_the_independent_oracle(tmp_path, reduction):
     summary = run_growth(config, tmp_path, progress=False, plot=False)
     assert summary["policies"]["fp32_staging"]["bitwise_equal_to_oracle"]
     assert not summary["policies"]["bf16_only"]["bitwise_equal_to_oracle"]
+
+
+def test_the_ring_models_cached_indexes_stay_within_their_byte_bound(monkeypatch):
+    """One cached index is ``8 * n * numel`` bytes (256 MiB at 512 ranks x 65536): a sweep over sizes must not
+    keep them all."""
+    from simdist.reduce import Ring, models
+
+    monkeypatch.setattr(models, "_RING_INDEX_CACHE", {})
+    monkeypatch.setattr(models, "_RING_INDEX_BYTES", 8 * 2 * 4 * 1000)  # two indexes of 4 ranks x 1000
+    for numel in range(900, 1000, 10):
+        Ring().reduce(_inputs(4, numel, seed=numel))
+        held = sum(index.numel() for index in models._RING_INDEX_CACHE.values())
+        assert 0 < 8 * held <= models._RING_INDEX_BYTES
