@@ -58,6 +58,9 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
     if kind in (Sequential, Tree, Upcast) or k == 1 or numel == 0:
         return model.sum(stacked)
     count = math.prod(batch)
+    summed = getattr(model, "sum_batched", None)
+    if summed is not None:  # the model reduces many members with one member's plan (NCCL): no per-item loop
+        return summed(stacked.reshape(k, count, numel)).reshape(*batch, *shape)
     if type(model) is Ring:  # (``kind is Ring``, spelled so that the type checker narrows ``model``)
         if k <= 2:  # one addition: every order gives the same bits
             return fold(stacked)

@@ -139,6 +139,9 @@ class Ring(ReductionModel):
 
 
 _RING_INDEX_CACHE: dict[tuple, torch.Tensor] = {}
+_RING_INDEX_BYTES = 1 << 29
+"""The cached int64 indexes together stay below this (one index is ``8 * n * numel`` bytes: 256 MiB for 512
+ranks of 65536 elements, so a sweep over sizes at large worlds would otherwise keep gigabytes)."""
 
 
 def _ring_index(numel: int, n: int, chunk: int, shift: int, ring: tuple[int, ...], device) -> torch.Tensor:
@@ -149,7 +152,8 @@ def _ring_index(numel: int, n: int, chunk: int, shift: int, ring: tuple[int, ...
         start = ((torch.arange(numel) // chunk) + shift) % n
         positions = (start.unsqueeze(0) + torch.arange(n).unsqueeze(1)) % n
         cached = torch.tensor(ring)[positions].to(device)
-        if len(_RING_INDEX_CACHE) > 256:
+        held = sum(index.numel() for index in _RING_INDEX_CACHE.values())
+        if len(_RING_INDEX_CACHE) > 256 or 8 * (held + cached.numel()) > _RING_INDEX_BYTES:
             _RING_INDEX_CACHE.clear()
         _RING_INDEX_CACHE[key] = cached
     return cached

@@ -567,12 +567,14 @@ class Nccl(ReductionModel):
         """``[n, count]``: for a ring all-reduce, the rank each element adds at hop ``j`` (hop 0 starts)."""
         if self.algorithm != "ring":
             raise ValueError("element_orders is defined for the ring; a tree is not a fold")
-        orders = torch.empty(n, count, dtype=torch.int64)
-        for offset, length, channel, start in self.ring_plan(count, element_size, n):
-            ring = self.ring_of(channel, n)
-            for j in range(n):
-                orders[j, offset : offset + length] = ring[(start + j) % n]
-        return orders
+        plan = self.ring_plan(count, element_size, n)
+        start = torch.zeros(count, dtype=torch.int64)  # per element: its chunk's start position and channel
+        channel = torch.zeros(count, dtype=torch.int64)
+        for offset, length, c, s in plan:
+            start[offset : offset + length] = s
+            channel[offset : offset + length] = c
+        rings = torch.tensor([self.ring_of(c, n) for c in range(max((c for _, _, c, _ in plan), default=0) + 1)])
+        return rings[channel.unsqueeze(0), (start.unsqueeze(0) + torch.arange(n).unsqueeze(1)) % n]
 
     # -- arithmetic -------------------------------------------------------------------------
 
@@ -590,12 +592,35 @@ class Nccl(ReductionModel):
         elif self.algorithm == "ring":
             out = _fold_groups(flat, _groups(self, "all_reduce", flat.shape[1], flat.element_size(), n), arith)
         else:
-            out = torch.empty_like(flat[0])
-            for channel, offset, part in self.parts(flat.shape[1], flat.element_size(), n):
-                down = self.tree_of(channel, n)
-                root, order = _check_tree(down, n)
-                out[offset : offset + part] = _tree_fold(flat[:, offset : offset + part], down, root, order, arith)
+            out = self._tree(flat, arith)
         return restore(finish(out))
+
+    def _tree(self, flat: torch.Tensor, arith: _Arith) -> torch.Tensor:
+        """The tree all-reduce of ``[n, *batch, columns]``: each channel's part folded up its tree."""
+        out = torch.empty_like(flat[0])
+        for channel, offset, part in self.parts(flat.shape[-1], flat.element_size(), flat.shape[0]):
+            down = self.tree_of(channel, flat.shape[0])
+            root, order = _check_tree(down, flat.shape[0])
+            out[..., offset : offset + part] = _tree_fold(flat[..., offset : offset + part], down, root, order, arith)
+        return out
+
+    def sum_batched(self, stacked: torch.Tensor) -> torch.Tensor:
+        """SUM of many independent all-reduces at once: ``[n, batch, numel] -> [batch, numel]``.
+
+        Each batch item gets the bits `reduce` gives it alone (row-major members of ``numel`` elements): the
+        plan (channels, chunks, trees) is that of one ``numel``-element member, and every operation is
+        element-wise along the batch dimension. The rank-batched engine calls this instead of ``batch``
+        separate reductions.
+        """
+        n, numel = stacked.shape[0], stacked.shape[-1]
+        arith = _Arith(_combine(ReduceOp.SUM, stacked.dtype))
+        if n == 1:
+            return stacked[0].clone()
+        if n == 2:
+            return arith.combine(stacked[0], stacked[1])
+        if self.algorithm == "ring":
+            return _fold_groups(stacked, _groups(self, "all_reduce", numel, stacked.element_size(), n), arith)
+        return self._tree(stacked, arith)
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Per-rank output blocks ``[n, numel / n]`` of NCCL's ring reduce-scatter."""
@@ -701,20 +726,43 @@ def _span_index(spans) -> torch.Tensor:
     return torch.cat([torch.arange(o, o + ln) for o, ln in spans])
 
 
+_HOP_GROUPS = 8
+"""Above this many distinct fold orders in one call, `_fold_groups` folds hop by hop over every column at once."""
+
+
 def _fold_groups(flat: torch.Tensor, groups: Groups, arith: _Arith) -> torch.Tensor:
     """Fold the columns of each group in its order: the first rank's own value, then each next rank's own
-    value plus the partial it received."""
+    value plus the partial it received. ``flat`` is ``[n, *batch, columns]``: every batch item alike."""
+    if len(groups) > _HOP_GROUPS:
+        return _fold_hops(flat, groups, arith)
     out = torch.empty_like(flat[0])
     for order, spans, index in groups:
         if index is None and len(spans) > 4:
             index = _span_index(spans)
         if index is None:
             for offset, length in spans:
-                out[offset : offset + length] = _fold_rows(flat[:, offset : offset + length], order, arith)
+                out[..., offset : offset + length] = _fold_rows(flat[..., offset : offset + length], order, arith)
             continue
         index = index.to(flat.device)
-        out.index_copy_(0, index, _fold_rows(flat.index_select(1, index), order, arith))
+        out.index_copy_(-1, index, _fold_rows(flat.index_select(-1, index), order, arith))
     return out
+
+
+def _fold_hops(flat: torch.Tensor, groups: Groups, arith: _Arith) -> torch.Tensor:
+    """`_fold_groups` for many orders (a short ring loop on many ranks has up to ``n`` chunk starts): the rows
+    of each span are first put in its fold order (one ``index_select`` per span), then every column is folded
+    at once, hop by hop: ``spans + n`` operations instead of ``spans * n`` (``n**2`` small ones at world 512),
+    for one extra copy of the input. Same operations on the same operands, in the same order."""
+    ordered = torch.empty_like(flat)
+    for order, spans, _ in groups:
+        rows = torch.tensor(order, device=flat.device)
+        for offset, length in spans:
+            ordered[..., offset : offset + length] = flat[..., offset : offset + length].index_select(0, rows)
+    hops = ordered.unbind(0)
+    acc = arith.own(hops[0])
+    for hop in hops[1:]:
+        acc = arith.own_plus(hop, acc)
+    return acc
 
 
 def _fold_rows(rows: torch.Tensor, order: tuple[int, ...], arith: _Arith) -> torch.Tensor:

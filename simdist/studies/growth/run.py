@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from simdist.gradpath.batched import BatchedPath
+from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, coerce
 from simdist.gradpath.path import PathConfig
@@ -154,9 +154,13 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
     initial = [InitialWeights(spec, seed) for seed in seeds]
     model = make_model(config.reduction)
 
+    buffers: dict[torch.dtype, torch.Tensor] = {}  # one initial buffer per dtype, not per policy (slow at world 512)
+
     def batched(policy, marker: Marker) -> BatchedPath:
         path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
-        return BatchedPath(spec, params, policy, path, initial, seeds, default_model=model)
+        if policy.grad_dtype not in buffers:
+            buffers[policy.grad_dtype] = initial_buffer(spec, params, initial, policy.grad_dtype)
+        return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, default_model=model)
 
     oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, model)
     paths = [batched(p, config.marker) for p in policies]
