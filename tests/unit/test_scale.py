@@ -27,7 +27,7 @@ from simdist.numerics.floats import bitwise_equal
 from simdist.reduce.nccl import Nccl, double_binary_trees
 
 N = 512
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _inputs(n: int, numel: int, seed: int) -> torch.Tensor:
