@@ -72,8 +72,7 @@ def _ordered32(t: torch.Tensor) -> torch.Tensor:
 
 
 class Reference:
-    """The oracle's tensor ``[S, R, N]`` prepared once per step for `divergence` (or ``[K, 1, S, R, N]`` for `K`
-    tensors at once, against ``actual`` ``[K, P, S, R, N]``)."""
+    """The oracle's tensor ``[S, R, N]`` prepared once per step for `divergence`."""
 
     def __init__(self, expected: torch.Tensor) -> None:
         self.e64 = expected.to(torch.float32).double().flatten(-2)

@@ -210,11 +210,11 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
             row = row_of.get(step + 1)
             # every tensor kind and policy at once: [K, P, S, R, N] against the oracle's [K, 1, S, R, N]
             if row is not None:
-                kinds = ("master", "m", "v")
-                state = torch.stack([torch.stack([getattr(path.path, kind) for path in paths]) for kind in kinds])
-                expected = torch.stack([oracle.flat(kind) for kind in kinds]).unsqueeze(1)
-                found = divergence(state, Reference(expected))  # [K, P, S, 4]
-                metrics[row] = found.permute(1, 2, 0, 3).reshape(len(paths), config.seeds, -1).numpy()
+                per_kind = []
+                for kind in ("master", "m", "v"):  # every policy at once: [P, S, R, N] against the oracle's [S, R, N]
+                    state = torch.stack([getattr(path.path, kind) for path in paths])
+                    per_kind.append(divergence(state, Reference(oracle.flat(kind))))
+                metrics[row] = torch.cat(per_kind, dim=-1).numpy()
             if bar is not None:
                 bar.update(1)
             done = step + 1
