@@ -1,5 +1,6 @@
-"""The oracle's group sums of a seed batch (`simdist.gradpath.reference._reduce`): each item gets the bits the
-model gives it alone, for two-member groups (summed for the whole batch at once) and NaN payloads included."""
+"""The oracle's batched layouts (`simdist.gradpath.reference`): group sums of a seed batch give each item the bits
+the model gives it alone (two-member groups summed for the whole batch at once, NaN payloads included), and one
+flat AdamW parameter gives each piece the bits of its own parameter."""
 
 from __future__ import annotations
 
@@ -38,3 +39,25 @@ def test_each_batch_item_gets_the_bits_it_gets_alone(name, k, nan):
     together = _reduce(model, members, SHAPE)
     for i in range(members[0].shape[0]):
         assert bitwise_equal(together[i], model.reduce([m[i] for m in members])), (name, k, i)
+
+
+def test_one_flat_adamw_parameter_gives_each_piece_the_bits_of_its_own_parameter():
+    """The oracle's masters are one flat parameter of torch.optim.AdamW: element-wise, so each rank's and
+    parameter's elements get the bits one optimizer parameter per piece gives them (masters and moments)."""
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.nn.Parameter(torch.randn(3, 2, 7, generator=gen))  # [seed, rank, N]: pieces of 3 and 4 elements
+    spans = ((0, 3), (3, 7))
+    pieces = [torch.nn.Parameter(flat.detach()[:, r, a:b].clone()) for r in range(2) for a, b in spans]
+    settings = {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    one, many = torch.optim.AdamW([flat], **settings), torch.optim.AdamW(pieces, **settings)
+    for _ in range(3):
+        grad = torch.randn(3, 2, 7, generator=gen) * 2.0 ** torch.randint(-30, 5, (3, 2, 7), generator=gen)
+        flat.grad = grad
+        for piece, (r, (a, b)) in zip(pieces, [(r, s) for r in range(2) for s in spans], strict=True):
+            piece.grad = grad[:, r, a:b].clone()
+        one.step()
+        many.step()
+    for piece, (r, (a, b)) in zip(pieces, [(r, s) for r in range(2) for s in spans], strict=True):
+        assert bitwise_equal(flat.detach()[:, r, a:b].contiguous(), piece.detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert bitwise_equal(one.state[flat][key][:, r, a:b].contiguous(), many.state[piece][key])

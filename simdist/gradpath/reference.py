@@ -18,10 +18,11 @@ Per optimizer step, for every parameter, in plain loops over ranks and groups:
 2. at the boundary, each DP group (the EDP group for routed experts) sums its
    members' buffers in ``dp_model``'s order and scales by ``1 / dp`` (the
    dense DP size, for experts too);
-3. the reduced gradient is the ``.grad`` of the rank's ``dtype`` master
-   weight, and ``torch.optim.AdamW`` -- the real optimizer class, with its
-   own state -- takes one step over every master of every rank; the masters
-   are rounded to BF16 (nearest even) as the next step's parameters.
+3. the reduced gradient is the ``.grad`` of the ``dtype`` master weights
+   (every rank's and parameter's, in one flat tensor: AdamW is element-wise),
+   and ``torch.optim.AdamW`` -- the real optimizer class, with its own state
+   -- takes one step over them; the masters are rounded to BF16 (nearest
+   even) as the next step's parameters.
 
 Why the correction rule is restated rather than taken from the family table:
 an oracle that read `Family.correction` would share any error in that table
@@ -107,7 +108,11 @@ class Oracle:
     ``/ tp``, ``+=`` and every AdamW operation are element-wise, so they give each rank's elements the bits
     they get in the rank's own tensor, and a group's reduction takes its members out of the rank dimension in
     group-rank order. One tensor per parameter instead of one per rank and parameter keeps the number of torch
-    calls (the cost of small tensors) independent of the world size.
+    calls (the cost of small tensors) independent of the world size. The masters of every trained parameter
+    are one flat ``[*batch, rank, N]`` parameter of the real ``torch.optim.AdamW`` (`part` gives a parameter's
+    view): on CPU it runs its single-tensor step, whose every operation is element-wise, so each element gets
+    the bits it gets in its own parameter's tensor (``tests/test_oracle_group_sums.py`` checks this layout against one
+    optimizer parameter per rank and parameter), and one tensor costs a fifth of five.
     """
 
     def __init__(
@@ -129,15 +134,27 @@ class Oracle:
         self.trained = [p for p in self.params if not p.frozen]
         self.ranks = range(spec.world_size)
         self.lp = {p.name: stacked([initial[(r, p.name)].detach() for r in self.ranks], p) for p in self.params}
-        self.masters = {p.name: torch.nn.Parameter(self.lp[p.name].to(dtype)) for p in self.trained}
+        self.spans: dict[str, tuple[int, int]] = {}
+        start = 0
+        for p in self.trained:
+            self.spans[p.name] = (start, start + math.prod(p.shape))
+            start += math.prod(p.shape)
+        # the masters of every trained parameter, flat: ``[*batch, rank, N]`` in parameter order (`part`)
+        masters = [self.lp[p.name].to(dtype).flatten(self.lp[p.name].dim() - len(p.shape)) for p in self.trained]
+        self.master = [torch.nn.Parameter(torch.cat(masters, dim=-1))] if masters else []
         h = adam or AdamWSettings()
         self.optimizer = torch.optim.AdamW(
-            list(self.masters.values()),
+            self.master,
             lr=h.lr,
             betas=(h.beta1, h.beta2),
             eps=h.eps,
             weight_decay=h.weight_decay,
         )
+
+    def part(self, flat: torch.Tensor, p: ParamSpec) -> torch.Tensor:
+        """``p``'s ``[*batch, rank, *shape]`` view of a flat ``[*batch, rank, N]`` tensor of the masters' layout."""
+        start, stop = self.spans[p.name]
+        return flat[..., start:stop].view(*flat.shape[:-1], *p.shape)
 
     def step(
         self,
@@ -152,7 +169,7 @@ class Oracle:
         ``capture`` sees every stage's ``[*batch, rank, *shape]`` value (`Captured`)."""
         seen = capture or (lambda *args: None)
         tp = self.spec.tp
-        hp = {name: torch.zeros_like(m, dtype=self.dtype) for name, m in self.masters.items()}
+        hp = {p.name: torch.zeros_like(self.lp[p.name], dtype=self.dtype) for p in self.trained}
         for micro in range(gas):
             grads = local_grads(micro, _PerRank(self.lp, self.params))
             for p in self.trained:
@@ -172,20 +189,25 @@ class Oracle:
                     seen(step, micro, p.name, Capture.CORRECTED, value)
                 hp[p.name] += value
                 seen(step, micro, p.name, Capture.HP, hp[p.name])
+        grads = []
         for p in self.trained:
             reduced = self._group_sums(self.dp_model, dp_kind(p.family), hp[p.name], p, scale=1.0 / self.spec.dp)
             seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
             seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
-            self.masters[p.name].grad = reduced.clone()
+            grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+        if not self.master:
+            return
+        master = self.master[0]
+        master.grad = torch.cat(grads, dim=-1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        state = self.optimizer.state[master]
+        lp = master.detach().to(torch.bfloat16)
         for p in self.trained:
-            master = self.masters[p.name]
-            self.lp[p.name] = master.detach().to(torch.bfloat16)
-            state = self.optimizer.state[master]
-            seen(step, BOUNDARY, p.name, Capture.MASTER, master.detach())
-            seen(step, BOUNDARY, p.name, Capture.ADAM_M, state["exp_avg"])
-            seen(step, BOUNDARY, p.name, Capture.ADAM_V, state["exp_avg_sq"])
+            self.lp[p.name] = self.part(lp, p)
+            seen(step, BOUNDARY, p.name, Capture.MASTER, self.part(master.detach(), p))
+            seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))
+            seen(step, BOUNDARY, p.name, Capture.ADAM_V, self.part(state["exp_avg_sq"], p))
             seen(step, BOUNDARY, p.name, Capture.PARAM, self.lp[p.name])
 
     def _group_sums(
@@ -206,20 +228,16 @@ class Oracle:
 
     def flat(self, which: str) -> torch.Tensor:
         """``master``, ``m``, ``v`` or ``lp`` of every trained parameter as ``[*batch, rank, N]`` (parameter order)."""
-
-        def tensor(p: ParamSpec) -> torch.Tensor:
-            if which == "lp":
-                return self.lp[p.name]
-            master = self.masters[p.name]
-            if which == "master":
-                return master.detach()
-            state = self.optimizer.state.get(master)
-            if not state:
-                return torch.zeros_like(master.detach())
-            return state["exp_avg" if which == "m" else "exp_avg_sq"]
-
-        parts = [tensor(p) for p in self.trained]
-        return torch.cat([t.flatten(t.dim() - len(p.shape)) for t, p in zip(parts, self.trained, strict=True)], -1)
+        if which == "lp":
+            parts = [self.lp[p.name] for p in self.trained]
+            return torch.cat([t.flatten(t.dim() - len(p.shape)) for t, p in zip(parts, self.trained, strict=True)], -1)
+        master = self.master[0]
+        if which == "master":
+            return master.detach()
+        state = self.optimizer.state.get(master)
+        if not state:
+            return torch.zeros_like(master.detach())
+        return state["exp_avg" if which == "m" else "exp_avg_sq"]
 
     def state(self) -> dict[str, torch.Tensor]:
         """Masters, moments and BF16 parameters as flat ``[*batch, rank, N]`` tensors (for checkpoints)."""
@@ -228,25 +246,18 @@ class Oracle:
 
     def load(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
         """Restore `state` after ``steps_done`` optimizer steps (the optimizer's step counters included)."""
-        start = 0
+        master = self.master[0]
+        with torch.no_grad():
+            master.copy_(state["master"])
+        lp = state["lp"].clone()
         for p in self.trained:
-            n = math.prod(p.shape)
-
-            def part(name: str, start=start, n=n, p=p) -> torch.Tensor:
-                flat = state[name][..., start : start + n]
-                return flat.reshape(*flat.shape[:-1], *p.shape).clone()
-
-            master = self.masters[p.name]
-            with torch.no_grad():
-                master.copy_(part("master"))
-            self.lp[p.name] = part("lp")
-            if steps_done:
-                self.optimizer.state[master] = {
-                    "step": torch.tensor(float(steps_done)),
-                    "exp_avg": part("adam_m"),
-                    "exp_avg_sq": part("adam_v"),
-                }
-            start += n
+            self.lp[p.name] = self.part(lp, p)
+        if steps_done:
+            self.optimizer.state[master] = {
+                "step": torch.tensor(float(steps_done)),
+                "exp_avg": state["adam_m"].clone(),
+                "exp_avg_sq": state["adam_v"].clone(),
+            }
 
 
 def stacked(per_rank: Sequence[torch.Tensor], p: ParamSpec) -> torch.Tensor:
