@@ -217,8 +217,9 @@ class Oracle:
         over the groups of ``kind``, times ``scale`` if given, in a new tensor."""
         dim = value.dim() - len(p.shape) - 1
         sums: dict[int, torch.Tensor] = {}
+        rows = value.unbind(dim)
         for group in self.spec.groups(kind):
-            total = _reduce(model, [value.select(dim, r).contiguous() for r in group], p.shape)
+            total = _reduce(model, [rows[r].contiguous() for r in group], p.shape)
             for r in group:
                 sums[r] = total
         out = torch.stack([sums[r] for r in self.ranks], dim=dim)
