@@ -18,10 +18,11 @@ Per optimizer step, for every parameter, in plain loops over ranks and groups:
 2. at the boundary, each DP group (the EDP group for routed experts) sums its
    members' buffers in ``dp_model``'s order and scales by ``1 / dp`` (the
    dense DP size, for experts too);
-3. the reduced gradient is the ``.grad`` of the rank's ``dtype`` master
-   weight, and ``torch.optim.AdamW`` -- the real optimizer class, with its
-   own state -- takes one step over every master of every rank; the masters
-   are rounded to BF16 (nearest even) as the next step's parameters.
+3. the reduced gradient is the ``.grad`` of the ``dtype`` master weights
+   (every rank's and parameter's, in one flat tensor: AdamW is element-wise),
+   and ``torch.optim.AdamW`` -- the real optimizer class, with its own state
+   -- takes one step over them; the masters are rounded to BF16 (nearest
+   even) as the next step's parameters.
 
 Why the correction rule is restated rather than taken from the family table:
 an oracle that read `Family.correction` would share any error in that table
@@ -40,7 +41,7 @@ them, and each reduction runs per batch item, so each item gets the bits it gets
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +93,9 @@ class AdamWSettings:
 
 Key = tuple[int, str]
 """``(rank, parameter name)``."""
-Captured = Callable[[int, int, int, str, str, torch.Tensor], None]
-"""``(rank, step, micro, param, stage, value)``; ``micro`` is `BOUNDARY` for the step's boundary."""
+Captured = Callable[[int, int, str, str, torch.Tensor], None]
+"""``(step, micro, param, stage, value)``: ``value`` is every rank's, ``[*batch, rank, *shape]`` (the oracle's own
+tensor: copy what you keep); ``micro`` is `BOUNDARY` for the step's boundary."""
 
 
 class Oracle:
@@ -101,6 +103,16 @@ class Oracle:
 
     ``initial[(rank, name)]`` is a BF16 tensor ``[*batch, *shape]``. `step` runs one optimizer step from the
     local gradients of its micro-steps.
+
+    Each parameter's tensors of every rank sit in one ``[*batch, rank, *shape]`` tensor (`stacked`): casts,
+    ``/ tp``, ``+=`` and every AdamW operation are element-wise, so they give each rank's elements the bits
+    they get in the rank's own tensor, and a group's reduction takes its members out of the rank dimension in
+    group-rank order. One tensor per parameter instead of one per rank and parameter keeps the number of torch
+    calls (the cost of small tensors) independent of the world size. The masters of every trained parameter
+    are one flat ``[*batch, rank, N]`` parameter of the real ``torch.optim.AdamW`` (`part` gives a parameter's
+    view): on CPU it runs its single-tensor step, whose every operation is element-wise, so each element gets
+    the bits it gets in its own parameter's tensor (``tests/test_oracle_group_sums.py`` checks this layout against one
+    optimizer parameter per rank and parameter), and one tensor costs a fifth of five.
     """
 
     def __init__(
@@ -121,93 +133,112 @@ class Oracle:
         self.params = list(params)
         self.trained = [p for p in self.params if not p.frozen]
         self.ranks = range(spec.world_size)
-        self.lp = {k: v.detach().clone() for k, v in initial.items()}
-        self.masters = {
-            (r, p.name): torch.nn.Parameter(self.lp[(r, p.name)].to(dtype)) for r in self.ranks for p in self.trained
-        }
+        self.lp = {p.name: stacked([initial[(r, p.name)].detach() for r in self.ranks], p) for p in self.params}
+        self.spans: dict[str, tuple[int, int]] = {}
+        start = 0
+        for p in self.trained:
+            self.spans[p.name] = (start, start + math.prod(p.shape))
+            start += math.prod(p.shape)
+        # the masters of every trained parameter, flat: ``[*batch, rank, N]`` in parameter order (`part`)
+        masters = [self.lp[p.name].to(dtype).flatten(self.lp[p.name].dim() - len(p.shape)) for p in self.trained]
+        self.master = [torch.nn.Parameter(torch.cat(masters, dim=-1))] if masters else []
         h = adam or AdamWSettings()
         self.optimizer = torch.optim.AdamW(
-            list(self.masters.values()),
+            self.master,
             lr=h.lr,
             betas=(h.beta1, h.beta2),
             eps=h.eps,
             weight_decay=h.weight_decay,
         )
 
+    def part(self, flat: torch.Tensor, p: ParamSpec) -> torch.Tensor:
+        """``p``'s ``[*batch, rank, *shape]`` view of a flat ``[*batch, rank, N]`` tensor of the masters' layout."""
+        start, stop = self.spans[p.name]
+        return flat[..., start:stop].view(*flat.shape[:-1], *p.shape)
+
     def step(
         self,
         step: int,
         gas: int,
-        local_grads: Callable[[int, dict[Key, torch.Tensor]], dict[Key, torch.Tensor]],
+        local_grads: Callable[[int, Mapping[Key, torch.Tensor]], Mapping],
         capture: Captured | None = None,
     ) -> None:
         """One optimizer step; ``local_grads(micro, lp)`` gives every rank's BF16 local gradient of every trained
-        parameter for that micro-step, computed from the current BF16 parameters ``lp``."""
+        parameter for that micro-step, computed from the current BF16 parameters ``lp`` (``lp[(rank, name)]``):
+        as ``{(rank, name): [*batch, *shape]}``, or as ``{name: [*batch, rank, *shape]}`` (every rank's at once).
+        ``capture`` sees every stage's ``[*batch, rank, *shape]`` value (`Captured`)."""
         seen = capture or (lambda *args: None)
         tp = self.spec.tp
-        hp = {k: torch.zeros_like(m, dtype=self.dtype) for k, m in self.masters.items()}
+        hp = {p.name: torch.zeros_like(self.lp[p.name], dtype=self.dtype) for p in self.trained}
         for micro in range(gas):
-            grads = local_grads(micro, self.lp)
+            grads = local_grads(micro, _PerRank(self.lp, self.params))
             for p in self.trained:
                 reduces, divides = correction(p.family, tp)
-                staged = {}
-                for r in self.ranks:
-                    seen(r, step, micro, p.name, Capture.LOCAL, grads[(r, p.name)])
-                    staged[r] = grads[(r, p.name)].to(self.dtype)
-                    if reduces or divides:
-                        seen(r, step, micro, p.name, Capture.STAGED, staged[r])
-                for group in self.spec.groups("tp"):
-                    if reduces:
-                        total = _reduce(self.tp_model, [staged[r] for r in group], p.shape)
-                    for r in group:
-                        value = total if reduces else staged[r]
-                        if reduces and divides:
-                            seen(r, step, micro, p.name, Capture.TP_REDUCED, value)
-                        if divides:
-                            value = value / tp
-                        if reduces or divides:
-                            seen(r, step, micro, p.name, Capture.CORRECTED, value)
-                        hp[(r, p.name)] += value
-                        seen(r, step, micro, p.name, Capture.HP, hp[(r, p.name)])
+                local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in self.ranks], p)
+                seen(step, micro, p.name, Capture.LOCAL, local)
+                value = local.to(self.dtype)
+                if reduces or divides:
+                    seen(step, micro, p.name, Capture.STAGED, value)
+                if reduces:
+                    value = self._group_sums(self.tp_model, "tp", value, p)
+                    if divides:
+                        seen(step, micro, p.name, Capture.TP_REDUCED, value)
+                if divides:
+                    value = value / tp
+                if reduces or divides:
+                    seen(step, micro, p.name, Capture.CORRECTED, value)
+                hp[p.name] += value
+                seen(step, micro, p.name, Capture.HP, hp[p.name])
+        grads = []
         for p in self.trained:
-            for group in self.spec.groups(dp_kind(p.family)):
-                reduced = _reduce(self.dp_model, [hp[(r, p.name)] for r in group], p.shape) * (1.0 / self.spec.dp)
-                for r in group:
-                    seen(r, step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
-                    seen(r, step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
-                    self.masters[(r, p.name)].grad = reduced.clone()
+            reduced = self._group_sums(self.dp_model, dp_kind(p.family), hp[p.name], p, scale=1.0 / self.spec.dp)
+            seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
+            seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
+            grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+        if not self.master:
+            return
+        master = self.master[0]
+        master.grad = torch.cat(grads, dim=-1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for (r, name), master in self.masters.items():
-            self.lp[(r, name)] = master.detach().to(torch.bfloat16)
-            state = self.optimizer.state[master]
-            seen(r, step, BOUNDARY, name, Capture.MASTER, master.detach())
-            seen(r, step, BOUNDARY, name, Capture.ADAM_M, state["exp_avg"])
-            seen(r, step, BOUNDARY, name, Capture.ADAM_V, state["exp_avg_sq"])
-            seen(r, step, BOUNDARY, name, Capture.PARAM, self.lp[(r, name)])
+        state = self.optimizer.state[master]
+        lp = master.detach().to(torch.bfloat16)
+        for p in self.trained:
+            self.lp[p.name] = self.part(lp, p)
+            seen(step, BOUNDARY, p.name, Capture.MASTER, self.part(master.detach(), p))
+            seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))
+            seen(step, BOUNDARY, p.name, Capture.ADAM_V, self.part(state["exp_avg_sq"], p))
+            seen(step, BOUNDARY, p.name, Capture.PARAM, self.lp[p.name])
+
+    def _group_sums(
+        self, model: ReductionModel, kind: str, value: torch.Tensor, p: ParamSpec, scale: float | None = None
+    ) -> torch.Tensor:
+        """Every rank's group sum (``model``'s order, group-rank order) of ``value`` ``[*batch, rank, *shape]``
+        over the groups of ``kind``, times ``scale`` if given, in a new tensor."""
+        dim = value.dim() - len(p.shape) - 1
+        sums: dict[int, torch.Tensor] = {}
+        rows = value.unbind(dim)
+        for group in self.spec.groups(kind):
+            total = _reduce(model, [rows[r].contiguous() for r in group], p.shape)
+            for r in group:
+                sums[r] = total
+        out = torch.stack([sums[r] for r in self.ranks], dim=dim)
+        return out if scale is None else out * scale
 
     # -- flat state, for the rank-batched growth study ------------------------------------------------------------
 
     def flat(self, which: str) -> torch.Tensor:
         """``master``, ``m``, ``v`` or ``lp`` of every trained parameter as ``[*batch, rank, N]`` (parameter order)."""
-
-        def tensor(r: int, p: ParamSpec) -> torch.Tensor:
-            if which == "lp":
-                return self.lp[(r, p.name)]
-            master = self.masters[(r, p.name)]
-            if which == "master":
-                return master.detach()
-            state = self.optimizer.state.get(master)
-            if not state:
-                return torch.zeros_like(master.detach())
-            return state["exp_avg" if which == "m" else "exp_avg_sq"]
-
-        rows = []
-        for r in self.ranks:
-            parts = [tensor(r, p) for p in self.trained]
-            batch = parts[0].shape[: parts[0].dim() - len(self.trained[0].shape)]
-            rows.append(torch.cat([t.reshape(*batch, -1) for t in parts], dim=-1))
-        return torch.stack(rows, dim=-2)
+        if which == "lp":
+            parts = [self.lp[p.name] for p in self.trained]
+            return torch.cat([t.flatten(t.dim() - len(p.shape)) for t, p in zip(parts, self.trained, strict=True)], -1)
+        master = self.master[0]
+        if which == "master":
+            return master.detach()
+        state = self.optimizer.state.get(master)
+        if not state:
+            return torch.zeros_like(master.detach())
+        return state["exp_avg" if which == "m" else "exp_avg_sq"]
 
     def state(self) -> dict[str, torch.Tensor]:
         """Masters, moments and BF16 parameters as flat ``[*batch, rank, N]`` tensors (for checkpoints)."""
@@ -216,37 +247,122 @@ class Oracle:
 
     def load(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
         """Restore `state` after ``steps_done`` optimizer steps (the optimizer's step counters included)."""
-        for r in self.ranks:
-            start = 0
-            for p in self.trained:
-                n = math.prod(p.shape)
+        master = self.master[0]
+        with torch.no_grad():
+            master.copy_(state["master"])
+        lp = state["lp"].clone()
+        for p in self.trained:
+            self.lp[p.name] = self.part(lp, p)
+        if steps_done:
+            self.optimizer.state[master] = {
+                "step": torch.tensor(float(steps_done)),
+                "exp_avg": state["adam_m"].clone(),
+                "exp_avg_sq": state["adam_v"].clone(),
+            }
 
-                def part(name: str, r=r, start=start, n=n, p=p) -> torch.Tensor:
-                    flat = state[name][..., r, start : start + n]
-                    return flat.reshape(*flat.shape[:-1], *p.shape).clone()
 
-                master = self.masters[(r, p.name)]
-                with torch.no_grad():
-                    master.copy_(part("master"))
-                self.lp[(r, p.name)] = part("lp")
-                if steps_done:
-                    self.optimizer.state[master] = {
-                        "step": torch.tensor(float(steps_done)),
-                        "exp_avg": part("adam_m"),
-                        "exp_avg_sq": part("adam_v"),
-                    }
-                start += n
+def stacked(per_rank: Sequence[torch.Tensor], p: ParamSpec) -> torch.Tensor:
+    """Every rank's ``[*batch, *shape]`` tensor of ``p`` as one ``[*batch, rank, *shape]`` tensor."""
+    return torch.stack(list(per_rank), dim=per_rank[0].dim() - len(p.shape))
+
+
+class _PerRank(Mapping):
+    """``lp[(rank, name)]``: one rank's ``[*batch, *shape]`` view of the stacked BF16 parameters."""
+
+    def __init__(self, lp: dict[str, torch.Tensor], params: Sequence[ParamSpec]) -> None:
+        self.lp, self.shapes = lp, {p.name: p.shape for p in params}
+
+    def __getitem__(self, key: Key) -> torch.Tensor:
+        rank, name = key
+        value = self.lp[name]
+        return value.select(value.dim() - len(self.shapes[name]) - 1, rank)
+
+    def __iter__(self):
+        return ((r, name) for name, value in self.lp.items() for r in range(value.shape[-len(self.shapes[name]) - 1]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _reduce(model: ReductionModel, members: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     """``model``'s sum of one group's members, each batch item on its own: a reduction model's order depends on
-    the size of the tensor a rank hands in (a parameter's), not on how many seeds ride along."""
+    the size of the tensor a rank hands in (a parameter's), not on how many seeds ride along.
+
+    Two members are one addition, which every order performs on the same two values, and IEEE addition is
+    commutative: the whole batch is reduced at once, unless the result holds a NaN (whose payload is the first
+    operand's, so it depends on the order): then, as for more members, each item is reduced on its own."""
     batch = members[0].shape[: members[0].dim() - len(shape)]
     if not batch:
         return model.reduce(members)
+    if len(members) <= 2:
+        out = model.reduce(members)
+        if not bool(torch.isnan(out).any()):
+            return out
     flat = [m.reshape(-1, *shape) for m in members]
     items = [model.reduce([m[i] for m in flat]) for i in range(flat[0].shape[0])]
     return torch.stack(items).reshape(*batch, *shape)
+
+
+Values = dict[tuple[int, int, str, str], torch.Tensor]
+"""``values[(step, micro, param, stage)]``: every rank's capture, ``[rank, *shape]``."""
+
+
+def oracle_values(
+    spec: ParallelSpec,
+    params: Sequence[ParamSpec],
+    initial: Callable[[int, ParamSpec], torch.Tensor],
+    local_grads,
+    *,
+    steps: int,
+    gas: int,
+    tp_model: ReductionModel,
+    dp_model: ReductionModel,
+    dtype: torch.dtype = torch.float32,
+    adam=None,
+    keep: frozenset[str] | None = None,
+    world_model: ReductionModel | None = None,
+) -> Values:
+    """The oracle's captures over ``steps`` optimizer steps (unbatched), every rank's in one ``[rank, *shape]``
+    copy per ``(step, micro, param, stage)``; ``keep`` selects stages (default all).
+
+    ``local_grads`` is a ``(step, micro, rank, param) -> BF16 gradient`` function; or an object whose
+    ``stacked(step, micro)`` gives ``{name: [rank, *shape]}`` (every rank's gradients at once); or a gradient
+    source with ``backward(comm, step, micro, lp, deliver, hooks)`` (a model: its gradients depend on the
+    oracle's own parameters), which then runs on a `SimWorld` whose groups use ``world_model`` (default
+    ``dp_model``).
+    """
+    values: Values = {}
+    oracle = Oracle(
+        spec,
+        params,
+        {(r, p.name): initial(r, p).to(torch.bfloat16) for r in range(spec.world_size) for p in params},
+        dtype=dtype,
+        tp_model=tp_model,
+        dp_model=dp_model,
+        adam=adam,
+    )
+    trained = [p for p in params if not p.frozen]
+
+    def capture(step: int, micro: int, param: str, stage: str, value: torch.Tensor) -> None:
+        if keep is None or stage in keep:
+            values[(step, micro, param, stage)] = value.detach().clone()
+
+    source: Callable[[int, Mapping[Key, torch.Tensor]], Mapping]
+    for step in range(steps):
+        if hasattr(local_grads, "backward"):
+            source = _SourceGrads(spec, params, local_grads, step, world_model or dp_model)
+        elif hasattr(local_grads, "stacked"):
+
+            def source(micro, lp, step=step):
+                return local_grads.stacked(step, micro)
+
+        else:
+
+            def source(micro, lp, step=step):
+                return {(r, p.name): local_grads(step, micro, r, p) for r in range(spec.world_size) for p in trained}
+
+        oracle.step(step, gas, source, capture)
+    return values
 
 
 def oracle_traces(
@@ -264,37 +380,26 @@ def oracle_traces(
     keep: frozenset[str] | None = None,
     world_model: ReductionModel | None = None,
 ) -> list[Trace]:
-    """Every rank's `Trace` of the oracle over ``steps`` optimizer steps (unbatched).
-
-    ``local_grads`` is a ``(step, micro, rank, param) -> BF16 gradient`` function, or a gradient source with
-    ``backward(comm, step, micro, lp, deliver, hooks)`` (a model: its gradients depend on the oracle's own
-    parameters), which then runs on a `SimWorld` whose groups use ``world_model`` (default ``dp_model``).
-    """
-    traces = [Trace(r, keep) for r in range(spec.world_size)]
-    oracle = Oracle(
+    """Every rank's `Trace` of the oracle over ``steps`` optimizer steps (unbatched): `oracle_values`, split
+    by rank (``local_grads`` as there)."""
+    values = oracle_values(
         spec,
         params,
-        {(r, p.name): initial(r, p).to(torch.bfloat16) for r in range(spec.world_size) for p in params},
-        dtype=dtype,
+        initial,
+        local_grads,
+        steps=steps,
+        gas=gas,
         tp_model=tp_model,
         dp_model=dp_model,
+        dtype=dtype,
         adam=adam,
+        keep=keep,
+        world_model=world_model,
     )
-    trained = [p for p in params if not p.frozen]
-
-    def capture(rank: int, step: int, micro: int, param: str, stage: str, value: torch.Tensor) -> None:
-        traces[rank].capture(step, micro, param, stage, value)
-
-    source: Callable[[int, dict[Key, torch.Tensor]], dict[Key, torch.Tensor]]
-    for step in range(steps):
-        if hasattr(local_grads, "backward"):
-            source = _SourceGrads(spec, params, local_grads, step, world_model or dp_model)
-        else:
-
-            def source(micro, lp, step=step):
-                return {(r, p.name): local_grads(step, micro, r, p) for r in range(spec.world_size) for p in trained}
-
-        oracle.step(step, gas, source, capture)
+    traces = [Trace(r, keep) for r in range(spec.world_size)]
+    for key, value in values.items():
+        for r, trace in enumerate(traces):
+            trace.values[key] = value[r]
     return traces
 
 

@@ -24,7 +24,7 @@ from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Trace
-from simdist.gradpath.reference import oracle_traces
+from simdist.gradpath.reference import oracle_traces, oracle_values
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReductionModel, Sequential
 from simdist.world.spec import ParallelSpec
@@ -95,6 +95,22 @@ def run_batched(
     return path.run(batch)
 
 
+def _oracle_source(grads: Gradients):
+    """What `simdist.gradpath.reference` takes: the drawn batch itself (``stacked``: every rank at once), or the
+    ``(step, micro, rank, param)`` function."""
+    if getattr(grads, "stacked", None) is not None:
+        return grads
+    batch = getattr(grads, "batch", None)
+    if batch is None:
+        return grads
+
+    class Stacked:
+        def stacked(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+            return {name: value[0] for name, value in batch(step, micro).items()}
+
+    return Stacked()
+
+
 def run_oracle(
     spec: ParallelSpec,
     grads: Gradients,
@@ -109,19 +125,17 @@ def run_oracle(
     """Every rank's `Trace` of the independent oracle (`simdist.gradpath.reference`) on the compact workload,
     every group reducing with ``model`` (sequential)."""
     model = model or Sequential()
-    batch = getattr(grads, "batch", None)
-    cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-
-    def local(step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
-        if batch is None:
-            return grads(step, micro, rank, param)
-        if (step, micro) not in cache:
-            cache.clear()
-            cache[(step, micro)] = batch(step, micro)
-        return cache[(step, micro)][param.name][0, rank]
-
     return oracle_traces(
-        spec, list(params), initial, local, steps=steps, gas=gas, tp_model=model, dp_model=model, dtype=dtype, keep=keep
+        spec,
+        list(params),
+        initial,
+        _oracle_source(grads),
+        steps=steps,
+        gas=gas,
+        tp_model=model,
+        dp_model=model,
+        dtype=dtype,
+        keep=keep,
     )
 
 
@@ -131,17 +145,45 @@ def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads:
 
     The engine corrects every micro-step (``per_micro_step``), as the oracle does; both capture
     `OPTIMIZER_STAGES` (hp buffers after every micro-step, DP-reduced gradients, masters, Adam moments), and
-    every capture of every rank is compared bit for bit.
+    every capture of every rank is compared bit for bit: all at once (one comparison of the concatenated raw
+    bytes, after checking every capture's dtype and shape), and capture by capture, rank by rank, to say where
+    they first differ when they do.
     """
     config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
     staging = run_batched(spec, get_policy("fp32_staging"), grads, config, keep=OPTIMIZER_STAGES, norm=False)
-    oracle = run_oracle(spec, grads, steps, gas, keep=OPTIMIZER_STAGES)
+    sequential = Sequential()
+    oracle = oracle_values(
+        spec,
+        list(PARAMS),
+        initial,
+        _oracle_source(grads),
+        steps=steps,
+        gas=gas,
+        tp_model=sequential,
+        dp_model=sequential,
+        keep=OPTIMIZER_STAGES,
+    )
     if not staging.values:
         return "nothing was captured"
-    for rank, (trace, reference) in enumerate(zip(staging.rank_traces(0), oracle, strict=True)):
-        if trace.values.keys() != reference.values.keys():
-            return f"different captures on rank {rank}: {sorted(trace.values.keys() ^ reference.values.keys())[:3]}"
-        for key, value in trace.values.items():
-            if not bitwise_equal(value, reference.values[key]):
+    if staging.values.keys() == oracle.keys() and _same_bytes(staging.values, oracle):
+        return None
+    if staging.values.keys() != oracle.keys():  # every rank captures the same keys
+        return f"different captures on rank 0: {sorted(staging.values.keys() ^ oracle.keys())[:3]}"
+    for rank in range(spec.world_size):
+        for key, value in staging.values.items():
+            if not bitwise_equal(value[0, rank], oracle[key][rank]):
                 return f"(rank, step, micro, param, stage) = {(rank, *key)}"
     return None
+
+
+def _same_bytes(batched: dict, stacked: dict) -> bool:
+    """Whether batch item 0 of every ``batched`` capture ``[1, rank, ...]`` has the dtype, shape and raw bytes of
+    the ``stacked`` capture ``[rank, ...]`` of the same key."""
+    ours, theirs = [], []
+    for key, value in batched.items():
+        value, other = value[0], stacked[key]
+        if value.dtype != other.dtype or value.shape != other.shape:
+            return False
+        ours.append(value.reshape(-1).view(torch.uint8))
+        theirs.append(other.reshape(-1).view(torch.uint8))
+    return torch.equal(torch.cat(ours), torch.cat(theirs))

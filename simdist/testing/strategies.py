@@ -419,6 +419,10 @@ class GradientBatch:
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         return self._batches[(step, micro)]
 
+    def stacked(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        """``{param: [rank, *shape]}``: every rank's tensors at once (for `simdist.gradpath.reference`)."""
+        return {name: value[0] for name, value in self._batches[(step, micro)].items()}
+
     def __repr__(self) -> str:
         items = ", ".join(f"{k}: {v.float().tolist()}" for k, v in sorted(self.values.items()))
         return f"GradientBatch({{{items}}})"

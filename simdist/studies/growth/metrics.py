@@ -59,25 +59,44 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
     return ordered_integers(t.to(torch.float32))
 
 
+_HALF_RANGE = 1 << 30
+"""Below this magnitude two ordered FP32 integers are less than ``2**31`` apart: their difference fits int32."""
+
+
+def _ordered32(t: torch.Tensor) -> torch.Tensor:
+    """`_ordered` in int32 (the same integers: `ordered_integers`' map before its widening, which cannot
+    overflow int32), half the memory traffic of int64."""
+    raw = t.to(torch.float32).contiguous().view(torch.int32)
+    sign = raw >> 31
+    return (raw ^ (sign & 0x7FFFFFFF)) - sign
+
+
 class Reference:
     """The oracle's tensor ``[S, R, N]`` prepared once per step for `divergence`."""
 
     def __init__(self, expected: torch.Tensor) -> None:
         self.e64 = expected.to(torch.float32).double().flatten(-2)
-        self.ordered = _ordered(expected).flatten(-2)
+        self.ordered32 = _ordered32(expected).flatten(-2)
         self.norm = torch.linalg.vector_norm(self.e64, dim=-1)
         self.nan = torch.isnan(self.e64)
+        self.small = bool(self.ordered32.abs().amax() < _HALF_RANGE) if self.ordered32.numel() else True
+
+    @property
+    def ordered(self) -> torch.Tensor:
+        """The int64 ordered integers of the oracle's values."""
+        return self.ordered32.to(torch.int64)
 
 
 def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
     """Per seed ``[..., S, 4]``: normwise relative error, geometric-mean ulps of the differing elements, max
     ulps, fraction differing.
 
-    Ulps are FP32 ulps, counted exactly (int64); the geometric mean is over the elements that differ (0 when
-    every element is equal), so a policy that perturbs one parameter family shows the typical error of that
-    family's elements, and the few elements near zero (many ulps for a tiny absolute error) do not dominate
-    it. Its logarithms are taken in fp32 and summed in fp64 (relative error of the mean below 1e-6, tested):
-    the log is most of this function's cost, and the figure is a summary, not a bit pattern.
+    Ulps are FP32 ulps, counted exactly (in int32 when both sides' ordered integers are below ``2**30`` in
+    magnitude, so that their difference fits, else in int64); the geometric mean is over the elements that
+    differ (0 when every element is equal), so a policy that perturbs one parameter family shows the typical
+    error of that family's elements, and the few elements near zero (many ulps for a tiny absolute error) do
+    not dominate it. Its logarithms are taken in fp32 and summed in fp64 (relative error of the mean below
+    1e-6, tested): the log is most of this function's cost, and the figure is a summary, not a bit pattern.
 
     ``actual`` is ``[S, R, N]``, or ``[P, S, R, N]`` for ``P`` policies at once (one call instead of ``P``: the
     tensors are small, so the per-call cost dominates); it is cast to FP32 (exact for FP32 and BF16 state).
@@ -87,7 +106,11 @@ def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
     a64 = actual.to(torch.float32).double().flatten(-2)
     err = torch.linalg.vector_norm(a64 - reference.e64, dim=-1)
     rel = torch.where(reference.norm > 0, err / reference.norm, torch.where(err > 0, math.inf, 0.0))
-    ulps = (_ordered(actual).flatten(-2) - reference.ordered).abs_()
+    ordered = _ordered32(actual).flatten(-2)
+    if reference.small and bool(ordered.abs().amax() < _HALF_RANGE):
+        ulps = (ordered - reference.ordered32).abs_()
+    else:
+        ulps = (ordered.to(torch.int64) - reference.ordered).abs_()
     if bool(torch.isfinite(err).all()):
         count = torch.count_nonzero(ulps, dim=-1)
         top = ulps.amax(dim=-1).double()
@@ -102,35 +125,64 @@ def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
     return torch.stack([rel, gmean, top, count.double() / ulps.shape[-1]], dim=-1)
 
 
+def metric_steps(config: GrowthConfig) -> np.ndarray:
+    """The 1-based steps whose metrics a run records (``metrics[row]`` is step ``metric_steps(config)[row]``).
+
+    Synthetic model: every step up to ``config.metrics_dense``, then every ``config.metrics_every``-th step, and
+    the last step. MoE: every step (its rows come from the training records).
+    """
+    steps = np.arange(1, config.steps + 1)
+    if config.model == "moe":
+        return steps
+    keep = (steps <= config.metrics_dense) | (steps % config.metrics_every == 0) | (steps == config.steps)
+    return steps[keep]
+
+
+def schedule_note(config: GrowthConfig) -> str:
+    """The first line of ``metrics.csv``: which steps it holds (read_metrics skips it)."""
+    if config.model == "moe" or config.metrics_every == 1 or config.steps <= config.metrics_dense:
+        return "# metrics at every step"
+    return (
+        f"# metrics at every step up to {config.metrics_dense}, then every {config.metrics_every}th step and the "
+        "last (the training runs every step)"
+    )
+
+
 def write_metrics(path: Path, config: GrowthConfig, metrics: np.ndarray) -> None:
+    steps = metric_steps(config)
+
     def write(tmp: Path) -> None:
         with tmp.open("w", newline="") as f:
+            f.write(schedule_note(config) + "\n")
             w = csv.writer(f)
             w.writerow(["step", "policy", "seed", *columns(config.model)])
             digits = ".17g" if config.model == "moe" else ".9g"  # MoE losses: exact, so loss_diff is recomputable
-            for step in range(metrics.shape[0]):
+            for row in range(metrics.shape[0]):
                 for j, name in enumerate(config.policies):
                     for s in range(metrics.shape[2]):
-                        w.writerow([step + 1, name, config.seed + s, *(format(x, digits) for x in metrics[step, j, s])])
+                        values = (format(x, digits) for x in metrics[row, j, s])
+                        w.writerow([int(steps[row]), name, config.seed + s, *values])
 
     atomic_write(path, write)
 
 
 def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
-    """``(policies, metrics[step, policy, seed, column])`` from a ``metrics.csv``.
+    """``(policies, metrics[row, policy, seed, column])`` from a ``metrics.csv``: one row per step the file
+    holds, in step order (every step, or `metric_steps`; the file's first line says which).
 
     Columns are in the file's order: `COLUMNS` for the synthetic model, `MOE_COLUMNS` for the MoE.
     """
     with Path(path).open(newline="") as f:
-        reader = csv.DictReader(f)
+        reader = csv.DictReader(line for line in f if not line.startswith("#"))
         rows = list(reader)
         names = [c for c in (reader.fieldnames or []) if c not in ("step", "policy", "seed")]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    steps = max(int(r["step"]) for r in rows)
+    steps = {t: i for i, t in enumerate(sorted({int(r["step"]) for r in rows}))}
     seeds = sorted({int(r["seed"]) for r in rows})
-    out = np.zeros((steps, len(policies), len(seeds), len(names)))
+    out = np.zeros((len(steps), len(policies), len(seeds), len(names)))
     for r in rows:
-        out[int(r["step"]) - 1, policies.index(r["policy"]), seeds.index(int(r["seed"]))] = [float(r[c]) for c in names]
+        where = steps[int(r["step"])], policies.index(r["policy"]), seeds.index(int(r["seed"]))
+        out[where] = [float(r[c]) for c in names]
     return policies, out
 
 
@@ -141,7 +193,7 @@ def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
     ``bitwise_equal_to_oracle`` means every divergence column and the loss difference are 0 at every step.
     """
     out: dict = {"config": config.identity(), "policies": {}}
-    steps = np.arange(1, metrics.shape[0] + 1)
+    steps = metric_steps(config)
     names = columns(config.model)
     tracked = "param_rel" if config.model == "moe" else "master_rel"
     compared = [names.index(c) for c in (_MOE_DIVERGENCE if config.model == "moe" else COLUMNS)]

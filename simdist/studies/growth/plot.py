@@ -10,7 +10,7 @@ import numpy as np
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.policy import dtype_name
 from simdist.studies.growth.files import atomic_write
-from simdist.studies.growth.metrics import COLUMNS, MOE_COLUMNS, TENSORS
+from simdist.studies.growth.metrics import COLUMNS, MOE_COLUMNS, TENSORS, metric_steps
 
 if TYPE_CHECKING:
     from simdist.studies.growth.run import GrowthConfig
@@ -44,7 +44,7 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = np.arange(1, metrics.shape[0] + 1)
+    steps = metric_steps(config)
     fig, axes = plt.subplots(2, 3, figsize=(15, 9), sharex=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     labels = {"master": "FP32 master", "adam_m": "Adam m", "adam_v": "Adam v"}
@@ -86,7 +86,7 @@ def _panel(ax, steps: np.ndarray, errors: np.ndarray, policies, colours, walk: b
         _draw_band(ax, steps, errors[:, j, :], colours[j % len(colours)], name, walk) for j, name in enumerate(policies)
     ]
     ax.set_xscale("log")
-    ax.set_xlim(1, max(2, len(steps)))
+    ax.set_xlim(1, max(2, int(steps[-1])))
     _error_axis(ax, errors, any(zero))
     ax.grid(True, which="major", alpha=0.3)
 
