@@ -120,6 +120,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -596,6 +597,29 @@ class Nccl(ReductionModel):
                 root, order = _check_tree(down, n)
                 out[offset : offset + part] = _tree_fold(flat[:, offset : offset + part], down, root, order, arith)
         return restore(finish(out))
+
+    def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """`ReductionModel.sum_many`: the SUM's schedule with the batch riding along each element (the members'
+        elements become rows of ``[numel, count]`` columns), so every reduction of the batch is folded at once."""
+        n = stacked.shape[0]
+        shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
+        batch = tuple(stacked.shape[1 : stacked.dim() - len(shape)])
+        numel = math.prod(shape)
+        if n == 1 or numel == 0:  # one rank copies (as `reduce` does), two add once: no schedule to follow
+            return stacked[0].clone()
+        if n == 2:
+            return stacked[0] + stacked[1]
+        columns = stacked.reshape(n, -1, numel).permute(0, 2, 1)  # [n, numel, count]
+        arith = _Arith(torch.add)
+        if self.algorithm == "ring":
+            out = _fold_groups(columns, _groups(self, "all_reduce", numel, stacked.element_size(), n), arith)
+        else:
+            out = torch.empty_like(columns[0])
+            for channel, offset, part in self.parts(numel, stacked.element_size(), n):
+                down = self.tree_of(channel, n)
+                root, order = _check_tree(down, n)
+                out[offset : offset + part] = _tree_fold(columns[:, offset : offset + part], down, root, order, arith)
+        return out.permute(1, 0).reshape(*batch, *shape)
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Per-rank output blocks ``[n, numel / n]`` of NCCL's ring reduce-scatter."""
