@@ -499,10 +499,10 @@ class Gloo(ReductionModel):
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
         """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs)."""
+        if stacked.dtype != torch.bool and not stacked.is_complex():
+            return super().sum_many(stacked, shape)
         shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
         viewed, restore = _ring_view(stacked, ReduceOp.SUM, "all_reduce")
-        if viewed is stacked:
-            return super().sum_many(stacked, shape)
         assert isinstance(viewed, torch.Tensor)
         return restore(super().sum_many(viewed, shape + tuple(viewed.shape[stacked.dim() :])))
 

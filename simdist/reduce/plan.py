@@ -124,18 +124,19 @@ class FoldPlan:
             if len(parts) != self.n:
                 raise ValueError(f"this plan folds {self.n} members, got {len(parts)}")
             return [parts[r] for r in self._hop_rows]
-        if len(members) != self.n or members[0].shape[-1] != self.numel:
-            raise ValueError(f"this plan folds {self.n} members of {self.numel} elements, got {len(members)} "
-                             f"of shape {tuple(members[0].shape)}")  # fmt: skip
         count = 1
         if not isinstance(members, torch.Tensor):
             shape = members[0].shape
-            if len(shape) != 1 or any(t.shape != shape for t in members):
-                raise ValueError(f"a plan folds a sequence of 1-d members of one length, got shapes "
+            if len(members) != self.n or shape != (self.numel,) or any(t.shape != shape for t in members):
+                raise ValueError(f"this plan folds {self.n} 1-d members of {self.numel} elements, got shapes "
                                  f"{[tuple(t.shape) for t in members]}")  # fmt: skip
             buffer = torch.cat([members[r] for r in self._copied])
+        elif members.shape[0] != self.n or members.shape[-1] != self.numel or members.dim() not in (2, 3):
+            raise ValueError(f"this plan folds [{self.n}, (count,) {self.numel}] members, got {tuple(members.shape)}")
         elif members.dim() == 2:
             buffer = members.index_select(0, self._rows_on(members.device))
+        elif members.shape[1] == 1:
+            buffer = members.view(self.n, self.numel).index_select(0, self._rows_on(members.device))
         else:  # [count, copied rows, numel]: each reduction's rows together, so the fold comes out in order
             count = members.shape[1]
             buffer = members.transpose(0, 1).index_select(1, self._rows_on(members.device))
@@ -169,10 +170,10 @@ class FoldPlan:
         """A fold of `hops` as ``[numel]`` (1-d members) or ``[count, numel]``; a uniform fold as it is."""
         if self.is_uniform:
             return folded
-        if members[0].dim() == 1:
+        if not isinstance(members, torch.Tensor) or members.dim() == 2:  # 1-d members
             flat = folded.view(self.padded)
             return flat if self.padded == self.numel else flat[: self.numel]
-        flat = folded.view(members[0].shape[0], self.padded)
+        flat = folded.view(members.shape[1], self.padded)
         return flat if self.padded == self.numel else flat[:, : self.numel]
 
     def index(self, device: torch.device | str = "cpu") -> torch.Tensor:
