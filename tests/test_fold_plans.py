@@ -154,7 +154,8 @@ def groups(draw, count: int | None = None):
     dtype = draw(st.sampled_from(DTYPES))
     model = draw(models(dtype))
     n = 4 if isinstance(model, Ring) and model.ring is not None else draw(st.integers(1, 6))
-    numel = draw(st.integers(0, 40 if count is None else 16))
+    top = 40 if count is None else 16
+    numel = draw(st.one_of(st.integers(0, top), st.sampled_from([n * 2, n * 4, 12, 16])))  # whole chunks, often
     shape = (n, numel) if count is None else (n, count, numel)
     total = n * numel * (count or 1)
     top = 1023 if dtype == torch.float64 else None  # 2.0**1024 overflows a Python float

@@ -32,6 +32,10 @@ import torch
 Hops = Sequence[torch.Tensor]
 """The values a fold combines, in hop order: hop 0 first."""
 
+ROW_GATHER_LIMIT = 1 << 16
+"""Stacked members cut in whole chunks are gathered chunk by chunk (an index of ``n * count * chunks`` rows,
+kept per batch size) while that index has at most this many entries; else through the strided view."""
+
 PLAN_CACHE_SIZE = 256
 """Plans kept per process (each a few integers, a tuple of at most ``2n`` member indices and that index
 as a tensor per device)."""
@@ -133,6 +137,11 @@ class FoldPlan:
             buffer = torch.cat([members[r] for r in self._copied])
         elif members.shape[0] != self.n or members.shape[-1] != self.numel or members.dim() not in (2, 3):
             raise ValueError(f"this plan folds [{self.n}, (count,) {self.numel}] members, got {tuple(members.shape)}")
+        elif self.padded == self.numel and members.numel() // self.length <= ROW_GATHER_LIMIT:
+            # whole chunks: gather them as rows of `length` into hop order (contiguous hops, faster adds)
+            count = 1 if members.dim() == 2 else members.shape[1]
+            rows = members.reshape(-1, self.length).index_select(0, self._chunk_rows(count, members.device))
+            return list(rows.view(self.n, *members.shape[1:]).unbind(0))
         elif members.dim() == 2:
             buffer = members.index_select(0, self._rows_on(members.device))
         elif members.shape[1] == 1:
@@ -161,7 +170,7 @@ class FoldPlan:
     def output(self, hops: Hops) -> torch.Tensor | None:
         """Where to fold `hops`: None (a new tensor) unless torch would lay the sum of these strided views
         out in another order (several cycles), then a contiguous ``[count, cycles, period, length]``."""
-        if self.is_uniform or self.padded == self.period * self.length:
+        if self.is_uniform or self.padded == self.period * self.length or hops[0].is_contiguous():
             return None
         first = hops[0]
         return torch.empty(first.shape, dtype=first.dtype, device=first.device)
@@ -182,6 +191,23 @@ class FoldPlan:
         hop = torch.tensor(list(self.hop_order()), dtype=torch.long, device=device).unsqueeze(1)
         chunk = (torch.arange(self.numel, device=device) // self.length) % self.period
         return rows[hop + chunk.unsqueeze(0)]
+
+    def _chunk_rows(self, count: int, device: torch.device) -> torch.Tensor:
+        """Row index into ``members.reshape(-1, length)`` that lists, hop by hop, every reduction's chunks in
+        order: hop ``j``, item ``b``, chunk ``q`` reads member ``rows[h + q % period]``'s chunk ``q``."""
+        key = (count, device)
+        index = self._index.get(key)
+        if index is None:
+            chunks = self.numel // self.length
+            hop = torch.tensor(list(self.hop_order()), dtype=torch.long).view(-1, 1, 1)
+            item = torch.arange(count).view(1, -1, 1)
+            chunk = torch.arange(chunks).view(1, 1, -1)
+            member = torch.tensor(self.rows, dtype=torch.long)[hop + chunk % self.period]
+            index = ((member * count + item) * chunks + chunk).reshape(-1).to(device)
+            if len(self._index) > 16:
+                self._index.clear()
+            self._index[key] = index
+        return index
 
     def _rows_on(self, device: torch.device) -> torch.Tensor:
         """The copied rows as an index tensor on ``device`` (kept: one small tensor per device)."""
