@@ -179,7 +179,10 @@ class FoldPlan:
         """A fold of `hops` as ``[numel]`` (1-d members) or ``[count, numel]``; a uniform fold as it is."""
         if self.is_uniform:
             return folded
-        if not isinstance(members, torch.Tensor) or members.dim() == 2:  # 1-d members
+        one_d = not isinstance(members, torch.Tensor) or members.dim() == 2
+        if folded.shape == ((self.numel,) if one_d else (members.shape[1], self.numel)):  # gathered whole chunks
+            return folded
+        if one_d:
             flat = folded.view(self.padded)
             return flat if self.padded == self.numel else flat[: self.numel]
         flat = folded.view(members.shape[1], self.padded)
