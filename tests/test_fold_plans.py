@@ -223,3 +223,35 @@ def test_the_restatements_see_a_wrong_order():
     gloo, sequential = restated(Gloo(), x), restated(Sequential(), x)
     assert not torch.equal(gloo, sequential)
     assert torch.equal(Gloo().sum(x), gloo)
+
+
+def test_a_new_model_is_one_class_batched_through_its_plan_and_an_undeclared_order_warns():
+    """A model that only states its plan gets `sum` and the batched path from it, with no warning; a subclass that
+    rewrites `sum` without stating its order is not batched with its parent's plan (it warns and goes item by item)."""
+    import warnings
+
+    from simdist.reduce import MODELS, FoldPlan, PerItemWarning, Reduction, make_model
+
+    class Descending(Sequential):
+        def fold_plan(self, n, numel, dtype):
+            return FoldPlan.uniform(range(n - 1, -1, -1), numel)
+
+    class Reversed(Sequential):
+        def sum(self, tensors):
+            return super().sum(list(tensors)[::-1])
+
+    h = 2.0**-24  # half an ulp of 1: 1 + h + h is 1 one way round and 1 + 2h the other
+    x = torch.tensor([[1.0, h], [h, h], [h, 1.0]])  # [3 members, 2 elements]
+    stacked = torch.stack([x, x.flip(1)], dim=1)  # [3 members, 2 items, 2 elements]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerItemWarning)
+        assert torch.equal(Descending().sum(x), restated(Sequential(), x.flip(0)))
+        assert torch.equal(batched_sum(Descending(), stacked, (2,))[0], restated(Sequential(), x.flip(0)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batched_sum(Reversed(), stacked, (2,))
+    assert any(issubclass(w.category, PerItemWarning) for w in caught)
+    assert torch.equal(got[0], restated(Sequential(), x.flip(0)))
+    assert not torch.equal(got[0], restated(Sequential(), x))  # the parent's order would differ here
+    assert {m.value: m.model for m in Reduction} == MODELS
+    assert all(type(make_model(name)) is cls for name, cls in MODELS.items())

@@ -16,8 +16,13 @@ short: its lanes past ``numel`` read the next row (a few more rows are copied at
 are folded like the others and cut off by `FoldPlan.trim`; nothing there reaches a result. ``period == 1``
 is an order that is the same at every element: no copy at all, the hops are the members themselves.
 
-A plan holds a handful of integers (``rows`` has at most ``2n - 1``) and one index of that length per device,
-never a per-element index, so its memory does not grow with the tensor;
+Stacked members whose length is whole chunks are instead gathered chunk by chunk into contiguous hops (one
+``index_select`` with an index of ``n * count * chunks`` rows, used while that is at most `ROW_GATHER_LIMIT`):
+contiguous adds are cheaper than strided ones for small tensors.
+
+A plan holds a handful of integers (``rows`` has at most ``2n - 1``), that index per device and at most 17
+chunk-row indexes of at most `ROW_GATHER_LIMIT` entries, never a per-element index of an unbounded tensor, so
+its memory does not grow with the tensor;
 `simdist.reduce.base.ReductionModel.plan` caches at most `PLAN_CACHE_SIZE` of them. `FoldPlan.index`
 writes the order out per element (``[n, numel]``) for inspection only.
 """
