@@ -20,9 +20,10 @@ Stacked members whose length is whole chunks are instead gathered chunk by chunk
 ``index_select`` with an index of ``n * count * chunks`` rows, used while that is at most `ROW_GATHER_LIMIT`):
 contiguous adds are cheaper than strided ones for small tensors.
 
-A plan holds a handful of integers (``rows`` has at most ``2n - 1``), that index per device and at most 17
-chunk-row indexes of at most `ROW_GATHER_LIMIT` entries, never a per-element index of an unbounded tensor, so
-its memory does not grow with the tensor;
+A plan holds a handful of integers (``rows`` has at most ``2n - 1``) and at most 4 index tensors (the rows per
+device, the chunk rows per batch size: at most `ROW_GATHER_LIMIT` entries, 128 KiB), never a per-element index
+of an unbounded tensor, so its memory does not grow with the tensor (at most about 0.5 MiB a plan, 128 MiB for
+the two plan caches of `PLAN_CACHE_SIZE` entries);
 `simdist.reduce.base.ReductionModel.plan` caches at most `PLAN_CACHE_SIZE` of them. `FoldPlan.index`
 writes the order out per element (``[n, numel]``) for inspection only.
 """
@@ -37,13 +38,13 @@ import torch
 Hops = Sequence[torch.Tensor]
 """The values a fold combines, in hop order: hop 0 first."""
 
-ROW_GATHER_LIMIT = 1 << 16
+ROW_GATHER_LIMIT = 1 << 14
 """Stacked members cut in whole chunks are gathered chunk by chunk (an index of ``n * count * chunks`` rows,
 kept per batch size) while that index has at most this many entries; else through the strided view."""
 
-PLAN_CACHE_SIZE = 256
-"""Plans kept per process (each a few integers, a tuple of at most ``2n`` member indices and that index
-as a tensor per device)."""
+PLAN_CACHE_SIZE = 128
+"""Plans kept per plan cache (each a few integers, a tuple of at most ``2n`` member indices and at most 4
+small index tensors)."""
 
 
 def fold(ordered: torch.Tensor | Hops, multiply: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,7 +213,7 @@ class FoldPlan:
             chunk = torch.arange(chunks).view(1, 1, -1)
             member = torch.tensor(self.rows, dtype=torch.long)[hop + chunk % self.period]
             index = ((member * count + item) * chunks + chunk).reshape(-1).to(device)
-            if len(self._index) > 16:
+            if len(self._index) >= 4:
                 self._index.clear()
             self._index[key] = index
         return index
