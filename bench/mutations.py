@@ -315,16 +315,16 @@ CATALOGUE: tuple[Mutation, ...] = (
         "gloo-ring-start",
         "gloo's chunk c starts its walk at rank c instead of c-1",
         "simdist/reduce/gloo.py",
-        "index = (((chunk - 1 - hop) % n) * chunks + chunk)",
-        "index = (((chunk - hop) % n) * chunks + chunk)",
+        "tuple(t % n for t in range(n + chunks - 1))",
+        "tuple((t + 1) % n for t in range(n + chunks - 1))",
         (*REDUCE, BATCHED),
     ),
     Mutation(
         "gloo-single-chunk-ascending",
         "with one chunk, gloo folds x[0] + ... + x[n-1] instead of x[n-1] + ... + x[0]",
         "simdist/reduce/gloo.py",
-        "return list(rows)[::-1], 1",
-        "return list(rows), 1",
+        "descending=True)",
+        "descending=chunks > 1)",
         (*REDUCE, BATCHED),
     ),
     Mutation(
@@ -361,18 +361,18 @@ CATALOGUE: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batched-gloo-single-chunk-ascending",
-        "the rank-batched engine folds a one-chunk gloo sum in ascending rank order",
-        "simdist/gradpath/batched.py",
-        "result = fold(stacked.unbind(0)[::-1])",
-        "result = fold(stacked.unbind(0))",
+        "the rank-batched path (`ReductionModel.sum_many`) folds a one-chunk (uniform) order reversed",
+        "simdist/reduce/base.py",
+        "                return self.fold_hops_trimmed(plan, stacked)\n",
+        "                return self.fold_hops_trimmed(plan, stacked.flip(0))\n",
         (BATCHED, *GRADPATH),
     ),
     Mutation(
         "ring-shift-ignored",
         "the Ring model ignores its start shift",
         "simdist/reduce/models.py",
-        "start = ((torch.arange(numel) // chunk) + shift) % n",
-        "start = (torch.arange(numel) // chunk) % n",
+        "rows = tuple(ring[(self.shift + t) % n] for t in range(n + period - 1))",
+        "rows = tuple(ring[t % n] for t in range(n + period - 1))",
         (*REDUCE, BATCHED),
     ),
     Mutation(
@@ -387,8 +387,10 @@ CATALOGUE: tuple[Mutation, ...] = (
         "sequential-reversed",
         "the Sequential model folds in descending rank order",
         "simdist/reduce/models.py",
-        "    def sum(self, tensors: Tensors) -> torch.Tensor:\n        return fold(tensors)\n",
-        "    def sum(self, tensors: Tensors) -> torch.Tensor:\n        return fold(as_stacked(tensors).flip(0))\n",
+        '        return "sequential"\n\n    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:\n'
+        "        return FoldPlan.uniform(range(n), numel)\n",
+        '        return "sequential"\n\n    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:\n'
+        "        return FoldPlan.uniform(range(n)[::-1], numel)\n",
         (*REDUCE, BATCHED),
     ),
     Mutation(

@@ -23,7 +23,6 @@ are applied with the position plan of one member, vectorised over the batch
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -34,8 +33,7 @@ from simdist.gradpath.path import PathConfig, stochastic_generator
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
-from simdist.reduce import Gloo, ReductionModel, Ring, Sequential, Tree, Upcast, fold
-from simdist.reduce.base import may_hold_nan
+from simdist.reduce import ReductionModel, Sequential
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum", "initial_buffer"]
@@ -45,77 +43,12 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
     """``model``'s SUM of many independent reductions at once: ``[k, *batch, *shape] -> [*batch, *shape]``.
 
     ``shape`` is one member's logical shape (default: everything after dim 1, i.e. one batch dimension).
-    Equal, bit for bit, to ``model.reduce`` of each reduction ``stacked[:, i]`` in turn: models whose order
-    is the same at every element run on the stacked tensor directly (a view: nothing is copied); ring and
-    gloo orders, which depend on an element's position in the member's flat tensor, use their per-element
-    plan of one member; any other model is applied to each reduction in turn.
+    Equal, bit for bit, to ``model.reduce`` of each reduction ``stacked[:, i]`` in turn. The model says how
+    (`ReductionModel.sum_many`: its fold plan, applied to the whole batch with the per-element positions of
+    one member; ``position_free`` orders on the stacked tensor as it is; or its own batched schedule); this
+    engine never looks at the model's class.
     """
-    k = stacked.shape[0]
-    shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
-    batch = tuple(stacked.shape[1 : stacked.dim() - len(shape)])
-    numel = math.prod(shape)
-    kind = type(model)
-    if kind in (Sequential, Tree, Upcast) or k == 1 or numel == 0:
-        return model.sum(stacked)
-    count = math.prod(batch)
-    summed = getattr(model, "sum_batched", None)
-    if summed is not None:  # the model reduces many members with one member's plan (NCCL): no per-item loop
-        return summed(stacked.reshape(k, count, numel)).reshape(*batch, *shape)
-    if type(model) is Ring:  # (``kind is Ring``, spelled so that the type checker narrows ``model``)
-        if k <= 2:  # one addition: every order gives the same bits
-            return fold(stacked)
-        index = model.fold_order(k, numel, stacked.device)
-        return _ordered_fold(stacked, index, count).reshape(*batch, *shape)
-    if kind is Gloo:
-        if k <= 2:  # one addition: the value of every order, the NaN bits aside (below)
-            result = fold(stacked)
-        else:
-            order = _gloo_index(model, k, numel, stacked.element_size(), stacked.device)
-            if order is None:  # one chunk: x[k-1] + ... + x[0]
-                result = fold(stacked.unbind(0)[::-1])
-            else:
-                result = _ordered_fold(stacked, order, count).reshape(*batch, *shape)
-        if not may_hold_nan(result):
-            return result
-        # gloo's NaN bits depend on which operand was NaN at which hop: the model's own walk, item by item
-    flat = stacked.reshape(k, count, *shape)
-    return torch.stack([model.reduce(flat[:, i]) for i in range(count)]).reshape(*batch, *shape)
-
-
-@functools.lru_cache(maxsize=256)
-def _gloo_index(model: Gloo, k: int, numel: int, element_size: int, device: torch.device) -> torch.Tensor | None:
-    """`Gloo.fold_order`, cached (the linear index of `_ordered_fold` is cached on this tensor's identity)."""
-    return model.fold_order(k, numel, element_size, device)
-
-
-def _ordered_fold(stacked: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """Left fold where hop ``j`` of element ``e`` adds member ``index[j, e]``, for every reduction alike.
-
-    The members are put in fold order by one ``index_select`` of the flat ``[k * count * numel]`` input (a
-    third of ``gather``'s cost at 4 x 1024 elements), with the linear index cached per ``(index, count)``.
-    """
-    k = stacked.shape[0]
-    numel = index.shape[1]
-    ordered = stacked.reshape(-1).index_select(0, _linear_index(index, count)).view(k, count, numel)
-    return fold(ordered)
-
-
-_LINEAR: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _linear_index(index: torch.Tensor, count: int) -> torch.Tensor:
-    """``lin[j, b, e] = (index[j, e] * count + b) * numel + e``: positions in the flat ``[k, count, numel]``."""
-    key = (id(index), count)
-    entry = _LINEAR.get(key)
-    if entry is None or entry[0] is not index:  # the plan caches keep ``index`` alive; ids are checked anyway
-        numel = index.shape[1]
-        batch = torch.arange(count, device=index.device).view(1, count, 1)
-        element = torch.arange(numel, device=index.device).view(1, 1, numel)
-        linear = ((index.unsqueeze(1) * count + batch) * numel + element).reshape(-1)
-        if len(_LINEAR) > 1024:
-            _LINEAR.clear()
-        entry = _LINEAR[key] = (index, linear)
-    return entry[1]
+    return model.sum_many(stacked, shape)
 
 
 GroupTable = tuple[str, torch.Tensor, torch.Tensor, int, int]

@@ -1,19 +1,27 @@
 """Reduction models: how a collective sums and where it rounds (pure functions of the per-rank tensors).
 
-`base` defines `ReduceOp` and the `ReductionModel` interface; `models` the textbook orders (sequential,
-tree, upcast, ring); `gloo` the order of torch's gloo backend found by experiment; `registry` builds a
-model by name (`Reduction` lists the names).
+`plan` holds `FoldPlan`, an order precomputed once and applied as one copy, one strided view and the adds;
+`base` defines `ReduceOp` and the `ReductionModel` interface (a model's order is its plan; its capabilities
+are attributes); `models` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
+gloo backend found by experiment; `nccl` NCCL's order from its source; `registry` builds a model by name
+(`Reduction`: each name with its class).
 """
 
-from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, as_stacked, fold
+from simdist.reduce.base import AvgMode, PerItemWarning, ReduceOp, ReductionModel, Tensors, as_stacked
 from simdist.reduce.gloo import Gloo
 from simdist.reduce.models import Ring, Sequential, Tree, Upcast
-from simdist.reduce.registry import MODEL_NAMES, Reduction, make_model
+from simdist.reduce.nccl import Nccl
+from simdist.reduce.plan import FoldPlan, fold
+from simdist.reduce.registry import MODEL_NAMES, MODELS, Reduction, make_model
 
 __all__ = [
+    "MODELS",
     "MODEL_NAMES",
     "AvgMode",
+    "FoldPlan",
     "Gloo",
+    "Nccl",
+    "PerItemWarning",
     "ReduceOp",
     "Reduction",
     "ReductionModel",

@@ -23,17 +23,29 @@ Operations (`ReduceOp`):
   (`ReductionModel.product`; a model that does not define it refuses ``PRODUCT``).
 * ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates (a model may
   override this: `simdist.reduce.gloo.Gloo` folds with gloo's comparison).
+
+A model says what its order is, so that every front end and the rank-batched engine
+(`ReductionModel.sum_many`) run it vectorised without knowing its class: a rank fold returns its
+`simdist.reduce.plan.FoldPlan` from `ReductionModel.fold_plan` and gets `sum`, `product` and `sum_many`
+from it; an order that is not a fold but the same at every element (a tree over the ranks) sets
+``position_free = True``; anything else overrides `ReductionModel.sum_many`. A subclass that overrides
+``sum`` or ``reduce`` without one of these is not batched with its parent's plan (it would no longer
+describe the order): the batched engine then reduces it one item at a time and warns once (`PerItemWarning`).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
+
+from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, Hops, fold
 
 AvgMode = Literal["postdiv", "premul"]
 
@@ -63,29 +75,137 @@ class ReduceOp(enum.Enum):
             raise ValueError(f"unsupported reduce op {op!r}; valid: {', '.join(o.name for o in cls)}") from None
 
 
+class PerItemWarning(UserWarning):
+    """A reduction model declares no order (`ReductionModel.fold_plan`, ``position_free``, ``sum_many``): the
+    rank-batched engine reduces its items one at a time."""
+
+
+_ORDER_DECLARATIONS = ("fold_plan", "position_free", "sum_many")
+
+
 class ReductionModel(ABC):
-    """How a group reduces: a summation order plus the dtype each partial is rounded to."""
+    """How a group reduces: a summation order plus the dtype each partial is rounded to.
+
+    Capabilities are class attributes the front ends read (never the model's class): ``avg``,
+    ``gloo_rules``, ``position_free``; the order itself is `fold_plan` (see the module docstring).
+    """
 
     avg: AvgMode = "postdiv"
     gloo_rules: bool = False
     """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to collectives on this model."""
+
+    gloo_rules: bool = False
+    """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to collectives on this model."""
+
+    position_free: bool = False
+    """Whether `sum` adds the members in the same order at every element and so reduces a stacked
+    ``[n, *batch, *shape]`` tensor item by item in one call (the rank-batched engine relies on it)."""
+
+    _declared: ClassVar[bool] = True
+    _warned: ClassVar[set[type]] = set()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        namespace = vars(cls)
+        if any(name in namespace for name in _ORDER_DECLARATIONS):
+            cls._declared = True
+        elif "sum" in namespace or "reduce" in namespace:
+            # a new order written as code: the parent's plan (or batched schedule) no longer describes it
+            cls._declared = False
+            cls.sum_many = ReductionModel.sum_many  # type: ignore[method-assign]
 
     @property
     @abstractmethod
     def name(self) -> str:
         """A short name that identifies the model and its parameters."""
 
-    @abstractmethod
+    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
+        """This model's SUM of ``n`` members of ``numel`` elements of ``dtype`` as a fold plan; None when the
+        SUM is not a left fold over the members (e.g. a tree). Called through `plan`, which caches it."""
+        return None
+
+    def plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
+        """`fold_plan`, cached per ``(model, n, numel, dtype)`` (at most `PLAN_CACHE_SIZE` plans per process)."""
+        return _plan_of(self, n, numel, dtype)
+
+    def fold_order(self, n: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``index[j, e]``: the member whose value element ``e`` of an ``n``-member SUM adds at hop ``j``."""
+        plan = self.plan(n, numel, dtype)
+        if plan is None:
+            raise ValueError(f"the {self.name} reduction model's SUM is not a fold over the members")
+        return plan.index()
+
     def sum(self, tensors: Tensors) -> torch.Tensor:
         """Sum the per-rank ``tensors`` (group-rank order) with this model's order and rounding.
 
         ``tensors`` is either one stacked tensor of shape ``[n, *shape]`` or a
         sequence of ``n`` tensors of one shape; both give the same bits.
         """
+        return self._planned(tensors, multiply=False, what="SUM")
+
+    def fold_hops(self, hops: Hops, multiply: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Combine the hops of a plan (hop 0 first) into ``out`` (`FoldPlan.output`): the left fold in the
+        tensor dtype, unless a model says otherwise (`Upcast` accumulates in a wider dtype)."""
+        return fold(hops, multiply, out)
+
+    def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """The SUM of many independent reductions at once: ``[n, *batch, *shape] -> [*batch, *shape]``.
+
+        ``shape`` is one member's logical shape (default: everything after dim 1, one batch dimension).
+        Equal, bit for bit, to `sum` of each reduction ``stacked[:, i]`` in turn; vectorised over the batch
+        through `plan` or ``position_free``; a model that declares neither is reduced item by item
+        (`PerItemWarning`, once per class).
+        """
+        n = stacked.shape[0]
+        shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
+        batch = tuple(stacked.shape[1 : stacked.dim() - len(shape)])
+        numel = math.prod(shape)
+        if n == 1 or numel == 0 or (self.position_free and self._declared):
+            return self.sum(stacked)
+        plan = self.plan(n, numel, stacked.dtype) if self._declared else None
+        if plan is not None:
+            if plan.is_uniform:
+                return self.fold_hops_trimmed(plan, stacked)
+            flat = stacked.reshape(n, math.prod(batch), numel)
+            return self.fold_hops_trimmed(plan, flat).reshape(*batch, *shape)
+        kind = type(self)
+        if kind not in ReductionModel._warned:
+            ReductionModel._warned.add(kind)
+            warnings.warn(
+                f"{kind.__name__} declares no order (fold_plan, position_free or sum_many): the rank-batched "
+                "engine reduces its items one at a time",
+                PerItemWarning,
+                stacklevel=2,
+            )
+        flat = stacked.reshape(n, -1, *shape)
+        return torch.stack([self.sum(flat[:, i]) for i in range(flat.shape[1])]).reshape(*batch, *shape)
+
+    def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
+        """`fold_hops` of ``plan``'s hops of ``members`` (``[numel]`` or ``[count, numel]`` each; any shape for
+        a uniform plan), trimmed to the members' shape. `simdist.reduce.gloo.Gloo` adds its NaN bits here."""
+        hops = plan.hops(members)
+        return plan.trim(self.fold_hops(hops, multiply, plan.output(hops)), members)
+
+    def _planned(self, tensors: Tensors, multiply: bool, what: str) -> torch.Tensor:
+        """`sum` / `product` through the model's plan."""
+        n = len(tensors)
+        first = tensors[0]
+        plan = self.plan(n, first.numel(), first.dtype)
+        if plan is None:
+            if multiply:
+                raise ValueError(f"the {self.name} reduction model does not model ReduceOp.PRODUCT")
+            raise NotImplementedError(f"{type(self).__name__} defines neither fold_plan nor {what.lower()}")
+        if plan.is_uniform:
+            return self.fold_hops_trimmed(plan, tensors, multiply)
+        if isinstance(tensors, torch.Tensor):
+            members: Hops = tensors.reshape(n, -1).unbind(0)
+        else:
+            members = [t.reshape(-1) for t in tensors]
+        return self.fold_hops_trimmed(plan, members, multiply).reshape(first.shape)
 
     def product(self, tensors: Tensors) -> torch.Tensor:
-        """Multiply the per-rank ``tensors`` in this model's order, rounding each partial product."""
-        raise ValueError(f"the {self.name} reduction model does not model ReduceOp.PRODUCT")
+        """Multiply the per-rank ``tensors`` in this model's order (its plan), rounding each partial product."""
+        return self._planned(tensors, multiply=True, what="PRODUCT")
 
     def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """The reduced tensor for ``op`` over the per-rank ``tensors`` (stacked or a sequence)."""
@@ -128,25 +248,22 @@ def as_stacked(tensors: Tensors) -> torch.Tensor:
     return tensors if isinstance(tensors, torch.Tensor) else torch.stack(list(tensors))
 
 
-def fold(ordered: Tensors, multiply: bool = False) -> torch.Tensor:
-    """Left fold over the leading dimension, rounding each partial sum (or product) to the tensor dtype."""
-    parts = ordered.unbind(0) if isinstance(ordered, torch.Tensor) else ordered  # one call, not n indexings
-    if len(parts) == 1:
-        return parts[0].clone()
-    if multiply:
-        acc = parts[0] * parts[1]
-        for part in parts[2:]:
-            acc *= part
-        return acc
-    acc = parts[0] + parts[1]
-    for part in parts[2:]:
-        acc += part
-    return acc
-
-
 def may_hold_nan(t: torch.Tensor) -> bool:
     """False only if ``t`` holds no NaN: one float sum (cheaper than ``isnan().any()``; inf - inf may give a
     false alarm, never a miss). Models use it to take their exact NaN-bits path only where a NaN may be."""
     if not t.is_floating_point() or t.numel() == 0:
         return False
     return math.isnan(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _cached_plan(model: ReductionModel, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
+    return model.fold_plan(n, numel, dtype)
+
+
+def _plan_of(model: ReductionModel, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
+    """`ReductionModel.plan`: cached when the model is hashable (frozen dataclasses are), else built afresh."""
+    try:
+        return _cached_plan(model, n, numel, dtype)
+    except TypeError:  # an unhashable model
+        return model.fold_plan(n, numel, dtype)

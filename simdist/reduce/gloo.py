@@ -112,12 +112,14 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, fold, may_hold_nan
+from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, may_hold_nan
+from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, fold
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """gloo's ``AllreduceOptions::kMaxSegmentSize``."""
@@ -167,44 +169,15 @@ def chunk_start_ranks(
     return [(c - 1) % n for c in range(-(-numel // length))] if numel else []
 
 
-_PLAN_CACHE: dict[tuple, tuple[int, int, torch.Tensor | None]] = {}
-_PAD_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def _plan(
-    n: int, numel: int, element_size: int, max_segment_bytes: int, device: torch.device, for_reduce: bool = False
-):
-    """``(chunk length, chunk count, row index)``; the row index puts ``x.view(n * chunks, L)`` in fold order.
-
-    Row ``j * chunks + c`` of the ordered tensor is hop ``j`` of chunk ``c``:
-    rank ``(c - 1 - j) mod n``. ``None`` when there is a single chunk.
-    ``for_reduce``: the chunks of gloo's ``reduce`` (`reduce_chunk_length`).
-    """
-    key = (n, numel, element_size, max_segment_bytes, device, for_reduce)
-    plan = _PLAN_CACHE.get(key)
-    if plan is None:
-        chunking = reduce_chunk_length if for_reduce else chunk_length
-        length = chunking(numel, n, element_size, max_segment_bytes)
-        chunks = -(-numel // length)
-        index = None
-        if chunks > 1:
-            hop = torch.arange(n).unsqueeze(1)
-            chunk = torch.arange(chunks).unsqueeze(0)
-            index = (((chunk - 1 - hop) % n) * chunks + chunk).reshape(-1).to(device)
-        if len(_PLAN_CACHE) > 1024:
-            _PLAN_CACHE.clear()
-        plan = _PLAN_CACHE[key] = (length, chunks, index)
-    return plan
-
-
-def _zeros(n: int, width: int, like: torch.Tensor) -> torch.Tensor:
-    key = (n, width, like.dtype, like.device)
-    pad = _PAD_CACHE.get(key)
-    if pad is None:
-        if len(_PAD_CACHE) > 256:
-            _PAD_CACHE.clear()
-        pad = _PAD_CACHE[key] = torch.zeros(n, width, dtype=like.dtype, device=like.device)
-    return pad
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def ring_plan(n: int, numel: int, element_size: int, max_segment_bytes: int, for_reduce: bool = False) -> FoldPlan:
+    """gloo's walk as a `FoldPlan`: chunk ``c`` (of `chunk_length` elements; `reduce_chunk_length` with
+    ``for_reduce``) adds rank ``(c - 1 - j) mod n`` at hop ``j``, i.e. rows ``t mod n`` read from
+    ``h = n - 1`` down to ``0`` at window offset ``c``. One chunk: ``x[n-1] + ... + x[0]`` at every element."""
+    chunking = reduce_chunk_length if for_reduce else chunk_length
+    length = max(1, chunking(numel, n, element_size, max_segment_bytes))
+    chunks = max(1, -(-numel // length))
+    return FoldPlan(n, numel, length, chunks, tuple(t % n for t in range(n + chunks - 1)), descending=True)
 
 
 # -- how gloo reads the ranks' tensors ------------------------------------------------
@@ -236,6 +209,8 @@ def memory_rows(tensors: Tensors) -> tuple[Rows, Callable[[torch.Tensor], torch.
     per_rank = list(tensors)
     if all(t.is_contiguous() for t in per_rank):
         shape = per_rank[0].shape
+        if len(shape) == 1:
+            return per_rank, _same
         return [t.view(-1) for t in per_rank], lambda out: out.view(shape)
     for t in per_rank:
         if not _dense(t):
@@ -500,50 +475,61 @@ class Gloo(ReductionModel):
             raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
         return [self.reduce([lst[i] for lst in lists], op) for i in range(n)]
 
-    def fold_order(
-        self, n: int, numel: int, element_size: int, device: torch.device | str = "cpu"
-    ) -> torch.Tensor | None:
-        """``index[j, e]``: the member whose value element ``e`` of an ``n``-member SUM adds at hop ``j``
-        (chunk ``c``'s walk adds rank ``(c - 1 - j) mod n``); ``None`` when there is one chunk, whose order is
-        ``x[n-1] + ... + x[0]`` at every element."""
-        length, chunks, rows = _plan(n, numel, element_size, self.max_segment_bytes, torch.device(device))
-        if rows is None:
-            return None
-        ranks = rows.view(n, chunks) // chunks  # hop j of chunk c adds rank ranks[j, c]
-        return ranks.repeat_interleave(length, dim=1)[:, :numel].contiguous()
+    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:
+        """The all-reduce's walk (`ring_plan`) for ``n`` members of ``numel`` elements of ``dtype``."""
+        return ring_plan(n, numel, dtype.itemsize, self.max_segment_bytes)
+
+    def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
+        """The plan's fold with gloo's NaN bits: the plain fold is exact except where its result is NaN
+        (`_arith_walk`); with 2 members the fold needs no plan (one operation, any order)."""
+        if plan.n == 2:
+            out = fold(members, multiply)
+            hops = None
+        else:
+            hops = plan.hops(members)
+            out = plan.trim(fold(hops, multiply, plan.output(hops)), members)
+        if not may_hold_nan(out):
+            return out
+        hops = plan.hops(members) if hops is None else hops
+        if plan.is_uniform:
+            flat = [h.reshape(-1) for h in hops]
+        else:
+            flat = [plan.trim(h.contiguous(), members).reshape(-1) for h in hops]
+        return _arith_walk(flat, multiply).view(out.shape)
+
+    def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs)."""
+        if stacked.dtype != torch.bool and not stacked.is_complex():
+            return super().sum_many(stacked, shape)
+        shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
+        viewed, restore = _ring_view(stacked, ReduceOp.SUM, "all_reduce")
+        assert isinstance(viewed, torch.Tensor)
+        return restore(super().sum_many(viewed, shape + tuple(viewed.shape[stacked.dim() :])))
 
     def _hops(self, rows: Rows, for_reduce: bool = False) -> tuple[list[torch.Tensor], int]:
         """``(hops, chunks)``: ``hops[j]`` holds, per element, the value hop ``j`` of its chunk's
         walk combines (rank ``(c - 1 - j) mod n``), padded with zeros to ``chunks * length`` when there are
         several chunks; one chunk is the ranks in descending order, unpadded."""
-        n, numel, first = len(rows), rows[0].numel(), rows[0]
-        length, chunks, index = _plan(n, numel, first.element_size(), self.max_segment_bytes, first.device, for_reduce)
-        if index is None:  # a single chunk: x[n-1], x[n-2], ..., x[0]
-            return list(rows)[::-1], 1
-        padded = chunks * length
-        stacked = rows if isinstance(rows, torch.Tensor) else torch.stack(rows)
-        if padded != numel:
-            stacked = torch.cat([stacked, _zeros(n, padded - numel, stacked)], dim=1)
-        return list(stacked.reshape(n * chunks, length).index_select(0, index).view(n, padded).unbind(0)), chunks
+        first = rows[0]
+        plan = ring_plan(len(rows), first.numel(), first.element_size(), self.max_segment_bytes, for_reduce)
+        hops = plan.hops(rows)
+        return (hops if plan.is_uniform else [h.reshape(-1) for h in hops]), plan.period
 
     def _ring(self, rows: Rows, op: ReduceOp, for_reduce: bool = False) -> torch.Tensor:
         """The flat result of the ring walk of ``op`` over ``rows`` (see `memory_rows`)."""
-        n, numel, first = len(rows), rows[0].numel(), rows[0]
+        n, first = len(rows), rows[0]
+        numel = first.numel()
         if n == 1 or numel == 0:
             return first.clone()
-        arith = op in (ReduceOp.SUM, ReduceOp.PRODUCT)
-        if arith and n == 2:  # one operation: the order only picks which NaN comes out
-            out = fold(rows, multiply=op is ReduceOp.PRODUCT)
-            if not may_hold_nan(out):
-                return out
-        hops, _ = self._hops(rows, for_reduce)
-        if arith:
-            out = _arith_walk(hops, multiply=op is ReduceOp.PRODUCT)
-        elif op in (ReduceOp.MAX, ReduceOp.MIN):
-            out = _compare_walk(hops, op)
-        else:
-            raise ValueError(f"unsupported reduce op {op!r}")
-        return out if out.numel() == numel else out[:numel]
+        plan = ring_plan(n, numel, first.element_size(), self.max_segment_bytes, for_reduce)
+        if op is ReduceOp.SUM or op is ReduceOp.PRODUCT:
+            return self.fold_hops_trimmed(plan, rows, multiply=op is ReduceOp.PRODUCT)
+        if op is ReduceOp.MAX or op is ReduceOp.MIN:
+            hops = plan.hops(rows)
+            out = plan.output(hops)
+            walked = _compare_walk(hops, op)
+            return plan.trim(walked if out is None else out.copy_(walked), rows)
+        raise ValueError(f"unsupported reduce op {op!r}")
 
 
 def _ring_view(tensors: Tensors, op: ReduceOp, what: str) -> tuple[Tensors, Callable[[torch.Tensor], torch.Tensor]]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from simdist.numerics.rounding import round_to
-from simdist.reduce.base import AvgMode, ReductionModel, Tensors, as_stacked, fold
+from simdist.reduce.base import AvgMode, ReductionModel, Tensors, as_stacked
+from simdist.reduce.plan import FoldPlan, Hops, fold
 
 
 @dataclass(frozen=True, repr=False)
@@ -26,11 +27,8 @@ class Sequential(ReductionModel):
     def name(self) -> str:
         return "sequential"
 
-    def sum(self, tensors: Tensors) -> torch.Tensor:
-        return fold(tensors)
-
-    def product(self, tensors: Tensors) -> torch.Tensor:
-        return fold(tensors, multiply=True)
+    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:
+        return FoldPlan.uniform(range(n), numel)
 
 
 @dataclass(frozen=True, repr=False)
@@ -43,6 +41,7 @@ class Tree(ReductionModel):
     """
 
     avg: AvgMode = "postdiv"
+    position_free = True  # the same pairs at every element: a stacked [n, *batch, *shape] tensor reduces as is
 
     @property
     def name(self) -> str:
@@ -81,11 +80,13 @@ class Upcast(ReductionModel):
     def name(self) -> str:
         return f"upcast({str(self.acc_dtype).removeprefix('torch.')})"
 
-    def sum(self, tensors: Tensors) -> torch.Tensor:
-        return round_to(fold([t.to(self.acc_dtype) for t in tensors]), tensors[0].dtype)
+    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:
+        return FoldPlan.uniform(range(n), numel)
 
-    def product(self, tensors: Tensors) -> torch.Tensor:
-        return round_to(fold([t.to(self.acc_dtype) for t in tensors], multiply=True), tensors[0].dtype)
+    def fold_hops(self, hops: Hops, multiply: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fold in ``acc_dtype``, rounded once to the members' dtype."""
+        result = round_to(fold([t.to(self.acc_dtype) for t in hops], multiply), hops[0].dtype)
+        return result if out is None else out.copy_(result)
 
 
 @dataclass(frozen=True, repr=False)
@@ -114,46 +115,14 @@ class Ring(ReductionModel):
         order = "" if self.ring is None else f", ring={list(self.ring)}"
         return f"ring(chunk={self.chunk_size}, shift={self.shift}{order})"
 
-    def sum(self, tensors: Tensors) -> torch.Tensor:
-        return self._walk(tensors, multiply=False)
-
-    def product(self, tensors: Tensors) -> torch.Tensor:
-        return self._walk(tensors, multiply=True)
-
-    def fold_order(self, n: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``index[j, e]``: the group rank whose value element ``e`` of an ``n``-rank sum adds at hop ``j``."""
+    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:
+        """Chunk ``c`` adds ``ring[(c + shift + j) mod n]`` at hop ``j``: chunks repeat with period ``n``."""
         ring = tuple(range(n)) if self.ring is None else tuple(self.ring)
         if sorted(ring) != list(range(n)):
             raise ValueError(f"ring order {list(ring)} is not a permutation of the {n} group ranks")
-        return _ring_index(numel, n, self.chunk_size, self.shift, ring, device)
-
-    def _walk(self, tensors: Tensors, multiply: bool) -> torch.Tensor:
-        stacked = as_stacked(tensors)
-        n = stacked.shape[0]
-        ring = list(range(n)) if self.ring is None else list(self.ring)
-        if sorted(ring) != list(range(n)):
-            raise ValueError(f"ring order {ring} is not a permutation of the {n} group ranks")
-        flat = stacked.reshape(n, -1)
-        index = _ring_index(flat.shape[1], n, self.chunk_size, self.shift, tuple(ring), flat.device)
-        return fold(flat.gather(0, index), multiply).reshape(stacked.shape[1:])
-
-
-_RING_INDEX_CACHE: dict[tuple, torch.Tensor] = {}
-_RING_INDEX_BYTES = 1 << 29
-"""The cached int64 indexes together stay below this (one index is ``8 * n * numel`` bytes: 256 MiB for 512
-ranks of 65536 elements, so a sweep over sizes at large worlds would otherwise keep gigabytes)."""
-
-
-def _ring_index(numel: int, n: int, chunk: int, shift: int, ring: tuple[int, ...], device) -> torch.Tensor:
-    """``index[j, e]``: the group rank whose value element ``e`` adds at hop ``j``."""
-    key = (numel, n, chunk, shift, ring, str(device))
-    cached = _RING_INDEX_CACHE.get(key)
-    if cached is None:
-        start = ((torch.arange(numel) // chunk) + shift) % n
-        positions = (start.unsqueeze(0) + torch.arange(n).unsqueeze(1)) % n
-        cached = torch.tensor(ring)[positions].to(device)
-        held = sum(index.numel() for index in _RING_INDEX_CACHE.values())
-        if len(_RING_INDEX_CACHE) > 256 or 8 * (held + cached.numel()) > _RING_INDEX_BYTES:
-            _RING_INDEX_CACHE.clear()
-        _RING_INDEX_CACHE[key] = cached
-    return cached
+        chunks = -(-numel // self.chunk_size)
+        period = max(1, min(n, chunks))
+        rows = tuple(ring[(self.shift + t) % n] for t in range(n + period - 1))
+        if period == 1:
+            return FoldPlan.uniform(rows, numel)
+        return FoldPlan(n, numel, self.chunk_size, period, rows)

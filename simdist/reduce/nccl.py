@@ -120,6 +120,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -604,23 +605,28 @@ class Nccl(ReductionModel):
             out[..., offset : offset + part] = _tree_fold(flat[..., offset : offset + part], down, root, order, arith)
         return out
 
-    def sum_batched(self, stacked: torch.Tensor) -> torch.Tensor:
-        """SUM of many independent all-reduces at once: ``[n, batch, numel] -> [batch, numel]``.
+    def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """`ReductionModel.sum_many`: many independent all-reduces at once, ``[n, *batch, *shape] -> [*batch, *shape]``.
 
-        Each batch item gets the bits `reduce` gives it alone (row-major members of ``numel`` elements): the
-        plan (channels, chunks, trees) is that of one ``numel``-element member, and every operation is
-        element-wise along the batch dimension. The rank-batched engine calls this instead of ``batch``
-        separate reductions.
+        Each batch item gets the bits `reduce` gives it alone (row-major members of ``prod(shape)`` elements):
+        the schedule (channels, chunks, rings, trees) is that of one member, and every operation is element-wise
+        along the batch dimension, so the rank-batched engine runs no per-item loop.
         """
-        n, numel = stacked.shape[0], stacked.shape[-1]
-        arith = _Arith(_combine(ReduceOp.SUM, stacked.dtype))
-        if n == 1:
+        n = stacked.shape[0]
+        shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
+        batch = tuple(stacked.shape[1 : stacked.dim() - len(shape)])
+        numel = math.prod(shape)
+        if n == 1 or numel == 0:  # one rank copies (as `reduce` does): no schedule to follow
             return stacked[0].clone()
-        if n == 2:
-            return arith.combine(stacked[0], stacked[1])
-        if self.algorithm == "ring":
-            return _fold_groups(stacked, _groups(self, "all_reduce", numel, stacked.element_size(), n), arith)
-        return self._tree(stacked, arith)
+        flat = stacked.reshape(n, -1, numel)
+        arith = _Arith(_combine(ReduceOp.SUM, stacked.dtype))
+        if n == 2:  # one addition: every order agrees
+            out = arith.combine(flat[0], flat[1])
+        elif self.algorithm == "ring":
+            out = _fold_groups(flat, _groups(self, "all_reduce", numel, stacked.element_size(), n), arith)
+        else:
+            out = self._tree(flat, arith)
+        return out.reshape(*batch, *shape)
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Per-rank output blocks ``[n, numel / n]`` of NCCL's ring reduce-scatter."""

@@ -207,14 +207,17 @@ def test_tp8_dp64_growth_matches_the_independent_oracle(tmp_path, reduction):
     assert not summary["policies"]["bf16_only"]["bitwise_equal_to_oracle"]
 
 
-def test_the_ring_models_cached_indexes_stay_within_their_byte_bound(monkeypatch):
-    """One cached index is ``8 * n * numel`` bytes (256 MiB at 512 ranks x 65536): a sweep over sizes must not
-    keep them all."""
-    from simdist.reduce import Ring, models
+def test_the_ring_models_cached_plans_hold_no_per_element_index():
+    """A per-element index is ``8 * n * numel`` bytes (64 MiB at 512 ranks x 16384): the Ring's cached plan
+    must not hold one, so a sweep over sizes at 512 ranks keeps kilobytes, whatever the tensor size."""
+    from simdist.reduce import Ring
+    from simdist.reduce.plan import ROW_GATHER_LIMIT
 
-    monkeypatch.setattr(models, "_RING_INDEX_CACHE", {})
-    monkeypatch.setattr(models, "_RING_INDEX_BYTES", 8 * 2 * 4 * 1000)  # two indexes of 4 ranks x 1000
-    for numel in range(900, 1000, 10):
-        Ring().reduce(_inputs(4, numel, seed=numel))
-        held = sum(index.numel() for index in models._RING_INDEX_CACHE.values())
-        assert 0 < 8 * held <= models._RING_INDEX_BYTES
+    model = Ring()
+    for numel in (8, 900, 4096, 16_384):  # whole chunks (gathered chunk by chunk) and many-chunk members
+        stacked = _inputs(512, 2 * numel, seed=numel).view(512, 2, numel)
+        assert torch.equal(model.sum_many(stacked, (numel,))[1], model.reduce(stacked[:, 1]))
+        plan = model.plan(512, numel, torch.float32)
+        held = sum(t.numel() * t.element_size() for t in plan._index.values())
+        assert 0 < held <= 4 * ROW_GATHER_LIMIT * 8
+    assert 4 * ROW_GATHER_LIMIT * 8 < 8 * 512 * 16_384 // 100  # the bound is far below a per-element index
