@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--steps", type=int, default=1)
     ns = parser.parse_args(argv)
-    world = SimWorld(SPEC, default_model=Gloo())
+    world = SimWorld(SPEC, reduction=Gloo())
     args = (
         list(DEFAULT_PARAMS),
         InitialWeights(SPEC),

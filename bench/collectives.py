@@ -248,7 +248,7 @@ def batched_table(iters: int, repeats: int) -> None:
 def backend_table(iters: int, repeats: int) -> None:
     """The 1024-element comparison of in-process ways to run torch.distributed code (second table)."""
     numel = 1024
-    world = SimWorld(SPEC, default_model=Gloo())
+    world = SimWorld(SPEC, reduction=Gloo())
     floor_us = statistics.median(floor(numel, iters, repeats)) * 1e6
     sim_laps, backend_laps = [], []
     for _ in range(repeats):  # interleaved, so a burst of load on the machine hits both alike
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         batched_table(_iterations(1024, args.quick), args.repeats)
         model_table(_iterations(1024, args.quick), args.repeats)
         return
-    world = SimWorld(SPEC, default_model=Gloo())
+    world = SimWorld(SPEC, reduction=Gloo())
     rows = []
     for numel in SIZES:
         iters = _iterations(numel, args.quick)

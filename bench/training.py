@@ -119,7 +119,7 @@ def main() -> None:
     if affinity:
         os.sched_setaffinity(0, affinity)
 
-    world = SimWorld(SPEC, default_model=Gloo())
+    world = SimWorld(SPEC, reduction=Gloo())
     world.run(_run, 2, ns.policy, ns.gas)
     sim_laps = []
     for _ in range(repeats):

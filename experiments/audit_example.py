@@ -29,7 +29,7 @@ SPEC = ParallelSpec(4, tp=2, ep=2)
 
 def audit_one_step(policy: str) -> AuditReport:
     """The merged report of every rank for one optimizer step under ``policy``."""
-    world = SimWorld(SPEC, default_model=Gloo())
+    world = SimWorld(SPEC, reduction=Gloo())
     ranks = world.run(
         audited(train_rank),
         list(DEFAULT_PARAMS),

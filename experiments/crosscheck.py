@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = make_model(ns.reduction)
         where = {"world": "sim", "backend": "simworld", "reduction": model.name}
-        written = SimWorld(spec, default_model=model).run(train_and_dump, check, ns.out, where)[0]
+        written = SimWorld(spec, reduction=model).run(train_and_dump, check, ns.out, where)[0]
     elif ns.world == "gloo":
         from simdist.world.launch import spawn_gloo
 

@@ -143,7 +143,7 @@ def transcription(config: Config, policy: Policy, update_path: UpdatePath, gas: 
         update_path=update_path,
     )
     spec, seed = config.spec, config.seed
-    world = SimWorld(spec, default_model=make_model("gloo"))
+    world = SimWorld(spec, reduction=make_model("gloo"))
     return world.run(
         train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed), policy, path
     )

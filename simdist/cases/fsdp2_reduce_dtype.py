@@ -180,7 +180,7 @@ def transcription(config: Config, policy: Policy) -> list[Trace]:
     """``policy`` on SimWorld from the same local gradients, summed in ``config.reduction``'s order."""
     path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed)
     grads = SyntheticGradients(config.spec, seed=config.seed, spread=config.spread)
-    world = SimWorld(config.spec, default_model=make_model(config.reduction))
+    world = SimWorld(config.spec, reduction=make_model(config.reduction))
     return world.run(train_rank, list(DEFAULT_PARAMS), InitialWeights(config.spec, config.seed), grads, policy, path)
 
 

@@ -209,7 +209,7 @@ def run_real(config: Config, world: str = "threads") -> list[dict[tuple[str, str
     if world == "threads":
         import simdist
 
-        return simdist.spawn(fsdp_tp_rank, 4, config, model="gloo", timeout_s=300)
+        return simdist.spawn(fsdp_tp_rank, 4, config, reduction="gloo", timeout_s=300)
     if world in ("simdist", "gloo"):
         from simdist.world.launch import spawn_procs
 
@@ -258,7 +258,7 @@ def simdist_traces(config: Config, runs: list[RealRun], policy: Policy) -> list[
     params = list(param_specs(runs))
     # FSDP2 has no correction-once marker: whatever TP stage a gradient has runs on every micro-step
     path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker=Marker.PER_MICRO_STEP)
-    return SimWorld(config.spec, default_model=make_model("gloo")).run(
+    return SimWorld(config.spec, reduction=make_model("gloo")).run(
         train_rank, params, zero_weights, RecordedGradients(runs), policy, path, frozenset({"hp"})
     )
 

@@ -210,7 +210,7 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     """The policy on simdist's gradient path (SimWorld, gloo's order): hp per micro-step, dp_reduced."""
     spec = config.spec(layout)
     path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker=Marker.PER_MICRO_STEP)
-    return SimWorld(spec, default_model=make_model("gloo")).run(
+    return SimWorld(spec, reduction=make_model("gloo")).run(
         train_rank,
         list(PARAMS),
         zero_weights,

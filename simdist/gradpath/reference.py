@@ -189,16 +189,16 @@ class Oracle:
                     seen(step, micro, p.name, Capture.CORRECTED, value)
                 hp[p.name] += value
                 seen(step, micro, p.name, Capture.HP, hp[p.name])
-        grads = []
+        flat_grads: list[torch.Tensor] = []
         for p in self.trained:
             reduced = self._group_sums(self.dp_model, dp_kind(p.family), hp[p.name], p, scale=1.0 / self.spec.dp)
             seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
             seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
-            grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+            flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
         if not self.master:
             return
         master = self.master[0]
-        master.grad = torch.cat(grads, dim=-1)
+        master.grad = torch.cat(flat_grads, dim=-1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         state = self.optimizer.state[master]
@@ -410,7 +410,7 @@ class _SourceGrads:
     def __init__(self, spec, params, source, step: int, model: ReductionModel) -> None:
         self.spec, self.params, self.source, self.step, self.model = spec, params, source, step, model
 
-    def __call__(self, micro: int, lp: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+    def __call__(self, micro: int, lp: Mapping[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
         from simdist.world.simworld import SimWorld
 
         def rank(comm) -> dict[str, torch.Tensor]:
@@ -420,5 +420,5 @@ class _SourceGrads:
             self.source.backward(comm, self.step, micro, weights, lambda n, g: got.__setitem__(n, g.detach()), False)
             return got
 
-        results = SimWorld(self.spec, default_model=self.model, timeout_s=None).run(rank)
+        results = SimWorld(self.spec, reduction=self.model, timeout_s=None).run(rank)
         return {(r, name): g for r, got in enumerate(results) for name, g in got.items()}

@@ -94,9 +94,6 @@ class ReductionModel(ABC):
     gloo_rules: bool = False
     """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to collectives on this model."""
 
-    gloo_rules: bool = False
-    """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to collectives on this model."""
-
     position_free: bool = False
     """Whether `sum` adds the members in the same order at every element and so reduces a stacked
     ``[n, *batch, *shape]`` tensor item by item in one call (the rank-batched engine relies on it)."""

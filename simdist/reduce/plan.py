@@ -185,13 +185,13 @@ class FoldPlan:
         """A fold of `hops` as ``[numel]`` (1-d members) or ``[count, numel]``; a uniform fold as it is."""
         if self.is_uniform:
             return folded
-        one_d = not isinstance(members, torch.Tensor) or members.dim() == 2
-        if folded.shape == ((self.numel,) if one_d else (members.shape[1], self.numel)):  # gathered whole chunks
+        count = members.shape[1] if isinstance(members, torch.Tensor) and members.dim() != 2 else None
+        if folded.shape == ((self.numel,) if count is None else (count, self.numel)):  # gathered whole chunks
             return folded
-        if one_d:
+        if count is None:
             flat = folded.view(self.padded)
             return flat if self.padded == self.numel else flat[: self.numel]
-        flat = folded.view(members.shape[1], self.padded)
+        flat = folded.view(count, self.padded)
         return flat if self.padded == self.numel else flat[:, : self.numel]
 
     def index(self, device: torch.device | str = "cpu") -> torch.Tensor:

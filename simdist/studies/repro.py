@@ -192,7 +192,7 @@ def run(
     ``training_model`` picks where the local gradients come from (`GradientModel`).
     """
     params, initial, grads = workload(training_model, spec, config.seed, config.gas)
-    world = SimWorld(spec, default_model=model, timeout_s=None)  # a long study has no deadline
+    world = SimWorld(spec, reduction=model, timeout_s=None)  # a long study has no deadline
     return world.run(train_rank, list(params), initial, grads, policy, config)
 
 

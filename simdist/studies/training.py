@@ -202,7 +202,7 @@ def train(
     def run(side: str) -> None:
         chosen, config = runs[side]
         try:
-            world = SimWorld(spec, default_model=model_, intra_op_threads=None, timeout_s=None)  # as long as it trains
+            world = SimWorld(spec, reduction=model_, intra_op_threads=None, timeout_s=None)  # as long as it trains
             probe = _Probe(source, lockstep, side, steps)
             traces[side] = world.run(train_rank, source.params, source.initial, probe, chosen, config, frozenset())
         except BaseException as exc:

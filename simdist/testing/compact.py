@@ -104,9 +104,11 @@ def _oracle_source(grads: Gradients):
     if batch is None:
         return grads
 
+    one_batch = batch
+
     class Stacked:
         def stacked(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-            return {name: value[0] for name, value in batch(step, micro).items()}
+            return {name: value[0] for name, value in one_batch(step, micro).items()}
 
     return Stacked()
 
