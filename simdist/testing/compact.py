@@ -88,7 +88,7 @@ def run_batched(
         policy,
         config,
         _initial_buffer(spec, params),
-        default_model=model or Sequential(),
+        reduction=model or Sequential(),
         keep=keep,
         norm=norm,
     )
