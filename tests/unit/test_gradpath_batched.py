@@ -26,6 +26,7 @@ from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
+from simdist.numerics.compare import same_bits
 from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
 from simdist.reduce.gloo import Gloo
 from simdist.studies.growth import BatchedGradients
@@ -40,16 +41,6 @@ LAYOUTS = {
 }
 POLICIES = [*policy_names(), "oracle"]
 SEEDS = (3, 11)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of its width."""
-    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-    return t.contiguous().view(ints[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
 
 
 def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", max_norm=0.0) -> int:
