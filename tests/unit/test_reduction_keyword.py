@@ -99,3 +99,37 @@ def test_the_fixture_takes_reduction_and_a_call_may_override_it():
     assert same_bits(torch.stack(SimdistWorld(reduction="gloo").spawn(_rank_sum, 8, model="ring")), ring)
     with pytest.raises(TypeError, match=r"got reduction= and model="):
         SimdistWorld(reduction="ring", model="gloo")
+
+
+def test_the_compact_workload_takes_reduction_with_model_as_its_alias():
+    from simdist.gradpath.probes import Capture
+    from simdist.testing.compact import run_batched, run_oracle
+
+    def local(step, micro, rank, param):
+        """BF16 gradients over 40 binades: DP sums of 4 round differently in different orders."""
+        gen = torch.Generator().manual_seed(rank * 1000 + step * 10 + micro)
+        x = torch.randn(param.shape, generator=gen) * torch.exp2(torch.randint(-20, 20, param.shape, generator=gen))
+        return x.to(torch.bfloat16)
+
+    config = PathConfig(steps=1, gas=1)
+    keep = frozenset({Capture.DP_REDUCED})
+    policy = get_policy("bf16_only")
+
+    def batched(**kw) -> torch.Tensor:
+        traces = run_batched(SPEC, policy, local, config, keep=keep, norm=False, **kw).rank_traces(0)
+        return torch.cat([v.flatten().float() for t in traces for v in t.values.values()])
+
+    def oracle(**kw) -> torch.Tensor:
+        return torch.cat(
+            [v.flatten() for t in run_oracle(SPEC, local, 1, 1, keep=keep, **kw) for v in t.values.values()]
+        )
+
+    ring = batched(reduction=Ring())
+    assert same_bits(ring, batched(model=Ring())) and not same_bits(ring, batched(reduction=Sequential()))
+    assert same_bits(batched(), batched(reduction=Gloo()))  # the one default
+    assert same_bits(oracle(reduction=Ring()), oracle(model=Ring()))
+    assert same_bits(oracle(), oracle(reduction=Gloo()))
+    with pytest.raises(TypeError, match=r"got reduction= and model="):
+        run_batched(SPEC, policy, local, config, reduction=Ring(), model=Ring())
+    with pytest.raises(TypeError, match=r"got reduction= and model="):
+        run_oracle(SPEC, local, 1, 1, reduction=Ring(), model=Ring())
