@@ -235,7 +235,7 @@ def batched_table(iters: int, repeats: int) -> None:
     for batch in (1, 8):
         gen = torch.Generator().manual_seed(batch)
         value = torch.randn(batch, n, numel, generator=gen)  # [batch, rank, 1024]
-        ops = BatchedOps(SPEC, seeds=list(range(batch)), default_model=Gloo())
+        ops = BatchedOps(SPEC, seeds=list(range(batch)), reduction=Gloo())
         for item in range(batch):  # the bits of the gloo model, every item
             expected = Gloo().sum(value[item]).view(torch.int32)
             assert torch.equal(ops.all_reduce(value, "dp")[item, 0].view(torch.int32), expected)

@@ -4,8 +4,10 @@ The pieces most programs start from:
 
 * `simdist.world.spec.ParallelSpec` -- a TP/DP/EP/ETP/EDP layout and its group tables;
 * `simdist.world.simworld.SimWorld` -- run a rank program ``fn(comm, ...)`` on every rank, in one process;
-* `simdist.reduce` and `simdist.reduce.gloo` -- how collectives sum and round;
-* `simdist.gradpath.policy` / ``policies/`` -- precision policies of the BF16 gradient path;
+* `simdist.reduce` and `simdist.reduce.gloo` -- how collectives sum and round (``reduction=`` of every launcher;
+  default `simdist.world.options.DEFAULT_REDUCTION`, gloo's order);
+* `simdist.gradpath.policy` / `simdist.policies` -- precision policies of the BF16 gradient path (as data; the
+  catalogue, one module each);
 * `simdist.gradpath.path.train_rank` -- DeepSpeed's BF16_Optimizer gradient path as a rank program;
 * `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
 * `simdist.run` -- the launcher: a rank function on threads, processes or real gloo (`simdist.world.runner`);

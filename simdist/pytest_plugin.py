@@ -19,27 +19,40 @@ import pytest
 
 
 class SimdistWorld:
-    """Runs rank functions on fresh simulated worlds; ``model`` and ``timeout_s`` are the defaults of each run."""
+    """Runs rank functions on fresh simulated worlds; ``reduction`` and ``timeout_s`` are the defaults of each run.
 
-    def __init__(self, model: Any = "gloo", timeout_s: float | None = 120.0) -> None:
-        self.model = model
+    ``reduction`` is what `simdist.spawn` takes (a name, a `ReductionModel`, a kind -> model table, ...);
+    ``None`` leaves it to `simdist.spawn`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
+    ``model`` is its deprecated spelling. A call's own ``reduction=`` (or ``model=``) wins over the default."""
+
+    def __init__(self, reduction: Any = None, timeout_s: float | None = 120.0, *, model: Any = None) -> None:
+        if reduction is not None and model is not None:
+            raise TypeError("give the reduction model once, as reduction= (got reduction= and model=)")
+        self.reduction = model if reduction is None else reduction
         self.timeout_s = timeout_s
+
+    @property
+    def model(self) -> Any:
+        """Deprecated name of `reduction`."""
+        return self.reduction
+
+    def _defaults(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.reduction is not None and "reduction" not in kwargs and "model" not in kwargs:
+            kwargs["reduction"] = self.reduction
+        kwargs.setdefault("timeout_s", self.timeout_s)
+        return kwargs
 
     def spawn(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads; the per-rank results (`simdist.spawn`)."""
         from simdist.world.inproc import spawn
 
-        kwargs.setdefault("model", self.model)
-        kwargs.setdefault("timeout_s", self.timeout_s)
-        return spawn(fn, world_size, *args, **kwargs)
+        return spawn(fn, world_size, *args, **self._defaults(kwargs))
 
     def blame(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any):
         """`simdist.blame` on this world's defaults: per-site rounding error of ``fn``."""
         from simdist.attribution import blame
 
-        kwargs.setdefault("model", self.model)
-        kwargs.setdefault("timeout_s", self.timeout_s)
-        return blame(fn, world_size, *args, **kwargs)
+        return blame(fn, world_size, *args, **self._defaults(kwargs))
 
 
 @pytest.fixture(scope="session")

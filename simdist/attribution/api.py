@@ -120,7 +120,7 @@ def blame(
     calls, max ulp, max error / sum|terms| and max relative error against the exact result of the same
     inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
     and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
-    ``spawn_kwargs`` (``model=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
+    ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
     holds ``fn``'s per-rank results; ``report.figure()`` draws the sites and their error per step.
     """
     from simdist.world.inproc import spawn

@@ -33,7 +33,8 @@ from simdist.gradpath.path import PathConfig, stochastic_generator
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
-from simdist.reduce import ReductionModel, Sequential
+from simdist.reduce import ReductionModel
+from simdist.world.simworld import ReductionChoice, reduction_table
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum", "initial_buffer"]
@@ -82,8 +83,9 @@ def _group_tables(spec: ParallelSpec) -> tuple[dict[str, GroupTable], torch.Tens
 class BatchedOps:
     """`simdist.gradpath.kernel.Ops` for ``[batch, rank, ...]`` tensors of a `ParallelSpec`.
 
-    ``models`` maps a group kind to its reduction model, ``default_model`` the
-    rest (as `SimWorld` does); ``seeds`` are the per-batch-item seeds of
+    ``reduction`` chooses the reduction model as `SimWorld`'s does (a name, a model, or a group kind -> model
+    table; default `simdist.world.options.DEFAULT_REDUCTION`); ``models`` (a kind -> model table) and
+    ``default_model`` (the rest) are its deprecated spellings. ``seeds`` are the per-batch-item seeds of
     stochastic rounding (``PathConfig.seed`` of each run).
     """
 
@@ -93,11 +95,12 @@ class BatchedOps:
         seeds: Sequence[int],
         models: Mapping[str, ReductionModel] | None = None,
         default_model: ReductionModel | None = None,
+        *,
+        reduction: ReductionChoice | None = None,
     ) -> None:
         self.spec, self.seeds = spec, list(seeds)
         self.batch: tuple[int, ...] = (len(self.seeds), spec.world_size)
-        self.models = dict(models or {})
-        self.default_model = default_model or Sequential()
+        self.models, self.default_model = reduction_table(reduction, models, default_model)
         self._tables, self._tp_root = _group_tables(spec)
 
     def model_for(self, kind: str) -> ReductionModel:
@@ -204,7 +207,8 @@ class BatchedPath:
     ``initial`` gives each batch item's ``(rank, param) -> initial weight`` (one callable per item, e.g.
     `simdist.models.synthetic.InitialWeights` per seed), or is the flat ``[batch, rank, N]`` buffer
     (`initial_buffer`; it is copied); ``seeds`` are the items' ``PathConfig.seed``
-    (default: ``config.seed`` for every item). ``keep`` selects captures (default none);
+    (default: ``config.seed`` for every item). ``reduction`` (or its deprecated spellings ``models``,
+    ``default_model``) goes to `BatchedOps`. ``keep`` selects captures (default none);
     ``norm`` computes the global gradient norm (always when ``config.max_norm > 0``).
     """
 
@@ -217,6 +221,7 @@ class BatchedPath:
         initial: Sequence[Callable[[int, ParamSpec], torch.Tensor]] | torch.Tensor,
         seeds: Sequence[int] | None = None,
         *,
+        reduction: ReductionChoice | None = None,
         models: Mapping[str, ReductionModel] | None = None,
         default_model: ReductionModel | None = None,
         keep: frozenset[str] | None = frozenset(),
@@ -226,7 +231,7 @@ class BatchedPath:
         if len(seeds) != len(initial):
             raise ValueError(f"{len(initial)} initial-weight sets but {len(seeds)} seeds")
         self.spec, self.config = spec, config
-        self.ops = BatchedOps(spec, seeds, models, default_model)
+        self.ops = BatchedOps(spec, seeds, models, default_model, reduction=reduction)
         self.trace = BatchedTrace(keep)
         if isinstance(initial, torch.Tensor):
             lp = initial.to(policy.grad_dtype, copy=True)

@@ -4,7 +4,8 @@
 `base` defines `ReduceOp` and the `ReductionModel` interface (a model's order is its plan; its capabilities
 are attributes); `models` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
 gloo backend found by experiment; `nccl` NCCL's order from its source; `registry` builds a model by name
-(`Reduction`: each name with its class).
+(`Reduction`: each name with its class). Adding a model is one `ReductionModel` subclass and one
+`Reduction` member; nothing else names its class.
 """
 
 from simdist.reduce.base import AvgMode, PerItemWarning, ReduceOp, ReductionModel, Tensors, as_stacked

@@ -27,6 +27,8 @@ from simdist.gradpath.probes import Capture, Trace
 from simdist.gradpath.reference import oracle_traces, oracle_values
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReductionModel, Sequential
+from simdist.world.modelmap import as_model
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
@@ -60,6 +62,15 @@ def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.
     return initial_buffer(spec, params, [initial], torch.bfloat16)
 
 
+def _one_model(reduction: ReductionModel | None, model: ReductionModel | None) -> ReductionModel:
+    """The model from ``reduction=`` or its deprecated spelling ``model=`` (not both); `DEFAULT_REDUCTION` if
+    neither."""
+    if reduction is not None and model is not None:
+        raise TypeError("give the reduction model once, as reduction= (got reduction= and model=)")
+    chosen = reduction if reduction is not None else model
+    return chosen if chosen is not None else as_model(DEFAULT_REDUCTION)
+
+
 def run_batched(
     spec: ParallelSpec,
     policy: Policy,
@@ -67,11 +78,14 @@ def run_batched(
     config: PathConfig,
     *,
     keep: frozenset[str] | None = None,
-    model: ReductionModel | None = None,
+    reduction: ReductionModel | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
     norm: bool = True,
+    model: ReductionModel | None = None,
 ) -> BatchedTrace:
-    """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``model`` (sequential)."""
+    """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``reduction`` (default
+    `DEFAULT_REDUCTION`; ``model`` is its deprecated spelling)."""
+    reduction = _one_model(reduction, model)
     params = tuple(params)
     batch = getattr(grads, "batch", None)
     if batch is None:
@@ -88,7 +102,7 @@ def run_batched(
         policy,
         config,
         _initial_buffer(spec, params),
-        default_model=model or Sequential(),
+        reduction=reduction,
         keep=keep,
         norm=norm,
     )
@@ -120,13 +134,14 @@ def run_oracle(
     gas: int,
     *,
     keep: frozenset[str] | None = None,
-    model: ReductionModel | None = None,
+    reduction: ReductionModel | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
     dtype: torch.dtype = torch.float32,
+    model: ReductionModel | None = None,
 ) -> list[Trace]:
     """Every rank's `Trace` of the independent oracle (`simdist.gradpath.reference`) on the compact workload,
-    every group reducing with ``model`` (sequential)."""
-    model = model or Sequential()
+    every group reducing with ``reduction`` (default `DEFAULT_REDUCTION`; ``model`` is its deprecated spelling)."""
+    model = _one_model(reduction, model)
     return oracle_traces(
         spec,
         list(params),
@@ -152,8 +167,10 @@ def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads:
     they first differ when they do.
     """
     config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
-    staging = run_batched(spec, get_policy("fp32_staging"), grads, config, keep=OPTIMIZER_STAGES, norm=False)
     sequential = Sequential()
+    staging = run_batched(
+        spec, get_policy("fp32_staging"), grads, config, keep=OPTIMIZER_STAGES, norm=False, reduction=sequential
+    )
     oracle = oracle_values(
         spec,
         list(PARAMS),

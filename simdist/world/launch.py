@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simdist.reduce import Gloo, ReductionModel
+from simdist.reduce import Reduction, ReductionModel
 from simdist.world.modelmap import as_model
 from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
 from simdist.world.process import use_reduction
@@ -371,7 +371,7 @@ def _process_model(reduction: Any, backend: str) -> ReductionModel | None:
         )
     model = None if reduction is None else as_model(reduction, "reduction")
     if backend == "gloo":
-        if model is not None and not isinstance(model, Gloo):
+        if model is not None and model.name != Reduction.GLOO:  # the model's name, not its class
             raise ValueError(
                 f"reduction={reduction!r} with real gloo: real gloo sums in its own order; a reduction model is "
                 "simulated with where='threads' or where='processes'"

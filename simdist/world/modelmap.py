@@ -7,7 +7,7 @@ A choice is one of:
 * a mapping from group kind to a name or model. With a `ParallelSpec`, a group
   whose ranks are one of the spec's ``tp``/``dp``/``ep``/``etp``/``edp``/``pp``
   groups has that kind; the group of all ranks is ``world``; any other group is
-  ``group``. Kinds not in the mapping use its ``"default"`` entry (else gloo);
+  ``group``. Kinds not in the mapping use its ``"default"`` entry (else `DEFAULT_REDUCTION`, gloo);
 * a callable ``(ranks) -> ReductionModel``, for a per-group choice.
 
 `Chooser` resolves a group's global ranks to ``(kind, model)``. Every choice is checked when the
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from simdist.reduce import MODEL_NAMES, ReductionModel, make_model
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 ModelChoice = str | ReductionModel | Mapping[str, str | ReductionModel] | Callable[[tuple], ReductionModel]
@@ -75,7 +76,7 @@ class Chooser:
         elif isinstance(choice, Mapping):
             _check_map(choice, spec)
             self._models = {kind: as_model(m, f"model map entry {kind!r}") for kind, m in choice.items()}
-            self._models.setdefault("default", as_model("gloo"))
+            self._models.setdefault("default", as_model(DEFAULT_REDUCTION))
         elif callable(choice):
             self._call = choice
         else:

@@ -4,8 +4,10 @@ spelling and default, and the default deadline (`simdist.world.runner.run` and i
 One spelling, ``reduction=``, chooses how collectives sum: a model name (``"gloo"``), a `Reduction` member
 (``Reduction.GLOO``), a `ReductionModel` (``Gloo()``) or, where per-group choices make sense, a mapping from
 group kind to one of those (``{"tp": "ring", "default": "gloo"}``). The older keyword spellings (``model=`` of
-`simdist.spawn` and `spawn_procs`, ``models=``/``default_model=`` of `SimWorld`) are kept as deprecated aliases
-because README, notebooks and users' scripts call them; `pick_reduction` merges them and refuses two at once.
+`simdist.spawn`, `spawn_procs` and the ``simdist_world`` fixture, ``models=``/``default_model=`` of `SimWorld` and
+the rank-batched engine) are kept as deprecated aliases because README, notebooks and users' scripts call them;
+`pick_reduction` (and `simdist.world.simworld.reduction_table` for the kind -> model table) merges them and
+refuses two at once.
 """
 
 from __future__ import annotations

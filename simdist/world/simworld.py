@@ -208,14 +208,7 @@ class SimWorld:
         reduction: ReductionChoice = _UNSET,
     ) -> None:
         self.spec = spec
-        older = [name for name, value in (("models", models), ("default_model", default_model)) if value is not None]
-        if older and reduction is not _UNSET:
-            raise TypeError(f"give the reduction model once, as reduction= (got reduction= and {', '.join(older)}=)")
-        if older:  # the deprecated spellings: a kind -> model table and a default
-            reduction = {**(models or {}), "default": default_model or as_model(DEFAULT_REDUCTION)}
-        per_kind = kind_models(pick_reduction(reduction))
-        self.default_model = per_kind.pop("default")
-        self.models = per_kind
+        self.models, self.default_model = reduction_table(reduction, models, default_model)
         self.timeout_s = check_timeout(timeout_s)
         self.one_cpu = one_cpu and hasattr(os, "sched_setaffinity")
         self.intra_op_threads = intra_op_threads
@@ -240,6 +233,27 @@ ReductionChoice = str | ReductionModel | Mapping[str, str | ReductionModel]
 
 SIMWORLD_KINDS: tuple[str, ...] = (*GROUP_KINDS, GroupKind.WORLD, "default")
 """The keys of a `SimWorld` kind -> model table."""
+
+
+def reduction_table(
+    reduction: Any = None,
+    models: Mapping[str, ReductionModel] | None = None,
+    default_model: ReductionModel | None = None,
+) -> tuple[dict[str, ReductionModel], ReductionModel]:
+    """``({kind: model}, default model)`` from ``reduction=`` or its deprecated spellings ``models=`` (a kind ->
+    model table) and ``default_model=`` (the rest); ``TypeError`` if ``reduction=`` comes with either. Nothing
+    given (``None`` or unset) is `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched
+    engine (`simdist.gradpath.batched.BatchedOps`), so both read the keywords alike."""
+    if reduction is None:
+        reduction = _UNSET
+    older = [name for name, value in (("models", models), ("default_model", default_model)) if value is not None]
+    if older and reduction is not _UNSET:
+        raise TypeError(f"give the reduction model once, as reduction= (got reduction= and {', '.join(older)}=)")
+    if older:  # the deprecated spellings: a kind -> model table and a default
+        reduction = {**(models or {}), "default": default_model or as_model(DEFAULT_REDUCTION)}
+    per_kind = kind_models(pick_reduction(reduction))
+    default = per_kind.pop("default")
+    return per_kind, default
 
 
 def kind_models(choice: ReductionChoice) -> dict[str, ReductionModel]:

@@ -58,7 +58,7 @@ def test_growth_states_are_the_batched_paths_states(tmp_path):
     stream = BatchedGradients(SPEC, DEFAULT_PARAMS, [0, 1])
     initial = [InitialWeights(SPEC, s) for s in (0, 1)]
     path = BatchedPath(
-        SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=4), initial, [0, 1], default_model=Gloo()
+        SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=4), initial, [0, 1], reduction=Gloo()
     )
     path.run(stream.draw)
     for key, value in path.state().items():

@@ -15,15 +15,10 @@ import torch.distributed._functional_collectives as funcol
 from backend_programs import data, dtensor_2x2, fsdp2_steps, tp_mlp
 
 import simdist
-from simdist.numerics.floats import bits
+from simdist.numerics.compare import same_bits
 from simdist.reduce import Gloo, ReduceOp, Sequential, Tree
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
 from simdist.world.spec import ParallelSpec
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
 
 N = 4
 XS = [data(r, (1024,)) for r in range(N)]

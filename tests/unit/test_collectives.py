@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import simdist
+from simdist.numerics.compare import same_bits
 from simdist.reduce import ReduceOp, Sequential
 from simdist.reduce.gloo import Gloo
 from simdist.world.engine import Engine
@@ -17,14 +18,6 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=1)  # tp groups {0,1} {2,3}; dp groups {0,2} {1,3}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 def _inputs(rank: int, count: int, numel: int) -> list[torch.Tensor]:
@@ -66,10 +59,10 @@ def test_simcomm_reduce_gives_the_root_the_rank_order_fold_and_leaves_the_others
                 if op is ReduceOp.AVG:
                     expected = expected / len(ranks)
                 root = ranks[dst_index]
-                assert _same_bits(results[root][1], expected), (kind, op, root)
+                assert same_bits(results[root][1], expected), (kind, op, root)
                 for r in ranks:
                     if r != root:
-                        assert _same_bits(results[r][1], results[r][0]), (kind, op, r)
+                        assert same_bits(results[r][1], results[r][0]), (kind, op, r)
 
 
 def _dist_reduce(rank: int, dst: int):
@@ -89,8 +82,8 @@ def test_simcomm_reduce_on_gloo_equals_the_backends_dist_reduce_on_every_rank():
     for dst in (0, 3):
         comm = SimWorld(SPEC, default_model=Gloo()).run(_world_reduce, dst)
         backend = simdist.spawn(_dist_reduce, 4, dst, model="gloo")
-        assert all(_same_bits(a, b) for a, b in zip(comm, backend, strict=True))
-        assert not _same_bits(comm[(dst + 1) % 4], _inputs((dst + 1) % 4, 1, 40)[0])  # partial sums were written
+        assert all(same_bits(a, b) for a, b in zip(comm, backend, strict=True))
+        assert not same_bits(comm[(dst + 1) % 4], _inputs((dst + 1) % 4, 1, 40)[0])  # partial sums were written
 
 
 # -- SimComm.reduce_scatter (list form) --------------------------------------------------------------------------
@@ -111,7 +104,7 @@ def test_simcomm_list_reduce_scatter_gives_group_rank_i_the_fold_of_every_member
         for ranks in groups:
             for i, r in enumerate(ranks):
                 expected = _fold([results[member][0][i] for member in ranks])
-                assert _same_bits(results[r][1], expected), (kind, r)
+                assert same_bits(results[r][1], expected), (kind, r)
 
 
 def _dist_reduce_scatter(rank: int):
@@ -124,7 +117,7 @@ def _dist_reduce_scatter(rank: int):
 def test_simcomm_list_reduce_scatter_on_gloo_equals_the_backends():
     comm = SimWorld(SPEC, default_model=Gloo()).run(_comm_reduce_scatter, "world")
     backend = simdist.spawn(_dist_reduce_scatter, 4, model="gloo")
-    assert all(_same_bits(c[1], b) for c, b in zip(comm, backend, strict=True))
+    assert all(same_bits(c[1], b) for c, b in zip(comm, backend, strict=True))
 
 
 # -- the observer list sees every collective of both front ends -----------------------------------------------------
@@ -263,4 +256,4 @@ def test_a_policys_own_tp_order_runs_on_a_gloo_world():
     for ranks in SPEC.groups("tp"):
         expected = Ring(chunk_size=1).reduce([results[r][0].view(3, 4) for r in ranks])
         for r in ranks:
-            assert _same_bits(results[r][1], expected)
+            assert same_bits(results[r][1], expected)

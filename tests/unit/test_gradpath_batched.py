@@ -26,6 +26,7 @@ from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
+from simdist.numerics.compare import same_bits
 from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
 from simdist.reduce.gloo import Gloo
 from simdist.studies.growth import BatchedGradients
@@ -40,16 +41,6 @@ LAYOUTS = {
 }
 POLICIES = [*policy_names(), "oracle"]
 SEEDS = (3, 11)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of its width."""
-    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-    return t.contiguous().view(ints[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
 
 
 def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", max_norm=0.0) -> int:
@@ -69,14 +60,14 @@ def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", m
         configs[0],
         [InitialWeights(spec, s) for s in SEEDS],
         SEEDS,
-        default_model=model,
+        reduction=model,
         keep=None,
         norm=True,
     )
     trace = batched.run(stream.draw)
     compared = 0
     for item, seed in enumerate(SEEDS):
-        threads = SimWorld(spec, default_model=model).run(
+        threads = SimWorld(spec, reduction=model).run(
             train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), stream.local(item), policy, configs[item]
         )
         for rank, (expected, got) in enumerate(zip(threads, trace.rank_traces(item), strict=True)):
@@ -198,14 +189,14 @@ def test_batched_all_reduce_is_the_simworld_all_reduce_for_every_group_kind(spec
     x = torch.randn(2, spec.world_size, 5, 7, generator=gen) * torch.exp2(
         torch.randint(-30, 30, (2, spec.world_size, 5, 7), generator=gen).float()
     )
-    ops = BatchedOps(spec, [0, 1], default_model=model)
+    ops = BatchedOps(spec, [0, 1], reduction=model)
     for kind in ("tp", "dp", "edp", "ep"):
         got = ops.all_reduce(x, kind)
 
         def program(comm, kind=kind):
             return [_reduced(comm, x[b, comm.get_rank()], kind) for b in range(2)]
 
-        per_rank = SimWorld(spec, default_model=model).run(program)
+        per_rank = SimWorld(spec, reduction=model).run(program)
         for rank, values in enumerate(per_rank):
             for b, value in enumerate(values):
                 assert same_bits(got[b, rank], value), (kind, rank, b)

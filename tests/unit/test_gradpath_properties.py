@@ -54,7 +54,7 @@ MODELS = [Sequential(), Tree(), Ring(chunk_size=1, shift=1), Gloo()]
 
 def run(spec, policy, grads, config, keep=None, *, model=SEQUENTIAL, params=PARAMS, norm=True):
     """Every rank's `Trace` of ``policy`` on ``spec`` (rank-batched engine), every group reducing with ``model``."""
-    return run_batched(spec, policy, grads, config, keep=keep, model=model, params=params, norm=norm).rank_traces(0)
+    return run_batched(spec, policy, grads, config, keep=keep, reduction=model, params=params, norm=norm).rank_traces(0)
 
 
 def assert_bitwise(traces, oracle, stages) -> None:
@@ -337,7 +337,7 @@ def test_fp32_staging_matches_the_oracle_under_the_same_reduction_model(spec, mo
     grads = data.draw(gradient_batches(spec, PARAMS, 1, gas))
     config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
     staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, model=model)
-    oracle = run_oracle(spec, grads, 1, gas, keep=OPTIMIZER_STAGES, model=model)
+    oracle = run_oracle(spec, grads, 1, gas, keep=OPTIMIZER_STAGES, reduction=model)
     assert_bitwise(staging, oracle, OPTIMIZER_STAGES)
 
 

@@ -170,7 +170,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
         path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
         if policy.grad_dtype not in buffers:
             buffers[policy.grad_dtype] = initial_buffer(spec, params, initial, policy.grad_dtype)
-        return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, default_model=model)
+        return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, reduction=model)
 
     oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, model)
     paths = [batched(p, config.marker) for p in policies]
