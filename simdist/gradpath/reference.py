@@ -206,6 +206,8 @@ class Oracle:
         lp = master.detach().to(torch.bfloat16)
         for p in self.trained:
             self.lp[p.name] = self.part(lp, p)
+            if capture is None:  # nothing sees the views below: skip making them
+                continue
             seen(step, BOUNDARY, p.name, Capture.MASTER, self.part(master.detach(), p))
             seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))
             seen(step, BOUNDARY, p.name, Capture.ADAM_V, self.part(state["exp_avg_sq"], p))
