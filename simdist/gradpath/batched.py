@@ -119,10 +119,11 @@ class BatchedOps:
         else:
             stacked = value.index_select(1, members).view(batch, count, k, *shape).movedim(2, 0)
         reduced = batched_sum(model, stacked, shape)  # [batch, G, *shape]
+        # every member takes its group's result: one copy into [batch, G, k] (blocks) or [batch, k, G] (strided)
         if layout == "blocks":
-            return reduced.unsqueeze(2).expand(batch, count, k, *shape).reshape(value.shape)
+            return torch.stack([reduced] * k, dim=2).view(value.shape)
         if layout == "strided":
-            return reduced.unsqueeze(1).expand(batch, k, count, *shape).reshape(value.shape)
+            return torch.cat([reduced] * k, dim=1)
         return reduced.index_select(1, where)
 
     def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:

@@ -40,6 +40,7 @@ them, and each reduction runs per batch item, so each item gets the bits it gets
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -205,6 +206,8 @@ class Oracle:
         lp = master.detach().to(torch.bfloat16)
         for p in self.trained:
             self.lp[p.name] = self.part(lp, p)
+            if capture is None:  # nothing sees the views below: skip making them
+                continue
             seen(step, BOUNDARY, p.name, Capture.MASTER, self.part(master.detach(), p))
             seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))
             seen(step, BOUNDARY, p.name, Capture.ADAM_V, self.part(state["exp_avg_sq"], p))
@@ -216,9 +219,17 @@ class Oracle:
         """Every rank's group sum (``model``'s order, group-rank order) of ``value`` ``[*batch, rank, *shape]``
         over the groups of ``kind``, times ``scale`` if given, in a new tensor."""
         dim = value.dim() - len(p.shape) - 1
+        groups = self.spec.groups(kind)
+        if all(len(group) == 2 for group in groups):
+            # two members are one addition: every group's pair is summed at once (the groups ride along as
+            # batch items, as the seeds do in `_reduce`), then each rank takes its group's sum
+            first, second, group_of = _pair_indexes(groups, len(self.ranks))
+            pairs = [value.index_select(dim, first), value.index_select(dim, second)]
+            out = _reduce(model, pairs, p.shape).index_select(dim, group_of)
+            return out if scale is None else out * scale
         sums: dict[int, torch.Tensor] = {}
         rows = value.unbind(dim)
-        for group in self.spec.groups(kind):
+        for group in groups:
             total = _reduce(model, [rows[r].contiguous() for r in group], p.shape)
             for r in group:
                 sums[r] = total
@@ -284,6 +295,17 @@ class _PerRank(Mapping):
         return sum(1 for _ in self)
 
 
+@functools.lru_cache(maxsize=64)
+def _pair_indexes(groups: tuple[tuple[int, ...], ...], world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-member ``groups``: the ranks of their first members, of their second members, and each rank's group."""
+    group_of = [0] * world
+    for g, group in enumerate(groups):
+        for r in group:
+            group_of[r] = g
+    first, second = (torch.tensor([group[j] for group in groups]) for j in (0, 1))
+    return first, second, torch.tensor(group_of)
+
+
 def _reduce(model: ReductionModel, members: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     """``model``'s sum of one group's members, each batch item on its own: a reduction model's order depends on
     the size of the tensor a rank hands in (a parameter's), not on how many seeds ride along.
@@ -296,7 +318,7 @@ def _reduce(model: ReductionModel, members: list[torch.Tensor], shape: tuple[int
         return model.reduce(members)
     if len(members) <= 2:
         out = model.reduce(members)
-        if not bool(torch.isnan(out).any()):
+        if not math.isnan(out.sum().item()):  # a NaN anywhere makes the sum NaN (inf - inf only adds false alarms)
             return out
     flat = [m.reshape(-1, *shape) for m in members]
     items = [model.reduce([m[i] for m in flat]) for i in range(flat[0].shape[0])]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simdist.gradpath.reference import _reduce
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.reference import Oracle, _reduce
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import MODEL_NAMES, make_model
+from simdist.world.spec import ParallelSpec
 
 SHAPE = (4, 16)  # a gloo member of 64 fp32 elements is cut into two chunks, whose walks start at different ranks
 
@@ -61,3 +63,23 @@ def test_one_flat_adamw_parameter_gives_each_piece_the_bits_of_its_own_parameter
         assert bitwise_equal(flat.detach()[:, r, a:b].contiguous(), piece.detach())
         for key in ("exp_avg", "exp_avg_sq"):
             assert bitwise_equal(one.state[flat][key][:, r, a:b].contiguous(), many.state[piece][key])
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("kind", ["tp", "dp"])
+@pytest.mark.parametrize("nan", [False, True])
+def test_two_member_groups_summed_together_give_each_group_its_own_bits(name, kind, nan):
+    """`Oracle._group_sums` sums every two-member group's pair at once (TP groups are blocks of the rank
+    dimension, DP groups strided): each rank of each item gets its own group's sum, NaN payloads included."""
+    model = make_model(name)
+    spec = ParallelSpec(4, tp=2, ep=2)
+    p = ParamSpec("w", Family.DENSE, SHAPE)
+    initial = {(r, p.name): torch.zeros(6, *SHAPE, dtype=torch.bfloat16) for r in range(4)}
+    oracle = Oracle(spec, [p], initial, tp_model=model, dp_model=model)
+    value = torch.stack(_members(4, nan), dim=1)  # [item, rank, *shape]
+    out = oracle._group_sums(model, kind, value, p)
+    for group in spec.groups(kind):
+        for i in range(value.shape[0]):
+            alone = model.reduce([value[i, r] for r in group])
+            for r in group:
+                assert bitwise_equal(out[i, r], alone), (name, kind, group, i, r)

@@ -103,6 +103,26 @@ def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
     The metrics reduce over ranks and elements within a seed only, never across seeds or policies. An
     element where exactly one side is NaN counts as ``inf`` ulps.
     """
+    return _divergence(actual, reference)[0]
+
+
+def divergence_each(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
+    """`divergence` of ``actual`` ``[P, S, R, N]`` computed one policy at a time: the same bits (every metric
+    reduces within one row; on one thread, as the growth run computes it, a row's reductions do not depend on
+    how many rows there are; tested), about twice as fast on pieces that stay in the CPU's cache. If any
+    policy's error is not finite, the whole call is made at once, which takes the non-finite branch for every
+    policy as `divergence` does."""
+    parts = []
+    for item in actual.unbind(0):
+        out, finite = _divergence(item, reference)
+        if not finite:
+            return divergence(actual, reference)
+        parts.append(out)
+    return torch.stack(parts)
+
+
+def _divergence(actual: torch.Tensor, reference: Reference) -> tuple[torch.Tensor, bool]:
+    """`divergence`, and whether every error norm was finite (the branch it took)."""
     a64 = actual.to(torch.float32).double().flatten(-2)
     err = torch.linalg.vector_norm(a64 - reference.e64, dim=-1)
     rel = torch.where(reference.norm > 0, err / reference.norm, torch.where(err > 0, math.inf, 0.0))
@@ -111,7 +131,8 @@ def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
         ulps = (ordered - reference.ordered32).abs_()
     else:
         ulps = (ordered.to(torch.int64) - reference.ordered).abs_()
-    if bool(torch.isfinite(err).all()):
+    finite = bool(torch.isfinite(err).all())
+    if finite:
         count = torch.count_nonzero(ulps, dim=-1)
         top = ulps.amax(dim=-1).double()
         logs = ulps.clamp_(min=1).to(torch.float32).log2_().sum(dim=-1, dtype=torch.float64)  # equal elements: 0
@@ -122,7 +143,7 @@ def divergence(actual: torch.Tensor, reference: Reference) -> torch.Tensor:
         logs = torch.where(u != 0, u, 1.0).log2_().sum(dim=-1)
         top = u.amax(dim=-1)
     gmean = torch.where(count > 0, torch.exp2(logs / count.clamp(min=1)), 0.0)
-    return torch.stack([rel, gmean, top, count.double() / ulps.shape[-1]], dim=-1)
+    return torch.stack([rel, gmean, top, count.double() / ulps.shape[-1]], dim=-1), finite
 
 
 def metric_steps(config: GrowthConfig) -> np.ndarray:

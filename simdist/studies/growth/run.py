@@ -25,7 +25,7 @@ from simdist.studies.growth.metrics import (
     COLUMNS,
     MOE_COLUMNS,
     Reference,
-    divergence,
+    divergence_each,
     metric_steps,
     summarise,
     write_metrics,
@@ -217,7 +217,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
                 per_kind = []
                 for kind in ("master", "m", "v"):  # every policy at once: [P, S, R, N] against the oracle's [S, R, N]
                     state = torch.stack([getattr(path.path, kind) for path in paths])
-                    per_kind.append(divergence(state, Reference(oracle.flat(kind))))
+                    per_kind.append(divergence_each(state, Reference(oracle.flat(kind))))
                 metrics[row] = torch.cat(per_kind, dim=-1).numpy()
             if bar is not None:
                 bar.update(1)
