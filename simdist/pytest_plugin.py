@@ -17,15 +17,20 @@ from typing import Any
 
 import pytest
 
+LAUNCHER_DEFAULT: Any = object()
+"""``timeout_s`` left to the launcher: `simdist.world.options.DEFAULT_TIMEOUT_S` (not imported here, so that
+loading the plugin, which pytest does in every session, imports no torch)."""
+
 
 class SimdistWorld:
     """Runs rank functions on fresh simulated worlds; ``reduction`` and ``timeout_s`` are the defaults of each run.
 
     ``reduction`` is what `simdist.spawn` takes (a name, a `ReductionModel`, a kind -> model table, ...);
     ``None`` leaves it to `simdist.spawn`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
-    ``model`` is its deprecated spelling. A call's own ``reduction=`` (or ``model=``) wins over the default."""
+    ``model`` is its deprecated spelling. A call's own ``reduction=`` (or ``model=``) wins over the default.
+    ``timeout_s`` left unset is the launcher's one deadline, `simdist.world.options.DEFAULT_TIMEOUT_S`."""
 
-    def __init__(self, reduction: Any = None, timeout_s: float | None = 120.0, *, model: Any = None) -> None:
+    def __init__(self, reduction: Any = None, timeout_s: Any = LAUNCHER_DEFAULT, *, model: Any = None) -> None:
         if reduction is not None and model is not None:
             raise TypeError("give the reduction model once, as reduction= (got reduction= and model=)")
         self.reduction = model if reduction is None else reduction
@@ -39,7 +44,8 @@ class SimdistWorld:
     def _defaults(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.reduction is not None and "reduction" not in kwargs and "model" not in kwargs:
             kwargs["reduction"] = self.reduction
-        kwargs.setdefault("timeout_s", self.timeout_s)
+        if self.timeout_s is not LAUNCHER_DEFAULT:
+            kwargs.setdefault("timeout_s", self.timeout_s)
         return kwargs
 
     def spawn(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
@@ -57,5 +63,5 @@ class SimdistWorld:
 
 @pytest.fixture(scope="session")
 def simdist_world() -> SimdistWorld:
-    """A `SimdistWorld` (gloo's summation order, a 120 s bound per run)."""
+    """A `SimdistWorld` with the launcher's defaults (gloo's summation order, its one deadline per run)."""
     return SimdistWorld()

@@ -39,6 +39,7 @@ from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.models import GradientModel
 from simdist.reduce import Reduction
 from simdist.studies.repro import Engine
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 KNOWN_ISSUES = ("8913",)
@@ -151,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         repro,
         "--reduction",
         Reduction,
-        Reduction.GLOO,
-        "reduction model of every group (default: gloo's order)",
+        DEFAULT_REDUCTION,
+        "reduction model of every group (default: gloo's order, the launchers' one default)",
         skip=(Reduction.UPCAST,),
     )
     _add_choice(

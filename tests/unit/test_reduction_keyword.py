@@ -8,6 +8,8 @@ that were silently dropped would show.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from simdist.numerics.compare import same_bits
 from simdist.pytest_plugin import SimdistWorld
 from simdist.reduce import Gloo, Ring, Sequential
 from simdist.studies.growth import BatchedGradients
-from simdist.world.options import DEFAULT_REDUCTION
+from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(8, tp=2, ep=2)
@@ -99,6 +101,24 @@ def test_the_fixture_takes_reduction_and_a_call_may_override_it():
     assert same_bits(torch.stack(SimdistWorld(reduction="gloo").spawn(_rank_sum, 8, model="ring")), ring)
     with pytest.raises(TypeError, match=r"got reduction= and model="):
         SimdistWorld(reduction="ring", model="gloo")
+
+
+def test_the_fixture_leaves_the_deadline_to_the_launchers_one_default(monkeypatch):
+    """The fixture once bounded each run by 120 s of its own; unset, a run gets the launcher's one deadline."""
+    import simdist.world.inproc as inproc
+
+    seen = []
+
+    def recording_spawn(fn, world_size, *args, **kwargs):
+        seen.append(kwargs.get("timeout_s", inspect.signature(spawn).parameters["timeout_s"].default))
+        return spawn(fn, world_size, *args, **kwargs)
+
+    spawn = inproc.spawn
+    monkeypatch.setattr(inproc, "spawn", recording_spawn)
+    SimdistWorld().spawn(_rank_sum, 2)
+    SimdistWorld(timeout_s=7.5).spawn(_rank_sum, 2)
+    SimdistWorld(timeout_s=7.5).spawn(_rank_sum, 2, timeout_s=None)
+    assert seen == [DEFAULT_TIMEOUT_S, 7.5, None]
 
 
 def test_the_compact_workload_takes_reduction_with_model_as_its_alias():
