@@ -44,6 +44,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -393,31 +394,12 @@ def oracle_traces(
     initial: Callable[[int, ParamSpec], torch.Tensor],
     local_grads,
     *,
-    steps: int,
-    gas: int,
-    tp_model: ReductionModel,
-    dp_model: ReductionModel,
-    dtype: torch.dtype = torch.float32,
-    adam=None,
     keep: frozenset[str] | None = None,
-    world_model: ReductionModel | None = None,
+    **options: Any,
 ) -> list[Trace]:
-    """Every rank's `Trace` of the oracle over ``steps`` optimizer steps (unbatched): `oracle_values`, split
-    by rank (``local_grads`` as there)."""
-    values = oracle_values(
-        spec,
-        params,
-        initial,
-        local_grads,
-        steps=steps,
-        gas=gas,
-        tp_model=tp_model,
-        dp_model=dp_model,
-        dtype=dtype,
-        adam=adam,
-        keep=keep,
-        world_model=world_model,
-    )
+    """Every rank's `Trace` of the oracle over ``steps`` optimizer steps (unbatched): `oracle_values` (which
+    takes the same arguments: ``steps``, ``gas``, ``tp_model``, ``dp_model``, ...), split by rank."""
+    values = oracle_values(spec, params, initial, local_grads, keep=keep, **options)
     traces = [Trace(r, keep) for r in range(spec.world_size)]
     for key, value in values.items():
         for r, trace in enumerate(traces):
