@@ -82,9 +82,12 @@ def run_batched(
     params: tuple[ParamSpec, ...] = PARAMS,
     norm: bool = True,
     model: ReductionModel | None = None,
+    cases: int = 1,
 ) -> BatchedTrace:
     """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``reduction`` (default
-    `DEFAULT_REDUCTION`; ``model`` is its deprecated spelling)."""
+    `DEFAULT_REDUCTION`; ``model`` is its deprecated spelling). ``cases`` > 1 runs that many independent cases
+    as batch items (``grads.batch`` then gives ``[cases, rank, ...]``, as a
+    `simdist.testing.case_batches.CaseBatch` does), every one from the same initial weights."""
     reduction = _one_model(reduction, model)
     params = tuple(params)
     batch = getattr(grads, "batch", None)
@@ -101,7 +104,7 @@ def run_batched(
         params,
         policy,
         config,
-        _initial_buffer(spec, params),
+        _initial_buffer(spec, params).repeat(cases, 1, 1),
         reduction=reduction,
         keep=keep,
         norm=norm,
@@ -206,3 +209,68 @@ def _same_bytes(batched: dict, stacked: dict) -> bool:
         ours.append(value.reshape(-1).view(torch.uint8))
         theirs.append(other.reshape(-1).view(torch.uint8))
     return torch.equal(torch.cat(ours), torch.cat(theirs))
+
+
+def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, dict]:
+    """Property (a)'s two runs of every case of ``grads`` (a `simdist.testing.case_batches.CaseBatch`): the
+    captures (`OPTIMIZER_STAGES`) of ``fp32_staging`` on the rank-batched engine, the cases as its batch items,
+    and of the independent oracle (`simdist.gradpath.reference.oracle_values`), the cases as its leading batch
+    dimension; both ``{(step, micro, param, stage): [case, rank, *shape]}``, every case from the compact
+    workload's initial weights, the correction every micro-step, every group summing in rank order."""
+    cases = grads.cases
+    config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
+    sequential = Sequential()
+    staging = run_batched(
+        spec,
+        get_policy("fp32_staging"),
+        grads,
+        config,
+        keep=OPTIMIZER_STAGES,
+        norm=False,
+        reduction=sequential,
+        cases=cases,
+    )
+    oracle = oracle_values(
+        spec,
+        list(PARAMS),
+        lambda rank, param: initial(rank, param).expand(cases, *param.shape),
+        grads,
+        steps=steps,
+        gas=gas,
+        tp_model=sequential,
+        dp_model=sequential,
+        keep=OPTIMIZER_STAGES,
+    )
+    return staging.values, oracle
+
+
+def cases_depart_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads) -> str | None:
+    """Property (a) for several cases at once: where ``fp32_staging`` first differs from the independent FP32
+    oracle in any case of ``grads`` (a `simdist.testing.case_batches.CaseBatch`), or ``None`` if it never does.
+
+    What `staging_departs_from_oracle` checks for one case, for every case (`run_cases`): every capture of every
+    case and rank is compared bit for bit (one comparison of the concatenated raw bytes, after checking every
+    capture's dtype and shape), and capture by capture, case by case, rank by rank, to say where they first
+    differ when they do.
+    """
+    staging, oracle = run_cases(spec, gas, steps, grads)
+    if not staging:
+        return "nothing was captured"
+    if staging.keys() != oracle.keys():
+        return f"different captures: {sorted(staging.keys() ^ oracle.keys())[:3]}"
+    ours, theirs = [], []
+    for key, value in staging.items():
+        other = oracle[key]
+        if value.dtype != other.dtype or value.shape != other.shape:
+            theirs_is = f"{other.dtype} {tuple(other.shape)}"
+            return f"capture {key}: {value.dtype} {tuple(value.shape)}, the oracle's {theirs_is}"
+        ours.append(value.reshape(-1).view(torch.uint8))
+        theirs.append(other.reshape(-1).view(torch.uint8))
+    if torch.equal(torch.cat(ours), torch.cat(theirs)):
+        return None
+    for case in range(grads.cases):
+        for rank in range(spec.world_size):
+            for key, value in staging.items():
+                if not bitwise_equal(value[case, rank], oracle[key][case, rank]):
+                    return f"case {case}: (rank, step, micro, param, stage) = {(rank, *key)}"
+    return "the raw bytes differ, yet no capture does"  # never hide a difference the byte comparison saw

@@ -498,12 +498,22 @@ def gradient_batches(
 @st.composite
 def _gradient_batches(draw, spec, params, steps, gas, modes, layouts) -> GradientBatch:
     shapes = tuple(tuple(p.shape) for p in params)
-    param_of, position, first = _batch_plan(spec, shapes)
-    ranks, numel, count = spec.world_size, int(param_of.numel()), len(shapes)
+    ranks, numel, count = spec.world_size, sum(_numel(s) for s in shapes), len(shapes)
     cells = steps * gas
     size = 2 * cells * ranks * numel
     raw = draw(st.integers(0, (1 << (8 * size)) - 1)).to_bytes(size, "big") if size else b""
     choice = draw(st.binary(min_size=2 * cells * count, max_size=2 * cells * count)) if cells * count else b""
+    return decode_batch(spec, params, steps, gas, raw, choice, modes, layouts)
+
+
+def decode_batch(spec, params, steps, gas, raw: bytes, choice: bytes, modes, layouts) -> GradientBatch:
+    """The `GradientBatch` that `gradient_batches` makes of its two draws: ``raw`` (two bytes per value: every
+    step, micro-step, rank and parameter element, big-endian) and ``choice`` (a mode byte, then a layout byte, per
+    step, micro-step and parameter). Torch operations; `simdist.testing.case_batches` decodes many at once."""
+    shapes = tuple(tuple(p.shape) for p in params)
+    param_of, position, first = _batch_plan(spec, shapes)
+    ranks, numel, count = spec.world_size, int(param_of.numel()), len(shapes)
+    cells = steps * gas
     words = (
         torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int32)
         if raw

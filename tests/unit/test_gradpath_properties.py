@@ -25,14 +25,15 @@ from simdist.gradpath.probes import BOUNDARY, first_divergence
 from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
 from simdist.reduce import Ring, Sequential, Tree
 from simdist.reduce.gloo import Gloo
+from simdist.testing.case_batches import oracle_case_batches
 from simdist.testing.compact import (
     OPTIMIZER_STAGES,
     PARAMS,
     ROUTER,
     SHARD,
+    cases_depart_from_oracle,
     run_batched,
     run_oracle,
-    staging_departs_from_oracle,
 )
 from simdist.testing.strategies import (
     PEER_LAYOUTS,
@@ -40,7 +41,6 @@ from simdist.testing.strategies import (
     bf16_gradients,
     bf16_values,
     gradient_batches,
-    oracle_cases,
     parallel_specs,
     policies,
 )
@@ -75,15 +75,17 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 # -- (a) fp32_staging is the FP32 oracle ---------------------------------------------------------------------------
 
 
-@given(oracle_cases())
+@given(oracle_case_batches())
 def test_fp32_staging_is_bitwise_equal_to_the_fp32_oracle(case):
     """With the correction applied every micro-step, the #8913 fix is the independent FP32 oracle, bit for bit.
 
     Any layout with 2-rank TP groups (world <= 8, any PP/EP/ETP), GAS 1..4 and
     any BF16 local gradients: hp buffers after every micro-step, DP-reduced
-    gradients, FP32 masters and both Adam moments after every step.
+    gradients, FP32 masters and both Adam moments after every step. Each example
+    holds up to 8 independent gradient sets (`simdist.testing.case_batches`), every
+    one judged by the oracle.
     """
-    assert staging_departs_from_oracle(*case) is None
+    assert cases_depart_from_oracle(*case) is None
 
 
 @st.composite
