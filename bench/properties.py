@@ -12,7 +12,9 @@ layout, GAS, step count and gradient set judged by the oracle) and Hypothesis ex
 the time Hypothesis spends drawing an example (the layout, GAS, steps and the gradient bytes, and decoding them)
 and the time the two runs (fp32_staging and the oracle) and their comparison take. ``--layout tp2-ep2``
 (default) fixes the layout to TP2/EP2 on 4 ranks, as the issue's target states it; ``any`` draws layouts as the
-test does (up to 8 ranks). Goal: >= 500 cases/s. ``--profile`` adds a cProfile report by internal time.
+test does (up to 8 ranks). Goal: >= 500 cases/s. With ``--cases`` > 1 the same run then measures one case per
+example too and prints the ratio (``--no-baseline`` skips it). ``--profile`` adds a cProfile report by internal
+time.
 """
 
 from __future__ import annotations
@@ -77,23 +79,14 @@ def measure(examples: int, layout: str, cases: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", type=int, default=400)
-    parser.add_argument("--cases", type=int, default=8, help="cases per example (1: one per example, as before)")
-    parser.add_argument("--layout", choices=("tp2-ep2", "any"), default="tp2-ep2")
-    parser.add_argument("--profile", action="store_true", help="print a cProfile report")
-    parser.add_argument("--lines", type=int, default=25, help="rows of the profile report")
-    args = parser.parse_args()
-
-    measure(5, args.layout, args.cases)  # warm-up: imports, strategy caches, torch kernels
-    result = measure(args.examples, args.layout, args.cases)
+def report(result: dict[str, float], layout: str, cases: int) -> None:
+    """Print one `measure` result: cases and examples per second, and the split into drawing and running."""
     n, k, total = result["examples"], result["cases"], result["total"]
     rate = k / total
     draw = total - result["body"]
     verdict = "met" if rate >= GOAL else f"{GOAL / rate:.1f}x short"
     print(
-        f"property (a), {args.layout}, ci settings, up to {args.cases} cases per example: {k} cases in {n} "
+        f"property (a), {layout}, ci settings, up to {cases} cases per example: {k} cases in {n} "
         f"examples in {total:.2f} s = {rate:.0f} cases/s, each judged by the oracle (goal {GOAL:.0f}/s: {verdict}); "
         f"{n / total:.0f} Hypothesis examples/s [load average {os.getloadavg()[0]:.1f}; CPU time "
         f"{result['cpu']:.2f} s = {k / result['cpu']:.0f} cases per CPU second]"
@@ -106,6 +99,32 @@ def main() -> None:
         f"  running (fp32_staging and oracle, rank-batched, and the comparison): {100 * result['body'] / total:.0f}%, "
         f"{1000 * result['body'] / n:.2f} ms/example, {1000 * result['body'] / k:.2f} ms/case"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=400)
+    parser.add_argument("--cases", type=int, default=8, help="cases per example (1: one per example, as before)")
+    parser.add_argument("--layout", choices=("tp2-ep2", "any"), default="tp2-ep2")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile report")
+    parser.add_argument("--lines", type=int, default=25, help="rows of the profile report")
+    parser.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the run with one case per example (the ratio to it)",
+    )
+    args = parser.parse_args()
+
+    measure(5, args.layout, args.cases)  # warm-up: imports, strategy caches, torch kernels
+    result = measure(args.examples, args.layout, args.cases)
+    report(result, args.layout, args.cases)
+    if args.cases > 1 and args.baseline:
+        measure(5, args.layout, 1)
+        single = measure(args.examples, args.layout, 1)
+        report(single, args.layout, 1)
+        ratio = (result["cases"] / result["total"]) / (single["cases"] / single["total"])
+        print(f"{args.cases} cases per example check {ratio:.1f}x the cases per second of one case per example")
 
     if args.profile:
         profile = cProfile.Profile()
