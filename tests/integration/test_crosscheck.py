@@ -35,7 +35,7 @@ def both_checks(comm, out: str, where: dict) -> list[str]:
 def test_real_gloo_and_simworld_dumps_are_bitwise_equal(tmp_path):
     spec = CHECK.spec
     real = spawn_gloo(both_checks, spec, str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"}, timeout_s=240)
-    simulated = SimWorld(spec, default_model=Gloo()).run(
+    simulated = SimWorld(spec, reduction=Gloo()).run(
         both_checks, str(tmp_path / "sim"), {"world": "sim", "reduction": "gloo"}
     )
     assert len(real[0]) == len(simulated[0]) == 3
