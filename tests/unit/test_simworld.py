@@ -238,7 +238,10 @@ def test_a_rank_stuck_outside_collectives_times_out_with_its_location():
     def fn(comm):
         if comm.get_rank() == 1:
             release.wait(5)
-        comm.barrier()
+        try:
+            comm.barrier()
+        finally:  # the timeout ends the others' barrier: let rank 1 go then, not after the run's grace waits
+            release.set()
 
     with pytest.raises(SimTimeoutError, match="rank 1"):
         SimWorld(SPEC, timeout_s=0.3).run(fn)
