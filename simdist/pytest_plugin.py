@@ -31,8 +31,11 @@ class SimdistWorld:
     ``timeout_s`` left unset is the launcher's one deadline, `simdist.world.options.DEFAULT_TIMEOUT_S`."""
 
     def __init__(self, reduction: Any = None, timeout_s: Any = LAUNCHER_DEFAULT, *, model: Any = None) -> None:
-        if reduction is not None and model is not None:
-            raise TypeError("give the reduction model once, as reduction= (got reduction= and model=)")
+        if model is not None:
+            from simdist.world.options import check_one_reduction, warn_deprecated_spelling  # here: no torch at load
+
+            check_one_reduction(*(["reduction"] if reduction is not None else []), "model")
+            warn_deprecated_spelling("model")
         self.reduction = model if reduction is None else reduction
         self.timeout_s = timeout_s
 

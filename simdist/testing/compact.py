@@ -28,7 +28,7 @@ from simdist.gradpath.reference import oracle_traces, oracle_values
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReductionModel, Sequential
 from simdist.world.modelmap import as_model
-from simdist.world.options import DEFAULT_REDUCTION
+from simdist.world.options import DEFAULT_REDUCTION, check_one_reduction, warn_deprecated_spelling
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
@@ -65,8 +65,9 @@ def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.
 def _one_model(reduction: ReductionModel | None, model: ReductionModel | None) -> ReductionModel:
     """The model from ``reduction=`` or its deprecated spelling ``model=`` (not both); `DEFAULT_REDUCTION` if
     neither."""
-    if reduction is not None and model is not None:
-        raise TypeError("give the reduction model once, as reduction= (got reduction= and model=)")
+    if model is not None:
+        check_one_reduction(*(["reduction"] if reduction is not None else []), "model")
+        warn_deprecated_spelling("model", stacklevel=3)  # the line that called run_batched or run_oracle
     chosen = reduction if reduction is not None else model
     return chosen if chosen is not None else as_model(DEFAULT_REDUCTION)
 

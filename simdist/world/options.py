@@ -5,15 +5,17 @@ One spelling, ``reduction=``, chooses how collectives sum: a model name (``"gloo
 (``Reduction.GLOO``), a `ReductionModel` (``Gloo()``) or, where per-group choices make sense, a mapping from
 group kind to one of those (``{"tp": "ring", "default": "gloo"}``). The older keyword spellings (``model=`` of
 `simdist.spawn`, `spawn_procs` and the ``simdist_world`` fixture, ``models=``/``default_model=`` of `SimWorld` and
-the rank-batched engine) are kept as deprecated aliases because README, notebooks and users' scripts call them;
-`pick_reduction` (and `simdist.world.simworld.reduction_table` for the kind -> model table) merges them and
-refuses two at once.
+the rank-batched engine) are kept as deprecated aliases (a `DeprecationWarning` at each use:
+`warn_deprecated_spelling`) because users' scripts call them; `pick_reduction` (and
+`simdist.world.simworld.reduction_table` for the kind -> model table) merges them and refuses two at once
+(`check_one_reduction`, the one check and message of every front end).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import warnings
 from typing import Any
 
 from simdist.reduce import Reduction
@@ -84,12 +86,37 @@ _UNSET: Any = object()
 """A keyword the caller did not pass (``None`` is a value some spellings accept)."""
 
 
-def pick_reduction(reduction: Any, **older: Any) -> Any:
+def check_one_reduction(*given: str) -> None:
+    """``TypeError`` if the reduction model was given in more than one spelling; ``given`` names the keywords
+    the caller received (``"reduction"``, ``"model"``, ...). The one check and message of every launcher,
+    `SimWorld`, the rank-batched engine, the ``simdist_world`` fixture and `simdist.testing.compact`."""
+    if len(given) > 1:
+        names = [f"{name}=" for name in given]
+        got = ", ".join(names[:-1]) + " and " + names[-1]
+        raise TypeError(f"give the reduction model once, as reduction= (got {got})")
+
+
+def warn_deprecated_spelling(*older: str, stacklevel: int = 2) -> None:
+    """A `DeprecationWarning` that the keywords ``older`` (``"model"``, ...) are old spellings of ``reduction=``.
+
+    ``stacklevel`` as for `warnings.warn`, counted from the caller of this function: the warning names the
+    line that passed the old keyword."""
+    if older:
+        names = " and ".join(f"{name}=" for name in older)
+        warnings.warn(
+            f"{names} is a deprecated spelling of reduction= (same values); pass reduction= instead",
+            DeprecationWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
+def pick_reduction(reduction: Any, *, stacklevel: int = 2, **older: Any) -> Any:
     """The reduction choice from ``reduction=`` or one older spelling (``model=`` ...); ``TypeError`` if two
-    are given. Unset ones are `_UNSET`; all unset gives `DEFAULT_REDUCTION`."""
+    are given, a `DeprecationWarning` for an older one (``stacklevel``: `warn_deprecated_spelling`'s, counted from
+    the caller). Unset ones are `_UNSET`; all unset gives `DEFAULT_REDUCTION`."""
     given = {name: value for name, value in older.items() if value is not _UNSET}
     if reduction is not _UNSET:
         given = {"reduction": reduction, **given}
-    if len(given) > 1:
-        raise TypeError(f"give the reduction model once, as reduction= (got {', '.join(f'{k}=' for k in given)})")
+    check_one_reduction(*given)
+    warn_deprecated_spelling(*(name for name in given if name != "reduction"), stacklevel=stacklevel + 1)
     return next(iter(given.values()), DEFAULT_REDUCTION)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,12 @@ def process_reduction() -> ReductionModel:
     """This process's reduction model (see the module docstring)."""
     if _Chosen.model is not None:
         return _Chosen.model
+    if not os.environ.get(REDUCTION_ENV) and os.environ.get(MODEL_ENV):
+        # FutureWarning, not DeprecationWarning: Python shows it to the person who set the variable (a
+        # DeprecationWarning raised here, outside __main__, is hidden by the default filters)
+        warnings.warn(
+            f"{MODEL_ENV} is a deprecated spelling of {REDUCTION_ENV}; set {REDUCTION_ENV}", FutureWarning, stacklevel=2
+        )
     name = os.environ.get(REDUCTION_ENV) or os.environ.get(MODEL_ENV) or "gloo"
     return as_model(name, REDUCTION_ENV if REDUCTION_ENV in os.environ else MODEL_ENV)
 

@@ -28,7 +28,15 @@ from simdist.world import collectives as cc
 from simdist.world.engine import Engine, observed
 from simdist.world.groups import Group, group_for, world_group
 from simdist.world.modelmap import as_model
-from simdist.world.options import _UNSET, DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
+from simdist.world.options import (
+    _UNSET,
+    DEFAULT_REDUCTION,
+    DEFAULT_TIMEOUT_S,
+    check_one_reduction,
+    check_timeout,
+    pick_reduction,
+    warn_deprecated_spelling,
+)
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 
 
@@ -247,8 +255,9 @@ def reduction_table(
     if reduction is None:
         reduction = _UNSET
     older = [name for name, value in (("models", models), ("default_model", default_model)) if value is not None]
-    if older and reduction is not _UNSET:
-        raise TypeError(f"give the reduction model once, as reduction= (got reduction= and {', '.join(older)}=)")
+    if reduction is not _UNSET:  # models= with default_model= is one (older) spelling
+        check_one_reduction("reduction", *older)
+    warn_deprecated_spelling(*older, stacklevel=3)  # the line that made the SimWorld or BatchedOps
     if older:  # the deprecated spellings: a kind -> model table and a default
         reduction = {**(models or {}), "default": default_model or as_model(DEFAULT_REDUCTION)}
     per_kind = kind_models(pick_reduction(reduction))

@@ -156,7 +156,7 @@ def test_skip_attributes_a_record_to_the_next_frame_outward():
 
 
 def _one_step(policy: str) -> AuditReport:
-    world = SimWorld(SPEC, default_model=Gloo())
+    world = SimWorld(SPEC, reduction=Gloo())
     args = (
         list(DEFAULT_PARAMS),
         InitialWeights(SPEC),
@@ -323,7 +323,7 @@ def gradpath_step(comm):
 @pytest.mark.gloo
 def test_one_rank_program_gives_the_same_report_on_gloo_and_in_simworld():
     real = [AuditReport.from_dict(d) for d in spawn_gloo(gradpath_step, SPEC, timeout_s=120)]
-    simulated = [AuditReport.from_dict(d) for d in SimWorld(SPEC, default_model=Gloo()).run(gradpath_step)]
+    simulated = [AuditReport.from_dict(d) for d in SimWorld(SPEC, reduction=Gloo()).run(gradpath_step)]
     for a, b in zip(real, simulated, strict=True):
         assert a.rank == b.rank and a.sites == b.sites  # same sites, counts, dtypes and rounding errors
 
@@ -393,7 +393,7 @@ def backend_rank(rank):
     return x
 
 
-SimWorld(ParallelSpec(2, tp=2, ep=1), default_model=make_model("upcast")).run(sim_rank)  # sums in FP32
+SimWorld(ParallelSpec(2, tp=2, ep=1), reduction=make_model("upcast")).run(sim_rank)  # sums in FP32
 simdist.spawn(backend_rank, 2)
 code = sys.argv[1] if sys.argv[1:] else None
 sys.exit(int(code) if code and code.isdigit() else code)

@@ -39,7 +39,7 @@ def _line(fn, marker: str) -> int:
 
 def test_collective_error_is_measured_against_the_exact_sum():
     """1 + 3 x 2**-24 folded left in fp32 gives 1.0: error 3 x 2**-24, 1.5 ulp; every figure worked out by hand."""
-    report = blame(_one_plus_tiny, 4, model="sequential")
+    report = blame(_one_plus_tiny, 4, reduction="sequential")
     assert [float(t) for t in report.results] == [1.0] * 4
     (site,) = report.sites
     assert (site.kind, site.op, site.dtypes, site.function) == ("collective", "all_reduce", "fp32", "_one_plus_tiny")
@@ -61,9 +61,9 @@ def test_promoting_a_collective_gives_its_exact_sum_rounded_once():
     from simdist.world.inproc import spawn
 
     def target():
-        return spawn(_one_plus_tiny, 4, model="sequential")
+        return spawn(_one_plus_tiny, 4, reduction="sequential")
 
-    report = blame(_one_plus_tiny, 4, model="sequential", promote=[1])
+    report = blame(_one_plus_tiny, 4, reduction="sequential", promote=[1])
     (promotion,) = report.promotions
     assert promotion.events == 4 and promotion.failed is None
     moved = promotion.movement["results"]  # fn's returned tensors: 1.0 in the base run, 1 + 2**-22 promoted
@@ -204,7 +204,7 @@ def test_collective_figures_equal_an_exact_rational_reference(n, data):
     values = data.draw(
         rank_tensors(n, 3, torch.float32, float_values(torch.float32, min_exponent=-30, max_exponent=30))
     )
-    report = blame(_reduce_and_return, n, values, model="gloo")
+    report = blame(_reduce_and_return, n, values, reduction="gloo")
     (site,) = report.sites
     rel, scaled = 0.0, 0.0
     for result in report.results:

@@ -6,19 +6,23 @@ it in this process.
 """
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 from simdist.cases import case_names, get_case
 from simdist.cases.deepspeed_8913 import Config, judge, run_real, tp4_config
+from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.reference import DEEPSPEED_STRATEGY, correction
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import unit_roundoff
 
+FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 pytestmark = pytest.mark.gloo
 
 CONFIG = Config()

@@ -8,6 +8,7 @@ load broken on purpose (the controls must flip), and the standalone reproducer o
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,10 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 from simdist.cases import case_names
 from simdist.cases.deepspeed_checkpoint import GROUPS, _files, compare, controls_bitwise, run
+from simdist.cases.world import DEEPSPEED_MODULES
+
+FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 
 
 def _snap(**groups) -> dict:

@@ -8,6 +8,7 @@ and simdist process mode) and the whole audit at TP2 and TP4 on 4 gloo processes
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 from simdist.cases import case_names
 from simdist.cases.deepspeed_engine import EngineCapture, EngineRun, HelperCall
@@ -32,9 +34,11 @@ from simdist.cases.deepspeed_wrappers import (
     run_real,
     run_small,
 )
+from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.models.synthetic import DEFAULT_PARAMS, SyntheticGradients
 from simdist.world.spec import ParallelSpec
 
+FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 pytestmark = pytest.mark.gloo
 
 SMALL_SPEC = ParallelSpec(2, tp=2, ep=2)

@@ -27,7 +27,10 @@ class _ThreadComm:
 def test_fsdp2_is_bitwise_the_same_on_threads_but_the_cases_spy_is_not():
     config = Config()
     threads = simdist.spawn(
-        lambda rank: fsdp_rank(_ThreadComm(config.spec), config), config.spec.world_size, model="gloo", timeout_s=300
+        lambda rank: fsdp_rank(_ThreadComm(config.spec), config),
+        config.spec.world_size,
+        reduction="gloo",
+        timeout_s=300,
     )
     processes = run_ranks(fsdp_rank, config.spec, config, world="simdist")
     compared = 0

@@ -6,15 +6,19 @@ the simdist backend are in the slow tests.
 """
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+if importlib.util.find_spec("megatron.core") is None:  # found, not imported (about 2 s): only the ranks import it
+    pytest.skip("megatron-core is not installed: pip install -e '.[megatron]'", allow_module_level=True)
 
 from simdist.cases.megatron_grad_reduce import Config, judge, policy_for, run_real
+from simdist.cases.world import MEGATRON_MODULES
 from simdist.numerics.floats import unit_roundoff
 
+FORKSERVER_PRELOAD = MEGATRON_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 pytestmark = pytest.mark.gloo
 
 DP2 = Config(layouts=("dp2",))

@@ -1,13 +1,18 @@
 """``simdist repro 8913 --engine deepspeed``: the real code path through the repro report and verdict."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 
-pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
 
+from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.cli import main
 from simdist.studies.repro import ReproConfig, reproduce
+
+FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 
 
 @pytest.mark.parametrize("option,value", [("marker", "per_micro_step"), ("model", "moe"), ("reduction", "tree")])

@@ -98,7 +98,7 @@ def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, message):
     _one_line_error(capsys, argv, message)
 
 
-@pytest.mark.slow  # by default: test_crosscheck.py runs `python -m simdist.cli compare` (status 2, one line)
+@pytest.mark.slow  # by default: test_crosscheck.py runs `python -m simdist.cli compare`'s module in-process
 def test_the_installed_command_gives_one_line_and_status_2():
     """One subprocess check of the real entry point (``python -m simdist.cli``): argparse's exit goes through."""
     done = subprocess.run(

@@ -187,7 +187,7 @@ def test_every_model_agrees_with_gloo_on_two_ranks(gloo_run):
 @pytest.mark.gloo
 def test_the_same_rank_program_in_simworld_gives_real_gloos_bits(gloo_run):
     n, real = gloo_run
-    simulated = SimWorld(ParallelSpec(n, tp=1, ep=1), default_model=Gloo()).run(gloo_rank)
+    simulated = SimWorld(ParallelSpec(n, tp=1, ep=1), reduction=Gloo()).run(gloo_rank)
     for rank in range(n):
         for key, tensors in real[rank].items():
             for i, (sim, got) in enumerate(zip(simulated[rank][key], tensors, strict=True)):
@@ -349,7 +349,7 @@ def unsorted_group(comm):
 
 
 def test_simworld_orders_a_groups_ranks_as_torch_does():
-    results = SimWorld(ParallelSpec(4, tp=1, ep=1), default_model=Gloo()).run(unsorted_group)
+    results = SimWorld(ParallelSpec(4, tp=1, ep=1), reduction=Gloo()).run(unsorted_group)
     expected = Gloo().sum(order_fingerprint(3, 64, torch.float32))
     for rank in range(3):
         assert_bitwise(results[rank], expected, f"rank {rank}")

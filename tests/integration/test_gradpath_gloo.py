@@ -28,7 +28,7 @@ def both_policies(comm):
 @pytest.mark.gloo
 def test_simworld_and_real_gloo_agree_on_every_captured_tensor():
     real = spawn_gloo(both_policies, SPEC, timeout_s=240)
-    simulated = SimWorld(SPEC, default_model=Gloo()).run(both_policies)
+    simulated = SimWorld(SPEC, reduction=Gloo()).run(both_policies)
     compared = 0
     for rank in range(SPEC.world_size):
         for name in ("bf16_writeback", "fp32_staging"):

@@ -108,22 +108,26 @@ def test_a_seed_gives_the_same_bits_alone_and_in_an_ensemble(tmp_path):
     np.testing.assert_array_equal(m3[:, :, 1], m1[:, :, 0])
 
 
-def _outputs(out: Path) -> dict[str, bytes]:
-    return {name: (out / FILES[name]).read_bytes() for name in ("metrics", "summary", "plot")}
+def _outputs(out: Path, names: tuple[str, ...] = ("metrics", "summary", "plot")) -> dict[str, bytes]:
+    return {name: (out / FILES[name]).read_bytes() for name in names}
 
 
 def test_an_interrupted_run_resumes_bitwise(tmp_path):
+    """No plot (about 1 s each; `plot_growth` draws the config and the metrics compared here): the same metrics
+    draw the same bytes in test_a_finished_run_is_reused_unless_forced, a rerun that finishes a run draws its
+    plot in test_a_run_that_crashed_while_plotting_finishes_on_rerun, the whole of it in the SIGKILL test (slow)."""
     config = GrowthConfig(steps=50, seeds=2, checkpoint_every=5)
-    run_growth(config, tmp_path / "straight", progress=False)
+    run_growth(config, tmp_path / "straight", progress=False, plot=False)
     killed = tmp_path / "killed"
     with pytest.raises(_Interrupted):
-        run_growth(config, killed, progress=False, stop_after=17)  # last checkpoint at step 15
+        run_growth(config, killed, progress=False, plot=False, stop_after=17)  # last checkpoint at step 15
     assert not (killed / FILES["summary"]).exists()
     assert int(load_file(str(killed / FILES["checkpoint"]))["step"]) == 15
     with pytest.raises(_Interrupted):
-        run_growth(config, killed, progress=False, stop_after=21)  # resumes at 15, dies at 36
-    run_growth(config, killed, progress=False)
-    assert _outputs(killed) == _outputs(tmp_path / "straight")
+        run_growth(config, killed, progress=False, plot=False, stop_after=21)  # resumes at 15, dies at 36
+    run_growth(config, killed, progress=False, plot=False)
+    assert not (killed / FILES["plot"]).exists()
+    assert _outputs(killed, ("metrics", "summary")) == _outputs(tmp_path / "straight", ("metrics", "summary"))
     a = load_file(str(killed / FILES["checkpoint"]))
     b = load_file(str(tmp_path / "straight" / FILES["checkpoint"]))
     assert a.keys() == b.keys()
@@ -155,11 +159,13 @@ def test_a_finished_run_is_reused_unless_forced(tmp_path, capsys):
     config = GrowthConfig(steps=8, seeds=1)
     first = run_growth(config, tmp_path, progress=False)
     stamp = (tmp_path / FILES["metrics"]).stat().st_mtime_ns
+    png = (tmp_path / FILES["plot"]).read_bytes()
     assert run_growth(config, tmp_path, progress=False) == first
     assert (tmp_path / FILES["metrics"]).stat().st_mtime_ns == stamp
     time.sleep(0.01)
     assert run_growth(config, tmp_path, progress=False, force=True) == first
     assert (tmp_path / FILES["metrics"]).stat().st_mtime_ns != stamp
+    assert (tmp_path / FILES["plot"]).read_bytes() == png  # the same metrics draw the same bytes
     with pytest.raises(ValueError, match="different run"):
         run_growth(GrowthConfig(steps=9, seeds=1), tmp_path, progress=False)
 

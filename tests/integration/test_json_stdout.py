@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _NOISY = textwrap.dedent(
     """
-    import json, logging, os, subprocess, sys
-    from simdist.cases.stdout import stdout_to_stderr
+    import importlib.util, json, logging, os, subprocess, sys
+
+    # the module by its path, not through `import simdist` (which imports torch: seconds); it needs only the stdlib
+    spec = importlib.util.spec_from_file_location("stdout_under_test", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stdout_to_stderr = module.stdout_to_stderr
 
     log = logging.getLogger("framework")
     log.addHandler(logging.StreamHandler(stream=sys.stdout))  # bound before the block, as DeepSpeed's is
@@ -36,7 +41,10 @@ def _env() -> dict[str, str]:
 
 
 def test_stdout_to_stderr_leaves_only_the_report_on_stdout():
-    done = subprocess.run([sys.executable, "-c", _NOISY], capture_output=True, text=True, env=_env(), check=True)
+    module = str(ROOT / "simdist" / "cases" / "stdout.py")
+    done = subprocess.run(
+        [sys.executable, "-c", _NOISY, module], capture_output=True, text=True, env=_env(), check=True
+    )
     assert done.stdout == '{"answer": 42}\nafter the block\n'
     for line in ("a print", "a log line", "a raw write", "a child process"):
         assert line in done.stderr

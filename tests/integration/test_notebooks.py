@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-import nbclient  # in the dev extra: a missing one is an error, not a skip
 import nbformat
 import pytest
 
-pytest.importorskip("ipykernel", reason="the notebooks' kernel (ipykernel) is not installed")
+if importlib.util.find_spec("ipykernel") is None:  # found, not imported: the kernel runs in its own process
+    pytest.skip("the notebooks' kernel (ipykernel) is not installed", allow_module_level=True)
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ("rounding_tour.ipynb", "growth_explorer.ipynb", "blame_tour.ipynb")
@@ -20,6 +21,8 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("SIMDIST_GROWTH_STEPS", "50")
     monkeypatch.setenv("SIMDIST_GROWTH_SEEDS", "2")
     monkeypatch.setenv("SIMDIST_GROWTH_OUT", str(tmp_path / "growth"))
+    import nbclient  # in the dev extra: a missing one is an error, not a skip (imported here: slow tests only)
+
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(
         notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

@@ -82,7 +82,8 @@ def test_threads_dist_is_spawn_bit_for_bit_with_args_kwargs_and_every_reduction_
     assert len(ran) == N and same_bits(ran, old)
     assert same_bits(ran, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)  # default: gloo's order
     ring = [simdist.run(dist_sum, N, args=[64], reduction=choice) for choice in ("ring", Reduction.RING, Ring())]
-    assert all(same_bits(r, simdist.spawn(dist_sum, N, 64, model="ring")) for r in ring)
+    with pytest.warns(DeprecationWarning, match=r"^model= is a deprecated spelling of reduction="):
+        assert all(same_bits(r, simdist.spawn(dist_sum, N, 64, model="ring")) for r in ring)
     assert same_bits(simdist.spawn(dist_sum, N, 64, reduction="ring"), ring[0])
     seq = simdist.run(dist_sum, SPEC, args=(64,), reduction={"world": "sequential", "default": "gloo"})
     assert same_bits(seq, [left_fold(64)] * N)
@@ -90,14 +91,16 @@ def test_threads_dist_is_spawn_bit_for_bit_with_args_kwargs_and_every_reduction_
 
 def test_threads_comm_is_simworld_bit_for_bit_and_simworld_now_defaults_to_gloo():
     ran = simdist.run(comm_sums, SPEC, api="comm", args=(64,), kwargs={"scale": 2.0})
-    assert same_bits(ran, SimWorld(SPEC, default_model=Gloo()).run(comm_sums, 64, scale=2.0))
+    assert same_bits(ran, SimWorld(SPEC, reduction=Gloo()).run(comm_sums, 64, scale=2.0))
     assert same_bits(ran, SimWorld(SPEC).run(comm_sums, 64, scale=2.0))  # one default everywhere
     seq = simdist.run(comm_sums, SPEC, api="comm", args=(64,), kwargs={"scale": 2.0}, reduction="sequential")
-    assert same_bits(seq, SimWorld(SPEC, default_model=Sequential()).run(comm_sums, 64, scale=2.0))
+    assert same_bits(seq, SimWorld(SPEC, reduction=Sequential()).run(comm_sums, 64, scale=2.0))
     assert same_bits([r[0] for r in seq], [left_fold(64, scale=2.0)] * N)
     tp4 = ParallelSpec(N, tp=N)  # a tp group of 4 members: its order shows (a 2-member sum has only one)
     mixed = simdist.run(comm_sums, tp4, api="comm", args=(64,), reduction={"tp": "sequential", "default": "ring"})
-    assert same_bits(mixed, SimWorld(tp4, models={"tp": Sequential()}, default_model=Ring()).run(comm_sums, 64))
+    with pytest.warns(DeprecationWarning, match=r"^models= and default_model= is a deprecated spelling"):
+        older = SimWorld(tp4, models={"tp": Sequential()}, default_model=Ring())
+    assert same_bits(mixed, older.run(comm_sums, 64))
     assert same_bits([r[1] for r in mixed], [left_fold(64)] * N)  # tp: the fold
     assert same_bits([r[0] for r in mixed], simdist.run(dist_sum, N, args=(64,), reduction="ring"))  # world: ring
     flat = simdist.run(comm_sums, N, api="comm", args=(8,))  # a size is a flat spec: tp = dp = ... = 1
@@ -157,10 +160,12 @@ def test_a_bad_world_is_an_error(world, error, match):
 
 
 def test_the_reduction_is_given_once():
-    with pytest.raises(TypeError, match=r"give the reduction model once, as reduction= \(got reduction=, model=\)"):
+    with pytest.raises(TypeError, match=r"give the reduction model once, as reduction= \(got reduction= and model=\)"):
         simdist.spawn(dist_sum, N, 4, reduction="ring", model="ring")
     with pytest.raises(TypeError, match=r"got reduction= and default_model="):
         SimWorld(SPEC, default_model=Ring(), reduction="ring")
+    with pytest.raises(TypeError, match=r"\(got reduction=, models= and default_model=\)$"):
+        SimWorld(SPEC, models={}, default_model=Ring(), reduction="ring")
     with pytest.raises(TypeError, match=r"reduction must be a model name"):
         SimWorld(SPEC, reduction=lambda ranks: Ring())
 
@@ -194,7 +199,9 @@ def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings
     assert same_bits(processes, simdist.spawn(dist_sum, N, 64, scale=0.5))  # process mode = threads, bitwise
     assert same_bits(processes, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)
     ring = simdist.run(dist_sum, N, where="processes", args=(64,), reduction=Ring(), preload=("json",))
-    assert same_bits(ring, spawn_procs(dist_sum, N, 64, backend="simdist", model="ring"))
+    with pytest.warns(DeprecationWarning, match=r"^model= is a deprecated spelling of reduction="):
+        older = spawn_procs(dist_sum, N, 64, backend="simdist", model="ring")
+    assert same_bits(ring, older)
     assert same_bits(ring, simdist.spawn(dist_sum, N, 64, reduction="ring"))
     real = simdist.run(summed_on, N, where="gloo", args=(64,))
     assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo model (which gives the same bits)

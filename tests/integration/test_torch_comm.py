@@ -166,4 +166,4 @@ def test_failing_rank_is_reraised_naming_the_rank():
 def test_hanging_rank_times_out_instead_of_hanging():
     """spawn_gloo's own timeout ends a hung world with TimeoutError (a hang would instead hit pytest-timeout)."""
     with pytest.raises(TimeoutError, match=r"did not finish"):
-        spawn_gloo(hanging_rank, SPEC, timeout_s=3)
+        spawn_gloo(hanging_rank, SPEC, timeout_s=1)  # the test waits this long: keep it short

@@ -2,7 +2,7 @@
 runs under real torchrun (``torch.distributed.run``, rendezvous on 127.0.0.1), and ``python -m simdist.launch``
 runs a rank program there. Both start real processes (seconds each): marked slow.
 
-The reference is a left fold written here in plain torch (no simdist code): ``SIMDIST_MODEL=sequential`` sums
+The reference is a left fold written here in plain torch (no simdist code): ``SIMDIST_REDUCTION=sequential`` sums
 ``((x0 + x1) + x2) + x3`` in BF16, one rounding per add, on every rank.
 """
 
@@ -69,7 +69,7 @@ def _torchrun(nproc: int, argv: list[str], cwd: Path, **env: str) -> subprocess.
 def test_plain_import_simdist_is_enough_for_init_process_group_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = _torchrun(4, [str(script), str(tmp_path)], tmp_path, SIMDIST_MODEL="sequential")
+    done = _torchrun(4, [str(script), str(tmp_path)], tmp_path, SIMDIST_REDUCTION="sequential")
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [torch.load(tmp_path / f"r{rank}.pt") for rank in range(4)]
     assert {(r["backend"], r["world"]) for r in runs} == {("simdist", 4)}

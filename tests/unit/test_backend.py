@@ -82,7 +82,7 @@ def test_model_per_group_kind_and_by_name():
         dist.all_reduce(w)
         return t, w
 
-    res = simdist.spawn(prog, N, model={"tp": "sequential", "world": Tree()}, spec=spec)
+    res = simdist.spawn(prog, N, reduction={"tp": "sequential", "world": Tree()}, spec=spec)
     assert same_bits(res[0][0], Sequential().reduce(XS[:2]))
     assert same_bits(res[3][1], Tree().reduce(XS))
 
@@ -194,7 +194,7 @@ def test_unsupported_ops_raise_what_gloo_raises():
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         return t
 
-    assert simdist.spawn(premul, 2, model="sequential")[0].tolist() == [1.5] * 3
+    assert simdist.spawn(premul, 2, reduction="sequential")[0].tolist() == [1.5] * 3
 
 
 def _skips(rank):
@@ -312,7 +312,7 @@ def test_views_that_gloo_would_move_by_memory_are_refused_on_the_gloo_model_only
 
     with pytest.raises(ValueError, match=r"broadcast on world.*memory order"):
         simdist.spawn(prog, 2)
-    out = simdist.spawn(prog, 2, model="sequential")  # no transport to mimic: element-wise copy
+    out = simdist.spawn(prog, 2, reduction="sequential")  # no transport to mimic: element-wise copy
     assert out[0][:, 1:3].tolist() == out[1][:, 1:3].tolist() and out[0][0, 0].item() == 0.0
 
     def transposed(rank):

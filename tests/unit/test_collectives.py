@@ -52,7 +52,7 @@ def _comm_reduce(comm, kind: str, dst_index: int, op):
 def test_simcomm_reduce_gives_the_root_the_rank_order_fold_and_leaves_the_others_alone():
     for kind, dst_index in (("dp", 1), ("tp", 0), ("world", 2)):
         for op in (ReduceOp.SUM, ReduceOp.AVG):
-            results = SimWorld(SPEC, default_model=Sequential()).run(_comm_reduce, kind, dst_index, op)
+            results = SimWorld(SPEC, reduction=Sequential()).run(_comm_reduce, kind, dst_index, op)
             groups = [tuple(range(4))] if kind == "world" else SPEC.groups(kind)
             for ranks in groups:
                 expected = _fold([results[r][0] for r in ranks])
@@ -80,8 +80,8 @@ def _world_reduce(comm, dst: int):
 def test_simcomm_reduce_on_gloo_equals_the_backends_dist_reduce_on_every_rank():
     # every member's tensor afterwards (gloo leaves partial sums on the non-roots), bit for bit
     for dst in (0, 3):
-        comm = SimWorld(SPEC, default_model=Gloo()).run(_world_reduce, dst)
-        backend = simdist.spawn(_dist_reduce, 4, dst, model="gloo")
+        comm = SimWorld(SPEC, reduction=Gloo()).run(_world_reduce, dst)
+        backend = simdist.spawn(_dist_reduce, 4, dst, reduction="gloo")
         assert all(same_bits(a, b) for a, b in zip(comm, backend, strict=True))
         assert not same_bits(comm[(dst + 1) % 4], _inputs((dst + 1) % 4, 1, 40)[0])  # partial sums were written
 
@@ -99,7 +99,7 @@ def _comm_reduce_scatter(comm, kind: str):
 
 def test_simcomm_list_reduce_scatter_gives_group_rank_i_the_fold_of_every_members_entry_i():
     for kind in ("tp", "dp", "world"):
-        results = SimWorld(SPEC, default_model=Sequential()).run(_comm_reduce_scatter, kind)
+        results = SimWorld(SPEC, reduction=Sequential()).run(_comm_reduce_scatter, kind)
         groups = [tuple(range(4))] if kind == "world" else SPEC.groups(kind)
         for ranks in groups:
             for i, r in enumerate(ranks):
@@ -115,8 +115,8 @@ def _dist_reduce_scatter(rank: int):
 
 
 def test_simcomm_list_reduce_scatter_on_gloo_equals_the_backends():
-    comm = SimWorld(SPEC, default_model=Gloo()).run(_comm_reduce_scatter, "world")
-    backend = simdist.spawn(_dist_reduce_scatter, 4, model="gloo")
+    comm = SimWorld(SPEC, reduction=Gloo()).run(_comm_reduce_scatter, "world")
+    backend = simdist.spawn(_dist_reduce_scatter, 4, reduction="gloo")
     assert all(same_bits(c[1], b) for c, b in zip(comm, backend, strict=True))
 
 
@@ -194,10 +194,10 @@ def test_the_engines_observers_see_every_collective_of_both_front_ends():
 
     Engine.subscribe(observer)
     try:
-        SimWorld(SPEC, default_model=Gloo()).run(_every_comm_collective)
+        SimWorld(SPEC, reduction=Gloo()).run(_every_comm_collective)
         comm_seen = list(seen)
         seen.clear()
-        simdist.spawn(_every_dist_collective, 4, model="gloo")
+        simdist.spawn(_every_dist_collective, 4, reduction="gloo")
         dist_seen = list(seen)
     finally:
         Engine.unsubscribe(observer)
@@ -231,7 +231,7 @@ def test_an_observer_may_wrap_the_completion():
 
     Engine.subscribe(observer)
     try:
-        results = SimWorld(SPEC, default_model=Sequential()).run(fn)
+        results = SimWorld(SPEC, reduction=Sequential()).run(fn)
     finally:
         Engine.unsubscribe(observer)
     assert calls == ["all_reduce"]  # the completion runs once, on the last member to arrive
@@ -252,7 +252,7 @@ def _own_order(comm):
 def test_a_policys_own_tp_order_runs_on_a_gloo_world():
     from simdist.reduce import Ring
 
-    results = SimWorld(SPEC, default_model=Gloo()).run(_own_order)
+    results = SimWorld(SPEC, reduction=Gloo()).run(_own_order)
     for ranks in SPEC.groups("tp"):
         expected = Ring(chunk_size=1).reduce([results[r][0].view(3, 4) for r in ranks])
         for r in ranks:

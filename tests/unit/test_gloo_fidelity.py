@@ -160,7 +160,7 @@ def _inputs(seed: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.bool])
 def test_simcomm_reduce_and_list_reduce_scatter_give_the_backends_bytes(dtype):
-    world = SimWorld(ParallelSpec(4, tp=1, ep=1), default_model=Gloo())
+    world = SimWorld(ParallelSpec(4, tp=1, ep=1), reduction=Gloo())
     via_comm = world.run(_reduces_via_comm, dtype)
     via_torch = simdist.spawn(_reduces_via_torch, 4, dtype)
     for r in range(4):

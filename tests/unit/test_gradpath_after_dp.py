@@ -28,7 +28,7 @@ def test_megatron_reduces_over_dp_before_the_tp_correction():
     grads = SyntheticGradients(SPEC, seed=5, spread=16)
     policy = get_policy("megatron_grad_reduce_fp32")
     config = PathConfig(steps=1, gas=1, seed=5, marker="per_micro_step")
-    traces = SimWorld(SPEC, default_model=make_model("gloo")).run(
+    traces = SimWorld(SPEC, reduction=make_model("gloo")).run(
         train_rank, [ROUTER], InitialWeights(SPEC, 5), grads, policy, config
     )
     local = {r: grads(0, 0, r, ROUTER).float() for r in range(SPEC.world_size)}

@@ -27,7 +27,7 @@ def test_the_global_norm_counts_each_family_as_deepspeed_does():
     for spec in (ParallelSpec(4, tp=2, ep=2), ParallelSpec(8, tp=2, ep=4)):
         grads = SyntheticGradients(spec, seed=2)
         config = PathConfig(steps=1, gas=1, seed=2, marker="per_micro_step")
-        traces = SimWorld(spec, default_model=make_model("gloo")).run(
+        traces = SimWorld(spec, reduction=make_model("gloo")).run(
             train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, 2), grads, get_policy("fp32_staging"), config
         )
 

@@ -38,7 +38,7 @@ def sharded_errors(spec, policy, steps=2, gas=1, seed=3, marker="per_micro_step"
     """Per parameter, the worst normwise relative error of the DP-reduced gradient over ranks and steps."""
     source = MoEGradients(spec, seed=seed, gas=gas)
     config = PathConfig(steps=steps, gas=gas, seed=seed, marker=marker)
-    traces = SimWorld(spec, default_model=Gloo()).run(
+    traces = SimWorld(spec, reduction=Gloo()).run(
         train_rank, source.params, source.initial, source, policy, config, frozenset({"dp_reduced", "param"})
     )
     return gradient_errors(traces, spec, source.cfg, seed, gas, source.initial)
@@ -83,7 +83,7 @@ def test_a_wrong_correction_fails_the_check(monkeypatch, family, wrong):
 def test_router_and_upstream_dense_gradients_differ_between_tp_peers():
     """The restore backward partitions the MoE gradient: AVERAGE is not a no-op upstream of the MoE."""
     source = MoEGradients(SPEC, seed=1)
-    traces = SimWorld(SPEC, default_model=Gloo()).run(
+    traces = SimWorld(SPEC, reduction=Gloo()).run(
         train_rank,
         source.params,
         source.initial,
@@ -107,7 +107,7 @@ def test_hooks_and_epilogue_give_the_same_bits_when_every_micro_step_is_correcte
 
     def run(path, marker):
         config = PathConfig(steps=2, gas=2, update_path=path, marker=marker)
-        return SimWorld(SPEC, default_model=Gloo()).run(
+        return SimWorld(SPEC, reduction=Gloo()).run(
             train_rank, source.params, source.initial, source, get_policy("bf16_writeback"), config
         )
 

@@ -144,7 +144,7 @@ def test_a_policy_can_carry_its_own_tp_reduction_order():
     config = PathConfig(steps=1)
 
     def corrected(world_model, policy):
-        traces = SimWorld(spec, default_model=world_model).run(train_rank, params, initial, grads, policy, config)
+        traces = SimWorld(spec, reduction=world_model).run(train_rank, params, initial, grads, policy, config)
         return traces[0].get(0, 0, "r", "corrected")
 
     own_order = corrected(Sequential(), Policy(**base, tp_model=Ring(chunk_size=1)))

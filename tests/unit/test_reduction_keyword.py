@@ -1,6 +1,7 @@
 """One spelling of the reduction model: ``reduction=`` on the rank-batched engine and the pytest fixture, the
-older ``models=``/``default_model=``/``model=`` as aliases giving the same bits, both at once a ``TypeError``,
-and one default (`simdist.world.options.DEFAULT_REDUCTION`).
+older ``models=``/``default_model=``/``model=`` as aliases giving the same bits with a `DeprecationWarning` that
+names the caller's line, both at once a ``TypeError`` (one message), and one default
+(`simdist.world.options.DEFAULT_REDUCTION`).
 
 The inputs are chosen so that gloo's order and the rank-order fold differ on them (checked here), so a keyword
 that were silently dropped would show.
@@ -8,6 +9,7 @@ that were silently dropped would show.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -28,6 +30,17 @@ from simdist.world.spec import ParallelSpec
 SPEC = ParallelSpec(8, tp=2, ep=2)
 
 
+@contextlib.contextmanager
+def deprecated(*names: str, here: bool = True):
+    """The block uses the deprecated spellings ``names``: one `DeprecationWarning` naming them, pointing at this
+    file (the caller's line) unless ``here`` is false (an old keyword passed on by simdist's own code)."""
+    spelled = " and ".join(f"{name}=" for name in names)
+    with pytest.warns(DeprecationWarning, match=f"^{spelled} is a deprecated spelling of reduction=") as record:
+        yield
+    if here:
+        assert {w.filename for w in record} == {__file__}
+
+
 def _values() -> torch.Tensor:
     """``[2, 8, 64]`` values spread over 60 binades: every order of summation rounds differently."""
     gen = torch.Generator().manual_seed(8)
@@ -44,9 +57,13 @@ def _reduce(ops: BatchedOps) -> torch.Tensor:
 def test_batched_ops_reduction_and_its_old_spellings_give_the_same_bits():
     by_name = _reduce(BatchedOps(SPEC, [0, 1], reduction="ring"))
     assert same_bits(by_name, _reduce(BatchedOps(SPEC, [0, 1], reduction=Ring())))
-    assert same_bits(by_name, _reduce(BatchedOps(SPEC, [0, 1], default_model=Ring())))
+    with deprecated("default_model"):
+        older = BatchedOps(SPEC, [0, 1], default_model=Ring())
+    assert same_bits(by_name, _reduce(older))
     mixed = _reduce(BatchedOps(SPEC, [0, 1], reduction={"dp": Ring(), "default": Sequential()}))
-    assert same_bits(mixed, _reduce(BatchedOps(SPEC, [0, 1], models={"dp": Ring()}, default_model=Sequential())))
+    with deprecated("models", "default_model"):
+        older = BatchedOps(SPEC, [0, 1], models={"dp": Ring()}, default_model=Sequential())
+    assert same_bits(mixed, _reduce(older))
     # not vacuous: the models differ on these inputs, per kind as chosen
     sequential = _reduce(BatchedOps(SPEC, [0, 1], reduction=Sequential()))
     assert not same_bits(by_name[1], sequential[1])
@@ -79,7 +96,8 @@ def test_batched_path_passes_reduction_to_its_ops():
         return path.path.master
 
     ring = master(reduction="ring")
-    assert same_bits(ring, master(default_model=Ring()))
+    with deprecated("default_model", here=False):  # BatchedPath hands it to BatchedOps
+        assert same_bits(ring, master(default_model=Ring()))
     assert not same_bits(ring, master(reduction="sequential"))
 
 
@@ -92,13 +110,16 @@ def _rank_sum(rank: int) -> torch.Tensor:
 
 def test_the_fixture_takes_reduction_and_a_call_may_override_it():
     ring = torch.stack(SimdistWorld(reduction="ring").spawn(_rank_sum, 8))
-    assert same_bits(ring, torch.stack(SimdistWorld(model="ring").spawn(_rank_sum, 8)))
-    assert SimdistWorld(model="ring").model == "ring"
+    with deprecated("model"):
+        older = SimdistWorld(model="ring")
+    assert same_bits(ring, torch.stack(older.spawn(_rank_sum, 8)))
+    assert older.model == "ring"
     gloo = torch.stack(SimdistWorld().spawn(_rank_sum, 8))
     assert not same_bits(ring, gloo)
     # a call's own keyword wins over the fixture's default (once a TypeError: the fixture added model=)
     assert same_bits(torch.stack(SimdistWorld(reduction="ring").spawn(_rank_sum, 8, reduction="gloo")), gloo)
-    assert same_bits(torch.stack(SimdistWorld(reduction="gloo").spawn(_rank_sum, 8, model="ring")), ring)
+    with deprecated("model", here=False):  # SimdistWorld.spawn hands it to simdist.spawn
+        assert same_bits(torch.stack(SimdistWorld(reduction="gloo").spawn(_rank_sum, 8, model="ring")), ring)
     with pytest.raises(TypeError, match=r"got reduction= and model="):
         SimdistWorld(reduction="ring", model="gloo")
 
@@ -145,11 +166,29 @@ def test_the_compact_workload_takes_reduction_with_model_as_its_alias():
         )
 
     ring = batched(reduction=Ring())
-    assert same_bits(ring, batched(model=Ring())) and not same_bits(ring, batched(reduction=Sequential()))
+    with deprecated("model", here=False):  # passed on by batched() and oracle() above
+        assert same_bits(ring, batched(model=Ring())) and same_bits(oracle(reduction=Ring()), oracle(model=Ring()))
+    assert not same_bits(ring, batched(reduction=Sequential()))
     assert same_bits(batched(), batched(reduction=Gloo()))  # the one default
-    assert same_bits(oracle(reduction=Ring()), oracle(model=Ring()))
     assert same_bits(oracle(), oracle(reduction=Gloo()))
     with pytest.raises(TypeError, match=r"got reduction= and model="):
         run_batched(SPEC, policy, local, config, reduction=Ring(), model=Ring())
     with pytest.raises(TypeError, match=r"got reduction= and model="):
         run_oracle(SPEC, local, 1, 1, reduction=Ring(), model=Ring())
+
+
+def test_the_older_environment_variable_warns_and_the_new_one_wins(monkeypatch):
+    """``SIMDIST_MODEL`` (process mode, torchrun) still works, with a `FutureWarning` (shown by Python's default
+    filters, unlike a `DeprecationWarning` raised inside simdist); ``SIMDIST_REDUCTION`` wins, silently."""
+    import warnings
+
+    from simdist.world.process import process_reduction
+
+    monkeypatch.delenv("SIMDIST_REDUCTION", raising=False)
+    monkeypatch.setenv("SIMDIST_MODEL", "ring")
+    with pytest.warns(FutureWarning, match=r"^SIMDIST_MODEL is a deprecated spelling of SIMDIST_REDUCTION"):
+        assert type(process_reduction()) is Ring
+    monkeypatch.setenv("SIMDIST_REDUCTION", "sequential")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert type(process_reduction()) is Sequential

@@ -99,6 +99,40 @@ def heap_of_chains(nodes: int, per_node: int) -> list[list[int]]:
     return down
 
 
+def nccl_double_binary_restated(nodes: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """NCCL's two trees over ``nodes`` nodes (a power of two) of ``per_node`` ranks each, pattern ``tree``, as
+    ``down`` tables, restated from NCCL's description (src/graph/trees.cc's comments and figures, and how
+    src/graph/connect.cc fills ``tree.down``), not from `simdist.reduce.nccl`'s port of its bit arithmetic.
+
+    Tree 0 over node indices: node 0 is the root, with the single child ``nodes / 2``; under it, the in-order
+    binary tree over ``1 .. nodes - 1``: the middle of a range is the parent of the middles of its lower and
+    upper halves, lower first (child 0, child 1). Tree 1 (``nodes`` even) is tree 0 mirrored: node ``v`` has
+    the mirrored children of node ``nodes - 1 - v``, each in its slot. Ranks: node ``k`` holds ranks
+    ``k * per_node ..`` as a chain, head first (``tree.down[0]`` is the next rank of the chain); a node's head
+    then adds its tree children's heads in the free slots, child 0 before child 1."""
+    assert nodes >= 2 and nodes & (nodes - 1) == 0
+    tree0: list[list[int]] = [[] for _ in range(nodes)]
+    tree0[0] = [nodes // 2]
+
+    def middle(lo: int, hi: int) -> int | None:
+        """The root of the in-order tree over ``lo .. hi`` (inclusive), its subtrees filled in ``tree0``."""
+        if lo > hi:
+            return None
+        mid = (lo + hi) // 2
+        tree0[mid] = [c for c in (middle(lo, mid - 1), middle(mid + 1, hi)) if c is not None]
+        return mid
+
+    assert middle(1, nodes - 1) == nodes // 2
+    tree1 = [[nodes - 1 - c for c in tree0[nodes - 1 - v]] for v in range(nodes)]
+    tables = []
+    for tree in (tree0, tree1):
+        down = [[r + 1] if (r + 1) % per_node else [] for r in range(nodes * per_node)]
+        for node, children in enumerate(tree):
+            down[node * per_node] += [c * per_node for c in children]
+        tables.append(down)
+    return tables[0], tables[1]
+
+
 @pytest.mark.parametrize("numel", [2048, 2300])
 def test_a_512_rank_nccl_ring_all_reduce_is_the_plain_loop_restatement_bit_for_bit(numel):
     """fp32 on 512 ranks and a shuffled ring: 2048 elements are 512 chunks of 4 (every ring position starts
@@ -118,17 +152,20 @@ def test_a_512_rank_nccl_ring_all_reduce_is_the_plain_loop_restatement_bit_for_b
 
 @pytest.mark.parametrize("tree", ["heap_of_chains", "nccl_double_binary", "chain"])
 def test_a_512_rank_nccl_tree_all_reduce_is_the_plain_loop_restatement_bit_for_bit(tree):
-    """Trees over 64 nodes of 8: one written here, NCCL's double binary tree 0 (the model's table builder; the
-    arithmetic is restated), and the model's default single chain over 512 ranks."""
+    """Trees over 64 nodes of 8: one written here, NCCL's double binary tree 0 (the model's table builder, judged
+    against `nccl_double_binary_restated` for both trees; the arithmetic on tree 0 restated), and the model's
+    default single chain over 512 ranks."""
     numel = 1000
     x = _inputs(N, numel, seed=3)
     if tree == "heap_of_chains":
         down = heap_of_chains(64, 8)
         model = Nccl("tree", trees=(tuple(tuple(d) for d in down),))
     elif tree == "nccl_double_binary":
-        first, second = double_binary_trees([list(range(k * 8, k * 8 + 8)) for k in range(64)])
-        down = [list(d) for d in first]
-        model = Nccl("tree", trees=(first, second))
+        trees = double_binary_trees([list(range(k * 8, k * 8 + 8)) for k in range(64)])
+        restated = nccl_double_binary_restated(64, 8)
+        assert [[list(d) for d in t] for t in trees] == list(restated)
+        down = restated[0]
+        model = Nccl("tree", trees=trees)
     else:
         down = [[r + 1] if r + 1 < N else [] for r in range(N)]
         model = Nccl("tree")
@@ -221,3 +258,12 @@ def test_the_ring_models_cached_plans_hold_no_per_element_index():
         held = sum(t.numel() * t.element_size() for t in plan._index.values())
         assert 0 < held <= 4 * ROW_GATHER_LIMIT * 8
     assert 4 * ROW_GATHER_LIMIT * 8 < 8 * 512 * 16_384 // 100  # the bound is far below a per-element index
+    # one plan, many batch sizes: each size gathers with its own chunk-row index (1024 * count rows here), and
+    # the plan keeps the last few, not one per size ever seen (16 sizes: 1.1 MB held without the bound)
+    plan = model.plan(512, 2, torch.float32)
+    for count in range(1, 17):
+        stacked = _inputs(512, 2 * count, seed=count).view(512, count, 2)
+        assert torch.equal(model.sum_many(stacked, (2,))[count - 1], model.reduce(stacked[:, count - 1]))
+    chunk_rows = [t for key, t in plan._index.items() if isinstance(key, tuple)]  # (count, device) keys
+    assert 1 <= len(chunk_rows) <= 4
+    assert sum(t.numel() * t.element_size() for t in chunk_rows) <= 4 * ROW_GATHER_LIMIT * 8

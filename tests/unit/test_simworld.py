@@ -41,7 +41,7 @@ def reduce_everywhere(comm, seed, numel, dtype, kind):
     st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_all_reduce_gives_every_member_the_models_bits_in_group_order(spec, kind, model, seed, numel, dtype):
-    results = SimWorld(spec, default_model=model).run(reduce_everywhere, seed, numel, dtype, kind)
+    results = SimWorld(spec, reduction=model).run(reduce_everywhere, seed, numel, dtype, kind)
     groups = [tuple(range(spec.world_size))] if kind == "world" else spec.groups(kind)
     for group in groups:
         expected = model.reduce([results[r][0] for r in group])
@@ -51,7 +51,7 @@ def test_all_reduce_gives_every_member_the_models_bits_in_group_order(spec, kind
 
 @given(st.sampled_from(MODELS), st.integers(0, 2**16), st.integers(1, 8))
 def test_repeated_runs_give_identical_bits(model, seed, blocks):
-    world = SimWorld(ParallelSpec(4, tp=2, ep=2), default_model=model)
+    world = SimWorld(ParallelSpec(4, tp=2, ep=2), reduction=model)
     first = world.run(reduce_everywhere, seed, blocks * 4, torch.bfloat16, "world")
     second = world.run(reduce_everywhere, seed, blocks * 4, torch.bfloat16, "world")
     assert all(bitwise_equal(a[1], b[1]) for a, b in zip(first, second, strict=True))
@@ -75,14 +75,14 @@ def scatter_then_gather(comm, seed, blocks, dtype, op):
     st.sampled_from(list(ReduceOp)),
 )
 def test_all_gather_of_reduce_scatter_equals_all_reduce(model, seed, blocks, dtype, op):
-    for gathered, reduced in SimWorld(SPEC, default_model=model).run(scatter_then_gather, seed, blocks, dtype, op):
+    for gathered, reduced in SimWorld(SPEC, reduction=model).run(scatter_then_gather, seed, blocks, dtype, op):
         assert bitwise_equal(gathered, reduced)
 
 
 def test_groups_may_carry_their_own_models():
     spec = ParallelSpec(8, tp=4, ep=2)
     models = {"tp": Upcast(torch.float64), "world": Ring(chunk_size=1)}
-    world = SimWorld(spec, models=models, default_model=Sequential())
+    world = SimWorld(spec, reduction={**models, "default": Sequential()})
 
     def fn(comm):
         # 1.0 on the first rank of each group and 2**-8 elsewhere: in bf16 a rank-order fold loses every 2**-8
@@ -238,7 +238,10 @@ def test_a_rank_stuck_outside_collectives_times_out_with_its_location():
     def fn(comm):
         if comm.get_rank() == 1:
             release.wait(5)
-        comm.barrier()
+        try:
+            comm.barrier()
+        finally:  # the timeout ends the others' barrier: let rank 1 go then, not after the run's grace waits
+            release.set()
 
     with pytest.raises(SimTimeoutError, match="rank 1"):
         SimWorld(SPEC, timeout_s=0.3).run(fn)
