@@ -9,6 +9,15 @@ time (the engine starts them one after another and wakes a rank only when the
 running one blocks in a collective or a receive, or returns), so the global
 state always holds the running rank's values.
 
+A swap is the cost of that guarantee, paid at every handoff (four per 4-rank
+collective): the rank giving the baton away saves the generator's state and
+reads every setting (one C-level loop into a tuple); the rank taking it
+installs its generator state and sets only the settings that differ from what
+the process holds (one tuple comparison when none do). torch offers no cheap
+"unchanged" check for the generator, so its state is copied at every handoff
+(about 4 us a handoff on a bare engine, about 10 us between a real program's
+calls, on the 2-vCPU machine; bench/collectives.py prints it).
+
 What a rank starts with is what a fresh process has (found by experiment with
 torch 2.13 on CPU, each value checked against a new interpreter by
 tests/integration/test_isolation.py): a default CPU generator seeded from OS entropy (a
