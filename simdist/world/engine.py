@@ -326,7 +326,8 @@ class Engine:
             self.switch.resume(rank)
 
     def pass_baton(self) -> None:
-        """Wake one rank whose wait completed (call with the lock held, just before blocking or returning)."""
+        """Wake one rank whose wait completed (lock held; `fail` wakes every ready rank with it, while `block` and
+        `rank_finished` pop the next rank under the lock and wake it after releasing the lock)."""
         if self.ready:
             self.batons.wake(self.ready.popleft())
 
