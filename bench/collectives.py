@@ -1,7 +1,7 @@
 """Microseconds per all_reduce on a 4-rank group: SimWorld, the simdist backend, torch's threaded group,
 LocalTensor, real gloo processes and the floor.
 
-    python bench/collectives.py [--quick] [--no-gloo]
+    python bench/collectives.py [--quick] [--no-gloo] [--cpu-clock]
 
 All three run the same reduction (the `Gloo` model's order, fp32 SUM) on
 4 ranks, in one run of this script:
@@ -27,6 +27,15 @@ A second table compares, for 1024 fp32 elements, the ways to run
 * LocalTensor -- ``dist.all_reduce`` on a LocalTensor under LocalTensorMode
               with torch's fake group (one thread; "n/a" where unavailable).
 
+Under it, where SimWorld's and the backend's microseconds go, each part timed
+alone in the same run: the model, the writes, the 4 handoffs between rank
+threads (a bare ring of the engine's wake-ups, `simdist.world.baton`), the rest
+of SimWorld (engine, checks, Python, and the model running slower among four
+threads than alone), the isolation swaps of `simdist.spawn` (a bare engine
+barrier with and without `RankIsolation`) and the rest of the backend (c10d's
+Python layer, the backend's per-call path); and the least any front end on OS
+threads can take: handoffs + model + writes.
+
 A third table times the rank-batched engine's all_reduce (`simdist.gradpath.batched.BatchedOps`: the 4
 ranks are one ``[batch, 4, 1024]`` tensor, the group is a view, gloo's order applied as a per-element plan)
 against the plain rank-order fold ``((x0 + x1) + x2) + x3`` of the same four tensors (issue target <= 2x),
@@ -34,6 +43,8 @@ for one run and for a growth ensemble of 8 seeds. A fourth table times every reg
 (``make_model(name).reduce`` plus the writes) against the plain fold plus the writes (target for ``gloo``: <= 2x).
 
 Figures are medians of repeated timed loops; ratios are taken within the run.
+With ``--cpu-clock`` tables 2-4 are timed in this process's CPU time (`CLOCK`),
+which a busy shared machine disturbs far less than wall time.
 Every rank's input is zeros: an in-place all_reduce loop feeds each result back
 in, and any nonzero data grows 4x per iteration until it is inf/NaN, which sends
 the gloo model down its (slower) NaN path. Zeros stay finite; the adds cost the
@@ -44,6 +55,7 @@ and zeros in the same 21-22 us here), so every world does exactly the reduction.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -53,11 +65,19 @@ import torch.distributed as dist
 
 import simdist
 from simdist.reduce.gloo import Gloo
+from simdist.world.baton import Batons
+from simdist.world.engine import Call, Engine
+from simdist.world.isolation import RankIsolation
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=1, ep=1)
+
+CLOCK = [time.perf_counter]
+"""The clock of every timed loop: wall time, or with ``--cpu-clock`` (tables 2-4) this process's CPU time, which
+on a busy shared machine leaves out the time other processes take the CPUs (the rank threads run one at a time,
+so on a quiet machine both agree)."""
 SIZES = (1024, 262144)
 
 
@@ -77,14 +97,14 @@ def timed_loop(comm, numel: int, iters: int, repeats: int, barrier_only: bool = 
     laps = []
     for _ in range(repeats):
         comm.barrier()
-        start = time.perf_counter()
+        start = CLOCK[0]()
         for _ in range(iters):
             if barrier_only:
                 comm.barrier()
             else:
                 comm.all_reduce(x)
         comm.barrier()
-        laps.append((time.perf_counter() - start) / iters)
+        laps.append((CLOCK[0]() - start) / iters)
     return laps
 
 
@@ -95,7 +115,7 @@ def floor(numel: int, iters: int, repeats: int, plain: bool = False) -> list[flo
     xs = [_input(numel) for _ in range(SPEC.world_size)]
     laps = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         for _ in range(iters):
             if plain:
                 a, b, c, d = xs
@@ -104,7 +124,7 @@ def floor(numel: int, iters: int, repeats: int, plain: bool = False) -> list[flo
                 result = model.reduce(xs)
             for x in xs:
                 x.copy_(result)
-        laps.append((time.perf_counter() - start) / iters)
+        laps.append((CLOCK[0]() - start) / iters)
     return laps
 
 
@@ -114,14 +134,14 @@ def dist_loop(rank: int, numel: int, iters: int, repeats: int, barrier_only: boo
     laps = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start = CLOCK[0]()
         for _ in range(iters):
             if barrier_only:
                 dist.barrier()
             else:
                 dist.all_reduce(x)
         dist.barrier()
-        laps.append((time.perf_counter() - start) / iters)
+        laps.append((CLOCK[0]() - start) / iters)
     return laps
 
 
@@ -167,10 +187,10 @@ def local_tensor(numel: int, iters: int, repeats: int) -> list[float] | None:
             x = LocalTensor({r: _input(numel) for r in range(n)})
             laps = []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = CLOCK[0]()
                 for _ in range(iters):
                     dist.all_reduce(x)
-                laps.append((time.perf_counter() - start) / iters)
+                laps.append((CLOCK[0]() - start) / iters)
         return laps
     except Exception:
         return None
@@ -182,10 +202,10 @@ def _laps(step, iters: int, repeats: int) -> list[float]:
     """Seconds per call of ``step()``: ``repeats`` timed loops of ``iters`` calls."""
     laps = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         for _ in range(iters):
             step()
-        laps.append((time.perf_counter() - start) / iters)
+        laps.append((CLOCK[0]() - start) / iters)
     return laps
 
 
@@ -246,52 +266,160 @@ def batched_table(iters: int, repeats: int) -> None:
 
 
 def backend_table(iters: int, repeats: int) -> None:
-    """The 1024-element comparison of in-process ways to run torch.distributed code (second table)."""
+    """The 1024-element comparison of in-process ways to run torch.distributed code (second table), and where a
+    front end's microseconds go."""
     numel = 1024
     world = SimWorld(SPEC, reduction=Gloo())
-    floor_us = statistics.median(floor(numel, iters, repeats)) * 1e6
-    sim_laps, backend_laps = [], []
-    for _ in range(repeats):  # interleaved, so a burst of load on the machine hits both alike
-        sim_laps += world.run(timed_loop, numel, iters, 1)[0]
-        backend_laps += simdist.spawn(dist_loop, SPEC.world_size, numel, iters, 1)[0]
-    sim_us, backend_us = statistics.median(sim_laps) * 1e6, statistics.median(backend_laps) * 1e6
+    us = front_end_parts(world, iters, repeats)
+    fold_us, floor_us, sim_us, backend_us = us["fold"], us["floor"], us["sim"], us["backend"]
     threaded_us = statistics.median(threaded(numel, iters, repeats)) * 1e6
     local = local_tensor(numel, max(10, iters // 4), repeats)
     local_us = statistics.median(local) * 1e6 if local else float("nan")
-    fold_us = statistics.median(floor(numel, iters, repeats, plain=True)) * 1e6
     print(f"\n{numel} fp32 elements, 4 ranks in one process, dist.all_reduce unless noted (us per all_reduce)")
     print(
         f"{'fold':>6} {'floor':>6} {'SimWorld':>9} {'backend':>8} {'threaded':>9} {'LocalT':>8}   "
-        f"{'backend/Sim':>11} {'backend/floor':>13} {'backend/fold':>12} "
+        f"{'backend/Sim':>11} {'Sim/fold':>8} {'backend/fold':>12} "
         f"{'threaded/backend':>16} {'LocalT/backend':>14}"
     )
     local_text = f"{local_us:>8.1f}" if local else f"{'n/a':>8}"
     local_ratio = f"{local_us / backend_us:>13.2f}x" if local else f"{'n/a':>14}"
     print(
         f"{fold_us:>6.1f} {floor_us:>6.1f} {sim_us:>9.1f} {backend_us:>8.1f} {threaded_us:>9.1f} {local_text}   "
-        f"{backend_us / sim_us:>10.2f}x {backend_us / floor_us:>12.2f}x {backend_us / fold_us:>11.2f}x "
+        f"{backend_us / sim_us:>10.2f}x {sim_us / fold_us:>7.2f}x {backend_us / fold_us:>11.2f}x "
         f"{threaded_us / backend_us:>15.2f}x {local_ratio}"
     )
     print("targets: backend/Sim <= 1.2x, SimWorld and backend <= 3x fold, LocalT/backend > 1x")
-    front_end_rows(world, iters, repeats, fold_us, floor_us, sim_us, backend_us)
+    split_rows(us)
 
 
-def front_end_rows(
-    world: SimWorld, iters: int, repeats: int, fold_us: float, floor_us: float, sim_us: float, backend_us: float
-) -> None:
-    """What each front end adds to the model: its time minus the model alone (``floor``), beside its barrier
-    (the rank threads' handoffs and the front end's per-call path, no arithmetic)."""
-    sim_bar, backend_bar = [], []
+def baton_ring(iters: int, repeats: int) -> list[float]:
+    """Seconds per round of a bare ring of 4 threads handing one baton round (`simdist.world.baton`, the engine's
+    wake-ups, pinned to one CPU as the rank threads are): the 4 handoffs every collective needs, nothing else."""
+    n = SPEC.world_size
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    laps: list[float] = []
     for _ in range(repeats):
-        sim_bar += world.run(timed_loop, 1024, iters, 1, True)[0]
-        backend_bar += simdist.spawn(dist_loop, SPEC.world_size, 1024, iters, 1, True)[0]
-    sim_bar_us, backend_bar_us = statistics.median(sim_bar) * 1e6, statistics.median(backend_bar) * 1e6
-    print(f"{'':>6} {'model alone':>11} {'front end':>9} {'overhead':>8} {'barrier':>8}   {'overhead/fold':>13}")
-    for name, total, barrier in (("Sim", sim_us, sim_bar_us), ("backend", backend_us, backend_bar_us)):
-        print(
-            f"{name:>7} {floor_us:>11.1f} {total:>9.1f} {total - floor_us:>8.1f} {barrier:>8.1f}   "
-            f"{(total - floor_us) / fold_us:>12.2f}x"
-        )
+        batons = Batons(n)
+        threads = [threading.Thread(target=_ring_rank, args=(batons, r, n, cpu, iters, laps)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        batons.close()
+    return laps
+
+
+def _ring_rank(batons: Batons, r: int, n: int, cpu: int | None, iters: int, laps: list[float]) -> None:
+    """One thread of `baton_ring`: wake the next rank, sleep until woken, ``iters`` times (rank 0 times it)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    if r:
+        batons.wait(r)
+    start = CLOCK[0]()
+    for _ in range(iters):
+        batons.wake((r + 1) % n)
+        batons.wait(r)
+    if r == 0:
+        laps.append((CLOCK[0]() - start) / iters)
+    batons.wake((r + 1) % n)
+
+
+class _NoSwitch:
+    """An engine switch that swaps nothing: the serial schedule of `simdist.spawn` without its isolation."""
+
+    def suspend(self, rank: int) -> None:
+        pass
+
+    def resume(self, rank: int) -> None:
+        pass
+
+
+def engine_barriers(iters: int, isolate: bool) -> list[float]:
+    """Seconds per 4-rank barrier on the bare engine in `simdist.spawn`'s serial schedule, with its per-rank
+    isolation (`RankIsolation`: each rank's generator and settings swapped at every handoff) or without."""
+    n = SPEC.world_size
+    isolation = RankIsolation(n) if isolate else None
+    engine = Engine(n, switch=isolation or _NoSwitch())
+    members = tuple(range(n))
+
+    def body(rank: int) -> float:
+        call = Call(rank, ("barrier", "world"), "bench")
+        start = CLOCK[0]()
+        for _ in range(iters):
+            engine.collective(call, members, _nothing)
+        return (CLOCK[0]() - start) / iters
+
+    try:
+        return [engine.run(body)[0]]
+    finally:
+        if isolation is not None:
+            isolation.restore()
+
+
+def _nothing(calls: list) -> None:
+    """A barrier's completion."""
+
+
+def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, float]:
+    """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
+    the machine hits every part alike: the plain fold, the model + writes (``floor``), SimWorld's and the
+    backend's all_reduce and barrier, and alone: the model, the 4 writes, the 4 handoffs (a bare baton ring),
+    a bare engine barrier with and without the isolation swaps."""
+    numel, n = 1024, SPEC.world_size
+    xs = [_input(numel) for _ in range(n)]
+    model = Gloo()
+
+    def writes() -> None:
+        for x in xs:
+            x.copy_(xs[0])
+
+    steps = {
+        "fold": lambda: floor(numel, iters, 1, plain=True),
+        "floor": lambda: floor(numel, iters, 1),
+        "sim": lambda: world.run(timed_loop, numel, iters, 1)[0],
+        "backend": lambda: simdist.spawn(dist_loop, n, numel, iters, 1)[0],
+        "model": lambda: _laps(lambda: model.reduce(xs), iters, 1),
+        "writes": lambda: _laps(writes, iters, 1),
+        "ring": lambda: baton_ring(iters, 1),
+        "iso": lambda: engine_barriers(iters, True),
+        "bare": lambda: engine_barriers(iters, False),
+        "simbar": lambda: world.run(timed_loop, numel, iters, 1, True)[0],
+        "bbar": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, True)[0],
+    }
+    laps: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            laps[name] += step()
+    return {k: statistics.median(v) * 1e6 for k, v in laps.items()}
+
+
+def split_rows(us: dict[str, float]) -> None:
+    """Where a 4-rank all_reduce's microseconds go (`front_end_parts`): the model and the writes (no threads), the
+    4 handoffs (a bare baton ring), the rest of SimWorld (engine, checks, Python, and the model running slower
+    among four threads than alone), the isolation swaps (bare engine barrier with `RankIsolation` minus without)
+    and the rest of the backend (c10d's Python layer and the backend's per-call path). The handoffs, the model
+    and the writes together are the least a front end on OS threads can take."""
+    fold_us, sim_us, backend_us = us["fold"], us["sim"], us["backend"]
+    isolation = us["iso"] - us["bare"]
+    rows = [
+        ("model (Gloo.reduce)", us["model"]),
+        ("writes (4 copies)", us["writes"]),
+        ("4 handoffs (bare baton ring)", us["ring"]),
+        ("SimWorld rest: engine, checks, Python, caches", sim_us - us["model"] - us["writes"] - us["ring"]),
+        ("= SimWorld all_reduce", sim_us),
+        ("isolation swaps (4 per collective)", isolation),
+        ("backend rest: c10d Python, per-call path", backend_us - sim_us - isolation),
+        ("= backend all_reduce", backend_us),
+    ]
+    print("\nwhere a 4-rank all_reduce of 1024 fp32 goes (us, each part alone, interleaved in one run)")
+    for name, value in rows:
+        print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
+    print(
+        f"{'barriers: SimWorld':>46} {us['simbar']:>8.1f}   backend {us['bbar']:.1f}   bare engine "
+        f"{us['bare']:.1f} (isolated {us['iso']:.1f})"
+    )
+    least = (us["ring"] + us["model"] + us["writes"]) / fold_us
+    print(f"least on OS threads (handoffs + model + writes): {least:.2f}x fold (target for SimWorld, backend: <= 3x)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -299,9 +427,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier figures)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-gloo", action="store_true", help="only the in-process table (no gloo processes)")
+    parser.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time tables 2-4 in this process's CPU time instead of wall time (for a busy shared machine; the "
+        "first table, which has gloo processes, stays in wall time)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as on the rank threads and in the gloo processes: the floor is not run on 2 CPUs
     if args.no_gloo:
+        CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
         backend_table(_iterations(1024, args.quick), args.repeats)
         batched_table(_iterations(1024, args.quick), args.repeats)
         model_table(_iterations(1024, args.quick), args.repeats)
@@ -310,9 +445,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for numel in SIZES:
         iters = _iterations(numel, args.quick)
-        floor_us = statistics.median(floor(numel, iters, args.repeats)) * 1e6
-        barrier_us = statistics.median(world.run(timed_loop, numel, iters, args.repeats, True)[0]) * 1e6
-        sim_us = statistics.median(world.run(timed_loop, numel, iters, args.repeats)[0]) * 1e6
+        laps: dict[str, list[float]] = {"floor": [], "barrier": [], "sim": []}
+        for _ in range(args.repeats):  # interleaved, so a burst of load on the machine hits each column alike
+            laps["floor"] += floor(numel, iters, 1)
+            laps["barrier"] += world.run(timed_loop, numel, iters, 1, True)[0]
+            laps["sim"] += world.run(timed_loop, numel, iters, 1)[0]
+        floor_us, barrier_us, sim_us = (statistics.median(laps[k]) * 1e6 for k in ("floor", "barrier", "sim"))
         gloo_iters = max(10, iters // 10)
         gloo_laps = spawn_gloo(timed_loop, SPEC, numel, gloo_iters, args.repeats, timeout_s=600)[0]
         gloo_us = statistics.median(gloo_laps) * 1e6
@@ -327,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{numel:>9} {floor_us:>9.1f} {barrier_us:>10.1f} {sim_us:>11.1f} {gloo_us:>9.1f} "
             f"{sim_us / floor_us:>8.2f}x {gloo_us / sim_us:>8.1f}x"
         )
+    CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
     backend_table(_iterations(1024, args.quick), args.repeats)
     batched_table(_iterations(1024, args.quick), args.repeats)
     model_table(_iterations(1024, args.quick), args.repeats)

@@ -65,11 +65,16 @@ class Transport(Protocol):
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work: ...
 
 
+_WORK_INIT = dist.Work.__init__
+
+
 class DoneWork(dist.Work):
     """A finished collective's ``Work``: ``wait()`` returns at once; the future holds the outputs."""
 
+    __slots__ = ("_result",)  # one is made per collective: no instance dict
+
     def __init__(self, result: list[torch.Tensor] | None = None) -> None:
-        super().__init__()
+        _WORK_INIT(self)
         self._result = result or []
 
     def wait(self, timeout=None) -> bool:
@@ -103,7 +108,8 @@ def _untracked(tree):
         return tree.data
     if not tree:  # most collectives have no separate outputs
         return tree
-    return type(tree)(_untracked(item) for item in tree)
+    # one list comprehension, tensors inline: this runs on every collective
+    return type(tree)([item.data if isinstance(item, torch.Tensor) else _untracked(item) for item in tree])
 
 
 class SimProcessGroup(dist.ProcessGroup):
@@ -167,7 +173,9 @@ class SimProcessGroup(dist.ProcessGroup):
     def _run(self, prepared: cc.Prepared, result: list[torch.Tensor]) -> DoneWork:
         """The one funnel of every collective: the engine's observers are told, then the transport runs it."""
         call, complete = prepared
-        call.inputs, call.outputs = _untracked(call.inputs), _untracked(call.outputs)
+        call.inputs = _untracked(call.inputs)
+        if call.outputs:
+            call.outputs = _untracked(call.outputs)
         if Engine.observers:
             observed(call, complete, "dist", self._observed_group, lambda c: self.transport.collective(self, call, c))
         else:

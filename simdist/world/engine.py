@@ -35,7 +35,9 @@ funnel, in thread and process mode alike). The audit and blame subscribe to it
 
 Scheduling: completed ranks are woken one at a time, each when the running rank
 blocks or returns, so only one rank thread is runnable at a time (a handoff is
-one wake-up, no contention for the interpreter lock). With a ``switch`` (see
+one wake-up, posted after the engine's lock is released, on the rank's own
+semaphore of `simdist.world.baton`; the last member to arrive completes the
+collective and runs on without sleeping). With a ``switch`` (see
 `Engine.__init__`) the ranks also start one after another, so exactly one rank
 runs from start to end, and ``switch.suspend(rank)``/``switch.resume(rank)``
 run at every handoff (`simdist.world.isolation` swaps per-rank copies of
@@ -56,6 +58,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from simdist.world.baton import Batons
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
 
 _WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -255,9 +258,7 @@ class Engine:
         self.label = label
         self.switch = switch  # suspend(rank)/resume(rank) at every handoff; ranks start one at a time
         self.lock = threading.Lock()
-        self.wake = [threading.Lock() for _ in range(world_size)]
-        for w in self.wake:
-            w.acquire()
+        self.batons = Batons(world_size)  # each rank sleeps on its own semaphore: one wake-up per handoff
         self.sequence: dict[tuple[int, Hashable], int] = {}
         self.pending: dict[tuple[Hashable, int], _Pending] = {}
         self.waiting: dict[int, _Pending | _Recv | _Send] = {}
@@ -277,10 +278,18 @@ class Engine:
             self.pass_baton()
         for rank in list(self.waiting):
             del self.waiting[rank]
-            self.wake[rank].release()
+            self.batons.wake(rank)
 
     def check_progress(self) -> None:
         """Fail if a pending collective or receive waits on a finished rank, or every live rank waits."""
+        if self.finished:  # (while no rank has returned only the last check can fail: O(1) on every block)
+            self._check_finished()
+        if self.error is None and self.waiting and len(self.waiting) + len(self.finished) == self.world_size:
+            lines = [self.waiting[r].waiting_line(r) for r in sorted(self.waiting)]
+            self.fail(CollectiveDeadlockError("no collective can complete:\n  " + "\n  ".join(lines)))
+
+    def _check_finished(self) -> None:
+        """Fail if a pending collective or a send or receive waits on a finished rank."""
         for pending in self.pending.values():
             gone = [r for r in pending.members if r in self.finished and r not in pending.calls]
             if gone:
@@ -299,9 +308,6 @@ class Engine:
                     CollectiveDeadlockError(f"rank {wait.src} returned without sending:\n  {wait.waiting_line(rank)}")
                 )
                 return
-        if self.waiting and len(self.waiting) + len(self.finished) == self.world_size:
-            lines = [self.waiting[r].waiting_line(r) for r in sorted(self.waiting)]
-            self.fail(CollectiveDeadlockError("no collective can complete:\n  " + "\n  ".join(lines)))
 
     def block(self, rank: int, wait: _Pending | _Recv | _Send) -> None:
         """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
@@ -309,18 +315,21 @@ class Engine:
         self.check_progress()
         if self.switch is not None and self.error is None:
             self.switch.suspend(rank)
-        self.pass_baton()
+        following = self.ready.popleft() if self.ready else None
         self.lock.release()
-        self.wake[rank].acquire()
+        if following is not None:  # woken after the lock is free: it never wakes only to wait for the lock
+            self.batons.wake(following)
+        self.batons.wait(rank)
         if self.error is not None:
             raise Aborted
         if self.switch is not None:
             self.switch.resume(rank)
 
     def pass_baton(self) -> None:
-        """Wake one rank whose wait completed (call with the lock held, just before blocking or returning)."""
+        """Wake one rank whose wait completed (lock held; `fail` wakes every ready rank with it, while `block` and
+        `rank_finished` pop the next rank under the lock and wake it after releasing the lock)."""
         if self.ready:
-            self.wake[self.ready.popleft()].release()
+            self.batons.wake(self.ready.popleft())
 
     def release(self, rank: int) -> None:
         """Mark a parked ``rank`` runnable (lock held)."""
@@ -467,7 +476,7 @@ class Engine:
         with self.lock:
             if self.switch is not None and self.error is None:
                 self.switch.suspend(rank)
-            self.pass_baton()
+            following = self.ready.popleft() if self.ready else None
             self.finished.add(rank)
             if error is not None:
                 add_rank_note(error, rank, self.label)
@@ -477,6 +486,8 @@ class Engine:
             self.running -= 1
             if self.running == 0:
                 self.done.set()
+        if following is not None:
+            self.batons.wake(following)
 
     def run(
         self,
@@ -506,7 +517,7 @@ class Engine:
             error: BaseException | None = None
             if serial:
                 if rank:
-                    self.wake[rank].acquire()
+                    self.batons.wait(rank)
                 if self.error is not None:
                     self.rank_finished(rank, None)
                     return
@@ -536,6 +547,8 @@ class Engine:
             self.done.wait(1.0)
         for t in threads:
             t.join(timeout=1.0)
+        if not any(t.is_alive() for t in threads):
+            self.batons.close()  # a rank thread still running keeps them (closed when the engine is collected)
         if intra_op_threads is not None:
             torch.set_num_threads(caller_threads)  # torch's setting is process-wide: give the caller its own back
         if self.error is not None:

@@ -9,6 +9,15 @@ time (the engine starts them one after another and wakes a rank only when the
 running one blocks in a collective or a receive, or returns), so the global
 state always holds the running rank's values.
 
+A swap is the cost of that guarantee, paid at every handoff (four per 4-rank
+collective): the rank giving the baton away saves the generator's state and
+reads every setting (one C-level loop into a tuple); the rank taking it
+installs its generator state and sets only the settings that differ from what
+the process holds (one tuple comparison when none do). torch offers no cheap
+"unchanged" check for the generator, so its state is copied at every handoff
+(about 4 us a handoff on a bare engine, about 10 us between a real program's
+calls, on the 2-vCPU machine; bench/collectives.py prints it).
+
 What a rank starts with is what a fresh process has (found by experiment with
 torch 2.13 on CPU, each value checked against a new interpreter by
 tests/integration/test_isolation.py): a default CPU generator seeded from OS entropy (a
@@ -44,6 +53,7 @@ program starts itself (they run beside the rank that holds the baton).
 
 from __future__ import annotations
 
+import operator
 import random
 import sys
 from collections.abc import Callable
@@ -67,11 +77,12 @@ def _set_deterministic(value: tuple[bool, bool]) -> None:
 _SDP = torch.backends.cuda
 
 # name -> (get, set, value in a fresh process); every entry is process-global (tests/integration/test_isolation.py
-# checks both)
+# checks both). The getters are torch's C functions where torch's Python getter only wraps one: they run at every
+# handoff.
 SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
     "default_dtype": (torch.get_default_dtype, torch.set_default_dtype, torch.float32),
     "deterministic_algorithms": (_deterministic, _set_deterministic, (False, False)),
-    "float32_matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"),
+    "float32_matmul_precision": (torch._C._get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"),
     "fill_uninitialized_memory": (
         torch._C._get_deterministic_fill_uninitialized_memory,
         torch._C._set_deterministic_fill_uninitialized_memory,
@@ -79,10 +90,10 @@ SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
     ),
     "anomaly_detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled, False),
     "mkldnn_enabled": (torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled, True),
-    "flash_sdp": (_SDP.flash_sdp_enabled, _SDP.enable_flash_sdp, True),
-    "mem_efficient_sdp": (_SDP.mem_efficient_sdp_enabled, _SDP.enable_mem_efficient_sdp, True),
-    "math_sdp": (_SDP.math_sdp_enabled, _SDP.enable_math_sdp, True),
-    "cudnn_sdp": (_SDP.cudnn_sdp_enabled, _SDP.enable_cudnn_sdp, True),
+    "flash_sdp": (torch._C._get_flash_sdp_enabled, _SDP.enable_flash_sdp, True),
+    "mem_efficient_sdp": (torch._C._get_mem_efficient_sdp_enabled, _SDP.enable_mem_efficient_sdp, True),
+    "math_sdp": (torch._C._get_math_sdp_enabled, _SDP.enable_math_sdp, True),
+    "cudnn_sdp": (torch._C._get_cudnn_sdp_enabled, _SDP.enable_cudnn_sdp, True),
     "math_sdp_allow_fp16_bf16_reduction": (
         torch._C._get_math_sdp_allow_fp16_bf16_reduction,
         torch._C._set_math_sdp_allow_fp16_bf16_reduction,
@@ -101,8 +112,13 @@ SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
     "cudnn_benchmark": (torch._C._get_cudnn_benchmark, torch._C._set_cudnn_benchmark, False),
 }
 
-_GETTERS = [get for get, _, _ in SETTINGS.values()]
-_SETTERS = [set_ for _, set_, _ in SETTINGS.values()]
+_GETTERS = tuple(get for get, _, _ in SETTINGS.values())
+_SETTERS = tuple(set_ for _, set_, _ in SETTINGS.values())
+
+
+def read_settings() -> tuple:
+    """Every setting's current value, in `SETTINGS` order (one C-level loop: this runs at every handoff)."""
+    return tuple(map(operator.call, _GETTERS))
 
 
 def fresh_generator_state() -> torch.Tensor:
@@ -130,6 +146,10 @@ def _dynamo_frames() -> int:
     return 0 if dynamo is None else int(dynamo.counters["frames"]["total"])
 
 
+_get_state = torch.default_generator.get_state
+_set_state = torch.default_generator.set_state
+
+
 class RankIsolation:
     """Per-rank copies of torch's process-global generator and settings, swapped at baton handoffs.
 
@@ -141,29 +161,31 @@ class RankIsolation:
 
     def __init__(self, world_size: int) -> None:
         self.generators = [fresh_generator_state() for _ in range(world_size)]
-        fresh = [value for _, _, value in SETTINGS.values()]
-        self.settings = [list(fresh) for _ in range(world_size)]
+        fresh = tuple(value for _, _, value in SETTINGS.values())
+        self.settings = [fresh] * world_size  # tuples: replaced at every suspend, never changed in place
         self.caller_generator = torch.default_generator.get_state()
-        self.caller_settings = [get() for get in _GETTERS]
+        self.caller_settings = read_settings()
         self.caller_random = random.getstate()
         self.caller_numpy = _numpy_state()
         self.caller_frames = _dynamo_frames()
         self.current = self.caller_settings[:]  # what the process holds now
 
     def resume(self, rank: int) -> None:
-        torch.default_generator.set_state(self.generators[rank])
-        self._apply(self.settings[rank])
+        _set_state(self.generators[rank])
+        values = self.settings[rank]
+        if values != self.current:  # one tuple comparison; the setters run only for what differs
+            self._apply(values)
 
     def suspend(self, rank: int) -> None:
-        self.generators[rank] = torch.default_generator.get_state()
-        self.settings[rank] = self.current = [get() for get in _GETTERS]
+        self.generators[rank] = _get_state()
+        self.settings[rank] = self.current = read_settings()
 
-    def _apply(self, values: list) -> None:
+    def _apply(self, values: tuple) -> None:
         current = self.current
         for i, value in enumerate(values):
             if current[i] != value:
                 _SETTERS[i](value)
-        self.current = values[:]
+        self.current = values
 
     def finish(self) -> None:
         """Give the caller its own state back; refuse (raise) if a rank used state that is one per process."""
@@ -177,7 +199,7 @@ class RankIsolation:
     def restore(self) -> list[str]:
         """Give the caller its own state back (also after a failed run); return what ranks used that is shared."""
         torch.default_generator.set_state(self.caller_generator)
-        self.current = [get() for get in _GETTERS]
+        self.current = read_settings()
         self._apply(self.caller_settings)
         used = []
         if random.getstate() != self.caller_random:
