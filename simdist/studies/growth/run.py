@@ -42,7 +42,8 @@ class GrowthConfig:
     Metrics (synthetic model) are recorded at every step up to ``metrics_dense``, then at every
     ``metrics_every``-th step and the last (`simdist.studies.growth.metrics.metric_steps`): on the log step axis
     of the plot that is at least 900 points per decade, and the metrics cost a tenth as much over the last 90%
-    of a 10,000-step run. The training itself runs every step either way.
+    of a 10,000-step run. The training itself runs every step either way. On the command line:
+    ``simdist growth --metrics-dense N --metrics-every K``.
     """
 
     policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging", "bf16_only")
@@ -75,6 +76,8 @@ class GrowthConfig:
     def validate(self) -> None:
         if min(self.steps, self.seeds, self.gas, self.checkpoint_every, self.metrics_every) < 1:
             raise ValueError("steps, seeds, gas, checkpoint_every and metrics_every must be >= 1")
+        if self.metrics_dense < 0:
+            raise ValueError(f"metrics_dense must be >= 0, got {self.metrics_dense}")
         for name in self.policies:
             get_policy(name)
         if self.model == GradientModel.MOE:
