@@ -179,12 +179,9 @@ class Oracle:
         ``capture`` sees every stage's ``[*batch, rank, *shape]`` value (`Captured`)."""
         seen = capture or (lambda *args: None)
         tp = self.spec.tp
-        if not self.master:
-            hp: dict[str, torch.Tensor] = {}
-            hp_flat = None
-        else:  # one flat ``dtype`` buffer in the masters' layout; each parameter's buffer is a view of it
-            hp_flat = torch.zeros(self.master[0].shape, dtype=self.dtype)
-            hp = {p.name: self.part(hp_flat, p) for p in self.trained}
+        # one flat ``dtype`` buffer in the masters' layout; each parameter's buffer is a view of it (`_Parts`)
+        hp_flat = torch.zeros(self.master[0].shape, dtype=self.dtype) if self.master else None
+        hp = _Parts(self, hp_flat)
         fused = self._fused if capture is None and hp_flat is not None else None
         for micro in range(gas):
             grads = local_grads(micro, _PerRank(self.lp, self.params))
@@ -357,6 +354,20 @@ class _FusedPairs:
             return None
         reduced = self._pair_sums(oracle.dp_model, self.dp_kind, hp)
         return None if reduced is None else reduced * (1.0 / self.spec.dp)
+
+
+class _Parts(dict):
+    """``{name: view}`` of each trained parameter's part of a flat buffer, each view made when first asked for
+    (the fused step never asks)."""
+
+    def __init__(self, oracle: Oracle, flat: torch.Tensor | None) -> None:
+        super().__init__()
+        self.oracle, self.flat = oracle, flat
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        assert self.flat is not None, "a parameter's buffer was asked for, but nothing is trained"
+        view = self[name] = self.oracle.part(self.flat, next(p for p in self.oracle.trained if p.name == name))
+        return view
 
 
 def stacked(per_rank: Sequence[torch.Tensor], p: ParamSpec) -> torch.Tensor:
