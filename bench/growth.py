@@ -33,13 +33,76 @@ def timed(config: GrowthConfig, out: str, progress: bool, cpu: list[float] | Non
     return time.perf_counter() - start
 
 
+def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
+    """Where a run's time goes: ``{part: (seconds, calls)}`` of one ``steps`` x ``seeds`` run, timed by wrapping
+    the parts in place (a few microseconds per call of overhead). Parts: the three policies' engine steps, and
+    within them the reduction model's ``sum_many`` (the two-member group sums); the oracle's steps (without the
+    gradient draw) and its reductions; the draw; the metrics; the rest of ``run_growth`` (checkpoints, CSV)."""
+    from simdist.gradpath.batched import BatchedPath
+    from simdist.reduce import make_model
+    from simdist.studies.growth import run, stream
+
+    spent: dict[str, list[float]] = {}
+
+    def timed_call(name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry = spent.setdefault(name, [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+        return wrapper
+
+    model = type(make_model(GrowthConfig().reduction))
+    patches = [
+        (BatchedPath, "run_step", "engine"),
+        (model, "sum_many", "engine: sum_many"),
+        (run._OracleRun, "run_step", "oracle"),
+        (model, "reduce", "oracle: reduce"),
+        (stream.BatchedGradients, "draw", "draw"),
+        (run, "divergence_each", "metrics"),
+        (run, "Reference", "metrics: reference"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, name in patches:
+        setattr(owner, attr, timed_call(name, getattr(owner, attr)))
+    scratch = tempfile.mkdtemp()
+    try:
+        total = timed(GrowthConfig(POLICIES, steps, seeds, checkpoint_every=500), scratch, False)
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+        shutil.rmtree(scratch, ignore_errors=True)
+    out = {name: (seconds, calls) for name, (seconds, calls) in spent.items()}
+    out["oracle"] = (out["oracle"][0] - out["draw"][0], out["oracle"][1])  # the oracle asks for each draw first
+    out["metrics"] = (out["metrics"][0] + out.pop("metrics: reference")[0], out["metrics"][1])
+    covered = sum(out[k][0] for k in ("engine", "oracle", "draw", "metrics"))
+    out["rest"] = (total - covered, 1)
+    out["total"] = (total, 1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--ratio-steps", type=int, default=1000, help="steps of the 1-vs-N seed comparison")
     parser.add_argument("--out", default="runs/bench-growth")
+    parser.add_argument("--split-steps", type=int, default=2000, help="steps of the timed split (0: none)")
     args = parser.parse_args()
+
+    if args.split_steps:
+        parts = split(args.split_steps, args.seeds)
+        total, steps = parts["total"][0], args.split_steps
+        print(f"split of a {steps}-step x {args.seeds}-seed run ({total:.1f} s; the 10k run's metrics are sparser):")
+        for name, (seconds, calls) in parts.items():
+            if name == "total":
+                continue
+            per = f", {calls / steps:.0f} calls/step, {1e6 * seconds / calls:.0f} us each" if calls > 1 else ""
+            print(f"  {name:18s} {seconds:6.2f} s {100 * seconds / total:5.1f} %{per}")
 
     scratch = tempfile.mkdtemp()
     try:
