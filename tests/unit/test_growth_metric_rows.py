@@ -1,5 +1,6 @@
-"""The growth run's metrics on a worker thread (`run._MetricRows`): the files are those of computing each row in
-the loop, a checkpoint holds every row up to its step even when the worker lags, and a worker's error surfaces."""
+"""The growth run's oracle steps and metrics on a worker thread (`run._Beside`): the files are those of running
+every job in the loop, a checkpoint holds the oracle and every row up to its step even when the worker lags, and a
+worker's error surfaces."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def _slow_metrics(monkeypatch) -> None:
     monkeypatch.setattr(growth_run, "divergence_each", slow)
 
 
-def test_rows_on_the_worker_are_the_rows_computed_in_the_loop(tmp_path, monkeypatch):
+def test_jobs_on_the_worker_give_the_files_of_jobs_run_in_the_loop(tmp_path, monkeypatch):
     run_growth(CONFIG, tmp_path / "worker", progress=False, plot=False)
-    monkeypatch.setattr(growth_run._MetricRows, "submit", lambda self, row, pairs: self._row(row, pairs))
+    monkeypatch.setattr(growth_run._Beside, "submit", lambda self, fn, *args: fn(*args))
     run_growth(CONFIG, tmp_path / "loop", progress=False, plot=False)
     assert _files(tmp_path / "worker") == _files(tmp_path / "loop")
 

@@ -175,7 +175,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
             buffers[policy.grad_dtype] = initial_buffer(spec, params, initial, policy.grad_dtype)
         return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, reduction=model)
 
-    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, model)
+    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, make_model(config.reduction))
     paths = [batched(p, config.marker) for p in policies]
     runs: list[_OracleRun | BatchedPath] = [oracle_run, *paths]
     recorded = metric_steps(config)  # the 1-based steps whose metrics are recorded, one row each
@@ -209,32 +209,41 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
         bar = tqdm(total=config.steps, initial=start, desc="growth", unit="step")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: threading costs more than it saves
-    rows = _MetricRows(metrics)
+    beside = _Beside()  # the oracle's steps and the metrics, on one worker thread, in the order submitted
+
+    def record(row: int, states: list[torch.Tensor]) -> None:
+        """Row ``row``: per tensor kind, every policy's state [P, S, R, N] (copies) against the oracle's [S, R, N]
+        (the worker's own, after this step: the next step is queued behind this job)."""
+        oracle = oracle_run.oracle
+        per_kind = [
+            divergence_each(state, Reference(oracle.flat(kind))) for state, kind in zip(states, KINDS, strict=True)
+        ]
+        metrics[row] = torch.cat(per_kind, dim=-1).numpy()
+
     try:
         for step in range(start, config.steps):
-            for run in runs:
-                run.run_step(stream.draw)
-            oracle = oracle_run.oracle
+            drawn = [stream.draw(step, micro) for micro in range(config.gas)]  # read-only, shared by every run
+
+            def grads(_step: int, micro: int, drawn=drawn) -> dict[str, torch.Tensor]:
+                return drawn[micro]
+
+            beside.submit(oracle_run.run_step, grads)
+            for path in paths:
+                path.run_step(grads)
             row = row_of.get(step + 1)
-            if row is not None:  # per tensor kind, every policy [P, S, R, N] against the oracle's [S, R, N]: copies
-                rows.submit(
-                    row,
-                    [
-                        (torch.stack([getattr(path.path, kind) for path in paths]), oracle.flat(kind).clone())
-                        for kind in ("master", "m", "v")
-                    ],
-                )
+            if row is not None:
+                beside.submit(record, row, [torch.stack([getattr(path.path, k) for path in paths]) for k in KINDS])
             if bar is not None:
                 bar.update(1)
             done = step + 1
             if done % config.checkpoint_every == 0 or done == config.steps:
-                rows.wait()  # the checkpoint holds every recorded row up to ``done``
+                beside.wait()  # the oracle at ``done``, every recorded row up to it
                 save_checkpoint(done)
             if stop_after is not None and done - start >= stop_after and done < config.steps:
                 raise _Interrupted(f"stopped after step {done}")
-        rows.wait()
+        beside.wait()
     finally:
-        rows.close()
+        beside.close()
         torch.set_num_threads(threads)
         if bar is not None:
             bar.close()
@@ -242,32 +251,32 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
     return metrics
 
 
-class _MetricRows:
-    """The metrics of recorded steps, computed on one worker thread beside the training loop.
+KINDS = ("master", "m", "v")
+"""The state tensors whose divergence from the oracle the metrics record (`COLUMNS`' master, adam_m, adam_v)."""
 
-    The loop hands over copies of the states (`submit`); the worker computes each row (`divergence_each` per tensor
-    kind, as the loop would) and writes it into ``metrics``. torch ops release the GIL, so on a machine with a second
-    core the metrics overlap the next steps' training. The bits are those of computing them in the loop: the same ops
-    on the same values, with the one intra-op thread the loop sets (``torch.set_num_threads`` is process-wide; tested
-    byte-identical files). At most `AHEAD` rows wait; `wait` returns when every submitted row is written (before a
-    checkpoint and at the end) and re-raises a worker's error.
+
+class _Beside:
+    """One worker thread beside the training loop: the oracle's steps and the metrics' rows, run in the order they
+    are submitted.
+
+    The loop runs the three policies' steps; the worker runs the oracle's step of the same step (it shares only the
+    read-only gradient draw) and, after it, the metrics of a recorded step from copies of the policies' states and
+    the oracle's own. torch ops release the GIL, so on a machine with a second core the two overlap. The bits are
+    those of one thread: the same ops on the same values, with the one intra-op thread the loop sets
+    (``torch.set_num_threads`` is process-wide); tested byte-identical files. At most `AHEAD` jobs wait; `wait`
+    returns when every submitted job is done (before a checkpoint and at the end) and re-raises a job's error.
     """
 
     AHEAD = 16
 
-    def __init__(self, metrics: np.ndarray) -> None:
+    def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.metrics = metrics
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="growth-metrics")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="growth-beside")
         self.pending: list = []
 
-    def _row(self, row: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        per_kind = [divergence_each(state, Reference(expected)) for state, expected in pairs]
-        self.metrics[row] = torch.cat(per_kind, dim=-1).numpy()
-
-    def submit(self, row: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.pending.append(self.pool.submit(self._row, row, pairs))
+    def submit(self, fn, *args) -> None:
+        self.pending.append(self.pool.submit(fn, *args))
         if len(self.pending) > self.AHEAD:
             self.pending.pop(0).result()
 
@@ -276,7 +285,7 @@ class _MetricRows:
             self.pending.pop(0).result()
 
     def close(self) -> None:
-        """Stop the worker (rows not yet started are dropped: only after an error or an interruption)."""
+        """Stop the worker (jobs not yet started are dropped: only after an error or an interruption)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pending.clear()
 
