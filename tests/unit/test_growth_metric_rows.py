@@ -1,6 +1,6 @@
-"""The growth run's oracle steps and metrics on a worker thread (`run._Beside`): the files are those of running
-every job in the loop, a checkpoint holds the oracle and every row up to its step even when the worker lags, and a
-worker's error surfaces."""
+"""The growth run's oracle steps and metrics on a worker thread (``overlap=True``, `run._Beside`): the files are
+those of running every job in the loop (the default), a checkpoint holds the oracle and every row up to its step
+even when the worker lags, and a worker's error surfaces."""
 
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ def _slow_metrics(monkeypatch) -> None:
     monkeypatch.setattr(growth_run, "divergence_each", slow)
 
 
-def test_jobs_on_the_worker_give_the_files_of_jobs_run_in_the_loop(tmp_path, monkeypatch):
-    run_growth(CONFIG, tmp_path / "worker", progress=False, plot=False)
-    monkeypatch.setattr(growth_run._Beside, "submit", lambda self, fn, *args: fn(*args))
+def test_jobs_on_the_worker_give_the_files_of_jobs_run_in_the_loop(tmp_path):
+    run_growth(CONFIG, tmp_path / "worker", progress=False, plot=False, overlap=True)
     run_growth(CONFIG, tmp_path / "loop", progress=False, plot=False)
     assert _files(tmp_path / "worker") == _files(tmp_path / "loop")
 
@@ -41,7 +40,7 @@ def test_a_checkpoint_holds_every_row_even_when_the_worker_lags(tmp_path, monkey
     run_growth(CONFIG, tmp_path / "straight", progress=False, plot=False)
     _slow_metrics(monkeypatch)
     with pytest.raises(_Interrupted):
-        run_growth(CONFIG, tmp_path / "killed", progress=False, plot=False, stop_after=10)  # checkpoint at step 8
+        run_growth(CONFIG, tmp_path / "killed", progress=False, plot=False, stop_after=10, overlap=True)  # ckpt: step 8
     monkeypatch.undo()
     run_growth(CONFIG, tmp_path / "killed", progress=False, plot=False)  # resumes from step 8's rows
     assert _files(tmp_path / "killed") == _files(tmp_path / "straight")
@@ -53,5 +52,5 @@ def test_an_error_on_the_worker_stops_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(growth_run, "divergence_each", broken)
     with pytest.raises(RuntimeError, match="metrics broke"):
-        run_growth(CONFIG, tmp_path, progress=False, plot=False)
+        run_growth(CONFIG, tmp_path, progress=False, plot=False, overlap=True)
     assert not (tmp_path / FILES["summary"]).exists()

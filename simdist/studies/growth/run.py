@@ -111,6 +111,7 @@ def run_growth(
     progress: bool = True,
     plot: bool = True,
     stop_after: int | None = None,
+    overlap: bool = False,
 ) -> dict:
     """Run (or resume, or reuse) a growth study in ``out``; returns the summary.
 
@@ -122,6 +123,9 @@ def run_growth(
     ``stop_after`` (tests) raises after that many steps of this call, as a kill would
     (``model="moe"``: after that many finished (policy, seed) runs; its
     checkpoint is written after each such run and holds only their rows).
+    ``overlap`` (synthetic model) runs the oracle's steps and the metrics on a worker thread beside the policies'
+    steps (`_Beside`): the same files; faster only where a second core is free (on a loaded 2-core machine it was
+    not, and it costs CPU time in GIL handoffs).
     """
     config.validate()
     out = Path(out)
@@ -145,7 +149,7 @@ def run_growth(
     if config.model == GradientModel.MOE:
         metrics = _run_moe(config, ckpt, key, progress, stop_after)
     else:
-        metrics = _run_synthetic(config, ckpt, key, progress, stop_after)
+        metrics = _run_synthetic(config, ckpt, key, progress, stop_after, overlap)
     write_metrics(out / FILES["metrics"], config, metrics)
     summary = summarise(config, metrics)
     if plot:
@@ -154,7 +158,9 @@ def run_growth(
     return summary
 
 
-def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
+def _run_synthetic(
+    config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None, overlap: bool = False
+) -> np.ndarray:
     """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[row, policy, seed]``, one
     row per step of `metric_steps`."""
     from safetensors.torch import load_file, save_file
@@ -209,7 +215,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
         bar = tqdm(total=config.steps, initial=start, desc="growth", unit="step")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: threading costs more than it saves
-    beside = _Beside()  # the oracle's steps and the metrics, on one worker thread, in the order submitted
+    beside = _Beside(overlap)  # the oracle's steps and the metrics, in the order submitted (a worker if overlap)
 
     def record(row: int, states: list[torch.Tensor]) -> None:
         """Row ``row``: per tensor kind, every policy's state [P, S, R, N] (copies) against the oracle's [S, R, N]
@@ -256,8 +262,8 @@ KINDS = ("master", "m", "v")
 
 
 class _Beside:
-    """One worker thread beside the training loop: the oracle's steps and the metrics' rows, run in the order they
-    are submitted.
+    """The oracle's steps and the metrics' rows, run in the order they are submitted: at once (the default), or with
+    ``threaded`` on one worker thread beside the training loop.
 
     The loop runs the three policies' steps; the worker runs the oracle's step of the same step (it shares only the
     read-only gradient draw) and, after it, the metrics of a recorded step from copies of the policies' states and
@@ -269,13 +275,16 @@ class _Beside:
 
     AHEAD = 16
 
-    def __init__(self) -> None:
+    def __init__(self, threaded: bool) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="growth-beside")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="growth-beside") if threaded else None
         self.pending: list = []
 
     def submit(self, fn, *args) -> None:
+        if self.pool is None:
+            fn(*args)
+            return
         self.pending.append(self.pool.submit(fn, *args))
         if len(self.pending) > self.AHEAD:
             self.pending.pop(0).result()
@@ -286,7 +295,8 @@ class _Beside:
 
     def close(self) -> None:
         """Stop the worker (jobs not yet started are dropped: only after an error or an interruption)."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
         self.pending.clear()
 
 
