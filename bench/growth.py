@@ -42,8 +42,8 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
     """Where a run's time goes: ``{part: (seconds, calls)}`` of one ``steps`` x ``seeds`` run, timed by wrapping
     the parts in place (a few microseconds per call of overhead): the gradient draw, the three policies' engine
     steps and within them the reduction model's ``sum_many`` (the two-member group sums), the oracle's steps and its
-    reductions, the metrics, and the rest of the loop (checkpoints, CSV; with ``--overlap`` the oracle and the
-    metrics run on a worker thread and the rest is mostly waiting for it)."""
+    reductions, the metrics, and the rest (checkpoints, CSV, plot; with ``--overlap`` the oracle and the metrics
+    run on a worker thread and the rest is mostly waiting for it)."""
     from simdist.gradpath.batched import BatchedPath
     from simdist.reduce import make_model
     from simdist.studies.growth import run, stream
@@ -84,9 +84,9 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
         shutil.rmtree(scratch, ignore_errors=True)
     out = {name: (seconds, calls) for name, (seconds, calls) in spent.items()}
     out["metrics"] = (out["metrics"][0] + out.pop("metrics: reference")[0], out["metrics"][1])
-    # with --overlap the loop's thread runs only the draw and the engine: the rest is waiting, checkpoints, files
+    # checkpoints, CSV, plot (with --overlap the loop's thread runs only the draw and the engine: the rest is waiting)
     parts = ("engine", "draw") if OVERLAP["on"] else ("engine", "draw", "oracle", "metrics")
-    out["rest of the loop"] = (total - sum(out[k][0] for k in parts), 1)
+    out["rest"] = (total - sum(out[k][0] for k in parts), 1)
     out["total"] = (total, 1)
     return out
 
