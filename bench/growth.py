@@ -6,7 +6,8 @@ Prints steps per second and total time of the 8-seed run (target <= 45 s on a qu
 process's CPU time too, which a loaded machine inflates less than the wall time), the cost of one
 seed over a short run for the batching ratio (8 seeds / 1 seed, target <= 3x), and the cost of world 8
 (TP2 with DP4, and TP4 with DP2) over world 4 on the same short run (target <= 2.5x). The full run writes
-the CSV, PNG and summary of ``simdist growth``. Metrics are recorded every step up to step 1000, then every 10th
+the CSV, PNG and summary of ``simdist growth``. First it prints where the time of a 2000-step run goes
+(``--split-steps``; `split`). Metrics are recorded every step up to step 1000, then every 10th
 step (`GrowthConfig.metrics_dense`, ``metrics_every``; the CSV's first line says so); the training runs every step.
 """
 
@@ -24,13 +25,70 @@ from simdist.world.spec import ParallelSpec
 POLICIES = ("bf16_writeback", "fp32_staging", "bf16_only")
 
 
+OVERLAP = {"on": False}
+"""``--overlap``: run the oracle and the metrics on a worker thread (`run_growth`'s ``overlap``)."""
+
+
 def timed(config: GrowthConfig, out: str, progress: bool, cpu: list[float] | None = None) -> float:
     """Wall seconds of one run (its CPU seconds appended to ``cpu`` if given)."""
     start, start_cpu = time.perf_counter(), time.process_time()
-    run_growth(config, out, force=True, progress=progress)
+    run_growth(config, out, force=True, progress=progress, overlap=OVERLAP["on"])
     if cpu is not None:
         cpu.append(time.process_time() - start_cpu)
     return time.perf_counter() - start
+
+
+def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
+    """Where a run's time goes: ``{part: (seconds, calls)}`` of one ``steps`` x ``seeds`` run, timed by wrapping
+    the parts in place (a few microseconds per call of overhead): the gradient draw, the three policies' engine
+    steps and within them the reduction model's ``sum_many`` (the two-member group sums), the oracle's steps and its
+    reductions, the metrics, and the rest (checkpoints, CSV, plot; with ``--overlap`` the oracle and the metrics
+    run on a worker thread and the rest is mostly waiting for it)."""
+    from simdist.gradpath.batched import BatchedPath
+    from simdist.reduce import make_model
+    from simdist.studies.growth import run, stream
+
+    spent: dict[str, list[float]] = {}
+
+    def timed_call(name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry = spent.setdefault(name, [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+        return wrapper
+
+    model = type(make_model(GrowthConfig().reduction))
+    patches = [
+        (BatchedPath, "run_step", "engine"),
+        (model, "sum_many", "engine: sum_many"),
+        (run._OracleRun, "run_step", "oracle"),
+        (model, "reduce", "oracle: reduce"),
+        (stream.BatchedGradients, "draw", "draw"),
+        (run, "divergence_each", "metrics"),
+        (run, "Reference", "metrics: reference"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, name in patches:
+        setattr(owner, attr, timed_call(name, getattr(owner, attr)))
+    scratch = tempfile.mkdtemp()
+    try:
+        total = timed(GrowthConfig(POLICIES, steps, seeds, checkpoint_every=500), scratch, False)
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+        shutil.rmtree(scratch, ignore_errors=True)
+    out = {name: (seconds, calls) for name, (seconds, calls) in spent.items()}
+    out["metrics"] = (out["metrics"][0] + out.pop("metrics: reference")[0], out["metrics"][1])
+    # checkpoints, CSV, plot (with --overlap the loop's thread runs only the draw and the engine: the rest is waiting)
+    parts = ("engine", "draw") if OVERLAP["on"] else ("engine", "draw", "oracle", "metrics")
+    out["rest"] = (total - sum(out[k][0] for k in parts), 1)
+    out["total"] = (total, 1)
+    return out
 
 
 def main() -> None:
@@ -39,7 +97,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--ratio-steps", type=int, default=1000, help="steps of the 1-vs-N seed comparison")
     parser.add_argument("--out", default="runs/bench-growth")
+    parser.add_argument("--split-steps", type=int, default=2000, help="steps of the timed split (0: none)")
+    parser.add_argument("--overlap", action="store_true", help="oracle and metrics on a worker thread (same files)")
     args = parser.parse_args()
+    OVERLAP["on"] = args.overlap
+
+    if args.split_steps:
+        parts = split(args.split_steps, args.seeds)
+        total, steps = parts["total"][0], args.split_steps
+        print(
+            f"split of a {steps}-step x {args.seeds}-seed run ({total:.1f} s; the 10k run's metrics are sparser"
+            f"{'; the oracle and the metrics on a worker thread beside the loop' if args.overlap else ''}):"
+        )
+        for name, (seconds, calls) in parts.items():
+            if name == "total":
+                continue
+            per = f", {calls / steps:.0f} calls/step, {1e6 * seconds / calls:.0f} us each" if calls > 1 else ""
+            print(f"  {name:18s} {seconds:6.2f} s {100 * seconds / total:5.1f} %{per}")
 
     scratch = tempfile.mkdtemp()
     try:

@@ -262,6 +262,18 @@ def _add_growth_subcommand(sub) -> None:
     _add_layout(growth, etp=False)
     growth.add_argument("--checkpoint-every", type=_positive, default=500, help="steps between checkpoints")
     growth.add_argument(
+        "--metrics-dense",
+        type=_non_negative,
+        default=1000,
+        help="record the metrics at every step up to this one (default 1000; synthetic model)",
+    )
+    growth.add_argument(
+        "--metrics-every",
+        type=_positive,
+        default=10,
+        help="after --metrics-dense, record them every this many steps, and the last (default 10; 1: every step)",
+    )
+    growth.add_argument(
         "--out", required=True, type=path_argument, help="run directory (resumed if it holds a checkpoint)"
     )
     growth.add_argument("--force", action="store_true", help="recompute a finished run")
@@ -297,6 +309,8 @@ def _growth(args: argparse.Namespace) -> int:
         model=args.model,
         spec=ParallelSpec(args.world_size, tp=args.tp, ep=args.ep),  # a ValueError names the broken constraint
         checkpoint_every=args.checkpoint_every,
+        metrics_dense=args.metrics_dense,
+        metrics_every=args.metrics_every,
     )
     config.validate()  # layout and model constraints, before anything is written
     check_growth_out(args.out, FILES, args.force)

@@ -246,7 +246,7 @@ class BatchedPath:
             lp,
             tp=spec.tp,
             dp=spec.dp,
-            capture=self.trace.capture,
+            capture=self.trace.capture if keep != frozenset() else None,  # keeps nothing: no capture calls
             scalar=self.trace.scalar,
             norm=norm,
         )

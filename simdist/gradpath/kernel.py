@@ -108,7 +108,8 @@ class GradPath:
     ``lp`` is the flat ``[*batch, N]`` initial low-precision parameter buffer
     in ``policy.grad_dtype``; ``capture(step, micro, param, stage, value)``
     records probe values (a `simdist.gradpath.probes.Trace` or its batched
-    twin); ``scalar(step, name, value)`` records the gradient norm.
+    twin; None: nothing is captured, and the calls are skipped);
+    ``scalar(step, name, value)`` records the gradient norm.
     ``norm`` says whether the boundary computes the global gradient norm
     (always when clipping).
     """
@@ -123,12 +124,13 @@ class GradPath:
         *,
         tp: int,
         dp: int,
-        capture: Callable[[int, int, str, str, torch.Tensor], None],
+        capture: Callable[[int, int, str, str, torch.Tensor], None] | None,
         scalar: Callable[[int, str, Any], None] | None = None,  # the value: a float per rank, a tensor batched
         norm: bool = True,
     ) -> None:
         self.ops, self.policy, self.config, self.tp, self.dp = ops, policy, config, tp, dp
         self.capture, self.scalar = capture, scalar
+        self.capturing = capture is not None
         self.norm = norm or config.max_norm > 0
         self.slots: list[Slot] = []
         self.by_name: dict[str, Slot] = {}
@@ -154,6 +156,7 @@ class GradPath:
         self.frozen = [s for s in self.slots if s.spec.frozen]
         self.trained = [s for s in self.slots if not s.spec.frozen]
         self._stages: dict[tuple[Family, bool], tuple[Stage, ...]] = {}
+        self._boundary: dict[Family, list[tuple[list[Stage], str]]] = {}
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- views -----------------------------------------------------------------------------------------------------
@@ -211,7 +214,8 @@ class GradPath:
                 f"got dtype {_dtype(grad.dtype)} and shape {list(grad.shape)}"
             )
         slot.delivered = True
-        self.capture(step, micro, name, "local", grad)
+        if self.capturing:
+            self.capture(step, micro, name, "local", grad)
         self._update_hp_grad(slot, grad, step, micro)
         if self.config.update_path is UpdatePath.HOOKS:
             # bf16_optimizer.accumulate_hp_grads_and_remove_lp clears the marker after every hook call
@@ -250,7 +254,7 @@ class GradPath:
                 value = hp
             else:
                 value = self.apply(stage, value, (step, micro, slot.index))
-            if stage.capture:
+            if stage.capture and self.capturing:
                 self.capture(step, micro, name, stage.capture, value)
         if correcting and self.policy.correct_at == "micro_step":
             slot.marker = True
@@ -279,9 +283,13 @@ class GradPath:
             name, family = slot.spec.name, slot.spec.family
             hp = self.view(self.hp, slot)
             key = (step, BOUNDARY, slot.index)
-            for stages, capture in policy.boundary_segments(family, self.tp, self.dp):  # the policy states the order
+            segments = self._boundary.get(family)
+            if segments is None:  # the policy states the order (frozen: the same segments every step)
+                segments = self._boundary[family] = policy.boundary_segments(family, self.tp, self.dp)
+            for stages, capture in segments:
                 self.run_stages(stages, hp, key)
-                self.capture(step, BOUNDARY, name, capture, hp)
+                if self.capturing:
+                    self.capture(step, BOUNDARY, name, capture, hp)
         if self.norm:
             norm = self.global_norm()
             if self.scalar is not None:
@@ -349,7 +357,7 @@ class GradPath:
                     self.config.adam,
                 )
                 lp.copy_(master)
-        for slot in slots:
+        for slot in slots if self.capturing else ():
             name = slot.spec.name
             self.capture(step, BOUNDARY, name, "clipped", self.view(self.hp, slot))
             for stage, buffer in (("master", self.master), ("adam_m", self.m), ("adam_v", self.v), ("param", self.lp)):

@@ -31,6 +31,11 @@ makes the engine and the oracle disagree (tested). A test also checks that the
 restated table equals DeepSpeed's own strategy names for the synthetic
 parameters (the ``deepspeed-8913`` case records them from the real code).
 
+Where every TP or DP group has two members, a group sum is one addition whatever the model's order, and
+`Oracle.step` (when nothing is captured) runs that stage for every parameter at once on one flat buffer
+(`_FusedPairs`, a third of the per-parameter step's time in the growth study); a NaN in such a sum, whose
+payload does depend on the order, sends the stage back to the per-parameter loops. Tested equal, bit for bit.
+
 Not modelled: global-norm clipping (``max_norm`` must be 0, which every study
 uses) and the correction-once marker (the oracle corrects every micro-step,
 the intended semantics). Values may carry leading batch dimensions
@@ -104,7 +109,8 @@ class Oracle:
     """The oracle's state for every rank: BF16 parameters, ``dtype`` masters and a ``torch.optim.AdamW``.
 
     ``initial[(rank, name)]`` is a BF16 tensor ``[*batch, *shape]``. `step` runs one optimizer step from the
-    local gradients of its micro-steps.
+    local gradients of its micro-steps. ``fused=False`` keeps every stage in the per-parameter loops (see
+    `_FusedPairs`; tests compare the two).
 
     Each parameter's tensors of every rank sit in one ``[*batch, rank, *shape]`` tensor (`stacked`): casts,
     ``/ tp``, ``+=`` and every AdamW operation are element-wise, so they give each rank's elements the bits
@@ -128,6 +134,7 @@ class Oracle:
         dp_model: ReductionModel,
         adam=None,
         max_norm: float = 0.0,
+        fused: bool = True,
     ) -> None:
         if max_norm:
             raise ValueError("the independent oracle does not clip: run it with max_norm = 0")
@@ -152,6 +159,7 @@ class Oracle:
             eps=h.eps,
             weight_decay=h.weight_decay,
         )
+        self._fused = _FusedPairs(spec, self.trained, self.spans, start) if fused else None
 
     def part(self, flat: torch.Tensor, p: ParamSpec) -> torch.Tensor:
         """``p``'s ``[*batch, rank, *shape]`` view of a flat ``[*batch, rank, N]`` tensor of the masters' layout."""
@@ -171,9 +179,14 @@ class Oracle:
         ``capture`` sees every stage's ``[*batch, rank, *shape]`` value (`Captured`)."""
         seen = capture or (lambda *args: None)
         tp = self.spec.tp
-        hp = {p.name: torch.zeros_like(self.lp[p.name], dtype=self.dtype) for p in self.trained}
+        # one flat ``dtype`` buffer in the masters' layout; each parameter's buffer is a view of it (`_Parts`)
+        hp_flat = torch.zeros(self.master[0].shape, dtype=self.dtype) if self.master else None
+        hp = _Parts(self, hp_flat)
+        fused = self._fused if capture is None and hp_flat is not None else None
         for micro in range(gas):
             grads = local_grads(micro, _PerRank(self.lp, self.params))
+            if fused is not None and fused.micro_step(self, grads, hp_flat):
+                continue
             for p in self.trained:
                 reduces, divides = correction(p.family, tp)
                 local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in self.ranks], p)
@@ -191,16 +204,19 @@ class Oracle:
                     seen(step, micro, p.name, Capture.CORRECTED, value)
                 hp[p.name] += value
                 seen(step, micro, p.name, Capture.HP, hp[p.name])
-        flat_grads: list[torch.Tensor] = []
-        for p in self.trained:
-            reduced = self._group_sums(self.dp_model, dp_kind(p.family), hp[p.name], p, scale=1.0 / self.spec.dp)
-            seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
-            seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
-            flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+        grad = fused.boundary(self, hp_flat) if fused is not None else None
+        if grad is None:
+            flat_grads: list[torch.Tensor] = []
+            for p in self.trained:
+                reduced = self._group_sums(self.dp_model, dp_kind(p.family), hp[p.name], p, scale=1.0 / self.spec.dp)
+                seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
+                seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
+                flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+            grad = torch.cat(flat_grads, dim=-1) if flat_grads else None
         if not self.master:
             return
         master = self.master[0]
-        master.grad = torch.cat(flat_grads, dim=-1)
+        master.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         state = self.optimizer.state[master]
@@ -271,6 +287,87 @@ class Oracle:
                 "exp_avg": state["adam_m"].clone(),
                 "exp_avg_sq": state["adam_v"].clone(),
             }
+
+
+class _FusedPairs:
+    """The oracle's step for every trained parameter at once, where a group sum is one addition.
+
+    When every group of a kind has two members, a group's sum is one addition per element, which every order
+    performs on the same two values: it does not depend on where the element sits in its parameter, so one
+    reduction of the flat ``[*batch, rank, N]`` buffer (every parameter, in the masters' layout) gives each
+    element the bits of its own parameter's reduction (the assumption `_reduce` already makes for the seeds
+    that ride along). The per-family TP correction becomes masks over the flat buffer; the DP reduction is
+    fused only when every parameter's DP kind has the same groups. A NaN's payload does
+    depend on the order: if a fused sum holds a NaN, that stage returns "not done" and `Oracle.step` runs it
+    parameter by parameter instead. Used only when nothing is captured; tested equal, bit for bit, to the
+    per-parameter step (``tests/unit/test_oracle_fused.py``).
+    """
+
+    def __init__(self, spec: ParallelSpec, trained: Sequence[ParamSpec], spans: dict[str, tuple[int, int]], n: int):
+        self.spec = spec
+        reduces, divides = (torch.zeros(n, dtype=torch.bool) for _ in range(2))
+        for p in trained:
+            start, stop = spans[p.name]
+            reduces[start:stop], divides[start:stop] = correction(p.family, spec.tp)
+        self.reduces = reduces if bool(reduces.any()) else None
+        self.divides = divides if bool(divides.any()) else None
+        pairs = {kind: all(len(g) == 2 for g in spec.groups(kind)) for kind in ("tp", "dp", "edp")}
+        self.tp_ready = self.reduces is None or pairs["tp"]
+        # the DP reduction at once: every trained parameter's DP kind (``dp``, ``edp`` for experts) has the same
+        # two-member groups (``edp`` is ``dp`` unless experts are sharded over more than the TP group)
+        kinds = {dp_kind(p.family) for p in trained}
+        self.dp_kind = next(iter(sorted(kinds)), "dp")
+        self.dp_ready = all(pairs[k] and spec.groups(k) == spec.groups(self.dp_kind) for k in kinds)
+
+    def _pair_sums(self, model: ReductionModel, kind: str, value: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's two-member group sum of the flat ``value`` ``[*batch, rank, N]``; None if it holds a NaN."""
+        dim = value.dim() - 2
+        first, second, group_of = _pair_indexes(self.spec.groups(kind), self.spec.world_size)
+        out = model.reduce([value.index_select(dim, first), value.index_select(dim, second)])
+        if math.isnan(out.sum().item()):  # as in `_reduce`: a NaN anywhere makes the sum NaN
+            return None
+        return out.index_select(dim, group_of)
+
+    def micro_step(self, oracle: Oracle, grads: Mapping, hp: torch.Tensor) -> bool:
+        """Add one micro-step's corrected local gradients of every trained parameter to ``hp``; False (``hp``
+        untouched) when it cannot (a TP group of more than two, or a NaN in the TP sum)."""
+        if not self.tp_ready:
+            return False
+        parts = []
+        for p in oracle.trained:
+            local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in oracle.ranks], p)
+            parts.append(local.flatten(local.dim() - len(p.shape)))
+        value = torch.cat(parts, dim=-1).to(oracle.dtype)
+        if self.reduces is not None:
+            summed = self._pair_sums(oracle.tp_model, "tp", value)
+            if summed is None:
+                return False
+            value = torch.where(self.reduces, summed, value)
+        if self.divides is not None:
+            value = torch.where(self.divides, value / self.spec.tp, value)
+        hp += value
+        return True
+
+    def boundary(self, oracle: Oracle, hp: torch.Tensor) -> torch.Tensor | None:
+        """The DP-reduced gradient of every trained parameter, flat; None when it cannot (see `micro_step`)."""
+        if not self.dp_ready:
+            return None
+        reduced = self._pair_sums(oracle.dp_model, self.dp_kind, hp)
+        return None if reduced is None else reduced * (1.0 / self.spec.dp)
+
+
+class _Parts(dict):
+    """``{name: view}`` of each trained parameter's part of a flat buffer, each view made when first asked for
+    (the fused step never asks)."""
+
+    def __init__(self, oracle: Oracle, flat: torch.Tensor | None) -> None:
+        super().__init__()
+        self.oracle, self.flat = oracle, flat
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        assert self.flat is not None, "a parameter's buffer was asked for, but nothing is trained"
+        view = self[name] = self.oracle.part(self.flat, next(p for p in self.oracle.trained if p.name == name))
+        return view
 
 
 def stacked(per_rank: Sequence[torch.Tensor], p: ParamSpec) -> torch.Tensor:
