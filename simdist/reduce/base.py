@@ -110,6 +110,7 @@ class ReductionModel(ABC):
             # a new order written as code: the parent's plan (or batched schedule) no longer describes it
             cls._declared = False
             cls.sum_many = ReductionModel.sum_many  # type: ignore[method-assign]
+            cls.sum_many_into = ReductionModel.sum_many_into  # type: ignore[method-assign]
 
     @property
     @abstractmethod
@@ -176,6 +177,14 @@ class ReductionModel(ABC):
             )
         flat = stacked.reshape(n, -1, *shape)
         return torch.stack([self.sum(flat[:, i]) for i in range(flat.shape[1])]).reshape(*batch, *shape)
+
+    def sum_many_into(
+        self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """`sum_many` written into every member row of ``out`` (``stacked``'s shape and dtype, any strides): what
+        many independent all-reduces leave on their members, ``out[r] = sum_many(stacked, shape)`` for every
+        ``r``. Returns ``out``. A model may write the copies in the same pass (`simdist.reduce.gloo.Gloo`)."""
+        return out.copy_(self.sum_many(stacked, shape))
 
     def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
         """`fold_hops` of ``plan``'s hops of ``members`` (``[numel]`` or ``[count, numel]`` each; any shape for
