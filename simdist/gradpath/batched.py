@@ -118,13 +118,13 @@ class BatchedOps:
         # the groups are views [k, batch, G, *shape] of the rank dimension (rank g * k + j: blocks; j * G + g:
         # strided); every member's copy of its group's result is written into the same view of the result
         result = torch.empty_like(value, memory_format=torch.contiguous_format)
-        size, (sb, sr, *rest), (rb, rr, *out_rest) = (k, batch, count, *shape), value.stride(), result.stride()
+        size, vs, rs = (k, batch, count, *shape), value.stride(), result.stride()
         if layout == "blocks":
-            stacked = value.as_strided(size, (sr, sb, k * sr, *rest))
-            out = result.as_strided(size, (rr, rb, k * rr, *out_rest))
+            stacked = value.as_strided(size, (vs[1], vs[0], k * vs[1], *vs[2:]))
+            out = result.as_strided(size, (rs[1], rs[0], k * rs[1], *rs[2:]))
         else:
-            stacked = value.as_strided(size, (count * sr, sb, sr, *rest))
-            out = result.as_strided(size, (count * rr, rb, rr, *out_rest))
+            stacked = value.as_strided(size, (count * vs[1], vs[0], vs[1], *vs[2:]))
+            out = result.as_strided(size, (count * rs[1], rs[0], rs[1], *rs[2:]))
         model.sum_many_into(stacked, out, shape)
         return result
 

@@ -527,8 +527,11 @@ class Gloo(ReductionModel):
         self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
     ) -> torch.Tensor:
         """`ReductionModel.sum_many_into`: the native kernel writes every member's copy in the same pass."""
-        if self._native_many(stacked, shape, out) is not None:
-            return out
+        if native.available() and stacked.dim() > 1:
+            numel = math.prod(stacked.shape[2:] if shape is None else shape)
+            plan = self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
+            if plan is not None and native.fold(plan, stacked, out=out) is not None:
+                return out
         return super().sum_many_into(stacked, out, shape)
 
     def _native_many(
