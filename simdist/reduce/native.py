@@ -27,7 +27,8 @@ What it covers: `FoldPlan`s of SUM and PRODUCT on CPU tensors of those four dtyp
 contiguous members of one shape, or one stacked ``[n, *batch, *member]`` tensor whose member dimensions are
 contiguous (the batch dimensions may have any strides: the rank-batched engine's group views), optionally
 writing the result into every member row of an output view (`ReductionModel.sum_many_into`). Everything else
-(other dtypes, ops, devices, layouts, empty tensors) returns None and the caller runs the eager path.
+(other dtypes, ops, devices, layouts, empty tensors, members that require grad: the eager path's result
+would carry autograd history) returns None and the caller runs the eager path.
 
 How it is built: on first import, with the system C compiler (``$CC``, else ``cc``) and Python's headers (no
 torch headers: a build takes well under a second), as a CPython extension module cached by the hash of the
@@ -238,7 +239,7 @@ static void fold_item(const int64_t *plan, int code, const char *const *members,
 
 #define MAX_DIMS 64
 
-static PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cpu, *s_is_contiguous;
+static PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_requires_grad;
 
 static int pointer_of(PyObject *t, char **ptr) {
     PyObject *v = PyObject_CallMethodNoArgs(t, s_data_ptr);
@@ -348,6 +349,7 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         for (Py_ssize_t r = 0; ok && r < count; r++) {
             PyObject *t = items[r], *t_dtype = PyObject_GetAttr(t, s_dtype), *t_shape = PyObject_GetAttr(t, s_shape);
             ok = t_dtype != NULL && t_shape != NULL && flag_of(PyObject_GetAttr(t, s_is_cpu)) == 1
+                 && flag_of(PyObject_GetAttr(t, s_requires_grad)) == 0
                  && flag_of(PyObject_CallMethodNoArgs(t, s_is_contiguous)) == 1
                  && pointer_of(t, (char **)&members[r]) == 0;
             if (ok && r == 0) {
@@ -448,7 +450,9 @@ PyMODINIT_FUNC PyInit__simdist_fold(void) {
     s_dtype = PyUnicode_InternFromString("dtype");
     s_is_cpu = PyUnicode_InternFromString("is_cpu");
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    if (!s_data_ptr || !s_shape || !s_stride || !s_dtype || !s_is_cpu || !s_is_contiguous) return NULL;
+    s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    if (!s_data_ptr || !s_shape || !s_stride || !s_dtype || !s_is_cpu || !s_is_contiguous || !s_requires_grad)
+        return NULL;
 #ifdef HAVE_AVX2
     if (avx2_supported()) fold_block = block_avx2;
 #endif
@@ -471,7 +475,8 @@ _enabled = True
 def _cache_dir() -> Path:
     """``$XDG_CACHE_HOME/simdist/native`` (default ``~/.cache``), or a per-user temporary directory."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for folder in (Path(root) / "simdist" / "native", Path(tempfile.gettempdir()) / f"simdist-native-{os.getuid()}"):
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    for folder in (Path(root) / "simdist" / "native", Path(tempfile.gettempdir()) / f"simdist-native-{user}"):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if os.access(folder, os.W_OK):
@@ -582,7 +587,7 @@ def fold(
     if isinstance(members, torch.Tensor):
         dtype = members.dtype
         code = _CODES.get(dtype)
-        if code is None or not members.is_cpu:
+        if code is None or not members.is_cpu or members.requires_grad:
             return None
         if out is None:
             result = torch.empty(members.shape[1:], dtype=dtype)

@@ -231,6 +231,9 @@ def test_what_the_kernel_does_not_cover_runs_the_eager_path():
     gappy = torch.arange(36.0).view(3, 2, 6)[:, :, ::2]  # member dimensions with gaps: not the kernel's layout
     assert native.fold(model.plan(3, 6, torch.float32), gappy) is None
     assert native.fold(model.plan(3, 0, torch.float32), [torch.zeros(0)] * 3) is None
+    tracked = [torch.ones(6, requires_grad=True) for _ in range(3)]  # the eager result carries autograd history
+    assert native.fold(plan, tracked) is None and native.fold(plan, torch.stack(tracked)) is None
+    assert model.reduce(tracked).grad_fn is not None
     with native.disabled():
         assert not native.available() and native.fold(plan, [torch.zeros(6)] * 3) is None
 
