@@ -512,10 +512,17 @@ class Gloo(ReductionModel):
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
         """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs); the
-        native kernel reads the stacked members in place (batch dimensions of any strides)."""
+        native kernel reads the stacked members in place (batch dimensions of any strides); without it, two
+        members are one add and the NaN screen."""
         out = self._native_many(stacked, shape)
         if out is not None:
             return out
+        if stacked.shape[0] == 2 and stacked.is_floating_point():
+            # two members: the same IEEE value in either order, so one add over the layout as it is; only a NaN
+            # result needs the walk (its bits depend on which member receives)
+            out = torch.add(stacked[0], stacked[1])
+            if not may_hold_nan(out):
+                return out
         if stacked.dtype != torch.bool and not stacked.is_complex():
             return super().sum_many(stacked, shape)
         shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)

@@ -216,6 +216,26 @@ def test_every_combination_of_special_values_gives_the_eager_bits(n, dtype, vari
                 assert_same_bits(model.reduce(xs, op), eager(lambda m=model, o=op: m.reduce(xs, o)))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "eager"])
+def test_two_members_both_nan_keep_the_receiving_members_payload_in_each_chunk(kernel):
+    """n = 2, four fp32 elements: gloo's chunks of 2; chunk c's walk starts at member (c - 1) mod 2 and member
+    c mod 2 receives, so its NaN (quieted) is the result: payloads 1 and 2 give 0x7FC00001 twice, then
+    0x7FC00002 twice -- in every entry point, with the kernel and without (the eager two-member add must not
+    hand back the order-free sum's NaN)."""
+    if kernel and not native.available():
+        pytest.skip(f"native kernel: {native.STATUS}")
+    nans = torch.tensor([[0x7F800001] * 4, [0x7F800002] * 4], dtype=torch.int32).view(torch.float32)
+    expected = torch.tensor([0x7FC00001, 0x7FC00001, 0x7FC00002, 0x7FC00002], dtype=torch.int32)
+    stacked = nans.unsqueeze(1).expand(2, 3, 4)  # three items, as the rank-batched engine hands them
+    model = Gloo()
+    with contextlib.nullcontext() if kernel else native.disabled():
+        results = [model.reduce(list(nans)), model.reduce(nans), *model.sum_many(stacked)]
+        out = torch.empty(2, 3, 4)
+        results += [*model.sum_many_into(stacked, out, (4,)).flatten(0, 1)]
+    for result in results:
+        assert torch.equal(result.view(torch.int32), expected), result.view(torch.int32)
+
+
 @needs_kernel
 def test_what_the_kernel_does_not_cover_runs_the_eager_path():
     """Other dtypes, non-contiguous members, a non-CPU request or an empty tensor: None, and `Gloo` reduces
