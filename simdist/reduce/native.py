@@ -153,6 +153,8 @@ static inline uint16_t slowhf(uint16_t l, uint16_t a, int mul) {
 static inline int isnanbf(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
 
 #define BLOCK 1024 /* elements folded together: the partial stays in L1 over the hops */
+#define SHORT 8     /* shorter chunks (of a repeating order) are folded element by element */
+#define BAIL 8      /* code bit: NaN bits are the eager path's (torch's), so stop at a NaN result */
 
 /* One hop over a run of elements, acc[e] = local[e] (op) acc[e], without the NaN rule (vectorised): a NaN is
    absorbing, so the elements whose fold ends NaN are walked again with the rule (SLOW) */
@@ -162,10 +164,11 @@ static inline int isnanbf(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
     }
 
 /* Fold elements [lo, lo + len) of one reduction: hop j reads member rows[h_j + p] (h_j = j, or n-1-j when
-   descending); first the plain fold, then the elements that end NaN walked again with the rule. */
+   descending); first the plain fold, then the elements that end NaN walked again with the rule -- or, for a
+   model whose NaN bits are torch's (bail), 1 at the first NaN: the caller runs the eager path. */
 #define FOLD(NAME, ATTR, T, ADD, MUL, SLOW, ISNAN)                                                   \
-    ATTR static void NAME(const int64_t *plan, int64_t p, int mul, const char *const *members, T *out, \
-                          int64_t lo, int64_t len) {                                                 \
+    ATTR static int NAME(const int64_t *plan, int64_t p, int mul, int bail, const char *const *members, \
+                         T *out, int64_t lo, int64_t len) {                                          \
         const int64_t n = plan[0], descending = plan[4];                                             \
         const int64_t *rows = plan + 5;                                                              \
         const T *first = (const T *)members[rows[(descending ? n - 1 : 0) + p]] + lo;                \
@@ -177,7 +180,7 @@ static inline int isnanbf(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
         }                                                                                            \
         int any = 0;                                                                                 \
         for (int64_t e = 0; e < len; e++) any |= ISNAN(acc[e]);                                      \
-        if (!any) return;                                                                            \
+        if (!any || bail) return any;                                                                \
         for (int64_t e = 0; e < len; e++) {                                                          \
             if (!ISNAN(acc[e])) continue;                                                            \
             T w = first[e];                                                                          \
@@ -185,7 +188,58 @@ static inline int isnanbf(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
                 w = SLOW(((const T *)members[rows[(descending ? n - 1 - j : j) + p]])[lo + e], w, mul); \
             acc[e] = w;                                                                              \
         }                                                                                            \
+        return 0;                                                                                    \
     }
+
+/* Chunks of a few elements (the textbook ring's one-element chunks): element by element, each chunk's hop
+   members looked up in a table (period x n); then, as in FOLD, the NaN results walked again with the rule,
+   or with bail 1 if there is one. */
+static inline uint32_t fast32(uint32_t l, uint32_t a, int mul) {
+    return bits_f32(mul ? f32_of(l) * f32_of(a) : f32_of(l) + f32_of(a));
+}
+static inline uint64_t fast64(uint64_t l, uint64_t a, int mul) {
+    return bits_f64(mul ? f64_of(l) * f64_of(a) : f64_of(l) + f64_of(a));
+}
+static inline uint16_t fasthf(uint16_t l, uint16_t a, int mul) {
+    return f16_narrow(bits_f32(mul ? f16_wide(l) * f16_wide(a) : f16_wide(l) + f16_wide(a)));
+}
+#define TABLE 1024 /* hop-member pointers kept on the stack */
+#define ELEMENTS(NAME, T, FASTS, SLOW, ISNAN)                                                                \
+    static int NAME(const int64_t *plan, int mul, int bail, const char *const *members, T *out) {            \
+        const int64_t n = plan[0], numel = plan[1], length = plan[2], period = plan[3], descending = plan[4]; \
+        const int64_t *rows = plan + 5;                                                                       \
+        const T *stack_table[TABLE];                                                                          \
+        const T **table = n * period <= TABLE ? stack_table : malloc((size_t)(n * period) * sizeof(T *));   \
+        if (table == NULL) return 1;                                                                          \
+        for (int64_t p = 0; p < period; p++)                                                                  \
+            for (int64_t j = 0; j < n; j++)                                                                   \
+                table[p * n + j] = (const T *)members[rows[(descending ? n - 1 - j : j) + p]];                \
+        int any = 0;                                                                                          \
+        for (int64_t pass = 0; pass < 2; pass++) {                                                            \
+            for (int64_t lo = 0, p = 0; lo < numel; lo += length, p = p + 1 == period ? 0 : p + 1) {          \
+                const T *const *hop = table + p * n;                                                          \
+                const int64_t end = numel - lo < length ? numel : lo + length;                               \
+                for (int64_t e = lo; e < end; e++) {                                                          \
+                    if (pass == 1 && !ISNAN(out[e])) continue;                                                \
+                    T w = hop[0][e];                                                                          \
+                    if (pass == 0) {                                                                          \
+                        for (int64_t j = 1; j < n; j++) w = FASTS(hop[j][e], w, mul);                         \
+                        any |= ISNAN(w);                                                                      \
+                    } else {                                                                                  \
+                        for (int64_t j = 1; j < n; j++) w = SLOW(hop[j][e], w, mul);                          \
+                    }                                                                                         \
+                    out[e] = w;                                                                               \
+                }                                                                                             \
+            }                                                                                                 \
+            if (!any || bail) break;                                                                          \
+        }                                                                                                     \
+        if (table != stack_table) free(table);                                                                \
+        return any && bail;                                                                                   \
+    }
+ELEMENTS(elements32, uint32_t, fast32, slow32, nan32)
+ELEMENTS(elements64, uint64_t, fast64, slow64, nan64)
+ELEMENTS(elementsbf, uint16_t, slowbf, slowbf, isnanbf)
+ELEMENTS(elementshf, uint16_t, fasthf, slowhf, nan16)
 
 /* The fold of one block for every dtype, compiled once per instruction set (S: the name's suffix) */
 #define VARIANT(S, ATTR)                                                                                  \
@@ -201,14 +255,14 @@ static inline int isnanbf(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
     FOLD(fold64##S, ATTR, uint64_t, add64##S, mul64##S, slow64, nan64)                                    \
     FOLD(foldbf##S, ATTR, uint16_t, addbf##S, mulbf##S, slowbf, isnanbf)                                  \
     FOLD(foldhf##S, ATTR, uint16_t, addhf##S, mulhf##S, slowhf, nan16)                                    \
-    ATTR static void block##S(const int64_t *plan, int code, int64_t p, const char *const *members,      \
-                              char *out, int64_t b, int64_t len) {                                       \
-        const int mul = code & 1;                                                                        \
-        switch (code >> 1) {                                                                             \
-        case 0: fold32##S(plan, p, mul, members, (uint32_t *)out, b, len); break;                        \
-        case 1: fold64##S(plan, p, mul, members, (uint64_t *)out, b, len); break;                        \
-        case 2: foldbf##S(plan, p, mul, members, (uint16_t *)out, b, len); break;                        \
-        default: foldhf##S(plan, p, mul, members, (uint16_t *)out, b, len); break;                       \
+    ATTR static int block##S(const int64_t *plan, int code, int64_t p, const char *const *members,       \
+                             char *out, int64_t b, int64_t len) {                                        \
+        const int mul = code & 1, bail = (code & BAIL) != 0;                                             \
+        switch ((code & 7) >> 1) {                                                                       \
+        case 0: return fold32##S(plan, p, mul, bail, members, (uint32_t *)out, b, len);                  \
+        case 1: return fold64##S(plan, p, mul, bail, members, (uint64_t *)out, b, len);                  \
+        case 2: return foldbf##S(plan, p, mul, bail, members, (uint16_t *)out, b, len);                  \
+        default: return foldhf##S(plan, p, mul, bail, members, (uint16_t *)out, b, len);                 \
         }                                                                                                \
     }
 
@@ -218,18 +272,28 @@ VARIANT(_base, )
 VARIANT(_avx2, __attribute__((target("avx2"))))
 #endif
 
-typedef void (*block_fn)(const int64_t *, int, int64_t, const char *const *, char *, int64_t, int64_t);
+typedef int (*block_fn)(const int64_t *, int, int64_t, const char *const *, char *, int64_t, int64_t);
 static block_fn fold_block = block_base; /* block_avx2 where the CPU has it (module init) */
 
-/* plan: [n, numel, length, period, descending, rows[0 .. n + period - 2]] (FoldPlan's fields) */
-static void fold_item(const int64_t *plan, int code, const char *const *members, char *out) {
+/* plan: [n, numel, length, period, descending, rows[0 .. n + period - 2]] (FoldPlan's fields); 1 if it bailed */
+static int fold_item(const int64_t *plan, int code, const char *const *members, char *out) {
     const int64_t numel = plan[1], length = plan[2], period = plan[3];
+    if (length < SHORT && period > 1) {
+        const int mul = code & 1, bail = (code & BAIL) != 0;
+        switch ((code & 7) >> 1) {
+        case 0: return elements32(plan, mul, bail, members, (uint32_t *)out);
+        case 1: return elements64(plan, mul, bail, members, (uint64_t *)out);
+        case 2: return elementsbf(plan, mul, bail, members, (uint16_t *)out);
+        default: return elementshf(plan, mul, bail, members, (uint16_t *)out);
+        }
+    }
     const block_fn block = fold_block;
     for (int64_t lo = 0, chunk = 0; lo < numel; lo += length, chunk++) {
         const int64_t end = numel - lo < length ? numel : lo + length, p = chunk % period;
         for (int64_t b = lo; b < end; b += BLOCK)
-            block(plan, code, p, members, out, b, end - b < BLOCK ? end - b : BLOCK);
+            if (block(plan, code, p, members, out, b, end - b < BLOCK ? end - b : BLOCK)) return 1;
     }
+    return 0;
 }
 
 /* -- the Python entry point: fold(plan, code, members, out, mode) -> bool ---------------------------------- */
@@ -295,18 +359,18 @@ typedef struct {
 } strided_job;
 
 /* every batch item of a stacked [n, *batch, *member] tensor (odometer over the batch dimensions) */
-static void run_strided(strided_job *job, const char **members) {
+static int run_strided(strided_job *job, const char **members) {
     const int64_t n = job->plan[0], numel = job->plan[1], size = job->size;
     int64_t index[MAX_DIMS] = {0}, offset = 0, out_offset = 0;
     for (int64_t item = 0; item < job->items; item++) {
         for (int64_t r = 0; r < n; r++) members[r] = job->base + (r * job->stride[0] + offset) * size;
         if (job->copies) {
             char *first = job->out + out_offset * size;
-            fold_item(job->plan, job->code, members, first);
+            if (fold_item(job->plan, job->code, members, first)) return 1;
             for (int64_t r = 1; r < n; r++)
                 memcpy(first + r * job->out_stride[0] * size, first, (size_t)(numel * size));
-        } else {
-            fold_item(job->plan, job->code, members, job->out + item * numel * size);
+        } else if (fold_item(job->plan, job->code, members, job->out + item * numel * size)) {
+            return 1;
         }
         for (int d = job->inner - 1; d >= 1; d--) {
             if (++index[d] < job->shape[d]) { offset += job->stride[d]; out_offset += job->out_stride[d]; break; }
@@ -315,6 +379,7 @@ static void run_strided(strided_job *job, const char **members) {
             index[d] = 0;
         }
     }
+    return 0;
 }
 
 static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -330,9 +395,9 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     long mode = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
     const int copies = (mode & COPIES) != 0, flat = (mode & FLAT) != 0;
-    if (code < 0 || code > 7 || plan_len < 5 || plan_len != 5 + plan[0] + plan[3] - 1 || plan[1] <= 0)
+    if (code < 0 || code > 15 || plan_len < 5 || plan_len != 5 + plan[0] + plan[3] - 1 || plan[1] <= 0)
         Py_RETURN_FALSE;
-    const int64_t n = plan[0], numel = plan[1], period = plan[3], size = SIZES[code >> 1];
+    const int64_t n = plan[0], numel = plan[1], period = plan[3], size = SIZES[(code & 7) >> 1];
     const char *stack_members[64];
     const char **members = n <= 64 ? stack_members : PyMem_Malloc((size_t)n * sizeof(char *));
     if (members == NULL) return PyErr_NoMemory();
@@ -369,9 +434,8 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_XDECREF(shape);
         if (ok) {
             Py_BEGIN_ALLOW_THREADS
-            fold_item(plan, (int)code, members, out);
+            done = !fold_item(plan, (int)code, members, out);
             Py_END_ALLOW_THREADS
-            done = 1;
         }
     } else {
         /* one stacked [n, *batch, *member] tensor; out: contiguous [*batch, *member], or with copies a tensor of
@@ -395,9 +459,8 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             job.items = 1;
             for (int d = 1; d < job.inner; d++) job.items *= job.shape[d];
             Py_BEGIN_ALLOW_THREADS
-            run_strided(&job, members);
+            done = !run_strided(&job, members);
             Py_END_ALLOW_THREADS
-            done = 1;
         }
     }
     if (members != stack_members) PyMem_Free(members);
@@ -464,7 +527,8 @@ FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract
 """Compiler flags: optimised (the hop loops vectorise), IEEE arithmetic kept (no fast-math, no FMA contraction)."""
 
 _CODES = {torch.float32: 0, torch.float64: 2, torch.bfloat16: 4, torch.float16: 6}
-"""dtype -> the kernel's code (``+ 1`` for PRODUCT)."""
+"""dtype -> the kernel's code (``+ 1`` for PRODUCT, ``+ _BAIL`` for torch's NaN bits)."""
+_BAIL = 8
 
 STATUS = "not loaded"
 """Why the kernel is or is not in use: ``"loaded <path>"``, ``"disabled (SIMDIST_NATIVE=0)"``, or the failure."""
@@ -570,6 +634,7 @@ def fold(
     multiply: bool = False,
     out: torch.Tensor | None = None,
     flat: bool = False,
+    gloo_nan: bool = True,
 ) -> torch.Tensor | None:
     """``plan``'s fold of ``members`` with gloo's hop rule (`Gloo.fold_hops_trimmed`'s bits), or None where the
     kernel does not apply (then run the eager path).
@@ -579,11 +644,14 @@ def fold(
     tensor (``member`` holding ``numel`` contiguous elements, the batch dimensions of any strides). The result
     is a new contiguous tensor of shape ``members[0].shape``; or, with ``out`` (a stacked input only), ``out``
     itself: a tensor of the members' shape, its member dimensions contiguous, whose every member row ``out[r]``
-    receives the result (an all-reduce's writes).
+    receives the result (an all-reduce's writes). ``gloo_nan=False`` is for a plain left fold whose NaN bits
+    are torch's (`ReductionModel.fold_hops`): its values are the same, and where a result is NaN the kernel
+    gives up (None) for the eager path to produce torch's bits.
     """
     kernel = _KERNEL
     if kernel is None or not _enabled or not plan.numel:
         return None
+    mode = int(multiply) + (0 if gloo_nan else _BAIL)
     if isinstance(members, torch.Tensor):
         dtype = members.dtype
         code = _CODES.get(dtype)
@@ -595,7 +663,7 @@ def fold(
             result = out
         else:
             return None
-        done = kernel.fold(plan.packed or _packed(plan), code + multiply, members, result, out is not None)
+        done = kernel.fold(plan.packed or _packed(plan), code + mode, members, result, out is not None)
         return result if done else None
     if out is not None or not members:
         return None
@@ -604,4 +672,4 @@ def fold(
     if code is None:
         return None
     result = torch.empty_like(first, memory_format=torch.contiguous_format)
-    return result if kernel.fold(_packed(plan), code + multiply, members, result, 2 if flat else 0) else None
+    return result if kernel.fold(_packed(plan), code + mode, members, result, 2 if flat else 0) else None

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simdist.numerics.floats import float_format
-from simdist.reduce import Gloo, ReduceOp, native
+from simdist.reduce import Gloo, ReduceOp, Ring, Sequential, native
 from simdist.testing.strategies import bit_patterns, pattern_tensor
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -137,6 +137,29 @@ def check_reduce(case, segment, op, stacked) -> None:
 
 
 @needs_kernel
+@given(
+    members(),
+    st.one_of(
+        st.just(Sequential()),
+        st.builds(Ring, chunk_size=st.integers(1, 12), shift=st.integers(0, 3)),
+    ),
+    st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT]),
+    st.booleans(),
+    st.sampled_from(VARIANTS),
+)
+def test_plain_left_folds_give_the_eager_bits(case, model, op, stacked, variant):
+    """`Sequential` and `Ring` (the base class's left fold, torch's NaN bits): the kernel gives the same values
+    and declines wherever a result is NaN, so the eager path gives those bits."""
+    _, xs = case
+    given_members = torch.stack(xs) if stacked else xs
+    with on_variant(variant):
+        assert_same_bits(model.reduce(given_members, op), eager(lambda: model.reduce(given_members, op)))
+        if len(xs) > 1 and xs[0].numel():
+            batch = torch.stack(xs).unsqueeze(1).expand(len(xs), 3, xs[0].numel())
+            assert_same_bits(model.sum_many(batch), eager(lambda: model.sum_many(batch)))
+
+
+@needs_kernel
 @given(members(max_n=4, max_numel=24), st.sampled_from(SEGMENTS), st.integers(1, 3), st.integers(1, 3), st.data())
 def test_batched_layouts_give_the_eager_bits(case, segment, batch, groups, data):
     """`sum_many` and `sum_many_into` on the rank-batched engine's views: ``[k, batch, G, *shape]`` views of a
@@ -199,7 +222,8 @@ def check_every_pattern(dtype, every, partners) -> None:
 def test_every_combination_of_special_values_gives_the_eager_bits(n, dtype, variant):
     """Every n-tuple of special values (signed zeros, infinities, NaNs of both signs quiet and signalling with
     payloads, the largest and smallest values, subnormals) as one element each: the NaN rule's every branch
-    (the receiving rank's NaN, the partial's, the default NaN of ``inf - inf`` and ``0 * inf``)."""
+    (the receiving rank's NaN, the partial's, the default NaN of ``inf - inf`` and ``0 * inf``); and for the
+    plain left folds (`Sequential`, `Ring`), whose NaN bits are torch's, the kernel declining every NaN."""
     info = torch.finfo(dtype)
     width, mantissa = info.bits, float_format(dtype).precision - 1
     quiet, exponent, sign = 1 << (mantissa - 1), ((1 << (width - 1 - mantissa)) - 1) << mantissa, 1 << (width - 1)
@@ -212,7 +236,7 @@ def test_every_combination_of_special_values_gives_the_eager_bits(n, dtype, vari
     xs = [table[row].view(dtype) for row in grid]
     with on_variant(variant):
         for op in (ReduceOp.SUM, ReduceOp.PRODUCT):
-            for model in (Gloo(), Gloo(max_segment_bytes=width // 8)):
+            for model in (Gloo(), Gloo(max_segment_bytes=width // 8), Sequential(), Ring(), Ring(chunk_size=16)):
                 assert_same_bits(model.reduce(xs, op), eager(lambda m=model, o=op: m.reduce(xs, o)))
 
 
