@@ -107,9 +107,10 @@ class BatchedOps:
         return self.models.get(kind, self.default_model)
 
     def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
-        model = model or self.model_for(kind)
+        model = model or self.models.get(kind, self.default_model)
         layout, members, where, count, k = self._tables[kind]
-        batch, shape = value.shape[0], tuple(value.shape[2:])
+        dims = value.shape
+        batch, shape = dims[0], dims[2:]
         if k == 1:
             return batched_sum(model, value.unsqueeze(0), shape)
         if layout == "index":

@@ -534,10 +534,10 @@ class Gloo(ReductionModel):
         self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
     ) -> torch.Tensor:
         """`ReductionModel.sum_many_into`: the native kernel writes every member's copy in the same pass."""
-        if native.available() and stacked.dim() > 1:
+        if stacked.dim() > 1 and native.available():
             numel = math.prod(stacked.shape[2:] if shape is None else shape)
             plan = self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
-            if plan is not None and native.fold(plan, stacked, out=out) is not None:
+            if plan is not None and native.fold_into(plan, stacked, out):
                 return out
         return super().sum_many_into(stacked, out, shape)
 

@@ -1,4 +1,4 @@
-"""An optional C kernel for `Gloo`'s fold: a `FoldPlan` applied with gloo's hop rule in one loop, same bits.
+"""An optional C kernel for fold plans: a `FoldPlan` applied with gloo's hop rule in one loop, same bits.
 
 Why: at the sizes the rank-batched engine and the front ends reduce (a few hundred to a few thousand elements
 per rank) the eager path (`Gloo.fold_hops_trimmed`: the plan's copy, the adds, a NaN screen, the trim) is
@@ -22,6 +22,10 @@ left to the C compiler's NaN propagation, which treats ``+`` as commutative):
 The C source is built with flags that keep IEEE semantics (no ``-ffast-math``, ``-ffp-contract=off``: no fused
 multiply-add) and refuses to compile where float expressions are evaluated in a wider format
 (``FLT_EVAL_METHOD != 0``, e.g. x87).
+
+The plain left folds (`Sequential`, `Ring`, any model that keeps `ReductionModel.fold_hops`) use it too
+(``gloo_nan=False``): their values are the same IEEE left fold, but their NaN bits are whatever torch's adds
+give, so the kernel declines any reduction with a NaN result and the eager path produces it.
 
 What it covers: `FoldPlan`s of SUM and PRODUCT on CPU tensors of those four dtypes, given as a list of ``n``
 contiguous members of one shape, or one stacked ``[n, *batch, *member]`` tensor whose member dimensions are
@@ -673,3 +677,16 @@ def fold(
         return None
     result = torch.empty_like(first, memory_format=torch.contiguous_format)
     return result if kernel.fold(_packed(plan), code + mode, members, result, 2 if flat else 0) else None
+
+
+def fold_into(plan: FoldPlan, members: torch.Tensor, out: torch.Tensor) -> bool:
+    """`fold` of a stacked ``members`` (SUM, gloo's hop rule) into every member row of ``out``; False where the
+    kernel does not apply (nothing written; run the eager path). The rank-batched all-reduce's one call."""
+    kernel = _KERNEL
+    if kernel is None or not _enabled or not plan.numel:
+        return False
+    dtype = members.dtype
+    code = _CODES.get(dtype)
+    if code is None or out.dtype is not dtype or not members.is_cpu or not out.is_cpu or members.requires_grad:
+        return False
+    return kernel.fold(plan.packed or _packed(plan), code, members, out, 1)
