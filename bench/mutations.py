@@ -77,11 +77,12 @@ BACKEND = "tests/unit/test_backend.py"
 SIMWORLD = "tests/unit/test_simworld.py"
 BATCHED = "tests/unit/test_gradpath_batched.py"
 ORACLE = "tests/unit/test_oracle.py"
+NATIVE = "tests/unit/test_native_fold.py"  # the native kernel against the eager gloo path it replaces
 
 FSDP2 = ("tests/integration/test_cases_fsdp2.py", "tests/integration/test_cases_fsdp2_tp.py")
 
 GRADPATH = (CHAIN, POLICIES, PROPERTIES)
-REDUCE = (GLOO, REDUCTION)
+REDUCE = (GLOO, REDUCTION, NATIVE)
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,46 @@ CATALOGUE: tuple[Mutation, ...] = (
         "acc = torch.where(keep, acc, local)",
         "acc = torch.where(keep | acc.isnan(), acc, local)",
         REDUCE,
+    ),
+    Mutation(
+        "native-nan-operand-order",
+        "the native kernel's fp32 NaN payload comes from the received partial before the local value",
+        "simdist/reduce/native.py",
+        "return nan32(l) ? (l | 0x00400000u) : nan32(a) ? (a | 0x00400000u) : 0xFFC00000u;",
+        "return nan32(a) ? (a | 0x00400000u) : nan32(l) ? (l | 0x00400000u) : 0xFFC00000u;",
+        (NATIVE,),
+    ),
+    Mutation(
+        "native-bf16-ties-away",
+        "the native kernel rounds bf16 ties away from zero instead of to even",
+        "simdist/reduce/native.py",
+        "return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);",
+        "return (uint16_t)((u + 0x8000u) >> 16);",
+        (NATIVE,),
+    ),
+    Mutation(
+        "native-fp16-subnormal-ties-away",
+        "the native kernel rounds fp16 subnormal ties up instead of to even",
+        "simdist/reduce/native.py",
+        "if (rest > half || (rest == half && (q & 1u))) q++;",
+        "if (rest >= half) q++;",
+        (NATIVE,),
+    ),
+    Mutation(
+        "native-walk-ascending",
+        "the native kernel starts every chunk's walk at the plan's first row instead of its last",
+        "simdist/reduce/native.py",
+        "const T *first = (const T *)members[rows[(descending ? n - 1 : 0) + p]] + lo;",
+        "const T *first = (const T *)members[rows[0 + p]] + lo;",
+        (NATIVE, BATCHED),
+    ),
+    Mutation(
+        "native-one-copy-missing",
+        "the native kernel's all-reduce writes leave the second member's copy unwritten",
+        "simdist/reduce/native.py",
+        "for (int64_t r = 1; r < n; r++)\n                memcpy",
+        "for (int64_t r = 2; r < n; r++)\n                memcpy",
+        (NATIVE, BATCHED),
     ),
     Mutation(
         "batched-gloo-single-chunk-ascending",

@@ -107,24 +107,27 @@ class BatchedOps:
         return self.models.get(kind, self.default_model)
 
     def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
-        model = model or self.model_for(kind)
+        model = model or self.models.get(kind, self.default_model)
         layout, members, where, count, k = self._tables[kind]
-        batch, shape = value.shape[0], tuple(value.shape[2:])
+        dims = value.shape
+        batch, shape = dims[0], dims[2:]
         if k == 1:
             return batched_sum(model, value.unsqueeze(0), shape)
-        if layout == "blocks":
-            stacked = value.reshape(batch, count, k, *shape).movedim(2, 0)
-        elif layout == "strided":
-            stacked = value.reshape(batch, k, count, *shape).movedim(1, 0)
-        else:
+        if layout == "index":
             stacked = value.index_select(1, members).view(batch, count, k, *shape).movedim(2, 0)
-        reduced = batched_sum(model, stacked, shape)  # [batch, G, *shape]
-        # every member takes its group's result: one copy into [batch, G, k] (blocks) or [batch, k, G] (strided)
+            return batched_sum(model, stacked, shape).index_select(1, where)  # [batch, G, *shape] to the ranks
+        # the groups are views [k, batch, G, *shape] of the rank dimension (rank g * k + j: blocks; j * G + g:
+        # strided); every member's copy of its group's result is written into the same view of the result
+        result = torch.empty_like(value, memory_format=torch.contiguous_format)
+        size, vs, rs = (k, batch, count, *shape), value.stride(), result.stride()
         if layout == "blocks":
-            return torch.stack([reduced] * k, dim=2).view(value.shape)
-        if layout == "strided":
-            return torch.cat([reduced] * k, dim=1)
-        return reduced.index_select(1, where)
+            stacked = value.as_strided(size, (vs[1], vs[0], k * vs[1], *vs[2:]))
+            out = result.as_strided(size, (rs[1], rs[0], k * rs[1], *rs[2:]))
+        else:
+            stacked = value.as_strided(size, (count * vs[1], vs[0], vs[1], *vs[2:]))
+            out = result.as_strided(size, (count * rs[1], rs[0], rs[1], *rs[2:]))
+        model.sum_many_into(stacked, out, shape)
+        return result
 
     def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:
         step, micro, index = key

@@ -45,6 +45,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from simdist.reduce import native
 from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, Hops, fold
 
 AvgMode = Literal["postdiv", "premul"]
@@ -110,6 +111,7 @@ class ReductionModel(ABC):
             # a new order written as code: the parent's plan (or batched schedule) no longer describes it
             cls._declared = False
             cls.sum_many = ReductionModel.sum_many  # type: ignore[method-assign]
+            cls.sum_many_into = ReductionModel.sum_many_into  # type: ignore[method-assign]
 
     @property
     @abstractmethod
@@ -177,9 +179,23 @@ class ReductionModel(ABC):
         flat = stacked.reshape(n, -1, *shape)
         return torch.stack([self.sum(flat[:, i]) for i in range(flat.shape[1])]).reshape(*batch, *shape)
 
+    def sum_many_into(
+        self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """`sum_many` written into every member row of ``out`` (``stacked``'s shape and dtype, any strides): what
+        many independent all-reduces leave on their members, ``out[r] = sum_many(stacked, shape)`` for every
+        ``r``. Returns ``out``. A model may write the copies in the same pass (`simdist.reduce.gloo.Gloo`)."""
+        return out.copy_(self.sum_many(stacked, shape))
+
     def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
         """`fold_hops` of ``plan``'s hops of ``members`` (``[numel]`` or ``[count, numel]`` each; any shape for
-        a uniform plan), trimmed to the members' shape. `simdist.reduce.gloo.Gloo` adds its NaN bits here."""
+        a uniform plan), trimmed to the members' shape. `simdist.reduce.gloo.Gloo` adds its NaN bits here.
+        The plain left fold (`fold_hops` not overridden) goes to the native kernel where it applies and no result
+        is NaN (`simdist.reduce.native`; the same values, and the eager path's NaN bits)."""
+        if type(self).fold_hops is ReductionModel.fold_hops:
+            out = native.fold(plan, members, multiply, gloo_nan=False)
+            if out is not None:
+                return out
         hops = plan.hops(members)
         return plan.trim(self.fold_hops(hops, multiply, plan.output(hops)), members)
 
@@ -196,9 +212,12 @@ class ReductionModel(ABC):
             return self.fold_hops_trimmed(plan, tensors, multiply)
         if isinstance(tensors, torch.Tensor):
             members: Hops = tensors.reshape(n, -1).unbind(0)
+        elif all(t.dim() == 1 for t in tensors):
+            members = tensors  # already flat: no views to make
         else:
             members = [t.reshape(-1) for t in tensors]
-        return self.fold_hops_trimmed(plan, members, multiply).reshape(first.shape)
+        out = self.fold_hops_trimmed(plan, members, multiply)
+        return out if members is tensors else out.reshape(first.shape)
 
     def product(self, tensors: Tensors) -> torch.Tensor:
         """Multiply the per-rank ``tensors`` in this model's order (its plan), rounding each partial product."""

@@ -113,11 +113,13 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from simdist.reduce import native
 from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, may_hold_nan
 from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, fold
 
@@ -360,8 +362,15 @@ class Gloo(ReductionModel):
         tensors that division raises torch's ``RuntimeError``, and so does this,
         with the SUM (which real gloo has written into the tensor by then) as
         the exception's ``written`` attribute. Complex and bool tensors are
-        reduced as gloo reduces them (`_ring_view`).
+        reduced as gloo reduces them (`_ring_view`). Contiguous fp32/fp64/bf16/fp16 members on CPU go straight
+        to the native kernel (`simdist.reduce.native`) for SUM and PRODUCT: the same bits, read in memory order.
         """
+        if (op is ReduceOp.SUM or op is ReduceOp.PRODUCT) and native.available() and len(tensors):
+            first = tensors[0]
+            plan = ring_plan(len(tensors), first.numel(), first.element_size(), self.max_segment_bytes)
+            out = native.fold(plan, tensors, op is ReduceOp.PRODUCT, flat=True)
+            if out is not None:
+                return out
         return self._reduced(tensors, op, "all_reduce", for_reduce=False)
 
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
@@ -481,7 +490,11 @@ class Gloo(ReductionModel):
 
     def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
         """The plan's fold with gloo's NaN bits: the plain fold is exact except where its result is NaN
-        (`_arith_walk`); with 2 members the fold needs no plan (one operation, any order)."""
+        (`_arith_walk`); with 2 members the fold needs no plan (one operation, any order). The native kernel
+        (`simdist.reduce.native`) computes the same bits in one loop where it applies."""
+        out = native.fold(plan, members, multiply)
+        if out is not None:
+            return out
         if plan.n == 2:
             out = fold(members, multiply)
             hops = None
@@ -498,13 +511,46 @@ class Gloo(ReductionModel):
         return _arith_walk(flat, multiply).view(out.shape)
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs)."""
+        """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs); the
+        native kernel reads the stacked members in place (batch dimensions of any strides); without it, two
+        members are one add and the NaN screen."""
+        out = self._native_many(stacked, shape)
+        if out is not None:
+            return out
+        if stacked.shape[0] == 2 and stacked.is_floating_point():
+            # two members: the same IEEE value in either order, so one add over the layout as it is; only a NaN
+            # result needs the walk (its bits depend on which member receives)
+            out = torch.add(stacked[0], stacked[1])
+            if not may_hold_nan(out):
+                return out
         if stacked.dtype != torch.bool and not stacked.is_complex():
             return super().sum_many(stacked, shape)
         shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
         viewed, restore = _ring_view(stacked, ReduceOp.SUM, "all_reduce")
         assert isinstance(viewed, torch.Tensor)
         return restore(super().sum_many(viewed, shape + tuple(viewed.shape[stacked.dim() :])))
+
+    def sum_many_into(
+        self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """`ReductionModel.sum_many_into`: the native kernel writes every member's copy in the same pass."""
+        if stacked.dim() > 1 and native.available():
+            numel = math.prod(stacked.shape[2:] if shape is None else shape)
+            plan = self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
+            if plan is not None and native.fold_into(plan, stacked, out):
+                return out
+        return super().sum_many_into(stacked, out, shape)
+
+    def _native_many(
+        self, stacked: torch.Tensor, shape: Sequence[int] | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """`sum_many` (into ``out``) by the native kernel, reading the stacked members in place; None where it
+        does not apply."""
+        if stacked.dim() < 2 or not native.available():
+            return None
+        numel = math.prod(stacked.shape[2:] if shape is None else shape)
+        plan = self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
+        return None if plan is None else native.fold(plan, stacked, out=out)
 
     def _hops(self, rows: Rows, for_reduce: bool = False) -> tuple[list[torch.Tensor], int]:
         """``(hops, chunks)``: ``hops[j]`` holds, per element, the value hop ``j`` of its chunk's

@@ -87,6 +87,8 @@ class FoldPlan:
     _copied: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _index: dict = field(init=False, repr=False, compare=False)
     _view: tuple = field(init=False, repr=False, compare=False)
+    packed: object = field(default=None, init=False, repr=False, compare=False)
+    """The plan as `simdist.reduce.native`'s kernel reads it (built there on first use; None until then)."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.period < 1 or self.length < 1:
