@@ -264,7 +264,8 @@ def test_the_ring_models_cached_plans_hold_no_per_element_index():
     plan = model.plan(512, 2, torch.float32)
     for count in range(1, 17):
         stacked = _inputs(512, 2 * count, seed=count).view(512, count, 2)
-        assert torch.equal(model.sum_many(stacked, (2,))[count - 1], model.reduce(stacked[:, count - 1]))
+        with native.disabled():  # the eager path's per-batch-size indexes are what is bounded here
+            assert torch.equal(model.sum_many(stacked, (2,))[count - 1], model.reduce(stacked[:, count - 1]))
     chunk_rows = [t for key, t in plan._index.items() if isinstance(key, tuple)]  # (count, device) keys
     assert 1 <= len(chunk_rows) <= 4
     assert sum(t.numel() * t.element_size() for t in chunk_rows) <= 4 * ROW_GATHER_LIMIT * 8
