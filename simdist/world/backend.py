@@ -141,6 +141,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self.key = (name, ranks)  # the group's call sequence in the engine
         self.global_rank = ranks[rank]
         self.gloo_rules = model.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
+        self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
 
     # -- identity ---------------------------------------------------------------
 
@@ -176,6 +177,10 @@ class SimProcessGroup(dist.ProcessGroup):
         call.inputs = _untracked(call.inputs)
         if call.outputs:
             call.outputs = _untracked(call.outputs)
+        return self._go(call, complete, result)
+
+    def _go(self, call: Call, complete: Complete, result: list[torch.Tensor]) -> DoneWork:
+        """`_run` after the call's tensors are untracked (`allreduce` passes ``.data`` aliases itself)."""
         if Engine.observers:
             observed(call, complete, "dist", self._observed_group, lambda c: self.transport.collective(self, call, c))
         else:
@@ -189,6 +194,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op = cc.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
+            call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
+            return self._go(call, complete, tensors)
         return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
