@@ -142,6 +142,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self.global_rank = ranks[rank]
         self.gloo_rules = model.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
         self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
+        self._done = DoneWork()  # the Work of c10d's synchronous all_reduce (see `allreduce`)
 
     # -- identity ---------------------------------------------------------------
 
@@ -177,15 +178,15 @@ class SimProcessGroup(dist.ProcessGroup):
         call.inputs = _untracked(call.inputs)
         if call.outputs:
             call.outputs = _untracked(call.outputs)
-        return self._go(call, complete, result)
+        self._go(call, complete)
+        return DoneWork(result)
 
-    def _go(self, call: Call, complete: Complete, result: list[torch.Tensor]) -> DoneWork:
+    def _go(self, call: Call, complete: Complete) -> None:
         """`_run` after the call's tensors are untracked (`allreduce` passes ``.data`` aliases itself)."""
         if Engine.observers:
             observed(call, complete, "dist", self._observed_group, lambda c: self.transport.collective(self, call, c))
         else:
             self.transport.collective(self, call, complete)
-        return DoneWork(result)
 
     def _observed_group(self) -> str:
         return f"{self.label}, backend simdist"
@@ -196,7 +197,14 @@ class SimProcessGroup(dist.ProcessGroup):
         op = cc.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
             call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
-            return self._go(call, complete, tensors)
+            self._go(call, complete)
+            if opts is not None and not opts.asyncOp:
+                # c10d's synchronous dist.all_reduce waits on the Work and drops it: one finished Work per group
+                # serves every such call (a new Work costs a C++ object per rank and collective)
+                done = self._done
+                done._result = tensors
+                return done
+            return DoneWork(tensors)
         return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):

@@ -347,3 +347,24 @@ def test_a_mismatch_after_cached_all_reduces_is_still_caught(change):
     dtype or op must still be a mismatch naming the collective."""
     with pytest.raises(CollectiveMismatchError, match="collective #6 on world"):
         simdist.spawn(_cached_then_mismatched, N, change, timeout_s=HANG_BOUND_S)
+
+
+def _works(rank: int) -> tuple:
+    a, b = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    first = dist.all_reduce(a, async_op=True)
+    second = dist.all_reduce(b, async_op=True)
+    synchronous = dist.all_reduce(torch.zeros(4))
+    third = dist.all_reduce(torch.zeros(4), async_op=True)
+    fourth = dist.all_reduce(torch.zeros(4), async_op=True)
+    return (
+        first.wait() and first.result()[0] is a and first.get_future().wait()[0] is a,
+        second.wait() and second.result()[0] is b,
+        synchronous,
+        third is not fourth,
+    )
+
+
+def test_async_all_reduces_each_get_their_own_work():
+    """The backend serves c10d's synchronous all_reduce from one finished Work per group (it is waited on and
+    dropped); an async all_reduce's Work must still be its own, holding its own tensor."""
+    assert simdist.spawn(_works, 2) == [(True, True, None, True)] * 2
