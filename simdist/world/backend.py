@@ -188,6 +188,17 @@ class SimProcessGroup(dist.ProcessGroup):
         else:
             self.transport.collective(self, call, complete)
 
+    def _finished(self, opts, result: list[torch.Tensor]) -> DoneWork:
+        """The Work of a finished collective: c10d's synchronous calls (``opts.asyncOp`` False: every c10d
+        function without ``async_op=True``; options made elsewhere default to True) wait on it and drop it, so one
+        Work per group serves them all (a new one costs a C++ object per rank and collective); any other call
+        gets its own."""
+        if opts is not None and not opts.asyncOp:
+            done = self._done
+            done._result = result
+            return done
+        return DoneWork(result)
+
     def _observed_group(self) -> str:
         return f"{self.label}, backend simdist"
 
@@ -198,13 +209,7 @@ class SimProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
             call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
             self._go(call, complete)
-            if opts is not None and not opts.asyncOp:
-                # c10d's synchronous dist.all_reduce waits on the Work and drops it: one finished Work per group
-                # serves every such call (a new Work costs a C++ object per rank and collective)
-                done = self._done
-                done._result = tensors
-                return done
-            return DoneWork(tensors)
+            return self._finished(opts, tensors)
         return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -288,7 +293,9 @@ class SimProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
-        return self._run(cc.barrier(self, self.global_rank, sys._getframe(1)), [])
+        call, complete = cc.barrier(self, self.global_rank, sys._getframe(1))
+        self._go(call, complete)
+        return self._finished(opts, [])
 
     # -- point to point -------------------------------------------------------------
 

@@ -356,15 +356,17 @@ def _works(rank: int) -> tuple:
     synchronous = dist.all_reduce(torch.zeros(4))
     third = dist.all_reduce(torch.zeros(4), async_op=True)
     fourth = dist.all_reduce(torch.zeros(4), async_op=True)
+    barriers = dist.barrier(async_op=True), dist.barrier(), dist.barrier(async_op=True)
     return (
         first.wait() and first.result()[0] is a and first.get_future().wait()[0] is a,
         second.wait() and second.result()[0] is b,
         synchronous,
         third is not fourth,
+        barriers[0] is not barriers[2] and barriers[1] is None and barriers[0].wait() and barriers[0].result() == [],
     )
 
 
 def test_async_all_reduces_each_get_their_own_work():
-    """The backend serves c10d's synchronous all_reduce from one finished Work per group (it is waited on and
-    dropped); an async all_reduce's Work must still be its own, holding its own tensor."""
-    assert simdist.spawn(_works, 2) == [(True, True, None, True)] * 2
+    """The backend serves c10d's synchronous all_reduce and barrier from one finished Work per group (it is
+    waited on and dropped); an async one's Work must still be its own, an all_reduce's holding its own tensor."""
+    assert simdist.spawn(_works, 2) == [(True, True, None, True, True)] * 2
