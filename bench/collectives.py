@@ -34,7 +34,13 @@ of SimWorld (engine, checks, Python, and the model running slower among four
 threads than alone), the isolation swaps of `simdist.spawn` (a bare engine
 barrier with and without `RankIsolation`) and the rest of the backend (c10d's
 Python layer, the backend's per-call path); and the least any front end on OS
-threads can take: handoffs + model + writes.
+threads can take: handoffs + model + writes. Both rests are then split once
+more by running SimWorld and the backend on a model that does no arithmetic
+(`_NoArithmetic`): what is left is the front end's own engine, checks and
+Python, and SimWorld's rest minus it is the model running slower inside the
+front end than alone (partly so on one thread too: the 4 ranks' calls driven
+from one thread cost about 20 us more with the model than the model alone plus
+the same calls on the no-arithmetic model; more among the rank threads).
 
 A third table times the rank-batched engine's all_reduce (`simdist.gradpath.batched.BatchedOps`: the 4
 ranks are one ``[batch, 4, 1024]`` tensor, the group is a view, gloo's order applied as a per-element plan)
@@ -364,6 +370,14 @@ def _nothing(calls: list) -> None:
     """A barrier's completion."""
 
 
+class _NoArithmetic(Gloo):
+    """The `Gloo` model with a reduction that does no arithmetic (the first member's tensor is the result): a
+    front end on it costs its engine, checks and Python, the handoffs and the writes, without the model."""
+
+    def reduce(self, tensors, op=None):  # type: ignore[override]
+        return tensors[0]
+
+
 def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, float]:
     """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
     the machine hits every part alike: the plain fold, the model + writes (``floor``), SimWorld's and the
@@ -372,6 +386,7 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
     numel, n = 1024, SPEC.world_size
     xs = [_input(numel) for _ in range(n)]
     model = Gloo()
+    bare_world = SimWorld(SPEC, reduction=_NoArithmetic())
 
     def writes() -> None:
         for x in xs:
@@ -389,6 +404,8 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
         "bare": lambda: engine_barriers(iters, False),
         "simbar": lambda: world.run(timed_loop, numel, iters, 1, True)[0],
         "bbar": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, True)[0],
+        "sim0": lambda: bare_world.run(timed_loop, numel, iters, 1)[0],
+        "backend0": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, reduction=_NoArithmetic())[0],
     }
     laps: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
@@ -417,6 +434,14 @@ def split_rows(us: dict[str, float]) -> None:
     ]
     print("\nwhere a 4-rank all_reduce of 1024 fp32 goes (us, each part alone, interleaved in one run)")
     for name, value in rows:
+        print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
+    sub_rows = [
+        ("SimWorld rest without the model's arithmetic", us["sim0"] - us["writes"] - us["ring"]),
+        ("the model slower inside the front end than alone", sim_us - us["sim0"] - us["model"]),
+        ("backend rest without the model's arithmetic", us["backend0"] - us["sim0"] - isolation),
+    ]
+    print("the rests split by running SimWorld and the backend on a model with no arithmetic (same run):")
+    for name, value in sub_rows:
         print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
     print(
         f"{'barriers: SimWorld':>46} {us['simbar']:>8.1f}   backend {us['bbar']:.1f}   bare engine "

@@ -141,6 +141,8 @@ class SimProcessGroup(dist.ProcessGroup):
         self.key = (name, ranks)  # the group's call sequence in the engine
         self.global_rank = ranks[rank]
         self.gloo_rules = model.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
+        self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
+        self._done = DoneWork()  # the Work of c10d's synchronous all_reduce (see `allreduce`)
 
     # -- identity ---------------------------------------------------------------
 
@@ -176,10 +178,25 @@ class SimProcessGroup(dist.ProcessGroup):
         call.inputs = _untracked(call.inputs)
         if call.outputs:
             call.outputs = _untracked(call.outputs)
+        self._go(call, complete)
+        return DoneWork(result)
+
+    def _go(self, call: Call, complete: Complete) -> None:
+        """`_run` after the call's tensors are untracked (`allreduce` passes ``.data`` aliases itself)."""
         if Engine.observers:
             observed(call, complete, "dist", self._observed_group, lambda c: self.transport.collective(self, call, c))
         else:
             self.transport.collective(self, call, complete)
+
+    def _finished(self, opts, result: list[torch.Tensor]) -> DoneWork:
+        """The Work of a finished collective: c10d's synchronous calls (``opts.asyncOp`` False: every c10d
+        function without ``async_op=True``; options made elsewhere default to True) wait on it and drop it, so one
+        Work per group serves them all (a new one costs a C++ object per rank and collective); any other call
+        gets its own."""
+        if opts is not None and not opts.asyncOp:
+            done = self._done
+            done._result = result
+            return done
         return DoneWork(result)
 
     def _observed_group(self) -> str:
@@ -189,6 +206,10 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op = cc.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
+            call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
+            self._go(call, complete)
+            return self._finished(opts, tensors)
         return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -272,7 +293,9 @@ class SimProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
-        return self._run(cc.barrier(self, self.global_rank, sys._getframe(1)), [])
+        call, complete = cc.barrier(self, self.global_rank, sys._getframe(1))
+        self._go(call, complete)
+        return self._finished(opts, [])
 
     # -- point to point -------------------------------------------------------------
 

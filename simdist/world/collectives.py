@@ -63,6 +63,7 @@ class Members(Protocol):
     model: ReductionModel
     gloo_rules: bool  # refuse what torch's gloo backend refuses (the model's ``gloo_rules``)
     ranks: tuple[int, ...]  # global ranks in group-rank order
+    checked: dict  # `all_reduce_one`'s cache: checks passed, signature and completion per (op, shape, dtype)
 
 
 # -- reduce ops --------------------------------------------------------------------
@@ -98,9 +99,18 @@ def resolve_op(op: Any) -> Op:
     return found
 
 
+_MEMBER_OPS: dict[int, Op] = {}  # id of a `ReduceOp` member -> its Op (members live as long as the enum)
+
+
 def named_op(op: ReduceOp | str) -> Op:
     """The `Op` of simdist's `ReduceOp` (or its name), as a `Comm` passes it."""
-    name = op.name if isinstance(op, ReduceOp) else ReduceOp.coerce(op).name
+    found = _MEMBER_OPS.get(id(op))  # an enum's .name and hash are Python code: this runs on every collective
+    if found is not None:
+        return found
+    if isinstance(op, ReduceOp):
+        found = _MEMBER_OPS[id(op)] = named_op(op.name)
+        return found
+    name = ReduceOp.coerce(op).name
     found = _NAMED.get(name)
     if found is None:
         found = _NAMED[name] = Op(name)
@@ -348,6 +358,34 @@ def all_reduce(m: Members, rank: int, frame: Any, tensors: Sequence[torch.Tensor
                 write_bytes(calls[i].inputs[k], result)
 
     call = Call(rank, ("all_reduce", label, op.shown, *_meta(tensors)), frame, tuple(tensors))
+    return call, complete
+
+
+CHECKED_LIMIT = 256
+"""The most (op, shape, dtype) entries `all_reduce_one` keeps per group (then it starts afresh)."""
+
+
+def all_reduce_one(m: Members, rank: int, frame: Any, tensor: torch.Tensor, op: Op) -> Prepared:
+    """`all_reduce` of one tensor, its checks run once per (op, shape, dtype) on the group (the hot path).
+
+    The checks of `all_reduce` depend on the op and the dtype only, its
+    signature on the op, shape and dtype, its completion on the op: the first
+    call with a key runs `all_reduce` and keeps what it made in ``m.checked``;
+    later calls with the same key reuse the signature and completion (a
+    mismatch between ranks still shows: a rank calling with another shape or
+    dtype has another key, so another signature). ``PREMUL_SUM`` (its factor is
+    per call) is never cached.
+    """
+    key = (op, tensor.shape, tensor.dtype)
+    checked = m.checked
+    found = checked.get(key)
+    if found is not None:
+        return Call(rank, found[0], frame, (tensor,)), found[1]
+    call, complete = all_reduce(m, rank, frame, (tensor,), op)
+    if op.name != "PREMUL_SUM":
+        if len(checked) >= CHECKED_LIMIT:
+            checked.clear()
+        checked[key] = (call.signature, complete)
     return call, complete
 
 

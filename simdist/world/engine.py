@@ -132,10 +132,11 @@ class Call:
 class _Pending:
     """A collective some members of a group have entered."""
 
-    __slots__ = ("calls", "error", "members")
+    __slots__ = ("calls", "error", "members", "signature")
 
-    def __init__(self, members: tuple[int, ...]) -> None:
+    def __init__(self, members: tuple[int, ...], signature: tuple) -> None:
         self.members = members
+        self.signature = signature  # the first arrival's: every later one must equal it
         self.calls: dict[int, Call] = {}
         self.error: BaseException | None = None
 
@@ -361,8 +362,8 @@ class Engine:
             pkey = (key, seq)
             pending = self.pending.get(pkey)
             if pending is None:
-                pending = self.pending[pkey] = _Pending(members)
-            elif call.signature != next(iter(pending.calls.values())).signature:
+                pending = self.pending[pkey] = _Pending(members, call.signature)
+            elif call.signature != pending.signature:
                 pending.calls[rank] = call
                 lines = "\n  ".join(pending.calls[r].describe() for r in sorted(pending.calls))
                 missing = [r for r in members if r not in pending.calls]

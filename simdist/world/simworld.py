@@ -43,7 +43,7 @@ from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 class _Members:
     """SimComm's view of one `Group` for `simdist.world.collectives` (built once per group and communicator)."""
 
-    __slots__ = ("gloo_rules", "group", "kind", "label", "model", "ranks", "size")
+    __slots__ = ("checked", "gloo_rules", "group", "kind", "label", "model", "ranks", "size")
 
     def __init__(self, group: Group, model: ReductionModel) -> None:
         self.group = group
@@ -53,6 +53,7 @@ class _Members:
         self.gloo_rules = model.gloo_rules
         self.ranks = group.ranks
         self.size = len(group.ranks)
+        self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
 
 
 class SimComm:
@@ -119,7 +120,7 @@ class SimComm:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
         """Reduce ``tensor`` across ``group`` in place with the group's reduction model."""
         m = self._resolve(group)
-        self._run(m, cc.all_reduce(m, self._rank, sys._getframe(1), (tensor,), cc.named_op(op)))
+        self._run(m, cc.all_reduce_one(m, self._rank, sys._getframe(1), tensor, cc.named_op(op)))
 
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None

@@ -321,3 +321,52 @@ def test_views_that_gloo_would_move_by_memory_are_refused_on_the_gloo_model_only
         return t
 
     assert simdist.spawn(transposed, 2)[0].tolist() == (torch.arange(6.0).view(2, 3) + 10).t().tolist()
+
+
+def _cached_then_mismatched(rank: int, change: str) -> None:
+    t = torch.zeros(4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t.double())
+    dist.all_reduce(torch.zeros(5))
+    if rank != 1:
+        dist.all_reduce(t)
+    elif change == "shape":
+        dist.all_reduce(torch.zeros(5))
+    elif change == "dtype":
+        dist.all_reduce(t.double())
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "op"])
+def test_a_mismatch_after_cached_all_reduces_is_still_caught(change):
+    """The backend's all_reduce caches its checks and signature per (op, shape, dtype) on each group
+    (collectives.all_reduce_one): once matching calls have filled the cache, a rank calling with another shape,
+    dtype or op must still be a mismatch naming the collective."""
+    with pytest.raises(CollectiveMismatchError, match="collective #6 on world"):
+        simdist.spawn(_cached_then_mismatched, N, change, timeout_s=HANG_BOUND_S)
+
+
+def _works(rank: int) -> tuple:
+    a, b = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    first = dist.all_reduce(a, async_op=True)
+    second = dist.all_reduce(b, async_op=True)
+    synchronous = dist.all_reduce(torch.zeros(4))
+    third = dist.all_reduce(torch.zeros(4), async_op=True)
+    fourth = dist.all_reduce(torch.zeros(4), async_op=True)
+    barriers = dist.barrier(async_op=True), dist.barrier(), dist.barrier(async_op=True)
+    return (
+        first.wait() and first.result()[0] is a and first.get_future().wait()[0] is a,
+        second.wait() and second.result()[0] is b,
+        synchronous,
+        third is not fourth,
+        barriers[0] is not barriers[2] and barriers[1] is None and barriers[0].wait() and barriers[0].result() == [],
+    )
+
+
+def test_async_all_reduces_each_get_their_own_work():
+    """The backend serves c10d's synchronous all_reduce and barrier from one finished Work per group (it is
+    waited on and dropped); an async one's Work must still be its own, an all_reduce's holding its own tensor."""
+    assert simdist.spawn(_works, 2) == [(True, True, None, True, True)] * 2

@@ -285,3 +285,32 @@ def test_cuda_tensors_reduce_to_the_cpu_bits():
 @given(float_values(torch.float32, min_exponent=-3, max_exponent=3))
 def test_float_values_strategy_respects_the_exponent_window(value):
     assert value == 0 or 2.0**-3 <= abs(value) < 2.0**4
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "op"])
+def test_a_mismatch_after_cached_calls_is_still_caught(change):
+    """all_reduce's checks and signature are cached per (op, shape, dtype) on each group (collectives.
+    all_reduce_one): after matching calls have filled the caches (on the world and on tp), one rank calling with
+    another shape, dtype or op must still be a mismatch (a cache keyed too coarsely would hand it the cached
+    signature of another call)."""
+
+    def fn(comm):
+        t = torch.zeros(4)
+        for _ in range(3):
+            comm.all_reduce(t)
+        comm.all_reduce(t, op=ReduceOp.MAX)
+        comm.all_reduce(t.double())
+        comm.all_reduce(torch.zeros(5))
+        comm.all_reduce(t, group=comm.group("tp"))
+        if comm.get_rank() != 1:
+            comm.all_reduce(t)
+        elif change == "shape":
+            comm.all_reduce(torch.zeros(5))
+        elif change == "dtype":
+            comm.all_reduce(t.double())
+        else:
+            comm.all_reduce(t, op=ReduceOp.MAX)
+
+    with pytest.raises(CollectiveMismatchError, match="collective #6 on world") as info:
+        SimWorld(SPEC).run(fn)
+    assert "rank 1: all_reduce(group=world{0,1,2,3}" in str(info.value)
