@@ -129,8 +129,9 @@ class GradPath:
         norm: bool = True,
     ) -> None:
         self.ops, self.policy, self.config, self.tp, self.dp = ops, policy, config, tp, dp
-        self.capture, self.scalar = capture, scalar
         self.capturing = capture is not None
+        self.capture: Callable[[int, int, str, str, torch.Tensor], None] = capture or _capture_nothing
+        self.scalar = scalar
         self.norm = norm or config.max_norm > 0
         self.slots: list[Slot] = []
         self.by_name: dict[str, Slot] = {}
@@ -434,3 +435,7 @@ def adamw_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _capture_nothing(step: int, micro: int, param: str, stage: str, value: torch.Tensor) -> None:
+    """The capture of a path that keeps nothing (its calls are skipped: ``capturing`` is False)."""

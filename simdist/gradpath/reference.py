@@ -185,7 +185,7 @@ class Oracle:
         fused = self._fused if capture is None and hp_flat is not None else None
         for micro in range(gas):
             grads = local_grads(micro, _PerRank(self.lp, self.params))
-            if fused is not None and fused.micro_step(self, grads, hp_flat):
+            if fused is not None and hp_flat is not None and fused.micro_step(self, grads, hp_flat):
                 continue
             for p in self.trained:
                 reduces, divides = correction(p.family, tp)
@@ -204,7 +204,7 @@ class Oracle:
                     seen(step, micro, p.name, Capture.CORRECTED, value)
                 hp[p.name] += value
                 seen(step, micro, p.name, Capture.HP, hp[p.name])
-        grad = fused.boundary(self, hp_flat) if fused is not None else None
+        grad = fused.boundary(self, hp_flat) if fused is not None and hp_flat is not None else None
         if grad is None:
             flat_grads: list[torch.Tensor] = []
             for p in self.trained:
