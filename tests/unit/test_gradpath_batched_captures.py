@@ -39,6 +39,6 @@ def test_capturing_nothing_changes_no_bit(name):
         boundary |= {"clipped", "master", "adam_m", "adam_v", "param"}
         got = {(m, stage) for (step, m, param, stage) in traces[None].values if step == 0 and param == slot.spec.name}
         assert {(m, c) for m, c in got if m != 1} == {(0, c) for c in micro} | {(BOUNDARY, c) for c in boundary}
-    assert runs[frozenset()].path.capture is None and runs[None].path.capture is not None
+    assert not runs[frozenset()].path.capturing and runs[None].path.capturing
     for key, value in runs[None].state().items():
         assert bitwise_equal(runs[frozenset()].state()[key], value), (name, key)
