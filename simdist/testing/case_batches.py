@@ -34,6 +34,7 @@ from simdist.testing.strategies import (
     PEER_LAYOUTS,
     VALUE_MODES,
     GradientBatch,
+    check_modes_and_layouts,
     parallel_specs,
 )
 from simdist.world.spec import ParallelSpec
@@ -184,12 +185,7 @@ def case_batches(
     """A `CaseBatch` of ``cases`` independent cases, each as `simdist.testing.strategies.gradient_batches` draws
     one, in two draws: one integer whose bytes are every case's values (its 16 bits each) and one byte string
     with every case's mode and layout bytes. Both shrink towards zero (mode ``zeros``, independent peers)."""
-    for name in modes:
-        if name not in VALUE_MODES:
-            raise ValueError(f"unknown value mode {name!r}; valid: {', '.join(VALUE_MODES)}")
-    for name in layouts:
-        if name not in PEER_LAYOUTS:
-            raise ValueError(f"unknown peer layout {name!r}; valid: {', '.join(PEER_LAYOUTS)}")
+    check_modes_and_layouts(modes, layouts)
     return _case_batches(spec, tuple(params), steps, gas, cases, tuple(modes), tuple(layouts))
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -486,12 +487,7 @@ def gradient_batches(
     towards zero: zero tensors (mode ``zeros``) and independent peers, so a shrunk example keeps values
     only where they matter.
     """
-    for name in modes:
-        if name not in VALUE_MODES:
-            raise ValueError(f"unknown value mode {name!r}; valid: {', '.join(VALUE_MODES)}")
-    for name in layouts:
-        if name not in PEER_LAYOUTS:
-            raise ValueError(f"unknown peer layout {name!r}; valid: {', '.join(PEER_LAYOUTS)}")
+    check_modes_and_layouts(modes, layouts)
     return _gradient_batches(spec, tuple(params), steps, gas, tuple(modes), tuple(layouts))
 
 
@@ -573,3 +569,13 @@ def oracle_cases(draw, spec: ParallelSpec | None = None, max_world_size: int = 8
     gas = draw(st.integers(1, 4))
     steps = draw(st.integers(1, 2))
     return spec, gas, steps, draw(gradient_batches(spec, COMPACT_PARAMS, steps, gas))
+
+
+def check_modes_and_layouts(modes: Sequence[str], layouts: Sequence[str]) -> None:
+    """Refuse value modes and peer layouts the gradient decoders do not know, naming the valid ones."""
+    for name in modes:
+        if name not in VALUE_MODES:
+            raise ValueError(f"unknown value mode {name!r}; valid: {', '.join(VALUE_MODES)}")
+    for name in layouts:
+        if name not in PEER_LAYOUTS:
+            raise ValueError(f"unknown peer layout {name!r}; valid: {', '.join(PEER_LAYOUTS)}")
