@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import simdist.cli
 from simdist.cli import main
 from simdist.reduce.gloo import Gloo
 from simdist.studies.crosscheck import CrossCheck, train_and_dump
@@ -159,7 +160,9 @@ def test_compare_says_in_one_line_when_dumps_are_not_the_same_run(dumps, tmp_pat
     # test_cli.py::test_the_installed_command_gives_one_line_and_status_2 runs it as a real process)
     monkeypatch.setattr(sys, "argv", ["simdist", "compare", a, str(dumps / "a" / "fp32_staging")])
     with pytest.raises(SystemExit) as exited:
-        runpy.run_module("simdist.cli", run_name="__main__", alter_sys=True)
+        # run_path, not run_module: under pytest the package is marked for assertion rewriting (its pytest11
+        # plugin), and that import hook cannot hand runpy a module's code (AttributeError: get_code)
+        runpy.run_path(str(Path(simdist.cli.__file__).with_name("__main__.py")), run_name="__main__")
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip() == (
         'simdist: error: the dumps do not describe the same run: policy differs ("bf16_writeback" vs "fp32_staging")'
