@@ -107,7 +107,7 @@ class BatchedOps:
         return self.models.get(kind, self.default_model)
 
     def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
-        model = model or self.models.get(kind, self.default_model)
+        model = model or self.model_for(kind)
         layout, members, where, count, k = self._tables[kind]
         dims = value.shape
         batch, shape = dims[0], dims[2:]

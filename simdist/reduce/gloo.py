@@ -514,7 +514,8 @@ class Gloo(ReductionModel):
         """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs); the
         native kernel reads the stacked members in place (batch dimensions of any strides); without it, two
         members are one add and the NaN screen."""
-        out = self._native_many(stacked, shape)
+        plan = self._native_plan(stacked, shape)
+        out = native.fold(plan, stacked) if plan is not None else None
         if out is not None:
             return out
         if stacked.shape[0] == 2 and stacked.is_floating_point():
@@ -534,23 +535,18 @@ class Gloo(ReductionModel):
         self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
     ) -> torch.Tensor:
         """`ReductionModel.sum_many_into`: the native kernel writes every member's copy in the same pass."""
-        if stacked.dim() > 1 and native.available():
-            numel = math.prod(stacked.shape[2:] if shape is None else shape)
-            plan = self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
-            if plan is not None and native.fold_into(plan, stacked, out):
-                return out
+        plan = self._native_plan(stacked, shape)
+        if plan is not None and native.fold_into(plan, stacked, out):
+            return out
         return super().sum_many_into(stacked, out, shape)
 
-    def _native_many(
-        self, stacked: torch.Tensor, shape: Sequence[int] | None, out: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """`sum_many` (into ``out``) by the native kernel, reading the stacked members in place; None where it
-        does not apply."""
+    def _native_plan(self, stacked: torch.Tensor, shape: Sequence[int] | None) -> FoldPlan | None:
+        """The plan the native kernel folds a stacked ``[n, *batch, *shape]`` input with (it reads the members in
+        place); None where the kernel is off or there is nothing to fold."""
         if stacked.dim() < 2 or not native.available():
             return None
         numel = math.prod(stacked.shape[2:] if shape is None else shape)
-        plan = self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
-        return None if plan is None else native.fold(plan, stacked, out=out)
+        return self.plan(stacked.shape[0], numel, stacked.dtype) if numel else None
 
     def _hops(self, rows: Rows, for_reduce: bool = False) -> tuple[list[torch.Tensor], int]:
         """``(hops, chunks)``: ``hops[j]`` holds, per element, the value hop ``j`` of its chunk's

@@ -636,7 +636,6 @@ def fold(
     plan: FoldPlan,
     members: torch.Tensor | Sequence[torch.Tensor],
     multiply: bool = False,
-    out: torch.Tensor | None = None,
     flat: bool = False,
     gloo_nan: bool = True,
 ) -> torch.Tensor | None:
@@ -646,9 +645,8 @@ def fold(
     ``members``: ``n`` contiguous CPU tensors of one dtype and shape (``[numel]`` unless the plan is uniform;
     any shape with ``flat``, read in memory order as gloo reads them), or one stacked ``[n, *batch, *member]``
     tensor (``member`` holding ``numel`` contiguous elements, the batch dimensions of any strides). The result
-    is a new contiguous tensor of shape ``members[0].shape``; or, with ``out`` (a stacked input only), ``out``
-    itself: a tensor of the members' shape, its member dimensions contiguous, whose every member row ``out[r]``
-    receives the result (an all-reduce's writes). ``gloo_nan=False`` is for a plain left fold whose NaN bits
+    is a new contiguous tensor of shape ``members[0].shape`` (`fold_into` writes it into every member row of a
+    given tensor instead: an all-reduce's writes). ``gloo_nan=False`` is for a plain left fold whose NaN bits
     are torch's (`ReductionModel.fold_hops`): its values are the same, and where a result is NaN the kernel
     gives up (None) for the eager path to produce torch's bits.
     """
@@ -661,15 +659,9 @@ def fold(
         code = _CODES.get(dtype)
         if code is None or not members.is_cpu or members.requires_grad:
             return None
-        if out is None:
-            result = torch.empty(members.shape[1:], dtype=dtype)
-        elif out.dtype is dtype and out.is_cpu:
-            result = out
-        else:
-            return None
-        done = kernel.fold(plan.packed or _packed(plan), code + mode, members, result, out is not None)
-        return result if done else None
-    if out is not None or not members:
+        result = torch.empty(members.shape[1:], dtype=dtype)
+        return result if kernel.fold(plan.packed or _packed(plan), code + mode, members, result, 0) else None
+    if not members:
         return None
     first = members[0]
     code = _CODES.get(first.dtype)
