@@ -319,11 +319,15 @@ class _FusedPairs:
         self.dp_kind = next(iter(sorted(kinds)), "dp")
         self.dp_ready = all(pairs[k] and spec.groups(k) == spec.groups(self.dp_kind) for k in kinds)
 
-    def _pair_sums(self, model: ReductionModel, kind: str, value: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's two-member group sum of the flat ``value`` ``[*batch, rank, N]``; None if it holds a NaN."""
+    def _pair_sums(self, kind: str, value: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's two-member group sum of the flat ``value`` ``[*batch, rank, N]``; None if it holds a NaN.
+
+        One IEEE addition, written here rather than asked of the reduction model: every model performs this same
+        addition on a pair (only a NaN's payload depends on which member receives, and a NaN sends the stage to
+        the per-parameter loops, which ask the model), so the fused stage shares no code with the engine."""
         dim = value.dim() - 2
         first, second, group_of = _pair_indexes(self.spec.groups(kind), self.spec.world_size)
-        out = model.reduce([value.index_select(dim, first), value.index_select(dim, second)])
+        out = value.index_select(dim, first) + value.index_select(dim, second)
         if math.isnan(out.sum().item()):  # as in `_reduce`: a NaN anywhere makes the sum NaN
             return None
         return out.index_select(dim, group_of)
@@ -339,7 +343,7 @@ class _FusedPairs:
             parts.append(local.flatten(local.dim() - len(p.shape)))
         value = torch.cat(parts, dim=-1).to(oracle.dtype)
         if self.reduces is not None:
-            summed = self._pair_sums(oracle.tp_model, "tp", value)
+            summed = self._pair_sums("tp", value)
             if summed is None:
                 return False
             value = torch.where(self.reduces, summed, value)
@@ -352,7 +356,7 @@ class _FusedPairs:
         """The DP-reduced gradient of every trained parameter, flat; None when it cannot (see `micro_step`)."""
         if not self.dp_ready:
             return None
-        reduced = self._pair_sums(oracle.dp_model, self.dp_kind, hp)
+        reduced = self._pair_sums(self.dp_kind, hp)
         return None if reduced is None else reduced * (1.0 / self.spec.dp)
 
 
