@@ -25,14 +25,10 @@ from simdist.world.spec import ParallelSpec
 POLICIES = ("bf16_writeback", "fp32_staging", "bf16_only")
 
 
-OVERLAP = {"on": False}
-"""``--overlap``: run the oracle and the metrics on a worker thread (`run_growth`'s ``overlap``)."""
-
-
 def timed(config: GrowthConfig, out: str, progress: bool, cpu: list[float] | None = None) -> float:
     """Wall seconds of one run (its CPU seconds appended to ``cpu`` if given)."""
     start, start_cpu = time.perf_counter(), time.process_time()
-    run_growth(config, out, force=True, progress=progress, overlap=OVERLAP["on"])
+    run_growth(config, out, force=True, progress=progress)
     if cpu is not None:
         cpu.append(time.process_time() - start_cpu)
     return time.perf_counter() - start
@@ -42,8 +38,7 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
     """Where a run's time goes: ``{part: (seconds, calls)}`` of one ``steps`` x ``seeds`` run, timed by wrapping
     the parts in place (a few microseconds per call of overhead): the gradient draw, the three policies' engine
     steps and within them the reduction model's ``sum_many`` (the two-member group sums), the oracle's steps and its
-    reductions, the metrics, and the rest (checkpoints, CSV, plot; with ``--overlap`` the oracle and the metrics
-    run on a worker thread and the rest is mostly waiting for it)."""
+    reductions, the metrics, and the rest (checkpoints, CSV, plot)."""
     from simdist.gradpath.batched import BatchedPath
     from simdist.reduce import make_model
     from simdist.studies.growth import run, stream
@@ -84,9 +79,7 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
         shutil.rmtree(scratch, ignore_errors=True)
     out = {name: (seconds, calls) for name, (seconds, calls) in spent.items()}
     out["metrics"] = (out["metrics"][0] + out.pop("metrics: reference")[0], out["metrics"][1])
-    # checkpoints, CSV, plot (with --overlap the loop's thread runs only the draw and the engine: the rest is waiting)
-    parts = ("engine", "draw") if OVERLAP["on"] else ("engine", "draw", "oracle", "metrics")
-    out["rest"] = (total - sum(out[k][0] for k in parts), 1)
+    out["rest"] = (total - sum(out[k][0] for k in ("engine", "draw", "oracle", "metrics")), 1)  # checkpoints, CSV, plot
     out["total"] = (total, 1)
     return out
 
@@ -98,17 +91,12 @@ def main() -> None:
     parser.add_argument("--ratio-steps", type=int, default=1000, help="steps of the 1-vs-N seed comparison")
     parser.add_argument("--out", default="runs/bench-growth")
     parser.add_argument("--split-steps", type=int, default=2000, help="steps of the timed split (0: none)")
-    parser.add_argument("--overlap", action="store_true", help="oracle and metrics on a worker thread (same files)")
     args = parser.parse_args()
-    OVERLAP["on"] = args.overlap
 
     if args.split_steps:
         parts = split(args.split_steps, args.seeds)
         total, steps = parts["total"][0], args.split_steps
-        print(
-            f"split of a {steps}-step x {args.seeds}-seed run ({total:.1f} s; the 10k run's metrics are sparser"
-            f"{'; the oracle and the metrics on a worker thread beside the loop' if args.overlap else ''}):"
-        )
+        print(f"split of a {steps}-step x {args.seeds}-seed run ({total:.1f} s; the 10k run's metrics are sparser):")
         for name, (seconds, calls) in parts.items():
             if name == "total":
                 continue

@@ -111,7 +111,6 @@ def run_growth(
     progress: bool = True,
     plot: bool = True,
     stop_after: int | None = None,
-    overlap: bool = False,
 ) -> dict:
     """Run (or resume, or reuse) a growth study in ``out``; returns the summary.
 
@@ -123,9 +122,6 @@ def run_growth(
     ``stop_after`` (tests) raises after that many steps of this call, as a kill would
     (``model="moe"``: after that many finished (policy, seed) runs; its
     checkpoint is written after each such run and holds only their rows).
-    ``overlap`` (synthetic model) runs the oracle's steps and the metrics on a worker thread beside the policies'
-    steps (`_Beside`): the same files; faster only where a second core is free (on a loaded 2-core machine it was
-    not, and it costs CPU time in GIL handoffs).
     """
     config.validate()
     out = Path(out)
@@ -149,7 +145,7 @@ def run_growth(
     if config.model == GradientModel.MOE:
         metrics = _run_moe(config, ckpt, key, progress, stop_after)
     else:
-        metrics = _run_synthetic(config, ckpt, key, progress, stop_after, overlap)
+        metrics = _run_synthetic(config, ckpt, key, progress, stop_after)
     write_metrics(out / FILES["metrics"], config, metrics)
     summary = summarise(config, metrics)
     if plot:
@@ -158,9 +154,7 @@ def run_growth(
     return summary
 
 
-def _run_synthetic(
-    config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None, overlap: bool = False
-) -> np.ndarray:
+def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
     """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[row, policy, seed]``, one
     row per step of `metric_steps`."""
     from safetensors.torch import load_file, save_file
@@ -181,7 +175,7 @@ def _run_synthetic(
             buffers[policy.grad_dtype] = initial_buffer(spec, params, initial, policy.grad_dtype)
         return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, reduction=model)
 
-    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, make_model(config.reduction))
+    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, model)
     paths = [batched(p, config.marker) for p in policies]
     runs: list[_OracleRun | BatchedPath] = [oracle_run, *paths]
     recorded = metric_steps(config)  # the 1-based steps whose metrics are recorded, one row each
@@ -215,14 +209,13 @@ def _run_synthetic(
         bar = tqdm(total=config.steps, initial=start, desc="growth", unit="step")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: threading costs more than it saves
-    beside = _Beside(overlap)  # the oracle's steps and the metrics, in the order submitted (a worker if overlap)
 
-    def record(row: int, states: list[torch.Tensor]) -> None:
-        """Row ``row``: per tensor kind, every policy's state [P, S, R, N] (copies) against the oracle's [S, R, N]
-        (the worker's own, after this step: the next step is queued behind this job)."""
+    def record(row: int) -> None:
+        """Row ``row``: per tensor kind, every policy's state [P, S, R, N] against the oracle's [S, R, N]."""
         oracle = oracle_run.oracle
         per_kind = [
-            divergence_each(state, Reference(oracle.flat(kind))) for state, kind in zip(states, KINDS, strict=True)
+            divergence_each(torch.stack([getattr(path.path, kind) for path in paths]), Reference(oracle.flat(kind)))
+            for kind in KINDS
         ]
         metrics[row] = torch.cat(per_kind, dim=-1).numpy()
 
@@ -233,23 +226,19 @@ def _run_synthetic(
             def grads(_step: int, micro: int, drawn=drawn) -> dict[str, torch.Tensor]:
                 return drawn[micro]
 
-            beside.submit(oracle_run.run_step, grads)
-            for path in paths:
-                path.run_step(grads)
+            for run in runs:
+                run.run_step(grads)
             row = row_of.get(step + 1)
             if row is not None:
-                beside.submit(record, row, [torch.stack([getattr(path.path, k) for path in paths]) for k in KINDS])
+                record(row)
             if bar is not None:
                 bar.update(1)
             done = step + 1
             if done % config.checkpoint_every == 0 or done == config.steps:
-                beside.wait()  # the oracle at ``done``, every recorded row up to it
                 save_checkpoint(done)
             if stop_after is not None and done - start >= stop_after and done < config.steps:
                 raise _Interrupted(f"stopped after step {done}")
-        beside.wait()
     finally:
-        beside.close()
         torch.set_num_threads(threads)
         if bar is not None:
             bar.close()
@@ -259,45 +248,6 @@ def _run_synthetic(
 
 KINDS = ("master", "m", "v")
 """The state tensors whose divergence from the oracle the metrics record (`COLUMNS`' master, adam_m, adam_v)."""
-
-
-class _Beside:
-    """The oracle's steps and the metrics' rows, run in the order they are submitted: at once (the default), or with
-    ``threaded`` on one worker thread beside the training loop.
-
-    The loop runs the three policies' steps; the worker runs the oracle's step of the same step (it shares only the
-    read-only gradient draw) and, after it, the metrics of a recorded step from copies of the policies' states and
-    the oracle's own. torch ops release the GIL, so on a machine with a second core the two overlap. The bits are
-    those of one thread: the same ops on the same values, with the one intra-op thread the loop sets
-    (``torch.set_num_threads`` is process-wide); tested byte-identical files. At most `AHEAD` jobs wait; `wait`
-    returns when every submitted job is done (before a checkpoint and at the end) and re-raises a job's error.
-    """
-
-    AHEAD = 16
-
-    def __init__(self, threaded: bool) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="growth-beside") if threaded else None
-        self.pending: list = []
-
-    def submit(self, fn, *args) -> None:
-        if self.pool is None:
-            fn(*args)
-            return
-        self.pending.append(self.pool.submit(fn, *args))
-        if len(self.pending) > self.AHEAD:
-            self.pending.pop(0).result()
-
-    def wait(self) -> None:
-        while self.pending:
-            self.pending.pop(0).result()
-
-    def close(self) -> None:
-        """Stop the worker (jobs not yet started are dropped: only after an error or an interruption)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pending.clear()
 
 
 class _OracleRun:
