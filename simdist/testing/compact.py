@@ -166,9 +166,7 @@ def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads:
 
     The engine corrects every micro-step (``per_micro_step``), as the oracle does; both capture
     `OPTIMIZER_STAGES` (hp buffers after every micro-step, DP-reduced gradients, masters, Adam moments), and
-    every capture of every rank is compared bit for bit: all at once (one comparison of the concatenated raw
-    bytes, after checking every capture's dtype and shape), and capture by capture, rank by rank, to say where
-    they first differ when they do.
+    every capture of every rank is compared bit for bit (`first_departure`).
     """
     config = PathConfig(steps=steps, gas=gas, marker=Marker.PER_MICRO_STEP)
     sequential = Sequential()
@@ -186,30 +184,39 @@ def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads:
         dp_model=sequential,
         keep=OPTIMIZER_STAGES,
     )
-    if not staging.values:
+    return first_departure(staging.values, {key: value.unsqueeze(0) for key, value in oracle.items()}, one_case=True)
+
+
+def first_departure(engine: dict, oracle: dict, one_case: bool = False) -> str | None:
+    """Where the ``engine`` captures first differ from the ``oracle``'s, or None if they are the same bits: both
+    ``{(step, micro, param, stage): [case, rank, *shape]}``. All at once first (one comparison of the concatenated
+    raw bytes, after checking every capture's dtype and shape), then capture by capture, case by case, rank by
+    rank, to name the first difference: with its case, and a capture of another dtype or shape by that; with
+    ``one_case`` (`staging_departs_from_oracle`'s form) every difference by its rank and capture alone."""
+    if not engine:
         return "nothing was captured"
-    if staging.values.keys() == oracle.keys() and _same_bytes(staging.values, oracle):
-        return None
-    if staging.values.keys() != oracle.keys():  # every rank captures the same keys
-        return f"different captures on rank 0: {sorted(staging.values.keys() ^ oracle.keys())[:3]}"
-    for rank in range(spec.world_size):
-        for key, value in staging.values.items():
-            if not bitwise_equal(value[0, rank], oracle[key][rank]):
-                return f"(rank, step, micro, param, stage) = {(rank, *key)}"
-    return None
-
-
-def _same_bytes(batched: dict, stacked: dict) -> bool:
-    """Whether batch item 0 of every ``batched`` capture ``[1, rank, ...]`` has the dtype, shape and raw bytes of
-    the ``stacked`` capture ``[rank, ...]`` of the same key."""
+    if engine.keys() != oracle.keys():
+        return f"different captures: {sorted(engine.keys() ^ oracle.keys())[:3]}"
     ours, theirs = [], []
-    for key, value in batched.items():
-        value, other = value[0], stacked[key]
+    for key, value in engine.items():
+        other = oracle[key]
         if value.dtype != other.dtype or value.shape != other.shape:
-            return False
+            if one_case:
+                break  # named by its position below (`bitwise_equal` differs on another dtype or shape)
+            return f"capture {key}: {value.dtype} {tuple(value.shape)}, the oracle's {other.dtype} {tuple(other.shape)}"
         ours.append(value.reshape(-1).view(torch.uint8))
         theirs.append(other.reshape(-1).view(torch.uint8))
-    return torch.equal(torch.cat(ours), torch.cat(theirs))
+    else:
+        if torch.equal(torch.cat(ours), torch.cat(theirs)):
+            return None
+    first = next(iter(engine.values()))
+    for case in range(first.shape[0]):
+        for rank in range(first.shape[1]):
+            for key, value in engine.items():
+                if not bitwise_equal(value[case, rank], oracle[key][case, rank]):
+                    where = f"(rank, step, micro, param, stage) = {(rank, *key)}"
+                    return where if one_case else f"case {case}: {where}"
+    return "the raw bytes differ, yet no capture does"  # never hide a difference the byte comparison saw
 
 
 def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, dict]:
@@ -249,29 +256,6 @@ def cases_depart_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads) ->
     """Property (a) for several cases at once: where ``fp32_staging`` first differs from the independent FP32
     oracle in any case of ``grads`` (a `simdist.testing.case_batches.CaseBatch`), or ``None`` if it never does.
 
-    What `staging_departs_from_oracle` checks for one case, for every case (`run_cases`): every capture of every
-    case and rank is compared bit for bit (one comparison of the concatenated raw bytes, after checking every
-    capture's dtype and shape), and capture by capture, case by case, rank by rank, to say where they first
-    differ when they do.
+    What `staging_departs_from_oracle` checks for one case, for every case (`run_cases`, `first_departure`).
     """
-    staging, oracle = run_cases(spec, gas, steps, grads)
-    if not staging:
-        return "nothing was captured"
-    if staging.keys() != oracle.keys():
-        return f"different captures: {sorted(staging.keys() ^ oracle.keys())[:3]}"
-    ours, theirs = [], []
-    for key, value in staging.items():
-        other = oracle[key]
-        if value.dtype != other.dtype or value.shape != other.shape:
-            theirs_is = f"{other.dtype} {tuple(other.shape)}"
-            return f"capture {key}: {value.dtype} {tuple(value.shape)}, the oracle's {theirs_is}"
-        ours.append(value.reshape(-1).view(torch.uint8))
-        theirs.append(other.reshape(-1).view(torch.uint8))
-    if torch.equal(torch.cat(ours), torch.cat(theirs)):
-        return None
-    for case in range(grads.cases):
-        for rank in range(spec.world_size):
-            for key, value in staging.items():
-                if not bitwise_equal(value[case, rank], oracle[key][case, rank]):
-                    return f"case {case}: (rank, step, micro, param, stage) = {(rank, *key)}"
-    return "the raw bytes differ, yet no capture does"  # never hide a difference the byte comparison saw
+    return first_departure(*run_cases(spec, gas, steps, grads))
