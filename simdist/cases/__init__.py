@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 
 from simdist.cases.base import Case, Verdict
+from simdist.extras import install_hint
 
 _MODULES: dict[str, str] = {
     "deepspeed-8913": "simdist.cases.deepspeed_8913",
@@ -40,32 +41,17 @@ def get_case(name: str) -> Case:
     return importlib.import_module(_MODULES[name]).CASE
 
 
-EXTRAS = ("deepspeed", "megatron")
-"""The extras of ``pyproject.toml`` that cases require, named like the packages they import."""
-
-
-def install_hint(package: str) -> str:
-    """The command that installs ``package`` (a case's requirement) as this project's extra.
-
-    With simdist installed, ``pip install 'simdist-lab[extra]'`` adds just the extra's packages (pip takes the
-    installed distribution); DeepSpeed is installed with ``DS_BUILD_OPS=0`` (the cases compile no op).
-    """
-    from simdist import DISTRIBUTION
-
-    if package not in EXTRAS:
-        return f"pip install {package}"
-    prefix = "DS_BUILD_OPS=0 " if package == "deepspeed" else ""
-    checkout = f"{prefix}pip install -e '.[{package}]'"
-    return f"{prefix}pip install '{DISTRIBUTION}[{package}]' (from a source checkout: {checkout})"
-
-
 def run_case(name: str, **options) -> Verdict:
-    """Run case ``name``; ``ValueError`` naming the missing package if its framework is not installed."""
+    """Run case ``name``; ``ValueError`` for a world the case cannot run in, then for a missing extra (naming
+    the command that installs it). The world is checked first: it is the case's property, not the install's."""
     case = get_case(name)
+    world = options.get("world", "gloo")
+    if world == "threads" and case.processes_because is not None:
+        raise ValueError(f"case {name!r} runs in processes only (world 'gloo' or 'simdist'): {case.processes_because}")
     missing = case.missing()
     if missing:
-        raise ValueError(f"case {name!r} needs {', '.join(missing)}: {install_hint(missing[0])}")
+        raise ValueError(f"case {name!r} needs the {missing[0]} extra: {install_hint(missing[0])}")
     return case.run(**options)
 
 
-__all__ = ["Case", "Verdict", "case_names", "get_case", "run_case"]
+__all__ = ["Case", "Verdict", "case_names", "get_case", "install_hint", "run_case"]

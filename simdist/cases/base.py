@@ -9,10 +9,12 @@ prints its ``summary`` (or the whole dataclass as JSON).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
+
+from simdist.cases.world import PER_RANK_GLOBALS
+from simdist.extras import missing_extras
 
 
 class Verdict(Protocol):
@@ -33,9 +35,12 @@ class Case:
     real_code: str
     policies: tuple[str, ...]
     requires: tuple[str, ...]
+    """The extras of ``pyproject.toml`` (`simdist.extras.EXTRAS`) whose framework the case drives; () for torch's."""
     run: Callable[..., Any]
     """``run(world="gloo", **options) -> verdict dataclass``."""
+    processes_because: str | None = PER_RANK_GLOBALS
+    """Why the case refuses ``world="threads"``; None where it runs on rank threads too."""
 
     def missing(self) -> list[str]:
-        """The required packages that are not importable here."""
-        return [name for name in self.requires if importlib.util.find_spec(name) is None]
+        """The required extras whose framework is not importable here."""
+        return missing_extras(self.requires)

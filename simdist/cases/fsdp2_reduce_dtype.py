@@ -280,6 +280,7 @@ CASE = Case(
     "round in BF16, and is fsdp2_reduce_dtype's chain bitwise what fully_shard computes (DP4, GAS 2)?",
     real_code="torch.distributed.fsdp.fully_shard (foreach_reduce, _get_gradient_divide_factors), 4 gloo processes",
     policies=("fsdp2_reduce_dtype",),
-    requires=("torch",),
+    requires=(),
     run=run,
+    processes_because=SPY_IS_A_MODULE_GLOBAL,
 )

@@ -473,6 +473,7 @@ CASE = Case(
     real_code="torch.distributed.tensor.parallel (ColwiseParallel, RowwiseParallel, SequenceParallel) + "
     "torch.distributed.fsdp.fully_shard over the dp dim of a 2-D DeviceMesh, 4 ranks",
     policies=("fsdp2_reduce_dtype",),
-    requires=("torch",),
+    requires=(),
     run=run,
+    processes_because=None,
 )

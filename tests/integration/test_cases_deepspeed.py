@@ -6,13 +6,14 @@ it in this process.
 """
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
 
-if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
-    pytest.skip("deepspeed is not installed", allow_module_level=True)
+from simdist.extras import installed, not_installed_reason
+
+if not installed("deepspeed"):  # found, not imported: only the ranks import it
+    pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases import case_names, get_case
 from simdist.cases.deepspeed_8913 import Config, judge, run_real, tp4_config

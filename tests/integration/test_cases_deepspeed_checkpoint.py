@@ -8,7 +8,6 @@ load broken on purpose (the controls must flip), and the standalone reproducer o
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
-    pytest.skip("deepspeed is not installed", allow_module_level=True)
+from simdist.extras import installed, not_installed_reason
+
+if not installed("deepspeed"):  # found, not imported: only the ranks import it
+    pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases import case_names
 from simdist.cases.deepspeed_checkpoint import GROUPS, _files, compare, controls_bitwise, run

@@ -2,15 +2,16 @@
 
 import ast
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
-    pytest.skip("deepspeed is not installed", allow_module_level=True)
+from simdist.extras import installed, not_installed_reason
+
+if not installed("deepspeed"):  # found, not imported: only the ranks import it
+    pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases.deepspeed_gas_marker import REPRODUCER, Config, judge, run_real, write_reproducer
 from simdist.cases.world import DEEPSPEED_MODULES

@@ -1,18 +1,19 @@
 """The megatron-grad-reduce-fp32 case: real Megatron-Core DDP on gloo processes against megatron_grad_reduce_fp32.
 
-Skipped when megatron-core is not installed (CI installs only the deepspeed extra):
+Skipped when megatron-core is not installed (CI installs it through the megatron extra):
 ``pip install -e '.[megatron]'`` runs them. The default tests drive DP2 (two processes); TP2 x DP2 and
 the simdist backend are in the slow tests.
 """
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
 
-if importlib.util.find_spec("megatron.core") is None:  # found, not imported (about 2 s): only the ranks import it
-    pytest.skip("megatron-core is not installed: pip install -e '.[megatron]'", allow_module_level=True)
+from simdist.extras import installed, not_installed_reason
+
+if not installed("megatron"):  # found, not imported: only the ranks import it
+    pytest.skip(not_installed_reason("megatron"), allow_module_level=True)
 
 from simdist.cases.megatron_grad_reduce import Config, judge, policy_for, run_real
 from simdist.cases.world import MEGATRON_MODULES

@@ -1,12 +1,13 @@
 """``simdist repro 8913 --engine deepspeed``: the real code path through the repro report and verdict."""
 
 import dataclasses
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("deepspeed") is None:  # found, not imported: only the ranks import it
-    pytest.skip("deepspeed is not installed", allow_module_level=True)
+from simdist.extras import installed, not_installed_reason
+
+if not installed("deepspeed"):  # found, not imported: only the ranks import it
+    pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.cli import main
