@@ -17,25 +17,42 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(raw < 0, -(raw & 0x7FFFFFFF), raw)  # -0.0 and +0.0 both 0; order follows the value
 
 
+def _in_order(rows: torch.Tensor) -> torch.Tensor:
+    """``[..., N] -> [...]``: each row summed in fp64 from its first element, one Python float at a time."""
+    sums = []
+    for row in rows.double().reshape(-1, rows.shape[-1]).tolist():
+        total = 0.0
+        for value in row:
+            total += value
+        sums.append(total)
+    return torch.tensor(sums, dtype=torch.float64).reshape(rows.shape[:-1])
+
+
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([math.exp2(v) for v in x.reshape(-1).tolist()], dtype=torch.float64).reshape(x.shape)
+
+
 def _plain(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """The metrics as defined, without any shortcut: ulps in int64, count_nonzero, fp32 logs summed in fp64."""
+    """The metrics as defined, without any shortcut: ulps in int64, count_nonzero, fp32 logs summed in fp64, every
+    sum in element order (the same bits on every CPU kernel and for any batch shape), ``2**x`` from the C
+    library."""
     a64 = actual.to(torch.float32).double().flatten(-2)
     e64 = expected.to(torch.float32).double().flatten(-2)
-    norm = torch.linalg.vector_norm(e64, dim=-1)
-    err = torch.linalg.vector_norm(a64 - e64, dim=-1)
+    norm = _in_order(e64 * e64).sqrt()
+    err = _in_order((a64 - e64) * (a64 - e64)).sqrt()
     rel = torch.where(norm > 0, err / norm, torch.where(err > 0, math.inf, 0.0))
     ulps = (_ordered(actual).flatten(-2) - _ordered(expected).flatten(-2)).abs()
     if bool(torch.isfinite(err).all()):
         count = torch.count_nonzero(ulps, dim=-1)
         top = ulps.amax(dim=-1).double()
-        logs = ulps.clamp(min=1).to(torch.float32).log2().sum(dim=-1, dtype=torch.float64)
+        logs = _in_order(ulps.clamp(min=1).to(torch.float32).log2())
     else:
         u = ulps.double()
         u = torch.where(torch.isnan(a64) ^ torch.isnan(e64), math.inf, torch.where(torch.isnan(a64), 0.0, u))
         count = torch.count_nonzero(u, dim=-1)
-        logs = torch.where(u != 0, u, 1.0).log2().sum(dim=-1)
+        logs = _in_order(torch.where(u != 0, u, 1.0).log2())
         top = u.amax(dim=-1)
-    gmean = torch.where(count > 0, torch.exp2(logs / count.clamp(min=1)), 0.0)
+    gmean = torch.where(count > 0, _exp2(logs / count.clamp(min=1)), 0.0)
     return torch.stack([rel, gmean, top, count.double() / ulps.shape[-1]], dim=-1)
 
 

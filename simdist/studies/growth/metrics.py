@@ -78,7 +78,7 @@ class Reference:
         self.e32 = expected.to(torch.float32).contiguous()
         self.e64 = self.e32.double().flatten(-2)
         self.ordered32 = _ordered32(self.e32).flatten(-2)
-        self.norm = torch.linalg.vector_norm(self.e64, dim=-1)
+        self.norm = _norm(self.e64)
         # every element is finite exactly when every seed's fp64 norm is (FP32 squares cannot overflow fp64)
         self.finite = bool(torch.isfinite(self.norm).all())
         self.small = _small(self.ordered32)
@@ -95,6 +95,37 @@ class Reference:
     def ordered(self) -> torch.Tensor:
         """The int64 ordered integers of the oracle's values."""
         return self.ordered32.to(torch.int64)
+
+
+def _sum_in_order(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum over the last dimension, element 0 first, one addition at a time (in ``dtype``).
+
+    torch's ``sum`` splits a row into vector lanes whose number depends on the CPU's kernel (AVX-512 is wider
+    than AVX2) and on the tensor's shape, so the same row summed inside a larger tensor, or on another machine,
+    can round differently. ``cumsum`` runs each row left to right on every kernel: the metrics' figures depend
+    only on the row's values (tested under ``ATEN_CPU_CAPABILITY=default``, ``avx2`` and ``avx512``).
+    """
+    if not x.shape[-1]:
+        return x.sum(dim=-1, dtype=dtype)
+    return x.cumsum(dim=-1, dtype=dtype)[..., -1]
+
+
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    """``2**x`` element by element with the C library's ``exp2``, the same function for every element.
+
+    torch's vectorised ``exp2`` gives an element different bits depending on where it falls in the vector lanes
+    (measured on AVX-512: one element of 96 against the same 32 computed alone) and on the CPU's kernel; the
+    arguments here are a handful per step (a mean of logs, at most 64), so a scalar loop costs nothing."""
+    flat = [math.exp2(value) for value in x.reshape(-1).tolist()]
+    return torch.tensor(flat, dtype=torch.float64).reshape(x.shape)
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """The 2-norm over the last dimension of an fp64 tensor, its squares summed in order (`_sum_in_order`).
+
+    The values are FP32 values or differences of two, whose squares neither overflow nor underflow in fp64, so
+    the plain sum of squares needs none of ``vector_norm``'s scaling."""
+    return _sum_in_order(x * x).sqrt()
 
 
 def _small(ordered: torch.Tensor) -> bool:
@@ -154,7 +185,7 @@ def _divergence(actual: torch.Tensor, reference: Reference) -> tuple[torch.Tenso
         # is +0.0 whatever the norm, no element differs (0 ulps: count, max, gmean and fraction all +0.0)
         return torch.zeros((*actual.shape[:-2], 4), dtype=torch.float64), True
     a64 = actual.to(torch.float32).double().flatten(-2)
-    err = torch.linalg.vector_norm(a64 - reference.e64, dim=-1)
+    err = _norm(a64 - reference.e64)
     rel = torch.where(reference.norm > 0, err / reference.norm, torch.where(err > 0, math.inf, 0.0))
     ordered = _ordered32(actual).flatten(-2)
     if reference.small and _small(ordered):
@@ -165,14 +196,14 @@ def _divergence(actual: torch.Tensor, reference: Reference) -> tuple[torch.Tenso
     if finite:
         count = ulps.bool().sum(dim=-1)  # count_nonzero's integers, a third of its time
         top = ulps.amax(dim=-1).double()
-        logs = ulps.clamp_(min=1).to(torch.float32).log2_().sum(dim=-1, dtype=torch.float64)  # equal elements: 0
+        logs = _sum_in_order(ulps.clamp_(min=1).to(torch.float32).log2_(), torch.float64)  # equal elements: 0
     else:  # NaN or inf somewhere: NaN on one side only is inf ulps, on both sides 0
         u = ulps.double()
         u = torch.where(torch.isnan(a64) ^ reference.nan, math.inf, torch.where(torch.isnan(a64), 0.0, u))
         count = torch.count_nonzero(u, dim=-1)
-        logs = torch.where(u != 0, u, 1.0).log2_().sum(dim=-1)
+        logs = _sum_in_order(torch.where(u != 0, u, 1.0).log2_())
         top = u.amax(dim=-1)
-    gmean = torch.where(count > 0, torch.exp2(logs / count.clamp(min=1)), 0.0)
+    gmean = torch.where(count > 0, _exp2(logs / count.clamp(min=1)), 0.0)
     return torch.stack([rel, gmean, top, count.double() / ulps.shape[-1]], dim=-1), finite
 
 
@@ -237,6 +268,19 @@ def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
     return policies, out
 
 
+def loglog_slope(x: np.ndarray, y: np.ndarray) -> float:
+    """The least-squares slope of ``log y`` against ``log x`` (the growth exponent), the same bits on every CPU.
+
+    ``np.polyfit`` solves through LAPACK and ``np.log`` through NumPy's SIMD loops, whose kernels are chosen by
+    the CPU; here every log is the C library's and every sum is `math.fsum` (correctly rounded), over centred
+    values (no cancellation between large sums)."""
+    lx = [math.log(float(v)) for v in x]
+    ly = [math.log(float(v)) for v in y]
+    mx, my = math.fsum(lx) / len(lx), math.fsum(ly) / len(ly)
+    dx = [v - mx for v in lx]
+    return math.fsum(a * (b - my) for a, b in zip(dx, ly, strict=True)) / math.fsum(a * a for a in dx)
+
+
 def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
     """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope).
 
@@ -252,7 +296,7 @@ def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
         final = {c: float(np.median(metrics[-1, j, :, k])) for k, c in enumerate(names)}
         med = np.median(metrics[:, j, :, names.index(tracked)], axis=1)
         late = (steps >= max(10, steps[-1] // 10)) & (med > 0)
-        slope = float(np.polyfit(np.log(steps[late]), np.log(med[late]), 1)[0]) if late.sum() >= 3 else None
+        slope = loglog_slope(steps[late], med[late]) if late.sum() >= 3 else None
         out["policies"][name] = {
             "final_median": final,
             f"{tracked}_growth_exponent": slope,
