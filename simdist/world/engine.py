@@ -63,6 +63,7 @@ from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchErro
 
 _WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
 
 
 class Aborted(BaseException):
@@ -570,6 +571,31 @@ def _where_ranks_are(threads: list[threading.Thread], timeout_s: float | None) -
     for rank, t in enumerate(threads):
         frame = frames.get(t.ident) if t.is_alive() and t.ident is not None else None
         if frame is not None:
-            where = traceback.format_stack(frame, limit=1)[0].strip().splitlines()[0]
-            lines.append(f"  rank {rank}: {where}")
+            lines.append(f"  rank {rank}: {rank_whereabouts(frame)}")
     return "\n".join(lines)
+
+
+def rank_whereabouts(frame) -> str:
+    """Where a rank is stuck: its own code's innermost frame, and the frame it waits in when that is deeper.
+
+    The innermost frame alone (``subprocess.py in communicate`` while a framework compiles an op) does not say
+    which line of the rank's program started the wait; the outermost frames are the launcher's. The rank's own
+    line is the innermost frame outside torch, simdist's world layer, the standard library and installed
+    packages (`site` when every frame is one of those)."""
+    chain = traceback.extract_stack(frame)
+    innermost = chain[-1]
+    own = next((f for f in reversed(chain) if not _is_library(f.filename)), None)
+    if own is None:
+        return site(frame)
+    text = f"{own.filename}:{own.lineno} in {own.name}"
+    if own is not innermost:
+        text += f", waiting in {innermost.filename}:{innermost.lineno} in {innermost.name}"
+    return text
+
+
+def _is_library(filename: str) -> bool:
+    """torch, simdist's world layer, the standard library and installed packages: not a rank's own code."""
+    if is_internal(filename):
+        return True
+    path = os.path.abspath(filename)
+    return "site-packages" in path.split(os.sep) or path.startswith(_STDLIB_DIR)

@@ -33,10 +33,14 @@ went (``bench/startup.py``). Run many cases inside one rank function rather than
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -151,6 +155,7 @@ def _rank_main(
     """
     out = Path(outdir)
     entered = time.time()
+    _dump_stack_on_request(out / f"rank{rank}.stack")
     try:
         for module in preload:  # already in sys.modules when the forkserver preloaded them
             importlib.import_module(module)
@@ -354,11 +359,14 @@ def spawn_processes(
                 )  # fmt: skip
             return results
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+            killed = [p for p in procs if p.is_alive()]
+            for p in killed:
+                _kill_descendants(p.pid)  # a compiler or other child the rank started dies with it
+                p.kill()
             for p in procs:
                 p.join(timeout=5)
+            if killed:
+                _remove_build_locks_since(began)
             del store
 
 
@@ -398,8 +406,94 @@ def _supervise(procs: list, out: Path, timeout_s: float) -> None:
             return
         if time.monotonic() > deadline:
             pending = [r for r, p in enumerate(procs) if p.exitcode is None]
-            raise TimeoutError(f"ranks {pending} of {n} did not finish within {timeout_s:g} s; all ranks killed")
+            stacks = _stacks_of(procs, pending, out)
+            raise TimeoutError(
+                f"ranks {pending} of {n} did not finish within {timeout_s:g} s; all ranks killed{stacks}"
+            )
         time.sleep(0.005)
+
+
+def _kill_descendants(pid: int | None) -> None:
+    """SIGKILL every descendant of ``pid`` (Linux: ``/proc/PID/task/*/children``); nothing elsewhere."""
+    if pid is None:
+        return
+    for child in _children(pid):
+        _kill_descendants(child)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in task.read_text().split()]
+    return found
+
+
+def _remove_build_locks_since(began: float) -> list[Path]:
+    """Remove the torch C++-extension build locks created since ``began`` (wall clock), after this launch
+    killed ranks: a rank killed while it compiled an op (DeepSpeed's CPU ops build on first use) leaves
+    ``<build root>/<python>_<device>/<op>/lock`` (``$TORCH_EXTENSIONS_DIR/<op>/lock``) behind, and every
+    later build of that op, in any process, would wait on it forever. Only locks this launch's ranks can have made are touched; each is named on
+    stderr."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's own rule: <dir>/<op>, else <root>/<py>_<dev>/<op>
+    root = Path(chosen or get_default_build_root())
+    removed = []
+    for lock in root.glob("*/lock" if chosen else "*/*/lock") if root.is_dir() else ():
+        with contextlib.suppress(OSError):
+            if lock.stat().st_mtime >= began - 1.0:
+                lock.unlink()
+                removed.append(lock)
+                print(f"simdist: removed {lock}, left by a rank killed while it built a C++ extension", file=sys.stderr)
+    return removed
+
+
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+"""The signal on which a rank process writes every thread's Python stack to ``rank{r}.stack`` (POSIX only)."""
+
+
+def _dump_stack_on_request(path: Path) -> None:
+    """Let the parent ask this rank where it is at the deadline: `faulthandler` writes the stacks even while
+    the rank waits inside C code (a compiler subprocess, a collective), where no Python handler would run."""
+    if STACK_SIGNAL is None:
+        return
+    faulthandler.register(STACK_SIGNAL, file=path.open("w"), all_threads=True, chain=False)
+
+
+def _stacks_of(procs: list, pending: list[int], out: Path, wait_s: float = 1.0) -> str:
+    """Each pending rank's Python stack, innermost call last (asked for with `STACK_SIGNAL`), for the deadline's
+    message: the rank's own line is in it, not only the frame it waits in."""
+    if STACK_SIGNAL is None:
+        return ""
+    for r in pending:
+        if procs[r].pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[r].pid, STACK_SIGNAL)
+    time.sleep(wait_s)  # faulthandler writes from the signal handler at once; the file may need a moment
+    parts = []
+    for r in pending:
+        path = out / f"rank{r}.stack"
+        text = path.read_text(errors="replace").strip() if path.exists() else ""
+        if text:
+            parts.append(f"\n--- rank {r} (most recent call first) ---\n{_trim_stack(text)}")
+    return "".join(parts)
+
+
+def _trim_stack(text: str, keep: int = 12) -> str:
+    """faulthandler's dump of the rank's main thread, at most ``keep`` frames from the innermost."""
+    block = text.split("\n\n")[0]
+    for candidate in text.split("\n\n"):
+        if "Current thread" in candidate or "most recent call first" in candidate:
+            block = candidate
+            break
+    lines = block.splitlines()
+    head, frames = lines[:1], lines[1:]
+    if len(frames) > keep:
+        frames = [*frames[:keep], f"  ... {len(frames) - keep} outer frames"]
+    return "\n".join(head + frames)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,17 @@ framework imported, as ranks launched after a framework's test always had.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+EXTENSIONS_DIR = tempfile.mkdtemp(prefix="simdist-torch-extensions-")
+"""Where torch would build C++ extensions during this session (``TORCH_EXTENSIONS_DIR``, set before the
+forkserver starts, so every rank inherits it): the tests never touch the user's cache, and
+`test_cases_deepspeed.py` checks that the DeepSpeed cases built nothing there (they avoid DeepSpeed's CPU
+ops, which compile on first use: about 75 s on 2 cores)."""
+os.environ["TORCH_EXTENSIONS_DIR"] = EXTENSIONS_DIR
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -22,3 +32,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from simdist.world.launch import _context
 
         _context(tuple(dict.fromkeys(wanted)))  # sets the server's preload list; the server starts at first use
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import shutil
+
+    shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)

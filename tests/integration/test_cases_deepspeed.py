@@ -6,6 +6,7 @@ it in this process.
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -140,3 +141,11 @@ def test_tp4_layout_kills_the_bf16_tp_sum_mutant_that_tp2_cannot_see(real, real_
     assert first is not None and first.startswith("router")
     tp2 = judge(dataclasses.replace(CONFIG, gas=(1,), update_paths=("epilogue",)), real, writeback=_bf16_tp_sum())
     assert tp2.ok  # the blind spot the TP4 run closes
+
+
+def test_the_case_built_no_deepspeed_op(verdict):
+    """DeepSpeed compiles its CPU shm op on first use (about 75 s on 2 cores, inside a rank, under the
+    collective deadline); the case's ranks replace that build with None, so nothing is compiled: the session's
+    extensions folder (tests/integration/conftest.py) is still empty after the case ran."""
+    assert verdict is not None
+    assert os.listdir(os.environ["TORCH_EXTENSIONS_DIR"]) == []

@@ -43,7 +43,7 @@ def test_a_case_whose_framework_is_missing_names_the_extra(monkeypatch):
     fake = Case("fake", "-", "-", (), ("megatron",), lambda **_: None)
     monkeypatch.setattr(Case, "missing", lambda self: list(self.requires))
     monkeypatch.setattr(cases, "get_case", lambda name: fake)
-    with pytest.raises(ValueError, match=r"needs megatron: pip install 'simdist-lab\[megatron\]'"):
+    with pytest.raises(ValueError, match=r"needs the megatron extra: pip install 'simdist-lab\[megatron\]'"):
         run_case("fake")
 
 

@@ -239,3 +239,59 @@ def test_preloaded_modules_are_imported_once_in_the_forkserver_which_freezes_its
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     results = simdist.run(preload_probe, 2, where="gloo", preload=("launch_probe",))
     assert results == [(True, True, True)] * 2
+
+
+
+def _locks_then_hangs(rank: int, lock: str, marker: str) -> None:
+    """What torch's C++-extension build does while it compiles (DeepSpeed's CPU ops build on first use): the
+    lock file first (FileBaton), then a child process (ninja) that the deadline interrupts."""
+    if rank == 1:
+        import os
+        import subprocess
+        import sys
+
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(60)", marker], check=False)
+    dist.barrier()
+
+
+def _processes_with(marker: str) -> list[str]:
+    """The pids of the processes whose command line holds ``marker`` (read from /proc)."""
+    from pathlib import Path
+
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_process_deadline_names_each_ranks_line_and_leaves_no_lock_or_child(tmp_path, monkeypatch, capfd):
+    """At the deadline the launcher asks each pending rank for its Python stack (faulthandler on SIGUSR1): the
+    message holds the rank's own line, not only the frame it waits in (``subprocess.py``, or a collective). A
+    rank killed while it 'compiles' leaves neither torch's build lock (which would block every later build of
+    that op, real gloo runs included) nor its child process; an older lock is kept."""
+    import os
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old = tmp_path / "other_op" / "lock"
+    old.parent.mkdir()
+    old.touch()
+    os.utime(old, (1.0, 1.0))  # from another time: not this launch's
+    lock = tmp_path / "shm_comm" / "lock"
+    marker = f"simdist-test-child-{os.getpid()}-{tmp_path.name}"
+    with pytest.raises(TimeoutError) as caught:
+        simdist.run(_locks_then_hangs, 2, api="dist", where="processes", timeout_s=4, args=(str(lock), marker))
+    message = str(caught.value)
+    assert "ranks [0, 1] of 2 did not finish within 4 s; all ranks killed" in message
+    rank1 = message.split("--- rank 1 (most recent call first) ---")[1]
+    assert "test_run.py" in rank1 and "_locks_then_hangs" in rank1 and "subprocess.py" in rank1
+    rank0 = message.split("--- rank 0 (most recent call first) ---")[1].split("--- rank 1")[0]
+    assert "_locks_then_hangs" in rank0 and "barrier" in rank0
+    assert not lock.exists() and old.exists()
+    assert f"simdist: removed {lock}" in capfd.readouterr().err
+    assert not _processes_with(marker), "the rank's child process outlived it"

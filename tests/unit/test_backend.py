@@ -370,3 +370,21 @@ def test_async_all_reduces_each_get_their_own_work():
     """The backend serves c10d's synchronous all_reduce and barrier from one finished Work per group (it is
     waited on and dropped); an async one's Work must still be its own, an all_reduce's holding its own tensor."""
     assert simdist.spawn(_works, 2) == [(True, True, None, True, True)] * 2
+
+
+def test_a_thread_deadline_names_the_ranks_own_line_and_where_it_waits():
+    """A rank stuck in library code (here ``threading.Event.wait``) is reported at its own line, with the frame
+    it waits in beside it; the innermost frame alone would name only threading.py."""
+    import threading
+
+    stuck = threading.Event()
+
+    def prog(rank):
+        if rank == 1:
+            stuck.wait(0.6)  # the rank's own line
+        dist.barrier()
+
+    with pytest.raises(SimTimeoutError) as caught:
+        simdist.spawn(prog, 2, timeout_s=0.2)
+    line = next(text for text in str(caught.value).splitlines() if text.strip().startswith("rank 1:"))
+    assert "test_backend.py:" in line and "in prog, waiting in " in line and "threading.py:" in line, line
