@@ -435,8 +435,8 @@ def _remove_build_locks_since(began: float) -> list[Path]:
     """Remove the torch C++-extension build locks created since ``began`` (wall clock), after this launch
     killed ranks: a rank killed while it compiled an op (DeepSpeed's CPU ops build on first use) leaves
     ``<build root>/<python>_<device>/<op>/lock`` (``$TORCH_EXTENSIONS_DIR/<op>/lock``) behind, and every
-    later build of that op, in any process, would wait on it forever. Only locks this launch's ranks can have made are touched; each is named on
-    stderr."""
+    later build of that op, in any process, would wait on it forever. Only locks this launch's ranks can have
+    made are touched; each is named on stderr."""
     from torch.utils.cpp_extension import get_default_build_root
 
     chosen = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's own rule: <dir>/<op>, else <root>/<py>_<dev>/<op>

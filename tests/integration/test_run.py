@@ -241,7 +241,6 @@ def test_preloaded_modules_are_imported_once_in_the_forkserver_which_freezes_its
     assert results == [(True, True, True)] * 2
 
 
-
 def _locks_then_hangs(rank: int, lock: str, marker: str) -> None:
     """What torch's C++-extension build does while it compiles (DeepSpeed's CPU ops build on first use): the
     lock file first (FileBaton), then a child process (ninja) that the deadline interrupts."""
