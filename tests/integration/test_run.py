@@ -294,3 +294,23 @@ def test_a_process_deadline_names_each_ranks_line_and_leaves_no_lock_or_child(tm
     assert not lock.exists() and old.exists()
     assert f"simdist: removed {lock}" in capfd.readouterr().err
     assert not _processes_with(marker), "the rank's child process outlived it"
+
+
+def _uneven(rank: int) -> torch.Tensor:
+    """all_to_all_single with uneven splits: each member sends a different number of bytes."""
+    world = dist.get_world_size()
+    send = [(rank + dst) % 3 + 1 for dst in range(world)]
+    recv = [(src + rank) % 3 + 1 for src in range(world)]
+    data = (torch.arange(sum(send), dtype=torch.float32) * (rank + 1) / 7).to(torch.bfloat16)
+    out = torch.empty(sum(recv), dtype=torch.bfloat16)
+    dist.all_to_all_single(out, data, recv, send)
+    return out
+
+
+def test_process_mode_gathers_members_of_different_lengths_bitwise():
+    """Members' payloads of different lengths are padded to one width (equal ones are sent as they are, into a
+    buffer the group keeps): the bits are the threads'."""
+    threads = simdist.run(_uneven, 4, api="dist", where="threads")
+    processes = simdist.run(_uneven, 4, api="dist", where="processes")
+    for a, b in zip(threads, processes, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
