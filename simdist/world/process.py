@@ -167,19 +167,35 @@ class ProcessTransport:
             lines = "\n  ".join(c.describe() for c in calls)
             raise CollectiveMismatchError(f"collective on {pg.label} does not match:\n  {lines}")
         payload = torch.cat([p for p, _ in prints]) if prints else torch.empty(0, dtype=torch.uint8)
-        blobs = self._gather_bytes(payload)
+        source = rooted_source(call.signature, pg.ranks)
+        if source is None:
+            blobs: list[torch.Tensor | None] = list(self._gather_bytes(payload))
+        else:  # only the root's tensors are read: they alone travel, once, instead of every member's padded copy
+            blobs = [None] * len(calls)
+            blobs[source] = self._broadcast_bytes(payload, _nbytes(metas[source][3]), source)
         for i, (c, blob) in enumerate(zip(calls, blobs, strict=True)):
             if i == self.group_rank:
                 calls[i] = call
                 continue
-            metas_i = metas[i][3]
             tensors, offset = [], 0
-            for m in metas_i:
-                nbytes = m[3] * torch.empty(0, dtype=m[2]).element_size()
-                tensors.append(_from_footprint(_aligned(blob[offset : offset + nbytes], m[2]), m))
+            for m in metas[i][3]:
+                nbytes = _nbytes([m])
+                if blob is None:  # a member whose data this rank never reads: its layout only (checks read it)
+                    tensors.append(torch.empty_strided(m[0], m[1], dtype=m[2], device="meta"))
+                else:
+                    tensors.append(_from_footprint(_aligned(blob[offset : offset + nbytes], m[2]), m))
                 offset += nbytes
             c.inputs = _rebuild(metas[i][4], tensors)
         complete(calls, [self.group_rank])
+
+    def _broadcast_bytes(self, payload: torch.Tensor, nbytes: int, source: int) -> torch.Tensor:
+        """Member ``source``'s ``nbytes`` bytes on every member (its own ``payload`` there)."""
+        data = payload.contiguous() if self.group_rank == source else self._scratch(nbytes)
+        if nbytes:
+            options = dist.BroadcastOptions()
+            options.rootRank = source
+            self.inner.broadcast([data], options).wait()
+        return data
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         return self.inner.send([tensor], dst, tag)
@@ -189,6 +205,25 @@ class ProcessTransport:
 
     def barrier(self) -> None:
         self.inner.barrier().wait()
+
+
+ROOTED = ("broadcast", "scatter")
+"""The collectives whose completion reads the root's tensors only (the others' layouts, for checks)."""
+
+
+def rooted_source(signature: tuple, ranks: tuple[int, ...]) -> int | None:
+    """The group index of the member whose tensors a `ROOTED` collective reads; None for every other one.
+
+    The root is the signature's ``src=<global rank>`` (`simdist.world.collectives.broadcast`, ``scatter``)."""
+    if signature[0] not in ROOTED:
+        return None
+    source = next(str(d) for d in signature if str(d).startswith("src="))
+    return ranks.index(int(source.removeprefix("src=")))
+
+
+def _nbytes(metas: list) -> int:
+    """The bytes of the footprints ``metas`` describe (`_footprint`'s ``(shape, stride, dtype, span)``)."""
+    return sum(span * torch.empty(0, dtype=dtype).element_size() for _, _, dtype, span in metas)
 
 
 def _aligned(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -314,3 +314,34 @@ def test_process_mode_gathers_members_of_different_lengths_bitwise():
     processes = simdist.run(_uneven, 4, api="dist", where="processes")
     for a, b in zip(threads, processes, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _rooted(rank: int) -> tuple:
+    world = dist.get_world_size()
+    objects = [{"to": i, "blob": bytes([i]) * (1000 + i)} for i in range(world)] if rank == 2 else None
+    got = [None]
+    dist.scatter_object_list(got, objects, src=2)
+    box = [("from", 3, torch.arange(5.0) / 3)] if rank == 3 else [None]
+    dist.broadcast_object_list(box, src=3)
+    t = (torch.arange(6, dtype=torch.float32).view(2, 3) / (rank + 3)).t()  # dense, same layout everywhere
+    dist.broadcast(t, src=1)
+    return got[0], box[0], t
+
+
+def test_rooted_collectives_send_the_roots_tensors_only_and_match_gloo():
+    """broadcast and scatter read only the root's tensors: process mode sends those alone (the other members'
+    are layouts, enough for gloo's checks), with real gloo's results; an uneven view is still refused."""
+    gloo = simdist.run(_rooted, 4, api="dist", where="gloo")
+    processes = simdist.run(_rooted, 4, api="dist", where="processes")
+    for (g_obj, g_box, g_t), (p_obj, p_box, p_t) in zip(gloo, processes, strict=True):
+        assert g_obj == p_obj and g_box[:2] == p_box[:2] and torch.equal(g_box[2], p_box[2])
+        assert g_t.stride() == p_t.stride() and torch.equal(
+            g_t.contiguous().view(torch.int32), p_t.contiguous().view(torch.int32)
+        )
+    with pytest.raises(simdist.world.launch.RankFailure, match=r"broadcast on world.*memory order"):
+        simdist.run(_gappy_broadcast, 2, api="dist", where="processes")
+
+
+def _gappy_broadcast(rank: int) -> None:
+    base = torch.arange(12.0).view(3, 4) + 100 * rank
+    dist.broadcast(base[:, 1:3], src=1)  # a view with gaps: gloo would overwrite other elements
