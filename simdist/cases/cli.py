@@ -28,10 +28,18 @@ def add_case_subcommand(sub) -> None:
         "threads (cases whose framework allows it)",
     )
     run.add_argument("--json", action="store_true", help="print the verdict dataclass as JSON")
+    run.add_argument(
+        "--expect",
+        choices=("ok", "not-ok"),
+        default="ok",
+        help="the verdict the exit status gates on: ok (default; exit 1 when the case's ok is false) or not-ok "
+        "(exit 1 when it is true, e.g. a run meant to show a defect)",
+    )
 
 
 def run_case_command(args: argparse.Namespace) -> int:
-    """Exit 0 when the case's verdict is ok, 1 when it is not (2 for bad input, raised as ValueError)."""
+    """Exit 0 when the case's verdict is what ``--expect`` names (``ok`` by default), 1 when it is not (2 for bad
+    input, raised as ValueError)."""
     from simdist.cases import case_names, get_case, run_case
 
     if args.case_action == "list":
@@ -53,4 +61,4 @@ def run_case_command(args: argparse.Namespace) -> int:
     else:
         verdict = run_case(args.name, world=args.world)
         print(verdict.summary)
-    return 0 if verdict.ok else 1
+    return 0 if bool(verdict.ok) == (getattr(args, "expect", "ok") == "ok") else 1

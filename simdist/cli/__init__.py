@@ -1,8 +1,8 @@
 """The ``simdist`` command line.
 
-    simdist repro 8913 [--world-size 4 --tp 2 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0
+    simdist repro 8913 [--world-size 8 --tp 4 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0 --inputs rounding
                         --policies bf16_writeback,fp32_staging --marker deepspeed --update-path epilogue
-                        --reduction gloo --model synthetic --json]
+                        --reduction gloo --model synthetic --json --expect reproduced|fixed]
     simdist policies [--policy-module my_policies.py]
     simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
     simdist audit [--json] path/to/script.py [args...]
@@ -11,7 +11,8 @@
                    [--model synthetic --seed 0 --gas 1 --marker deepspeed --checkpoint-every 500 --force]
 
 Exit status (`EXIT_CODES`, also in every ``--help``): 0 ok / equal, 1 differs beyond the
-tolerance (``compare``) or the case's verdict is not ok (``case run``), 2 bad input. Bad input
+tolerance (``compare``), the case's verdict is not ok (``case run``) or the verdict is not the one
+``--expect`` names (``repro``, ``case run``; `EXPECT_CODES`), 2 bad input. Bad input
 -- an unknown policy, an invalid layout, a size above its limit, a missing, unreadable or
 corrupt file -- prints one line naming the file or option and what is wrong, never a
 traceback, and writes nothing. ``audit`` exits with the audited script's own status. An
@@ -37,8 +38,9 @@ from simdist.cli.limits import check_run, growth_estimate, repro_estimate
 from simdist.cli.progress import bar, ticking
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.models import GradientModel
+from simdist.models.synthetic import Inputs
 from simdist.reduce import Reduction
-from simdist.studies.repro import Engine
+from simdist.studies.repro import EXPECTATIONS, REPRO_SPEC, Engine
 from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
@@ -52,6 +54,12 @@ EXIT_CODES = """exit status:
      unreadable or corrupt file, an unusable --out (one line on stderr naming it; nothing written)
   3  internal error: an unexpected exception (a bug); its traceback is printed
   audit and blame exit with the script's own status instead (its sys.exit code and message)"""
+
+
+EXPECT_CODES = """
+  repro exits 0 whatever its verdict, unless --expect names one: then 1 when the verdict is not that one
+  (reproduced: the #8913 writeback finding shows; fixed: every policy bitwise equal to the oracle) or a
+  power check shows no power; case run --expect not-ok exits 1 when the case's verdict IS ok"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,13 +118,13 @@ def _add_choice(
     parser.add_argument(flag, choices=values, default=default.value, help=help)
 
 
-def _add_layout(parser: argparse.ArgumentParser, etp: bool) -> None:
-    """``--world-size --tp --ep`` (and ``--etp``), defaulting to `DEFAULT_SPEC` (TP2/EP2/ETP1 on 4 ranks)."""
-    parser.add_argument("--world-size", type=_positive, default=DEFAULT_SPEC.world_size)
-    parser.add_argument("--tp", type=_positive, default=DEFAULT_SPEC.tp)
-    parser.add_argument("--ep", type=_positive, default=DEFAULT_SPEC.ep)
+def _add_layout(parser: argparse.ArgumentParser, etp: bool, spec: ParallelSpec = DEFAULT_SPEC) -> None:
+    """``--world-size --tp --ep`` (and ``--etp``), defaulting to ``spec`` (`DEFAULT_SPEC`: TP2/EP2/ETP1 on 4 ranks)."""
+    parser.add_argument("--world-size", type=_positive, default=spec.world_size)
+    parser.add_argument("--tp", type=_positive, default=spec.tp)
+    parser.add_argument("--ep", type=_positive, default=spec.ep)
     if etp:
-        parser.add_argument("--etp", type=_positive, default=DEFAULT_SPEC.etp)
+        parser.add_argument("--etp", type=_positive, default=spec.etp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"simdist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    repro = sub.add_parser("repro", help="reproduce a known precision issue in the simulator")
+    repro = sub.add_parser(
+        "repro", help="reproduce a known precision issue in the simulator", epilog=EXIT_CODES + EXPECT_CODES
+    )
     repro.add_argument("issue", choices=KNOWN_ISSUES, help="the issue to reproduce")
-    _add_layout(repro, etp=True)
+    _add_layout(repro, etp=True, spec=REPRO_SPEC)  # TP4/EP2 on 8 ranks: every group kind differs
     repro.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
     repro.add_argument("--gas", type=_positive, default=1, help="gradient-accumulation micro-steps per step")
     repro.add_argument("--seed", type=int, default=0)
@@ -170,6 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
         Engine.TRANSCRIBED,
         "simdist's transcription (default) or DeepSpeed's real BF16_Optimizer on 4 gloo processes "
         "(bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)",
+    )
+    _add_choice(
+        repro,
+        "--inputs",
+        Inputs,
+        Inputs.ROUNDING,
+        "distribution of the synthetic local gradients: rounding (31 binades, per-rank magnitudes: sums round, "
+        "so order, group and dtype show; default) or narrow (the old 7 binades, whose sums are mostly exact)",
+    )
+    repro.add_argument(
+        "--expect",
+        choices=EXPECTATIONS,
+        help="exit 1 unless the verdict is this one (reproduced: the #8913 writeback finding shows; fixed: every "
+        "policy is bitwise equal to the oracle) and every applicable power check shows power",
     )
     repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
     diff = repro.add_mutually_exclusive_group()
@@ -357,7 +381,7 @@ def _finished(config, out: str, files: dict[str, str]) -> bool:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    from simdist.studies.repro import ReproConfig, format_report, reproduce, run_count, to_json
+    from simdist.studies.repro import ReproConfig, format_report, meets, reproduce, run_count, to_json
 
     _load_policy_modules(args)
     names = _policy_list(args.policies)
@@ -384,17 +408,28 @@ def _repro(args: argparse.Namespace) -> int:
         update_path=args.update_path,
         model=args.model,
         engine=args.engine,
+        inputs=args.inputs,
     )
+
+    def status(reports, verdict) -> int:
+        return EXIT_OK if args.expect is None or meets(args.expect, reports, verdict) else EXIT_DIFFERS
+
     if args.json:  # a real engine's logging (this process and its ranks) goes to stderr: stdout is the JSON
         from simdist.cases.stdout import stdout_to_stderr
 
         with stdout_to_stderr() as report:
             reports, verdict = _reproduce_with_bar(config, args, reproduce, run_count)
-            print(json.dumps(to_json(config, reports, verdict), indent=2), file=report)
-        return EXIT_OK
+            data = to_json(config, reports, verdict)
+            if args.expect is not None:
+                data["expect"] = {"expected": args.expect, "met": meets(args.expect, reports, verdict)}
+            print(json.dumps(data, indent=2), file=report)
+        return status(reports, verdict)
     reports, verdict = _reproduce_with_bar(config, args, reproduce, run_count)
     print(format_report(config, reports, verdict, diff_only=not args.all_tensors))
-    return EXIT_OK
+    if args.expect is not None:
+        met = meets(args.expect, reports, verdict)
+        print(f"expect {args.expect}: {'met' if met else 'NOT met (exit status 1)'}")
+    return status(reports, verdict)
 
 
 def _reproduce_with_bar(config, args: argparse.Namespace, reproduce, run_count):

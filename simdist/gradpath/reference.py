@@ -88,6 +88,29 @@ def dp_kind(family: Family) -> str:
 
 
 @dataclass(frozen=True)
+class Control:
+    """A deliberate error in the oracle, for the power checks (`simdist.studies.power`): a verdict whose inputs
+    can see what it asserts must see the controlled oracle differ from the oracle. The default is no change.
+
+    * ``dp_then_tp`` -- the TP correction runs after the DP reduction (on the DP-reduced buffer) instead of
+      on every micro-step before it;
+    * ``expert_dp`` -- routed experts are reduced over this group kind (``"dp"``) instead of ``edp``;
+    * ``tp_sum_dtype`` -- the TP sum runs on values rounded to this dtype, in this dtype (a BF16 TP sum);
+    * ``corrected_dtype`` -- the corrected value is rounded to this dtype before it is accumulated (the fix's
+      staging rounded to BF16, i.e. the #8913 writeback).
+    """
+
+    dp_then_tp: bool = False
+    expert_dp: str = "edp"
+    tp_sum_dtype: torch.dtype | None = None
+    corrected_dtype: torch.dtype | None = None
+
+    @property
+    def changes(self) -> bool:
+        return self != Control()
+
+
+@dataclass(frozen=True)
 class AdamWSettings:
     """The hyper-parameters handed to ``torch.optim.AdamW`` (anything with these attributes will do)."""
 
@@ -135,7 +158,11 @@ class Oracle:
         adam=None,
         max_norm: float = 0.0,
         fused: bool = True,
+        control: Control | None = None,
     ) -> None:
+        self.control = control or Control()
+        if self.control.changes:
+            fused = False  # the fused stage knows only the oracle's own rules
         if max_norm:
             raise ValueError("the independent oracle does not clip: run it with max_norm = 0")
         self.spec, self.dtype, self.tp_model, self.dp_model = spec, dtype, tp_model, dp_model
@@ -189,17 +216,16 @@ class Oracle:
                 continue
             for p in self.trained:
                 reduces, divides = correction(p.family, tp)
+                if self.control.dp_then_tp:
+                    reduces = divides = False  # corrected at the boundary, after the DP reduction
                 local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in self.ranks], p)
                 seen(step, micro, p.name, Capture.LOCAL, local)
                 value = local.to(self.dtype)
                 if reduces or divides:
                     seen(step, micro, p.name, Capture.STAGED, value)
-                if reduces:
-                    value = self._group_sums(self.tp_model, "tp", value, p)
-                    if divides:
-                        seen(step, micro, p.name, Capture.TP_REDUCED, value)
-                if divides:
-                    value = value / tp
+                value = self._tp_correct(value, p, reduces, divides, step, micro, seen)
+                if (reduces or divides) and self.control.corrected_dtype is not None:
+                    value = value.to(self.control.corrected_dtype).to(self.dtype)
                 if reduces or divides:
                     seen(step, micro, p.name, Capture.CORRECTED, value)
                 hp[p.name] += value
@@ -208,7 +234,10 @@ class Oracle:
         if grad is None:
             flat_grads: list[torch.Tensor] = []
             for p in self.trained:
-                reduced = self._group_sums(self.dp_model, dp_kind(p.family), hp[p.name], p, scale=1.0 / self.spec.dp)
+                kind = self.control.expert_dp if p.family is Family.EXPERT else dp_kind(p.family)
+                reduced = self._group_sums(self.dp_model, kind, hp[p.name], p, scale=1.0 / self.spec.dp)
+                if self.control.dp_then_tp:
+                    reduced = self._tp_correct(reduced, p, *correction(p.family, tp), step, BOUNDARY, seen)
                 seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
                 seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
                 flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
@@ -229,6 +258,22 @@ class Oracle:
             seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))
             seen(step, BOUNDARY, p.name, Capture.ADAM_V, self.part(state["exp_avg_sq"], p))
             seen(step, BOUNDARY, p.name, Capture.PARAM, self.lp[p.name])
+
+    def _tp_correct(
+        self, value: torch.Tensor, p: ParamSpec, reduces: bool, divides: bool, step: int, micro: int, seen
+    ) -> torch.Tensor:
+        """The TP correction of ``p``'s family on ``value`` (the group's sum and/or ``/ tp``)."""
+        if reduces:
+            summed_dtype = self.control.tp_sum_dtype
+            if summed_dtype is None:
+                value = self._group_sums(self.tp_model, "tp", value, p)
+            else:
+                value = self._group_sums(self.tp_model, "tp", value.to(summed_dtype), p).to(self.dtype)
+            if divides:
+                seen(step, micro, p.name, Capture.TP_REDUCED, value)
+        if divides:
+            value = value / self.spec.tp
+        return value
 
     def _group_sums(
         self, model: ReductionModel, kind: str, value: torch.Tensor, p: ParamSpec, scale: float | None = None
@@ -445,6 +490,7 @@ def oracle_values(
     adam=None,
     keep: frozenset[str] | None = None,
     world_model: ReductionModel | None = None,
+    control: Control | None = None,
 ) -> Values:
     """The oracle's captures over ``steps`` optimizer steps (unbatched), every rank's in one ``[rank, *shape]``
     copy per ``(step, micro, param, stage)``; ``keep`` selects stages (default all).
@@ -464,6 +510,7 @@ def oracle_values(
         tp_model=tp_model,
         dp_model=dp_model,
         adam=adam,
+        control=control,
     )
     trained = [p for p in params if not p.frozen]
 

@@ -1,13 +1,17 @@
 """Reproduce DeepSpeed #8913 in the simulator: each policy against the FP32 oracle, tensor by tensor.
 
-TP2/EP2/ETP1 on 4 simulated ranks by default, 3 BF16 updates, seeded local
-gradients that differ between TP peers for the router (identical peers hide
-the defect), every parameter family present. For every tensor of every rank
+TP4/EP2/ETP1 on 8 simulated ranks by default (`REPRO_SPEC`: TP4 x DP2, EP2 x EDP4,
+so every group kind differs and a group mix-up or a BF16 TP sum changes bits), 3 BF16
+updates, seeded local gradients from the ``rounding`` distribution
+(`simdist.models.synthetic.Inputs`: sums round, so order, group and dtype show) that
+differ between TP peers for the router (identical peers hide the defect), every
+parameter family present. For every tensor of every rank
 -- local gradient, corrected gradient, high-precision gradient, FP32 master,
 Adam m and v, over all steps -- the report says whether it is bitwise equal to
 the oracle, the largest ulp difference and the fraction of differing elements;
 then each policy's chains, the first divergent stage per parameter, and a
-verdict computed from those comparisons.
+verdict computed from those comparisons, with the power checks (`simdist.studies.power`)
+that prove the inputs and layout could see a wrong order, group or dtype.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Divergence, Trace, first_divergence, path_order
-from simdist.gradpath.reference import oracle_traces
+from simdist.gradpath.reference import Control, oracle_traces
 from simdist.models import GradientModel
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.compare import Comparison, Pair, compare
 from simdist.reduce import Reduction, ReductionModel, make_model
+from simdist.studies.power import PowerCheck, power_checks, shows_power
 from simdist.world.simworld import SimWorld
-from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
+from simdist.world.spec import ParallelSpec
 
 COMPARED: tuple[Capture, ...] = (
     Capture.LOCAL,
@@ -44,9 +49,18 @@ COMPARED: tuple[Capture, ...] = (
 
 
 ORACLE_SUMMARY = (
-    "independent FP32 TP-then-DP per-parameter reducer (simdist.gradpath.reference), TP correction on every "
-    "micro-step, torch.optim.AdamW on FP32 masters"
+    "independent FP32 TP-then-DP per-parameter reducer (simdist.gradpath.reference), every group summed in the "
+    "chosen reduction model's order (default: gloo's, as found by experiment and pinned to real gloo), TP "
+    "correction on every micro-step, torch.optim.AdamW on FP32 masters"
 )
+
+REPRO_SPEC = ParallelSpec(8, tp=4, ep=2)
+"""The repro's default layout: TP4/DP2/EP2/ETP1/EDP4 on 8 ranks, where the TP, DP, EP and EDP groups all differ
+(on `DEFAULT_SPEC` the DP and EDP groups coincide, so experts reduced over DP could not show)."""
+
+EXPECTATIONS = ("reproduced", "fixed")
+"""``--expect`` values: ``reproduced`` -- the #8913 writeback finding shows; ``fixed`` -- every policy run is
+bitwise equal to the oracle in every compared tensor. Either also needs every applicable power check to show."""
 """How the report names its oracle."""
 
 
@@ -66,7 +80,7 @@ class ReproConfig:
     The choices accept their enum members or their string values; an unknown value raises ``ValueError``.
     """
 
-    spec: ParallelSpec = DEFAULT_SPEC
+    spec: ParallelSpec = REPRO_SPEC
     steps: int = 3
     gas: int = 1
     seed: int = 0
@@ -76,9 +90,12 @@ class ReproConfig:
     update_path: UpdatePath = UpdatePath.EPILOGUE
     model: GradientModel = GradientModel.SYNTHETIC
     engine: Engine = Engine.TRANSCRIBED
+    inputs: Inputs = Inputs.ROUNDING
+    """The synthetic gradients' distribution (`Inputs`; ``narrow`` is the old one, whose sums are mostly exact)."""
 
     def __post_init__(self) -> None:
         for name, kind in (
+            ("inputs", Inputs),
             ("marker", Marker),
             ("reduction", Reduction),
             ("update_path", UpdatePath),
@@ -154,6 +171,14 @@ class Verdict:
     line: str
     marker_defect: bool = False
     findings: tuple[Finding, ...] = ()
+    inputs: str = ""
+    """The input distribution, as `describe_inputs` names it."""
+    power: tuple[PowerCheck, ...] = ()
+    """The power checks (`simdist.studies.power`): each control and whether it changed the compared bits."""
+    power_shown: bool = False
+    """Every applicable power check changed the compared bits: the verdict could see what it asserts."""
+    power_line: str = ""
+    """One line: every power check's outcome (`format_report` prints it before the findings)."""
 
     def __str__(self) -> str:
         return self.line
@@ -170,10 +195,12 @@ class PolicyReport:
     divergences: dict[str, Divergence | None] = field(default_factory=dict, repr=False)
 
 
-def workload(name: GradientModel | str, spec: ParallelSpec, seed: int, gas: int):
-    """``(params, initial, gradients)`` of the training model ``name``."""
+def workload(
+    name: GradientModel | str, spec: ParallelSpec, seed: int, gas: int, inputs: Inputs | str = Inputs.ROUNDING
+):
+    """``(params, initial, gradients)`` of the training model ``name`` (synthetic gradients drawn from ``inputs``)."""
     if coerce(GradientModel, name, "model") == GradientModel.SYNTHETIC:
-        return DEFAULT_PARAMS, InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed)
+        return DEFAULT_PARAMS, InitialWeights(spec, seed), synthetic_gradients(spec, seed, inputs)
     from simdist.models.moe import MoEGradients
 
     source = MoEGradients(spec, seed=seed, gas=gas)
@@ -186,23 +213,27 @@ def run(
     config: PathConfig,
     model: ReductionModel,
     training_model: GradientModel | str = GradientModel.SYNTHETIC,
+    inputs: Inputs | str = Inputs.ROUNDING,
 ) -> list[Trace]:
     """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``model``.
 
-    ``training_model`` picks where the local gradients come from (`GradientModel`).
+    ``training_model`` picks where the local gradients come from (`GradientModel`), ``inputs`` their distribution.
     """
-    params, initial, grads = workload(training_model, spec, config.seed, config.gas)
+    params, initial, grads = workload(training_model, spec, config.seed, config.gas, inputs)
     world = SimWorld(spec, reduction=model, timeout_s=None)  # a long study has no deadline
     return world.run(train_rank, list(params), initial, grads, policy, config)
 
 
-def run_oracle(config: ReproConfig, model: ReductionModel, magnitudes: bool = False) -> list[Trace]:
+def run_oracle(
+    config: ReproConfig, model: ReductionModel, magnitudes: bool = False, control: Control | None = None
+) -> list[Trace]:
     """The independent FP32 oracle (`simdist.gradpath.reference`) on the run's workload: every group sums in
     ``model``'s order, the TP correction runs on every micro-step, the step is ``torch.optim.AdamW``'s.
 
-    ``magnitudes`` runs it on ``|local gradients|`` (synthetic model only), which gives ``sum|terms|``.
+    ``magnitudes`` runs it on ``|local gradients|`` (synthetic model only), which gives ``sum|terms|``;
+    ``control`` runs it with one deliberate error (a power check).
     """
-    params, initial, grads = workload(config.model, config.spec, config.seed, config.gas)
+    params, initial, grads = workload(config.model, config.spec, config.seed, config.gas, config.inputs)
     return oracle_traces(
         config.spec,
         list(params),
@@ -212,6 +243,7 @@ def run_oracle(config: ReproConfig, model: ReductionModel, magnitudes: bool = Fa
         gas=config.gas,
         tp_model=model,
         dp_model=model,
+        control=control,
     )
 
 
@@ -270,11 +302,15 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     if config.model == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
         magnitudes = run_oracle(config, model, magnitudes=True)
         done("|terms|")
-    families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas)[0]}
+    families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas, config.inputs)[0]}
     reports = []
     real = _engine_traces(config)
     for policy in policies:
-        traces = real[policy.name] if real else run(spec, policy, path, model, training_model=config.model)
+        traces = (
+            real[policy.name]
+            if real
+            else run(spec, policy, path, model, training_model=config.model, inputs=config.inputs)
+        )
         rows = compare_with_oracle(traces, oracle, magnitudes)
         divergence = first_divergence(traces, oracle)
         done(policy.name)
@@ -289,7 +325,42 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
                 divergence,
             )
         )
-    return reports, findings(config, reports, families)
+    verdict = findings(config, reports, families)
+    power: tuple[PowerCheck, ...] = ()
+    if config.model == GradientModel.SYNTHETIC:
+        power = power_checks(spec, oracle, lambda control: run_oracle(config, model, control=control), POWER_STAGES)
+        done("power checks")
+    return reports, with_power(config, verdict, power)
+
+
+POWER_STAGES = frozenset({Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V})
+"""The captures a power check compares: the optimizer's outcome (masters and moments), where every control's
+error must arrive; the intermediate gradient captures would differ by construction (a control that corrects
+at the boundary leaves the micro-steps' hp buffers uncorrected) and show power that is not there."""
+
+
+def with_power(config: ReproConfig, verdict: Verdict, power: tuple[PowerCheck, ...]) -> Verdict:
+    """``verdict`` with its input distribution and power checks, one line each after the findings."""
+    shown = shows_power(power)
+    if config.model != GradientModel.SYNTHETIC:
+        inputs = f"the {config.model} model's own gradients"
+        lines = ["power checks: not run (they need the synthetic workload)"]
+    else:
+        inputs = describe_inputs(config.inputs)
+        head = "power checks: every applicable control flips compared bits" if shown else "power checks FAILED"
+        lines = [head + " (" + "; ".join(c.line for c in power) + ")"]
+    return Verdict(
+        verdict.reproduced, verdict.line, verdict.marker_defect, verdict.findings, inputs, power, shown, lines[0]
+    )
+
+
+def meets(expect: str, reports: list[PolicyReport], verdict: Verdict) -> bool:
+    """Whether the run's outcome is ``expect`` (`EXPECTATIONS`): what ``simdist repro --expect`` gates on."""
+    if expect not in EXPECTATIONS:
+        raise ValueError(f"--expect {expect}: expected one of {', '.join(EXPECTATIONS)}")
+    if expect == "reproduced":
+        return verdict.reproduced and verdict.power_shown
+    return all(r.bitwise_equal for report in reports for r in report.rows) and verdict.power_shown
 
 
 def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
@@ -302,8 +373,9 @@ def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
 
 
 def run_count(config: ReproConfig) -> int:
-    """How many runs `reproduce` makes (its ``progress`` calls): the oracle, the |terms| run, the policies."""
-    return 1 + (config.model == GradientModel.SYNTHETIC) + len(config.policies)
+    """How many runs `reproduce` makes (its ``progress`` calls): the oracle, the |terms| run, the policies, the
+    power checks (one call for all)."""
+    return 1 + 2 * (config.model == GradientModel.SYNTHETIC) + len(config.policies)
 
 
 def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:
@@ -514,7 +586,8 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
     spec = config.spec
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
-        f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}"
+        f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}, "
+        f"inputs {config.inputs}"
         + ("" if config.engine == Engine.TRANSCRIBED else f", engine {config.engine} (real code, gradients only)"),
         f"oracle: {ORACLE_SUMMARY}",
     ]
@@ -548,6 +621,10 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
         "oracle's reduction (stays comparable to the unit roundoff where a sum cancels); norm rel is "
         "||error|| / ||oracle||.",
     ]
+    if verdict.inputs:
+        out.append(f"inputs: {verdict.inputs}")
+    if verdict.power_line:
+        out.append(verdict.power_line)
     out += [f"verdict: {line}" for line in verdict.line.splitlines()]
     return "\n".join(out)
 
@@ -570,4 +647,8 @@ def to_json(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict) 
         "reproduced": verdict.reproduced,
         "marker_defect": verdict.marker_defect,
         "findings": {f.key: {"shown": f.shown, "applies": f.applies, "line": f.line} for f in verdict.findings},
+        "inputs": verdict.inputs,
+        "power_checks": [asdict(c) | {"line": c.line} for c in verdict.power],
+        "power_shown": verdict.power_shown,
+        "power_line": verdict.power_line,
     }

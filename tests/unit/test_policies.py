@@ -82,7 +82,7 @@ def test_a_policy_registered_in_a_test_runs_through_the_repro_path():
     reports, verdict = reproduce(config)
     report = next(r for r in reports if r.name == PRESCALED.name)
     assert report.chains["router.weight"] == (
-        "bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp | boundary: fp32 -> *1/dp -> all_reduce[dp] -> adamw(fp32)"
+        "bf16 -> fp32 -> all_reduce[tp] -> /4 -> +=hp | boundary: fp32 -> *1/dp -> all_reduce[dp] -> adamw(fp32)"
     )
     assert report.rows and all(r.bitwise_equal for r in report.rows)
     assert all(d is None for d in report.first_divergence.values())
