@@ -26,11 +26,20 @@ same bits (the sum of two BF16 values is rounded once either way, and ``/2`` is
 exact), so at TP2 the case cannot tell a transcription that sums TP in BF16
 from the real code; with four peers the BF16 sum rounds three times and the
 case fails such a transcription (``tests/integration/test_cases_deepspeed.py``).
+
+Inputs: the ``rounding`` distribution by default (`simdist.models.synthetic.Inputs`: 31 binades, per-rank
+magnitudes, so FP32 and BF16 sums round); ``inputs="narrow"`` is the old one. The verdict names it.
+
+Power checks (`CONTROLS`, run in every `judge` on the transcription side, no extra real launch): each
+control is a transcription with one deliberate error, compared with the real captures it would stand for;
+it must differ from them, or the case could not see that error and ``ok`` is false. The TP/DP order and
+the expert group are not controls here: the case captures the hp gradient before the DP reduction (the
+``repro 8913`` power checks cover them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -44,7 +53,7 @@ from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.reduce import make_model
 from simdist.world.simworld import SimWorld
@@ -71,8 +80,11 @@ class Config:
     marker: Marker = Marker.DEEPSPEED
     tp4: bool = True
     """`run` also runs `tp4_config` when ``spec`` has fewer than four TP ranks."""
+    inputs: Inputs = Inputs.ROUNDING
+    """The synthetic gradients' distribution (`Inputs`)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", coerce(Inputs, self.inputs, "inputs"))
         paths = tuple(coerce(UpdatePath, path, "update path") for path in self.update_paths)
         object.__setattr__(self, "update_paths", paths)
         object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
@@ -93,6 +105,7 @@ def tp4_config(config: Config) -> Config:
         update_paths=(UpdatePath.EPILOGUE,),
         marker=config.marker,
         tp4=False,
+        inputs=config.inputs,
     )
 
 
@@ -122,16 +135,40 @@ class Verdict8913:
     bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
     tp4: Verdict8913 | None = None
     """The verdict of the TP4 run (`tp4_config`), when `run` made one; ``ok`` includes it."""
+    inputs: str = ""
+    """The input distribution (`describe_inputs`)."""
+    power_checks: list[PowerCheck] = field(default_factory=list)
+    """The controls (`CONTROLS`) and whether each changed the compared bits; ``ok`` needs every applicable one."""
+    findings_hold: bool = False
+    """The findings alone (strategies agree, real == transcription bitwise on every path), before the power checks."""
+
+
+@dataclass
+class PowerCheck:
+    """One control of the case: a transcription with one deliberate error, against the real captures."""
+
+    name: str
+    what: str
+    applies: bool
+    shown: bool
+    against: str
+    """Which real run it is compared with (update path, GAS, shipped or patched)."""
+    differing: int = 0
+    compared: int = 0
 
 
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     """Every run of ``config`` on real DeepSpeed, in one launch of ``world_size`` ranks."""
     runs = config.runs()
-    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world, preload=DEEPSPEED_MODULES)
+    per_rank = run_ranks(
+        deepspeed_rank, config.spec, runs, config.seed, config.inputs.value, world=world, preload=DEEPSPEED_MODULES
+    )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
-def transcription(config: Config, policy: Policy, update_path: UpdatePath, gas: int) -> list[Trace]:
+def transcription(
+    config: Config, policy: Policy, update_path: UpdatePath, gas: int, marker: Marker | None = None
+) -> list[Trace]:
     """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order): the synthetic
     workload `simdist.studies.repro.run` trains (written here so that this module does not import the study
     that loads it for ``--engine deepspeed``)."""
@@ -139,14 +176,79 @@ def transcription(config: Config, policy: Policy, update_path: UpdatePath, gas: 
         steps=config.steps,
         gas=gas,
         seed=config.seed,
-        marker=config.marker,
+        marker=marker or config.marker,
         update_path=update_path,
     )
     spec, seed = config.spec, config.seed
     world = SimWorld(spec, reduction=make_model("gloo"))
-    return world.run(
-        train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), SyntheticGradients(spec, seed=seed), policy, path
-    )
+    grads = synthetic_gradients(spec, seed, config.inputs)
+    return world.run(train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), grads, policy, path)
+
+
+CONTROLS: dict[str, str] = {
+    "bf16_tp_sum": "fp32_staging with its TP sum (and /tp) in BF16, against patched DeepSpeed",
+    "writeback_bf16_tp_sum": "bf16_writeback with its TP sum in BF16, against DeepSpeed as shipped (at TP2 a "
+    "two-member sum rounds once either way: applies from TP 3)",
+    "staging_rounded_to_bf16": "fp32_staging with its corrected gradient rounded to BF16, against patched DeepSpeed",
+    "marker_never_set": "bf16_writeback correcting every micro-step (marker never set), against DeepSpeed as shipped "
+    "on the epilogue path at GAS >= 2",
+}
+"""The case's controls: ``name -> what``."""
+
+
+def power_checks(
+    config: Config, real: dict[DsRun, list[RankCapture]], writeback: Policy, staging: Policy
+) -> list[PowerCheck]:
+    """Run every control of `CONTROLS` that applies to ``config`` (transcriptions only) and compare it with the
+    real run it stands for."""
+    first_path, first_gas = config.update_paths[0], config.gas[0]
+    marker_gas = [g for g in config.gas if g > 1]
+    epilogue = UpdatePath.EPILOGUE in config.update_paths
+    variants: dict[str, tuple[bool, Policy, UpdatePath, int, Fix, Marker | None]] = {
+        "bf16_tp_sum": (
+            config.spec.tp > 1,
+            replace(staging, name="control_bf16_tp_sum", staging=None),
+            first_path,
+            first_gas,
+            "fp32_staging",
+            None,
+        ),
+        "writeback_bf16_tp_sum": (
+            config.spec.tp > 2,
+            replace(writeback, name="control_writeback_bf16_tp_sum", staging=None),
+            first_path,
+            first_gas,
+            "none",
+            None,
+        ),
+        "staging_rounded_to_bf16": (
+            config.spec.tp > 1,
+            replace(staging, name="control_staging_rounded", writeback=torch.bfloat16),
+            first_path,
+            first_gas,
+            "fp32_staging",
+            None,
+        ),
+        "marker_never_set": (
+            config.spec.tp > 1 and epilogue and bool(marker_gas) and config.marker == Marker.DEEPSPEED,
+            writeback,
+            UpdatePath.EPILOGUE,
+            marker_gas[0] if marker_gas else 0,
+            "none",
+            Marker.PER_MICRO_STEP,
+        ),
+    }
+    checks = []
+    for name, (applies, policy, path, gas, fix, marker) in variants.items():
+        against = f"{path} GAS {gas} {'as shipped' if fix == 'none' else 'patched'}"
+        if not applies:
+            checks.append(PowerCheck(name, CONTROLS[name], False, False, "not applicable in this configuration"))
+            continue
+        real_traces = [c.trace for c in real[DsRun(path, gas, config.steps, fix)]]
+        match = match_traces(real_traces, transcription(config, policy, path, gas, marker))
+        changed = match.compared - match.equal
+        checks.append(PowerCheck(name, CONTROLS[name], True, changed > 0, against, changed, match.compared))
+    return checks
 
 
 def sum_of_terms(spec: ParallelSpec, captures: list[RankCapture]) -> dict:
@@ -217,10 +319,14 @@ def judge(
                 )
             )
     agree = first.strategies == expected
-    ok = agree and all(
+    holds = agree and all(
         r.real_vs_bf16_writeback.bitwise_equal and r.patched_vs_fp32_staging.bitwise_equal for r in results
     )
+    checks = power_checks(config, real, writeback, staging)
+    used = [c for c in checks if c.applies]
+    ok = holds and bool(used) and all(c.shown for c in used)
     verdict = Verdict8913(ok, "", first.deepspeed_version, world, spec.describe(), first.strategies, agree, results)
+    verdict.inputs, verdict.power_checks, verdict.findings_hold = describe_inputs(config.inputs), checks, holds
     verdict.summary = summarize(verdict, writeback.name, staging.name)
     return verdict
 
@@ -252,7 +358,20 @@ def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
         )
         if r.skipped_corrections:
             lines.append(f"  {label}: TP correction skipped (marker set): {'; '.join(r.skipped_corrections)}")
-    lines.append("verdict: " + ("real == transcription bitwise on every path" if v.ok else "MISMATCH (see above)"))
+    lines.append(f"  inputs: {v.inputs}")
+    for c in v.power_checks:
+        if not c.applies:
+            lines.append(f"  power check {c.name}: not applicable ({c.what})")
+        else:
+            shown = "shows power" if c.shown else "NO POWER: the case cannot see this error"
+            counts = f"{c.differing}/{c.compared} captures differ from {c.against}"
+            lines.append(f"  power check {c.name}: {shown} ({counts})")
+    if v.ok:
+        lines.append("verdict: real == transcription bitwise on every path; every applicable power check shows power")
+    elif v.findings_hold:
+        lines.append("verdict: NOT OK: real == transcription, but a power check shows no power (see above)")
+    else:
+        lines.append("verdict: MISMATCH (see above)")
     return "\n".join(lines)
 
 
@@ -306,5 +425,7 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
         if got != value:
             raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
     runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name]) for name in config.policies)
-    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world, preload=DEEPSPEED_MODULES)
+    per_rank = run_ranks(
+        deepspeed_rank, config.spec, runs, config.seed, str(config.inputs), world=world, preload=DEEPSPEED_MODULES
+    )
     return {name: [captures[i].trace for captures in per_rank] for i, name in enumerate(config.policies)}

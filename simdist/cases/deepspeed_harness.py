@@ -91,25 +91,27 @@ class RankCapture:
     deepspeed_version: str = ""
 
 
-def deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int) -> list[RankCapture]:
+def deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int, inputs: str = "narrow") -> list[RankCapture]:
     """Rank program: every `DsRun` on this rank's real DeepSpeed optimizer; one `RankCapture` each.
 
-    DeepSpeed's log lines go to stderr (`simdist.cases.stdout`): stdout belongs to the CLI's report.
+    ``inputs`` names the synthetic gradients' distribution (`simdist.models.synthetic.Inputs`; ``narrow``, the
+    old one, unless the caller names another). DeepSpeed's log lines go to stderr (`simdist.cases.stdout`):
+    stdout belongs to the CLI's report.
     """
     from simdist.cases.stdout import stdout_to_stderr
 
     with stdout_to_stderr():
-        return _deepspeed_rank(comm, runs, seed)
+        return _deepspeed_rank(comm, runs, seed, inputs)
 
 
-def _deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int) -> list[RankCapture]:
+def _deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int, inputs: str) -> list[RankCapture]:
     import deepspeed
 
-    from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+    from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, synthetic_gradients
 
     spec = comm.spec
     folding = _setup_deepspeed(spec)
-    local_grads = SyntheticGradients(spec, seed=seed)
+    local_grads = synthetic_gradients(spec, seed, inputs)
     initial = InitialWeights(spec, seed)
     return [
         _drive(comm.get_rank(), spec, folding, DEFAULT_PARAMS, initial, local_grads, run, deepspeed.__version__)
