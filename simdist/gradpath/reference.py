@@ -94,14 +94,14 @@ class Control:
 
     * ``dp_then_tp`` -- the TP correction runs after the DP reduction (on the DP-reduced buffer) instead of
       on every micro-step before it;
-    * ``expert_dp`` -- routed experts are reduced over this group kind (``"dp"``) instead of ``edp``;
+    * ``expert_dp`` -- routed experts are reduced over this group kind (``"dp"``) instead of `dp_kind`'s;
     * ``tp_sum_dtype`` -- the TP sum runs on values rounded to this dtype, in this dtype (a BF16 TP sum);
     * ``corrected_dtype`` -- the corrected value is rounded to this dtype before it is accumulated (the fix's
       staging rounded to BF16, i.e. the #8913 writeback).
     """
 
     dp_then_tp: bool = False
-    expert_dp: str = "edp"
+    expert_dp: str | None = None
     tp_sum_dtype: torch.dtype | None = None
     corrected_dtype: torch.dtype | None = None
 
@@ -234,7 +234,9 @@ class Oracle:
         if grad is None:
             flat_grads: list[torch.Tensor] = []
             for p in self.trained:
-                kind = self.control.expert_dp if p.family is Family.EXPERT else dp_kind(p.family)
+                kind = dp_kind(p.family)
+                if p.family is Family.EXPERT and self.control.expert_dp is not None:
+                    kind = self.control.expert_dp
                 reduced = self._group_sums(self.dp_model, kind, hp[p.name], p, scale=1.0 / self.spec.dp)
                 if self.control.dp_then_tp:
                     reduced = self._tp_correct(reduced, p, *correction(p.family, tp), step, BOUNDARY, seen)
