@@ -77,6 +77,8 @@ BACKEND = "tests/unit/test_backend.py"
 SIMWORLD = "tests/unit/test_simworld.py"
 BATCHED = "tests/unit/test_gradpath_batched.py"
 ORACLE = "tests/unit/test_oracle.py"
+VERDICTS = "tests/unit/test_verdicts.py"  # issue 30: rounding inputs, power checks, --expect
+DS8913 = "tests/integration/test_cases_deepspeed.py"
 NATIVE = "tests/unit/test_native_fold.py"  # the native kernel against the eager gloo path it replaces
 
 FSDP2 = ("tests/integration/test_cases_fsdp2.py", "tests/integration/test_cases_fsdp2_tp.py")
@@ -482,6 +484,77 @@ CATALOGUE: tuple[Mutation, ...] = (
         "engine, ranks, targets = self._engine, members.ranks, range(members.size)",
         "engine, ranks, targets = self._engine, members.ranks, range(1)",
         (SIMWORLD, *GRADPATH),
+    ),
+    # -- issue 30: the review's survivors (oracle order and group, experts over DP, marker, staging rounded) ---------
+    Mutation(
+        "oracle-dp-before-tp",
+        "the repro's independent oracle runs the TP correction after the DP reduction (DP-then-TP)",
+        "simdist/gradpath/reference.py",
+        "if self.control.dp_then_tp:",
+        "if not self.control.dp_then_tp:",
+        (POLICIES, VERDICTS),
+        count=2,
+    ),
+    Mutation(
+        "oracle-experts-over-dp",
+        "the repro's independent oracle reduces routed experts over the dense DP group instead of EDP",
+        "simdist/gradpath/reference.py",
+        'return "edp" if family is Family.EXPERT else "dp"',
+        'return "dp"',
+        (POLICIES, VERDICTS),
+    ),
+    Mutation(
+        "oracle-bf16-tp-sum",
+        "the repro's independent oracle sums over TP in BF16",
+        "simdist/gradpath/reference.py",
+        'value = self._group_sums(self.tp_model, "tp", value, p)',
+        'value = self._group_sums(self.tp_model, "tp", value.to(torch.bfloat16), p).to(self.dtype)',
+        (POLICIES, VERDICTS),
+    ),
+    Mutation(
+        "engine-experts-over-dp-repro",
+        "experts are reduced over the dense DP group instead of EDP, against the default repro only (TP4/DP2/EP2/EDP4 "
+        "on 8 ranks; on TP2/EP2 on 4 ranks DP and EDP are the same groups)",
+        "simdist/gradpath/families.py",
+        'return "edp" if self is Family.EXPERT else "dp"',
+        'return "dp"',
+        (POLICIES,),
+    ),
+    Mutation(
+        "kernel-marker-never-set-8913-case",
+        "the correction-once marker is never set, against the deepspeed-8913 case's default run only (epilogue, GAS 3)",
+        "simdist/gradpath/kernel.py",
+        'if correcting and self.policy.correct_at == "micro_step":\n            slot.marker = True',
+        'if correcting and self.policy.correct_at == "micro_step":\n            slot.marker = False',
+        (DS8913,),
+    ),
+    Mutation(
+        "fp32-staging-rounded-to-bf16",
+        "the #8913 fix's staging is rounded to BF16 after the correction (fp32_staging writes back like the bug)",
+        "simdist/policies/fp32_staging.py",
+        "writeback=None,",
+        "writeback=torch.bfloat16,",
+        (POLICIES, DS8913),
+    ),
+    Mutation(
+        "wrappers-oracle-experts-over-dp",
+        "the deepspeed-wrappers case's oracle reduces experts over the dense DP group",
+        "simdist/cases/deepspeed_wrappers.py",
+        "group = spec.group_of(p.family.dp_group, r)",
+        'group = spec.group_of("dp", r)',
+        ("tests/integration/test_cases_deepspeed_wrappers.py",),
+        awaiting="issue 30 item 4: the wrappers audit asserts its findings only in slow tests, on narrow inputs and "
+        "a layout where DP and EDP coincide",
+    ),
+    Mutation(
+        "wrappers-oracle-tp-reversed",
+        "the deepspeed-wrappers case's oracle sums TP peers in reverse rank order",
+        "simdist/cases/deepspeed_wrappers.py",
+        "for peer in peers:",
+        "for peer in reversed(peers):",
+        ("tests/integration/test_cases_deepspeed_wrappers.py",),
+        awaiting="issue 30 items 3-4: the wrappers oracle's TP order is a rank-order loop, not gloo's; at TP2 a "
+        "two-member sum is one addition either way (equivalent there), so only a TP4 run on rounding inputs sees it",
     ),
     # -- comparisons (simdist/numerics/) --------------------------------------------------------------------------
     Mutation(

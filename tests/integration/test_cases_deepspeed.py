@@ -17,7 +17,7 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases import case_names, get_case
-from simdist.cases.deepspeed_8913 import Config, judge, run_real, tp4_config
+from simdist.cases.deepspeed_8913 import CONTROLS, Config, judge, run_real, tp4_config
 from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.reference import DEEPSPEED_STRATEGY, correction
@@ -71,6 +71,27 @@ def test_real_deepspeed_is_bitwise_the_transcription(verdict, update_path, gas):
 
 def test_verdict_is_ok(verdict):
     assert verdict.ok, verdict.summary
+
+
+def test_verdict_names_its_inputs_and_every_applicable_control_shows_power(verdict):
+    """The default run draws rounding inputs and proves, in its own run, that a BF16 TP sum, the fix's staging
+    rounded to BF16 and a marker never set would each change the compared bits (issue 30)."""
+    assert verdict.inputs.startswith("rounding: ")
+    checks = {c.name: c for c in verdict.power_checks}
+    assert set(checks) == set(CONTROLS)
+    assert not checks["writeback_bf16_tp_sum"].applies  # TP2: a two-member sum rounds once either way
+    applied = [c for c in checks.values() if c.applies]
+    assert len(applied) == 3 and all(c.shown and 0 < c.differing <= c.compared for c in applied), applied
+    assert verdict.findings_hold and verdict.ok
+    assert "inputs" in dataclasses.asdict(verdict) and "power_checks" in dataclasses.asdict(verdict)
+
+
+def test_a_transcription_whose_marker_is_never_set_fails_the_default_run(real):
+    """The correction-once marker never set (every micro-step corrected) is the epilogue GAS 3 run's to see."""
+    verdict = judge(dataclasses.replace(CONFIG, marker="per_micro_step"), real)
+    assert not verdict.ok and not verdict.findings_hold
+    failing = [(r.update_path, r.gas) for r in verdict.paths if not r.real_vs_bf16_writeback.bitwise_equal]
+    assert failing == [("epilogue", 3)]
 
 
 def test_shipped_departs_from_fp32_staging_only_on_routers_within_one_bf16_rounding(verdict):
