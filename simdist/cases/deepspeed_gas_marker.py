@@ -39,6 +39,7 @@ from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
+from simdist.models.synthetic import Inputs
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-gas-marker"
@@ -53,7 +54,9 @@ class Config:
     seed: int = 0
 
     def base(self, marker: Marker) -> Config8913:
-        return Config8913(self.spec, self.steps, self.seed, (self.gas,), marker=marker)
+        # the narrow inputs this case was written for: the harness draws them unless told otherwise (issue 30
+        # moves the deepspeed-8913 case and the repro to rounding inputs; this case has not been reviewed for it)
+        return Config8913(self.spec, self.steps, self.seed, (self.gas,), marker=marker, inputs=Inputs.NARROW)
 
     def runs(self) -> tuple[DsRun, ...]:
         return tuple(DsRun(path, self.gas, self.steps) for path in (UpdatePath.EPILOGUE, UpdatePath.HOOKS))
