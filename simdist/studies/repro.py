@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from simdist.gradpath.reference import Control, oracle_traces
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.compare import Comparison, Pair, compare
+from simdist.numerics.floats import ulp_distance
 from simdist.reduce import Reduction, ReductionModel, make_model
 from simdist.studies.power import PowerCheck, power_checks, shows_power
 from simdist.world.simworld import SimWorld
@@ -159,6 +160,29 @@ WRITEBACK, CORRECTION_MARKER = "writeback_8913", "correction_marker"
 
 
 @dataclass(frozen=True)
+class ExactDistance:
+    """Step 0's DP-reduced gradient of one run against the exact one rounded to FP32, every rank and parameter.
+
+    The exact reference is the oracle in FP64. On the default run its step-0 DP-reduced gradients are the
+    correctly rounded sums of the BF16 terms (tested against ``math.fsum`` for the router and the experts);
+    that is a measurement of these inputs, not a bound: a far wider spread could make an FP64 sum round.
+    The step-0 gradient does not depend on earlier updates, so every run is compared on the same terms.
+    """
+
+    name: str
+    max_ulp: int
+    """The largest distance, in FP32 ulps, from the exact value rounded to FP32 (nearest even)."""
+    differing: int
+    compared: int
+
+    @property
+    def line(self) -> str:
+        if not self.differing:
+            return f"{self.name}: exact (0 ulp) in all {self.compared} elements"
+        return f"{self.name}: within {self.max_ulp} fp32 ulp of exact ({self.differing}/{self.compared} elements off)"
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The #8913 verdict, computed from the comparisons: each finding separately, and the lines that say so.
 
@@ -179,6 +203,8 @@ class Verdict:
     """Every applicable power check changed the compared bits: the verdict could see what it asserts."""
     power_line: str = ""
     """One line: every power check's outcome (`format_report` prints it before the findings)."""
+    exact: tuple[ExactDistance, ...] = ()
+    """How far the oracle and each policy are from the exact reduction (`exact_distances`)."""
 
     def __str__(self) -> str:
         return self.line
@@ -225,13 +251,18 @@ def run(
 
 
 def run_oracle(
-    config: ReproConfig, model: ReductionModel, magnitudes: bool = False, control: Control | None = None
+    config: ReproConfig,
+    model: ReductionModel,
+    magnitudes: bool = False,
+    control: Control | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> list[Trace]:
     """The independent FP32 oracle (`simdist.gradpath.reference`) on the run's workload: every group sums in
     ``model``'s order, the TP correction runs on every micro-step, the step is ``torch.optim.AdamW``'s.
 
     ``magnitudes`` runs it on ``|local gradients|`` (synthetic model only), which gives ``sum|terms|``;
-    ``control`` runs it with one deliberate error (a power check).
+    ``control`` runs it with one deliberate error (a power check); ``dtype`` is its staging, accumulation,
+    reduction and master dtype (``float64``: the exact reference of `exact_distances`).
     """
     params, initial, grads = workload(config.model, config.spec, config.seed, config.gas, config.inputs)
     return oracle_traces(
@@ -244,6 +275,7 @@ def run_oracle(
         tp_model=model,
         dp_model=model,
         control=control,
+        dtype=dtype,
     )
 
 
@@ -304,6 +336,7 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
         done("|terms|")
     families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas, config.inputs)[0]}
     reports = []
+    kept: dict[str, list[Trace]] = {}
     real = _engine_traces(config)
     for policy in policies:
         traces = (
@@ -311,6 +344,7 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
             if real
             else run(spec, policy, path, model, training_model=config.model, inputs=config.inputs)
         )
+        kept[policy.name] = traces
         rows = compare_with_oracle(traces, oracle, magnitudes)
         divergence = first_divergence(traces, oracle)
         done(policy.name)
@@ -327,10 +361,31 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
         )
     verdict = findings(config, reports, families)
     power: tuple[PowerCheck, ...] = ()
+    exact: tuple[ExactDistance, ...] = ()
     if config.model == GradientModel.SYNTHETIC:
         power = power_checks(spec, oracle, lambda control: run_oracle(config, model, control=control), POWER_STAGES)
+        exact = exact_distances(run_oracle(config, model, dtype=torch.float64), {"oracle": oracle, **kept})
         done("power checks")
-    return reports, with_power(config, verdict, power)
+    return reports, replace(with_power(config, verdict, power), exact=exact)
+
+
+def exact_distances(exact: list[Trace], runs: dict[str, list[Trace]]) -> tuple[ExactDistance, ...]:
+    """Each run's step-0 DP-reduced gradient against ``exact`` (the FP64 oracle's, rounded to FP32), in FP32 ulps;
+    runs that did not capture it (the real engines) are left out."""
+    out = []
+    for name, traces in runs.items():
+        worst = differing = compared = 0
+        for ours, reference in zip(traces, exact, strict=True):
+            for key, value in reference.values.items():
+                if key[0] != 0 or key[3] != Capture.DP_REDUCED or key not in ours.values:
+                    continue
+                distance = ulp_distance(ours.values[key].float(), value.float())
+                worst = max(worst, int(distance.max()))
+                differing += int((distance > 0).sum())
+                compared += distance.numel()
+        if compared:
+            out.append(ExactDistance(name, worst, differing, compared))
+    return tuple(out)
 
 
 POWER_STAGES = frozenset({Capture.MASTER, Capture.ADAM_M, Capture.ADAM_V})
@@ -625,6 +680,11 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
         out.append(f"inputs: {verdict.inputs}")
     if verdict.power_line:
         out.append(verdict.power_line)
+    if verdict.exact:
+        out.append(
+            "step 0 DP-reduced gradient vs the exact (FP64) reduction rounded to FP32: "
+            + "; ".join(e.line for e in verdict.exact)
+        )
     out += [f"verdict: {line}" for line in verdict.line.splitlines()]
     return "\n".join(out)
 
@@ -651,4 +711,5 @@ def to_json(config: ReproConfig, reports: list[PolicyReport], verdict: Verdict) 
         "power_checks": [asdict(c) | {"line": c.line} for c in verdict.power],
         "power_shown": verdict.power_shown,
         "power_line": verdict.power_line,
+        "exact": [asdict(e) | {"line": e.line} for e in verdict.exact],
     }

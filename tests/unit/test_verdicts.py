@@ -129,3 +129,33 @@ def test_case_run_expect_gates_the_exit_status(monkeypatch, capsys, ok, expect, 
     monkeypatch.setattr(cases, "run_case", lambda name, world: SimpleNamespace(ok=ok, summary="summary"))
     args = SimpleNamespace(case_action="run", name="x", world="gloo", json=False, expect=expect)
     assert run_case_command(args) == status
+
+
+def test_the_exact_reference_is_the_correctly_rounded_sum_and_the_oracle_is_within_a_few_ulp_of_it(default_run):
+    """The FP64 oracle's step-0 DP-reduced router and expert gradients are ``math.fsum`` of the BF16 terms (every
+    scaling is a power of two), so it is exact here; the FP32 oracle and fp32_staging share their distance from it,
+    bf16_writeback is far off (its BF16 writeback)."""
+    import math
+
+    from simdist.gradpath.probes import BOUNDARY, Capture
+    from simdist.reduce import make_model
+    from simdist.studies.repro import run_oracle
+
+    config = ReproConfig(steps=1)
+    exact = run_oracle(config, make_model("gloo"), dtype=torch.float64)
+    grads = synthetic_gradients(REPRO_SPEC, 0, Inputs.ROUNDING)
+    params = {p.family: p for p in DEFAULT_PARAMS}
+    for family, kind in ((Family.ROUTER_GATE_REPLICATED, "dp"), (Family.EXPERT, "edp")):
+        p = params[family]
+        for rank in (0, 5):
+            members = REPRO_SPEC.group_of(kind, rank)
+            if kind == "dp":  # the TP average first: every rank of the TP groups of the DP members
+                members = tuple(q for m in members for q in REPRO_SPEC.group_of("tp", m))
+            terms = [grads(0, 0, q, p).double().flatten().tolist() for q in members]
+            expected = torch.tensor([math.fsum(column) / 8 for column in zip(*terms, strict=True)], dtype=torch.float64)
+            got = exact[rank].values[(0, BOUNDARY, p.name, Capture.DP_REDUCED)].flatten()
+            assert torch.equal(got.view(torch.int64), expected.view(torch.int64)), (family, rank)
+    _, verdict = default_run
+    distance = {e.name: e for e in verdict.exact}
+    assert distance["oracle"].max_ulp == distance["fp32_staging"].max_ulp
+    assert 0 < distance["oracle"].max_ulp <= 16 < distance["bf16_writeback"].max_ulp
