@@ -36,6 +36,10 @@ Where every TP or DP group has two members, a group sum is one addition whatever
 (`_FusedPairs`, a third of the per-parameter step's time in the growth study); a NaN in such a sum, whose
 payload does depend on the order, sends the stage back to the per-parameter loops. Tested equal, bit for bit.
 
+Power checks (`Control`, used by `simdist.studies.power`): the oracle can run with one deliberate error --
+DP before TP, experts over the dense DP group, a BF16 TP sum, the corrected value rounded to BF16 -- so that a
+verdict can show that its inputs would see that error; the default `Control()` changes nothing.
+
 Not modelled: global-norm clipping (``max_norm`` must be 0, which every study
 uses) and the correction-once marker (the oracle corrects every micro-step,
 the intended semantics). Values may carry leading batch dimensions
