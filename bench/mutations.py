@@ -540,7 +540,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "wrappers-oracle-experts-over-dp",
         "the deepspeed-wrappers case's oracle reduces experts over the dense DP group",
         "simdist/cases/deepspeed_wrappers.py",
-        "group = spec.group_of(p.family.dp_group, r)",
+        "group = spec.group_of(dp_kind(p.family), r)",
         'group = spec.group_of("dp", r)',
         ("tests/integration/test_cases_deepspeed_wrappers.py",),
         awaiting="issue 30 item 4: the wrappers audit asserts its findings only in slow tests, on narrow inputs and "

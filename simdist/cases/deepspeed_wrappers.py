@@ -48,6 +48,7 @@ from simdist.cases.deepspeed_engine import (
 )
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.gradpath.families import Correction, Family
+from simdist.gradpath.reference import dp_kind
 from simdist.models.synthetic import InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bits
 from simdist.world.spec import ParallelSpec
@@ -166,7 +167,8 @@ def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep
         last = run.gas - 1
         for r in ranks:
             for p in params:
-                group = spec.group_of(p.family.dp_group, r)
+                # the independent oracle's own group rule, not the family table the engines read (issue 30)
+                group = spec.group_of(dp_kind(p.family), r)
                 total = torch.zeros(p.shape, dtype=torch.float32)
                 terms = torch.zeros(p.shape, dtype=torch.float64)
                 for q in group:
