@@ -29,20 +29,24 @@ import sys
 import traceback
 from typing import NoReturn
 
-from simdist.attribution.cli import add_blame_subcommand, run_blame
-from simdist.audit import add_audit_subcommand, run_audit
-from simdist.cases.cli import add_case_subcommand, run_case_command
-from simdist.cli.inputs import BadInput, check_dump, check_growth_out, path_argument
-from simdist.cli.limits import check_run, growth_estimate, repro_estimate
-from simdist.cli.progress import bar, ticking
-from simdist.gradpath.kernel import Marker, UpdatePath
-from simdist.models import GradientModel
-from simdist.reduce import Reduction
-from simdist.studies.repro import Engine
-from simdist.world.options import DEFAULT_REDUCTION
-from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
+# This module imports no torch (and nothing of simdist that does) at load: ``simdist --help``, ``--version`` and a
+# mistyped command are answered by `_light_parser` alone; each command imports what it needs when it runs.
 
 KNOWN_ISSUES = ("8913",)
+
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("repro", "reproduce a known precision issue in the simulator"),
+    ("policies", "list the registered precision policies, their chains and origins"),
+    ("compare", "compare two per-rank tensor dumps (experiments/crosscheck.py)"),
+    ("audit", "run a Python script under the precision audit and report where it narrows precision"),
+    ("blame", "rank a script's collective and cast sites by rounding error against the exact result; promote some"),
+    ("growth", "error growth of policies against the FP32 oracle over many steps"),
+    ("case", "run a real framework next to simdist's policies (simdist/cases)"),
+)
+"""The commands and their one-line help, in order: what ``simdist --help`` lists without building the full
+parser (``tests/integration/test_light_import.py`` checks both parsers print the same help)."""
+
+DESCRIPTION = "A single-process numerics lab for distributed training."
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_BUG = 0, 1, 2, 3
 EXIT_CODES = """exit status:
@@ -112,6 +116,8 @@ def _add_choice(
 
 def _add_layout(parser: argparse.ArgumentParser, etp: bool) -> None:
     """``--world-size --tp --ep`` (and ``--etp``), defaulting to `DEFAULT_SPEC` (TP2/EP2/ETP1 on 4 ranks)."""
+    from simdist.world.spec import DEFAULT_SPEC
+
     parser.add_argument("--world-size", type=_positive, default=DEFAULT_SPEC.world_size)
     parser.add_argument("--tp", type=_positive, default=DEFAULT_SPEC.tp)
     parser.add_argument("--ep", type=_positive, default=DEFAULT_SPEC.ep)
@@ -119,12 +125,35 @@ def _add_layout(parser: argparse.ArgumentParser, etp: bool) -> None:
         parser.add_argument("--etp", type=_positive, default=DEFAULT_SPEC.etp)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="simdist", description="A single-process numerics lab for distributed training.")
+def _light_parser() -> argparse.ArgumentParser:
+    """``simdist`` with each command's name and help but none of its options: enough to answer ``--help``,
+    ``--version`` and a mistyped command, fast, without importing torch; `build_parser` does the rest."""
+    parser = _Parser(prog="simdist", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"simdist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, text in COMMANDS:
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
 
-    repro = sub.add_parser("repro", help="reproduce a known precision issue in the simulator")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: every command with its options (imports the enums and defaults the options take)."""
+    from simdist.attribution.cli import add_blame_subcommand
+    from simdist.audit import add_audit_subcommand
+    from simdist.cases.cli import add_case_subcommand
+    from simdist.cli.inputs import path_argument
+    from simdist.gradpath.kernel import Marker, UpdatePath
+    from simdist.models import GradientModel
+    from simdist.reduce import Reduction
+    from simdist.studies.repro import Engine
+    from simdist.world.options import DEFAULT_REDUCTION
+
+    parser = _Parser(prog="simdist", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"simdist {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    helps = dict(COMMANDS)
+
+    repro = sub.add_parser("repro", help=helps["repro"])
     repro.add_argument("issue", choices=KNOWN_ISSUES, help="the issue to reproduce")
     _add_layout(repro, etp=True)
     repro.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
@@ -184,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--all-tensors", dest="all_tensors", action="store_true", help="list every compared tensor, equal ones too"
     )
 
-    policies = sub.add_parser("policies", help="list the registered precision policies, their chains and origins")
+    policies = sub.add_parser("policies", help=helps["policies"])
     _add_policy_module(policies)
 
-    compare = sub.add_parser("compare", help="compare two per-rank tensor dumps (experiments/crosscheck.py)")
+    compare = sub.add_parser("compare", help=helps["compare"])
     compare.add_argument("dump_a", type=path_argument, help="a dump directory (rank*.safetensors)")
     compare.add_argument("dump_b", type=path_argument, help="another dump directory of the same run")
     compare.add_argument(
@@ -202,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_policy_module(parser: argparse.ArgumentParser) -> None:
+    from simdist.cli.inputs import path_argument
+
     parser.add_argument(
         "--policy-module",
         action="append",
@@ -235,7 +266,11 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 
 def _add_growth_subcommand(sub) -> None:
-    growth = sub.add_parser("growth", help="error growth of policies against the FP32 oracle over many steps")
+    from simdist.cli.inputs import path_argument
+    from simdist.gradpath.kernel import Marker
+    from simdist.models import GradientModel
+
+    growth = sub.add_parser("growth", help=dict(COMMANDS)["growth"])
     growth.add_argument(
         "--policies", default="bf16_writeback,fp32_staging,bf16_only", help="comma-separated policy names"
     )
@@ -281,7 +316,10 @@ def _add_growth_subcommand(sub) -> None:
 
 
 def _growth(args: argparse.Namespace) -> int:
+    from simdist.cli.inputs import check_growth_out
+    from simdist.cli.limits import check_run, growth_estimate
     from simdist.studies.growth import FILES, GrowthConfig, run_growth
+    from simdist.world.spec import ParallelSpec
 
     _load_policy_modules(args)
     names = _policy_list(args.policies)
@@ -357,7 +395,9 @@ def _finished(config, out: str, files: dict[str, str]) -> bool:
 
 
 def _repro(args: argparse.Namespace) -> int:
+    from simdist.cli.limits import check_run, repro_estimate
     from simdist.studies.repro import ReproConfig, format_report, reproduce, run_count, to_json
+    from simdist.world.spec import ParallelSpec
 
     _load_policy_modules(args)
     names = _policy_list(args.policies)
@@ -399,6 +439,8 @@ def _repro(args: argparse.Namespace) -> int:
 
 def _reproduce_with_bar(config, args: argparse.Namespace, reproduce, run_count):
     """``reproduce(config)`` with a progress bar on stderr (unless ``--no-progress``)."""
+    from simdist.cli.progress import bar
+
     shown = bar(run_count(config), "repro 8913", unit="run", enabled=not args.no_progress)
     try:
         return reproduce(config, progress=(lambda label: shown.update(1)) if shown is not None else None)
@@ -412,6 +454,8 @@ def _compare(args: argparse.Namespace) -> int:
     the dumps are not one run."""
     from safetensors import SafetensorError
 
+    from simdist.cli.inputs import BadInput, check_dump
+    from simdist.cli.progress import ticking
     from simdist.studies.dumps import compare_dumps, format_comparison
 
     check_dump(args.dump_a)
@@ -440,6 +484,11 @@ def _policies(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    from simdist.attribution.cli import run_blame
+    from simdist.audit import run_audit
+    from simdist.cases.cli import run_case_command
+    from simdist.cli.progress import ticking
+
     if args.command == "audit":
         return run_audit(args)
     if args.command == "blame":
@@ -461,6 +510,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (`EXIT_CODES`), also for argparse errors and ``--help``."""
     try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while parsing or importing: one line, as during a run
+        print("simdist: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        _light_parser().parse_known_args(argv)  # --help, --version, a mistyped command: answered without torch
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, a usage error (already printed on one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
