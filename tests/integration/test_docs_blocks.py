@@ -14,6 +14,7 @@ the install the CI runs and is checked verbatim instead.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -132,7 +133,9 @@ def test_the_slow_blocks_run(block, tmp_path):
         argv = [sys.executable, "block.py"]
     else:
         argv = ["bash", "-e", "-o", "pipefail", "-c", textwrap.dedent(block.code)]
-    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # this venv's simdist, python
+    env = {**os.environ, "PATH": path}
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{block.where}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
