@@ -42,6 +42,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("blame", "rank a script's collective and cast sites by rounding error against the exact result; promote some"),
     ("growth", "error growth of policies against the FP32 oracle over many steps"),
     ("case", "run a real framework next to simdist's policies (simdist/cases)"),
+    ("doctor", "what this installation has: versions, the native fold kernel, the torch.distributed backend"),
 )
 """The commands and their one-line help, in order: what ``simdist --help`` lists without building the full
 parser (``tests/integration/test_light_import.py`` checks both parsers print the same help)."""
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_blame_subcommand(sub)
     _add_growth_subcommand(sub)
     add_case_subcommand(sub)
+    sub.add_parser("doctor", help=helps["doctor"])
     return parser
 
 
@@ -483,6 +485,25 @@ def _policies(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """One line per fact a bug report needs; the kernel line says when reductions run the slower eager path."""
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    from simdist.reduce import native
+
+    print(f"simdist {_version()}, Python {platform.python_version()}, torch {torch.__version__}")
+    kernel = "native fold kernel: " + native.STATUS
+    if not native.available():
+        kernel += " -> reductions run the eager path (same bits, 5-8x slower)"
+    print(kernel)
+    registered = "SIMDIST" in dist.Backend._plugins
+    print(f"torch.distributed backend 'simdist': {'registered' if registered else 'NOT registered'}")
+    return EXIT_OK
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from simdist.attribution.cli import run_blame
     from simdist.audit import run_audit
@@ -504,6 +525,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_case_command(args)
     if args.command == "growth":
         return _growth(args)
+    if args.command == "doctor":
+        return _doctor(args)
     return _policies(args)
 
 
