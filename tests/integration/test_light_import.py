@@ -112,3 +112,23 @@ def test_ctrl_c_anywhere_is_one_line_and_130(monkeypatch, capsys, where):
     monkeypatch.setattr(cli, where, interrupted)
     assert cli.main(["policies"]) == 130
     assert capsys.readouterr().err == "simdist: interrupted\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [1.0, 4.0], ids=["while-importing", "while-running"])
+def test_a_real_ctrl_c_is_one_line_and_130(delay_s):
+    """SIGINT to a real ``simdist repro 8913`` (after Python's own start-up, whose interrupts are Python's): one
+    line on stderr, exit 130, whether it lands in the imports or in the run."""
+    import signal
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "simdist.cli", "repro", "8913", "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(delay_s)
+    child.send_signal(signal.SIGINT)
+    err = child.communicate(timeout=120)[1]
+    assert (child.returncode, err) == (130, "simdist: interrupted\n")
