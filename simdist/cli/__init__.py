@@ -88,6 +88,17 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked for (`importlib.metadata` is a tenth of ``--help``'s time)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> NoReturn:
+        print(f"simdist {_version()}")
+        parser.exit()
+
+
 def _int_at_least(minimum: int, what: str):
     """An argparse type: an integer >= ``minimum``, with a one-line error naming ``what`` it must be."""
 
@@ -130,7 +141,7 @@ def _light_parser() -> argparse.ArgumentParser:
     """``simdist`` with each command's name and help but none of its options: enough to answer ``--help``,
     ``--version`` and a mistyped command, fast, without importing torch; `build_parser` does the rest."""
     parser = _Parser(prog="simdist", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"simdist {_version()}")
+    parser.add_argument("--version", action=_Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, text in COMMANDS:
         sub.add_parser(name, help=text, add_help=False)
@@ -150,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     from simdist.world.options import DEFAULT_REDUCTION
 
     parser = _Parser(prog="simdist", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"simdist {_version()}")
+    parser.add_argument("--version", action=_Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     helps = dict(COMMANDS)
 

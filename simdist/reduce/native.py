@@ -44,10 +44,11 @@ processes) each compile to a private file and rename it into place atomically. T
 the baseline instruction set and (x86-64) for AVX2, chosen at load time by the CPU; both give the same bits (no FMA,
 IEEE adds). Without a compiler or headers, or if the build fails, the eager path runs (`STATUS` says why, ``simdist
 doctor`` prints it, and one ``RuntimeWarning`` says so: reductions are then 5-8x slower). ``SIMDIST_NATIVE=0``
-disables the kernel; ``SIMDIST_NATIVE=1`` makes a failed build an error instead of a fallback. A CPython extension
-rather than `ctypes`: reading the tensors' pointers, shapes and strides through the C API costs about 1 us a call,
-`ctypes` argument conversion about 4 us, which at these sizes is the whole difference between the targets met and
-missed.
+disables the kernel; ``SIMDIST_NATIVE=1`` makes a failed build an error instead of a fallback;
+``SIMDIST_NATIVE=build`` ignores an installed extension and builds (the fallback, as its tests exercise it). A
+CPython extension rather than `ctypes`: reading the tensors' pointers, shapes and strides through the C API costs
+about 1 us a call, `ctypes` argument conversion about 4 us, which at these sizes is the whole difference between the
+targets met and missed.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def _load(installed_first: bool = True) -> ModuleType | None:
     if switch == "0":
         STATUS = "disabled (SIMDIST_NATIVE=0)"
         return None
-    installed = _installed() if installed_first else None
+    installed = _installed() if installed_first and switch != "build" else None
     if installed is not None:
         return installed
     try:
