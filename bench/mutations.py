@@ -365,7 +365,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "native-nan-operand-order",
         "the native kernel's fp32 NaN payload comes from the received partial before the local value",
-        "simdist/reduce/native.py",
+        "simdist/reduce/_fold.c",
         "return nan32(l) ? (l | 0x00400000u) : nan32(a) ? (a | 0x00400000u) : 0xFFC00000u;",
         "return nan32(a) ? (a | 0x00400000u) : nan32(l) ? (l | 0x00400000u) : 0xFFC00000u;",
         (NATIVE,),
@@ -373,7 +373,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "native-bf16-ties-away",
         "the native kernel rounds bf16 ties away from zero instead of to even",
-        "simdist/reduce/native.py",
+        "simdist/reduce/_fold.c",
         "return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);",
         "return (uint16_t)((u + 0x8000u) >> 16);",
         (NATIVE,),
@@ -381,7 +381,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "native-fp16-subnormal-ties-away",
         "the native kernel rounds fp16 subnormal ties up instead of to even",
-        "simdist/reduce/native.py",
+        "simdist/reduce/_fold.c",
         "if (rest > half || (rest == half && (q & 1u))) q++;",
         "if (rest >= half) q++;",
         (NATIVE,),
@@ -389,7 +389,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "native-walk-ascending",
         "the native kernel starts every chunk's walk at the plan's first row instead of its last",
-        "simdist/reduce/native.py",
+        "simdist/reduce/_fold.c",
         "const T *first = (const T *)members[rows[(descending ? n - 1 : 0) + p]] + lo;",
         "const T *first = (const T *)members[rows[0 + p]] + lo;",
         (NATIVE, BATCHED),
@@ -397,7 +397,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "native-one-copy-missing",
         "the native kernel's all-reduce writes leave the second member's copy unwritten",
-        "simdist/reduce/native.py",
+        "simdist/reduce/_fold.c",
         "for (int64_t r = 1; r < n; r++)\n                memcpy",
         "for (int64_t r = 2; r < n; r++)\n                memcpy",
         (NATIVE, BATCHED),
@@ -596,7 +596,8 @@ class Result:
 def make_tree(dest: Path) -> Path:
     """A private copy of what the tests need (no ``__pycache__``: edits must never meet a stale pyc)."""
     dest.mkdir(parents=True, exist_ok=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
+    # no extension built in place (pip install -e): the tree's native kernel is built from its own _fold.c
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.so", "*.pyd")
     for name in COPIED:
         src = ROOT / name
         if src.is_dir():

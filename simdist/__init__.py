@@ -14,9 +14,11 @@ The pieces most programs start from:
 * `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``);
 * `simdist.blame` -- where such code loses precision: per-call-site error against the exact result.
 
-Importing ``simdist`` registers the ``torch.distributed`` backend ``simdist``, so a script started by
-torchrun needs only ``import simdist`` before ``dist.init_process_group("simdist")``. That imports torch
-(every simdist module needs it anyway); ``python -m simdist.launch`` runs a rank program under torchrun.
+Importing ``simdist`` costs nothing: it imports no torch and compiles nothing. It arranges for the
+``torch.distributed`` backend ``simdist`` to be registered as soon as ``torch.distributed`` is imported
+(`simdist._autoregister`), so a script started by torchrun needs only ``import simdist`` before
+``dist.init_process_group("simdist")``; the backend itself is imported when the first ``simdist`` group is made.
+``python -m simdist.launch`` runs a rank program under torchrun.
 """
 
 from typing import TYPE_CHECKING
@@ -83,10 +85,10 @@ def __dir__() -> list[str]:
 
 
 def _register_backend() -> None:
-    """``dist.init_process_group("simdist")`` works after a plain ``import simdist`` (`simdist.world.plugin`)."""
-    from simdist.world.plugin import register
+    """``dist.init_process_group("simdist")`` works after a plain ``import simdist``, which imports no torch."""
+    from simdist._autoregister import install
 
-    register()
+    install()
 
 
 _register_backend()

@@ -28,23 +28,30 @@ import json
 import os
 import sys
 import traceback
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from simdist.attribution.cli import add_blame_subcommand, run_blame
-from simdist.audit import add_audit_subcommand, run_audit
-from simdist.cases.cli import add_case_subcommand, run_case_command
-from simdist.cli.inputs import BadInput, check_dump, check_growth_out, path_argument
-from simdist.cli.limits import check_run, growth_estimate, repro_estimate
-from simdist.cli.progress import bar, ticking
-from simdist.gradpath.kernel import Marker, UpdatePath
-from simdist.models import GradientModel
-from simdist.models.synthetic import Inputs
-from simdist.reduce import Reduction
-from simdist.studies.repro import EXPECTATIONS, REPRO_SPEC, Engine
-from simdist.world.options import DEFAULT_REDUCTION
-from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
+if TYPE_CHECKING:
+    from simdist.world.spec import ParallelSpec
+
+# This module imports no torch (and nothing of simdist that does) at load: ``simdist --help``, ``--version`` and a
+# mistyped command are answered by `_light_parser` alone; each command imports what it needs when it runs.
 
 KNOWN_ISSUES = ("8913",)
+
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("repro", "reproduce a known precision issue in the simulator"),
+    ("policies", "list the registered precision policies, their chains and origins"),
+    ("compare", "compare two per-rank tensor dumps (experiments/crosscheck.py)"),
+    ("audit", "run a Python script under the precision audit and report where it narrows precision"),
+    ("blame", "rank a script's collective and cast sites by rounding error against the exact result; promote some"),
+    ("growth", "error growth of policies against the FP32 oracle over many steps"),
+    ("case", "run a real framework next to simdist's policies (simdist/cases)"),
+    ("doctor", "what this installation has: versions, the native fold kernel, the torch.distributed backend"),
+)
+"""The commands and their one-line help, in order: what ``simdist --help`` lists without building the full
+parser (``tests/integration/test_light_import.py`` checks both parsers print the same help)."""
+
+DESCRIPTION = "A single-process numerics lab for distributed training."
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_BUG = 0, 1, 2, 3
 EXIT_CODES = """exit status:
@@ -91,6 +98,17 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked for (`importlib.metadata` is a tenth of ``--help``'s time)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> NoReturn:
+        print(f"simdist {_version()}")
+        parser.exit()
+
+
 def _int_at_least(minimum: int, what: str):
     """An argparse type: an integer >= ``minimum``, with a one-line error naming ``what`` it must be."""
 
@@ -118,8 +136,11 @@ def _add_choice(
     parser.add_argument(flag, choices=values, default=default.value, help=help)
 
 
-def _add_layout(parser: argparse.ArgumentParser, etp: bool, spec: ParallelSpec = DEFAULT_SPEC) -> None:
+def _add_layout(parser: argparse.ArgumentParser, etp: bool, spec: ParallelSpec | None = None) -> None:
     """``--world-size --tp --ep`` (and ``--etp``), defaulting to ``spec`` (`DEFAULT_SPEC`: TP2/EP2/ETP1 on 4 ranks)."""
+    from simdist.world.spec import DEFAULT_SPEC
+
+    spec = spec or DEFAULT_SPEC
     parser.add_argument("--world-size", type=_positive, default=spec.world_size)
     parser.add_argument("--tp", type=_positive, default=spec.tp)
     parser.add_argument("--ep", type=_positive, default=spec.ep)
@@ -127,14 +148,36 @@ def _add_layout(parser: argparse.ArgumentParser, etp: bool, spec: ParallelSpec =
         parser.add_argument("--etp", type=_positive, default=spec.etp)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="simdist", description="A single-process numerics lab for distributed training.")
-    parser.add_argument("--version", action="version", version=f"simdist {_version()}")
+def _light_parser() -> argparse.ArgumentParser:
+    """``simdist`` with each command's name and help but none of its options: enough to answer ``--help``,
+    ``--version`` and a mistyped command, fast, without importing torch; `build_parser` does the rest."""
+    parser = _Parser(prog="simdist", description=DESCRIPTION)
+    parser.add_argument("--version", action=_Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, text in COMMANDS:
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
 
-    repro = sub.add_parser(
-        "repro", help="reproduce a known precision issue in the simulator", epilog=EXIT_CODES + EXPECT_CODES
-    )
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: every command with its options (imports the enums and defaults the options take)."""
+    from simdist.attribution.cli import add_blame_subcommand
+    from simdist.audit import add_audit_subcommand
+    from simdist.cases.cli import add_case_subcommand
+    from simdist.cli.inputs import path_argument
+    from simdist.gradpath.kernel import Marker, UpdatePath
+    from simdist.models import GradientModel
+    from simdist.models.synthetic import Inputs
+    from simdist.reduce import Reduction
+    from simdist.studies.repro import EXPECTATIONS, REPRO_SPEC, Engine
+    from simdist.world.options import DEFAULT_REDUCTION
+
+    parser = _Parser(prog="simdist", description=DESCRIPTION)
+    parser.add_argument("--version", action=_Version, help="show program's version number and exit")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    helps = dict(COMMANDS)
+
+    repro = sub.add_parser("repro", help=helps["repro"], epilog=EXIT_CODES + EXPECT_CODES)
     repro.add_argument("issue", choices=KNOWN_ISSUES, help="the issue to reproduce")
     _add_layout(repro, etp=True, spec=REPRO_SPEC)  # TP4/EP2 on 8 ranks: every group kind differs
     repro.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
@@ -208,10 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--all-tensors", dest="all_tensors", action="store_true", help="list every compared tensor, equal ones too"
     )
 
-    policies = sub.add_parser("policies", help="list the registered precision policies, their chains and origins")
+    policies = sub.add_parser("policies", help=helps["policies"])
     _add_policy_module(policies)
 
-    compare = sub.add_parser("compare", help="compare two per-rank tensor dumps (experiments/crosscheck.py)")
+    compare = sub.add_parser("compare", help=helps["compare"])
     compare.add_argument("dump_a", type=path_argument, help="a dump directory (rank*.safetensors)")
     compare.add_argument("dump_b", type=path_argument, help="another dump directory of the same run")
     compare.add_argument(
@@ -222,10 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_blame_subcommand(sub)
     _add_growth_subcommand(sub)
     add_case_subcommand(sub)
+    sub.add_parser("doctor", help=helps["doctor"])
     return parser
 
 
 def _add_policy_module(parser: argparse.ArgumentParser) -> None:
+    from simdist.cli.inputs import path_argument
+
     parser.add_argument(
         "--policy-module",
         action="append",
@@ -259,7 +305,11 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 
 def _add_growth_subcommand(sub) -> None:
-    growth = sub.add_parser("growth", help="error growth of policies against the FP32 oracle over many steps")
+    from simdist.cli.inputs import path_argument
+    from simdist.gradpath.kernel import Marker
+    from simdist.models import GradientModel
+
+    growth = sub.add_parser("growth", help=dict(COMMANDS)["growth"])
     growth.add_argument(
         "--policies", default="bf16_writeback,fp32_staging,bf16_only", help="comma-separated policy names"
     )
@@ -305,7 +355,10 @@ def _add_growth_subcommand(sub) -> None:
 
 
 def _growth(args: argparse.Namespace) -> int:
+    from simdist.cli.inputs import check_growth_out
+    from simdist.cli.limits import check_run, growth_estimate
     from simdist.studies.growth import FILES, GrowthConfig, run_growth
+    from simdist.world.spec import ParallelSpec
 
     _load_policy_modules(args)
     names = _policy_list(args.policies)
@@ -381,7 +434,9 @@ def _finished(config, out: str, files: dict[str, str]) -> bool:
 
 
 def _repro(args: argparse.Namespace) -> int:
+    from simdist.cli.limits import check_run, repro_estimate
     from simdist.studies.repro import ReproConfig, format_report, meets, reproduce, run_count, to_json
+    from simdist.world.spec import ParallelSpec
 
     _load_policy_modules(args)
     names = _policy_list(args.policies)
@@ -434,6 +489,8 @@ def _repro(args: argparse.Namespace) -> int:
 
 def _reproduce_with_bar(config, args: argparse.Namespace, reproduce, run_count):
     """``reproduce(config)`` with a progress bar on stderr (unless ``--no-progress``)."""
+    from simdist.cli.progress import bar
+
     shown = bar(run_count(config), "repro 8913", unit="run", enabled=not args.no_progress)
     try:
         return reproduce(config, progress=(lambda label: shown.update(1)) if shown is not None else None)
@@ -447,6 +504,8 @@ def _compare(args: argparse.Namespace) -> int:
     the dumps are not one run."""
     from safetensors import SafetensorError
 
+    from simdist.cli.inputs import BadInput, check_dump
+    from simdist.cli.progress import ticking
     from simdist.studies.dumps import compare_dumps, format_comparison
 
     check_dump(args.dump_a)
@@ -474,7 +533,31 @@ def _policies(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """One line per fact a bug report needs; the kernel line says when reductions run the slower eager path."""
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    from simdist.reduce import native
+
+    print(f"simdist {_version()}, Python {platform.python_version()}, torch {torch.__version__}")
+    kernel = "native fold kernel: " + native.STATUS
+    if not native.available():
+        kernel += " -> reductions run the eager path (same bits, 5-8x slower)"
+    print(kernel)
+    registered = "SIMDIST" in dist.Backend._plugins
+    print(f"torch.distributed backend 'simdist': {'registered' if registered else 'NOT registered'}")
+    return EXIT_OK
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    from simdist.attribution.cli import run_blame
+    from simdist.audit import run_audit
+    from simdist.cases.cli import run_case_command
+    from simdist.cli.progress import ticking
+
     if args.command == "audit":
         return run_audit(args)
     if args.command == "blame":
@@ -490,12 +573,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_case_command(args)
     if args.command == "growth":
         return _growth(args)
+    if args.command == "doctor":
+        return _doctor(args)
     return _policies(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (`EXIT_CODES`), also for argparse errors and ``--help``."""
     try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while parsing or importing: one line, as during a run
+        print("simdist: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        _light_parser().parse_known_args(argv)  # --help, --version, a mistyped command: answered without torch
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, a usage error (already printed on one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT

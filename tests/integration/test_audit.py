@@ -436,7 +436,7 @@ def test_example_script_reports_the_writeback_as_the_readme_shows(capsys):
     assert f"simdist/gradpath/kernel.py:{_line(GRADPATH, 'return value.to(stage.dtype)')} in apply_stage" in out
     printed = out.replace(str(Path(simdist.__file__).resolve().parent.parent) + "/", "")
     printed = re.sub(r"(\.py):\d+", r"\1", printed)
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "howto" / "audit-and-blame.md").read_text()
     block = readme[readme.index("(`python experiments/audit_example.py`)") :]
     block = block[block.index("```\n") + 4 : block.index("\n```", block.index("```\n") + 4)]
     rows = [line for line in block.splitlines() if line.strip() != "..."]

@@ -129,7 +129,7 @@ def test_8913_written_as_a_script_blames_the_writeback_by_end_to_end_effect():
 
 def _check_readme_block(report):
     """Every row README shows of this run (columns trimmed there) is a row of the real table, token for token."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "howto" / "audit-and-blame.md").read_text()
     start = readme.index("$ simdist blame --promote-top 6 experiments/blame_8913.py")
     shown = readme[start : readme.index("```", start)].splitlines()[1:]
     actual = [line.split("  [")[0].split() for line in report.format(base=str(ROOT)).splitlines()]

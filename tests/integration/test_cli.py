@@ -128,8 +128,8 @@ def test_version_and_exit_codes_in_help(capsys):
         assert EXIT_CODES in out
     assert main(["audit", "--help"]) == 0
     assert "exit status: the script's own" in capsys.readouterr().out
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert EXIT_CODES in readme, "README's exit-status block must be the CLI's"
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli-overview.md").read_text()
+    assert EXIT_CODES in readme, "the docs' exit-status block must be the CLI's"
 
 
 # -- compare: 0 equal, 1 beyond tolerance, 2 unreadable --------------------------------------------------------
@@ -307,7 +307,8 @@ def test_readme_parallel_specs_are_valid_and_name_no_file_outside_the_repository
 
     from simdist.world.spec import ParallelSpec
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    readme = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").rglob("*.md"))])
     calls = re.findall(r"ParallelSpec\([^()]*\)", readme)
     assert calls
     for call in calls:

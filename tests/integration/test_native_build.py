@@ -61,14 +61,14 @@ def test_threads_building_into_an_empty_cache_leave_one_kernel_that_folds(tmp_pa
 @pytest.mark.slow
 @pytest.mark.skipif(not has_toolchain, reason="needs a C compiler and Python's headers")
 def test_concurrent_first_builds_load_one_cached_kernel_and_the_switch_gives_the_same_bits(tmp_path):
-    builders = [_start(tmp_path) for _ in range(3)]
+    builders = [_start(tmp_path, SIMDIST_NATIVE="build") for _ in range(3)]  # not the extension built at install
     outputs = [b.communicate(timeout=240)[0].split(" ", 1) for b in builders]
     assert all(b.returncode == 0 for b in builders)  # three processes, three torch imports: slow
     assert {status for status, _ in outputs} == {"loaded"}
     built = list((tmp_path / "simdist" / "native").iterdir())
     assert len(built) == 1 and built[0].name.startswith("fold-"), built  # no partial files left behind
     mtime = built[0].stat().st_mtime_ns
-    cached = _start(tmp_path).communicate(timeout=240)[0].split(" ", 1)
+    cached = _start(tmp_path, SIMDIST_NATIVE="build").communicate(timeout=240)[0].split(" ", 1)
     assert cached[0] == "loaded" and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
     eager = _start(tmp_path, SIMDIST_NATIVE="0").communicate(timeout=240)[0].split(" ", 1)
     assert eager[0] == "disabled"

@@ -22,7 +22,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def test_the_distribution_is_simdist_lab_and_every_install_hint_uses_it():
     assert PYPROJECT["project"]["name"] == simdist.DISTRIBUTION == "simdist-lab"
-    docs = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("simdist/**/*.py"), *ROOT.glob("tests/**/*.py")]
+    docs = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("simdist/**/*.py"), *ROOT.glob("tests/**/*.py")]
     for path in docs:
         text = path.read_text()
         assert not re.search(r"""['"]simdist\[""", text), f"{path}: installs the unrelated PyPI package 'simdist'"

@@ -29,14 +29,14 @@ def _reports_a_counterexample(text: str) -> bool:
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "howto" / "property-test.md").read_text()
     after = text[text.index(MARKER) + len(MARKER) :]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 
 
 def _namespace() -> dict:
     namespace: dict = {"__name__": "readme_example"}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(readme_example(), "docs/howto/property-test.md", "exec"), namespace)
     return namespace
 
 

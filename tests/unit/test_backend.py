@@ -296,11 +296,11 @@ def test_the_readme_example_runs():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "docs" / "howto" / "run-your-code.md").read_text()
     section = readme.split("## Run your own distributed code", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/howto/run-your-code.md", "exec"), namespace)
     assert len(namespace["grads"]) == 4
 
 
