@@ -38,7 +38,7 @@ def _state(recorder: Recorder, results) -> dict:
 def _ranked(recorder: Recorder) -> list:
     return sorted(
         recorder.sites.values(),
-        key=lambda s: (-s.errors.mass, -s.errors.max_term_relative, s.file, s.line, s.kind, s.op, s.dtypes),
+        key=lambda s: (-s.errors.overflow, -s.errors.mass, -s.errors.max_term_relative, s.file, s.line, s.kind, s.op, s.dtypes),
     )
 
 

@@ -68,9 +68,11 @@ class Promotion:
         return tuple(self.movement[c].norm_relative if c in self.movement else 0.0 for c in CATEGORIES)
 
 
-CATEGORIES = ("parameters", "optimizer state", "loss", "results")
-"""What a promotion compares: the optimizers' parameters and state, the last ``backward()`` root per rank, and
-the floating tensors the rank function returned (`simdist.attribution.blame`; none for a script)."""
+CATEGORIES = ("parameters", "optimizer state", "loss", "results", "scaled loss")
+"""What a promotion compares: the optimizers' parameters and state, the last loss per rank (the last
+``backward()`` root; where a ``torch.amp.GradScaler`` scaled it, the unscaled loss it was given, and the root
+under "scaled loss", whose movement includes the scaler's own changes of scale), and the floating tensors the
+rank function returned (`simdist.attribution.blame`; none for a script)."""
 
 
 def _short(path: str, base: str) -> str:
@@ -84,6 +86,11 @@ def _ranks(ranks) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
+
+
+def _nonfinite(e) -> str:
+    """The inf/nan cell: the site's non-finite results, marked ``!`` when some had a finite exact value."""
+    return f"{e.nonfinite}!" if e.overflow else str(e.nonfinite)
 
 
 @dataclass
@@ -140,6 +147,7 @@ class BlameReport:
                     "calls": s.calls,
                     "elements": e.elements,
                     "nonfinite": e.nonfinite,
+                    "overflow": e.overflow,
                     "max_ulp": number(e.max_ulp),
                     "max_err_over_sum_abs_terms": number(e.max_term_relative),
                     "max_rel_err": number(e.max_relative),
@@ -173,19 +181,30 @@ class BlameReport:
 
     def format(self, limit: int | None = None, base: str | None = None) -> str:
         """The ranked table, then the promotions ordered by their end-to-end effect."""
+        nonfinite = any(s.errors.nonfinite for s in self.sites)
         lines = [
             f"{len(self.sites)} sites; error mass = sum over elements of |result - exact| / sum|terms| "
-            f"(total {self.total_mass:.4g})",
-            f"{'id':>3} {'share':>6}  {'kind':<10} {'op':<22} {'dtypes':<10} {'calls':>6} {'elements':>9} "
-            f"{'max ulp':>8} {'err/sum|t|':>10} {'max rel':>9}  site",
+            f"(total {self.total_mass:.4g})"
         ]
+        if nonfinite:
+            overflowing = sum(1 for s in self.sites if s.errors.overflow)
+            lines.append(
+                f"inf/nan: non-finite results, not in the error mass; '!' where the exact value was finite "
+                f"(overflow: {overflowing} site(s), ranked first)"
+            )
+        column = f" {'inf/nan':>7}" if nonfinite else ""
+        lines.append(
+            f"{'id':>3} {'share':>6}  {'kind':<10} {'op':<22} {'dtypes':<10} {'calls':>6} {'elements':>9} "
+            f"{'max ulp':>8} {'err/sum|t|':>10} {'max rel':>9}{column}  site"
+        )
         for i, s in enumerate(self.sites[:limit], 1):
             e = s.errors
             extra = [f"groups {' '.join(sorted(s.groups))}"] if s.groups else []
             extra.append(f"ranks {_ranks(s.ranks)}")
+            cell = f" {_nonfinite(e):>7}" if nonfinite else ""
             lines.append(
                 f"{i:>3} {100 * self.share(s):>5.1f}%  {s.kind:<10} {s.op:<22} {s.dtypes:<10} {s.calls:>6} "
-                f"{e.elements:>9} {e.max_ulp:>8.3g} {e.max_term_relative:>10.3g} {e.max_relative:>9.3g}  "
+                f"{e.elements:>9} {e.max_ulp:>8.3g} {e.max_term_relative:>10.3g} {e.max_relative:>9.3g}{cell}  "
                 f"{self.where(s, base)}  [{'; '.join(extra)}]"
             )
         if limit is not None and len(self.sites) > limit:

@@ -4,7 +4,8 @@
 narrowing casts (an `simdist.audit.Audit` following every thread, with a ``cast_hook``), the optimizer step
 each rank is at (a global optimizer step post-hook: the step of an event is the number of ``optimizer.step()``
 calls its rank had finished), the loss of each rank (every ``torch.autograd.backward`` root, also reached by
-``loss.backward()``) and the optimizers each rank stepped (their parameters and state are the run's final
+``loss.backward()``; where a ``torch.amp.GradScaler`` scaled the root, the loss is what it was given, unscaled,
+and the root is kept as the "scaled loss") and the optimizers each rank stepped (their parameters and state are the run's final
 state). `execute` runs a callable under all of that and returns the recorder.
 
 Promotion: a site in ``promote`` is computed without its rounding -- a collective gets its exact FP64
@@ -49,6 +50,7 @@ class Recorder:
         self.steps: dict[int | None, int] = {}
         self.optimizers: dict[int | None, list] = {}
         self.losses: dict[int | None, list[torch.Tensor]] = {}
+        self.unscaled: dict[int | None, list[torch.Tensor]] = {}  # what a GradScaler scaled, per rank
         self.promote = set(promote)
         self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
         self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
@@ -133,6 +135,14 @@ class Recorder:
             with self.lock:
                 self.losses.setdefault(rank, []).append(value)
 
+    def scaled(self, outputs, result) -> None:
+        """A ``GradScaler.scale(outputs)`` call: ``outputs`` is the loss the script means (the root is scaled)."""
+        if result is not outputs and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+            rank = _rank()
+            value = outputs.detach().clone()
+            with self.lock:
+                self.unscaled.setdefault(rank, []).append(value)
+
     # -- the final state ------------------------------------------------------------------
 
     def final_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -148,8 +158,11 @@ class Recorder:
                     for k, v in sorted(opt.state.get(p, {}).items()):
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
                             state[f"{name} {k}"] = v.detach().clone()
-        losses = {f"rank {r} final": v[-1] for r, v in self.losses.items() if v}
-        return {"parameters": params, "optimizer state": state, "loss": losses}
+        roots = {f"rank {r} final": v[-1] for r, v in self.losses.items() if v}
+        unscaled = {f"rank {r} final": v[-1] for r, v in self.unscaled.items() if v}
+        if unscaled:  # a loss scaler: "loss" is the script's loss, the backward() root is the scaled one
+            return {"parameters": params, "optimizer state": state, "loss": unscaled, "scaled loss": roots}
+        return {"parameters": params, "optimizer state": state, "loss": roots, "scaled loss": {}}
 
 
 def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
@@ -164,7 +177,17 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
         recorder.loss(tensors)
         return original_backward(tensors, *args, **kwargs)
 
+    from torch.amp.grad_scaler import GradScaler
+
+    original_scale = GradScaler.scale
+
+    def scale(self, outputs):
+        result = original_scale(self, outputs)
+        recorder.scaled(outputs, result)
+        return result
+
     torch.autograd.backward = backward
+    GradScaler.scale = scale  # type: ignore[method-assign,assignment]
     try:
         audit = Audit(
             skip=(_BLAME_DIR,),
@@ -178,5 +201,6 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
             return target()
     finally:
         torch.autograd.backward = original_backward
+        GradScaler.scale = original_scale  # type: ignore[method-assign]
         handle.remove()
         uninstall()

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import (
 )
 
 from simdist.audit import world_hooks
+from simdist.world.engine import WRAPPER_FILES
 from simdist.audit.ops import _OPS, _describe_op, _get, _Op, _safe_error, _Tensor, _tensors, _wide_error, _widen
 from simdist.audit.report import (
     _MAX_SHAPES,
@@ -180,7 +181,7 @@ class Audit(TorchDispatchMode):
             self._prefixes = _parent._prefixes
         else:
             self._store = _Store(max_records)
-            self._prefixes = (_TORCH_DIR, _AUDIT_DIR, "<frozen ", *(_skip_prefix(s) for s in skip))
+            self._prefixes = (_TORCH_DIR, _AUDIT_DIR, "<frozen ", *WRAPPER_FILES, *(_skip_prefix(s) for s in skip))
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
