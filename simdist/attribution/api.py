@@ -46,9 +46,36 @@ class SiteNotFound(ValueError):
     """A ``--promote`` entry that names no site of the base run (bad input)."""
 
 
+def check_spec(spec: object) -> SiteSpec:
+    """``spec`` if it has the form of a site (an id >= 1 or ``path:line``), else ``SiteNotFound`` saying so.
+
+    Checked before the base run: a malformed entry is bad input, not something a run can answer.
+    """
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise SiteNotFound(f"--promote {spec!r}: a site is an id (1, 2, ...) or 'file:line', not a {type(spec).__name__}")
+    text = str(spec).strip()
+    if text.lstrip("+-").isdigit():
+        if int(text) < 1:
+            raise SiteNotFound(f"--promote {text}: site ids start at 1")
+        return int(text)
+    path, _, line = text.rpartition(":")
+    if not (path and line.isdigit()):
+        raise SiteNotFound(f"--promote {text!r}: a site is an id (1, 2, ...) or 'file:line' (e.g. train.py:42)")
+    return spec
+
+
+def check_count(value: object, name: str = "promote_top") -> int:
+    """``value`` if it is a non-negative int, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def resolve(report: BlameReport, spec: SiteSpec) -> list[int]:
     """The ids of the base report's sites that ``spec`` names; ``ValueError`` listing the sites if none."""
     text = str(spec).strip()
+    if not report.sites:
+        raise SiteNotFound(f"--promote {text}: this run has no sites (no measured collective, cast or op)")
     if text.isdigit():
         if not 1 <= int(text) <= len(report.sites):
             raise SiteNotFound(f"--promote {text}: site ids of this run are 1-{len(report.sites)}")
@@ -79,6 +106,8 @@ def blame_target(
     The base run is the comparison point of every promotion: simdist runs are deterministic, so a rerun
     without promotion gives the same bits (the tests check it).
     """
+    promote = [check_spec(spec) for spec in promote]
+    check_count(promote_top)
     recorder = Recorder()
     results = execute(target, recorder)
     report = BlameReport(_ranked(recorder), _state(recorder, results), results)

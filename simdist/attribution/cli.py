@@ -28,6 +28,29 @@ class ScriptExit(Exception):
         self.message = message
 
 
+class TorchrunStyle(ValueError):
+    """A script that initialises the default group from torchrun's environment, run without ``--nproc``."""
+
+
+def check_figure(path: str) -> None:
+    """``ValueError`` unless ``path`` can take the figure: checked before the run, whose table would be lost."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if not path.strip():
+        raise ValueError("--figure: expected a file path, got an empty one")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise ValueError(f"--figure {path}: matplotlib writes no .{ext} files (use one of {', '.join(sorted(formats))})")
+    if os.path.isdir(path):
+        raise ValueError(f"--figure {path}: is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"--figure {path}: no such directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--figure {path}: not writable")
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -97,6 +120,20 @@ def _script_target(script: str, argv: list[str], nproc: int | None):
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         try:
             if nproc is None:
+
+                def init_outside_ranks(*args, **kwargs):
+                    from simdist.world.inproc import current
+
+                    from_env = len(args) < 2 and not {"init_method", "store"} & set(kwargs)
+                    missing = [v for v in ("RANK", "WORLD_SIZE") if v not in os.environ]
+                    if current() is None and from_env and missing and "world_size" not in kwargs:
+                        raise TorchrunStyle(
+                            f"{script} calls dist.init_process_group() from torchrun's environment "
+                            f"({', '.join(missing)} unset): a torchrun-style script; run it with --nproc N"
+                        )
+                    return saved_init(*args, **kwargs)
+
+                dist.init_process_group = init_outside_ranks
                 run_main()
                 return
             from simdist.world.inproc import spawn
@@ -128,6 +165,8 @@ def run_blame(args: argparse.Namespace) -> int:
     script = args.script
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script!r}")
+    if args.figure is not None:
+        check_figure(args.figure)
     target = _script_target(script, args.script_args, args.nproc)
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
@@ -137,7 +176,7 @@ def run_blame(args: argparse.Namespace) -> int:
         if exc.message is not None:
             print(exc.message, file=sys.stderr)
         return exc.status
-    except SiteNotFound:
+    except (SiteNotFound, TorchrunStyle):
         raise
     except Exception:
         traceback.print_exc()

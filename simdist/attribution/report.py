@@ -88,6 +88,33 @@ def _ranks(ranks) -> str:
     return ",".join(map(str, ranks))
 
 
+def _error_axis(ax, values: list[float]) -> None:
+    """A log axis for errors (symlog where some are zero) whose ticks are labelled also within one decade.
+
+    A log axis labels only powers of ten: errors that stay within a decade (the common case: one rounding per
+    step) got a panel without y labels. Then three ticks (the smallest, the geometric middle and the largest
+    positive value, and 0 where present) are placed and labelled explicitly.
+    """
+    import numpy as np
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    finite = [v for v in values if math.isfinite(v)]
+    positive = [v for v in finite if v > 0]
+    lo, hi = (min(positive), max(positive)) if positive else (1e-9, 1e-9)
+    if len(positive) < len(finite):
+        ax.set_yscale("symlog", linthresh=lo)
+    else:
+        ax.set_yscale("log")
+    if hi / lo >= 100:
+        return  # the axis spans two decades or more: its own labelled powers of ten read well
+    ticks = sorted({lo, float(np.sqrt(lo * hi)), hi} | ({0.0} if len(positive) < len(finite) else set()))
+    if hi == lo:
+        ax.set_ylim(lo / 2 if len(positive) == len(finite) else -lo / 2, hi * 2)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+
+
 def _nonfinite(e) -> str:
     """The inf/nan cell: the site's non-finite results, marked ``!`` when some had a finite exact value."""
     return f"{e.nonfinite}!" if e.overflow else str(e.nonfinite)
@@ -112,7 +139,8 @@ class BlameReport:
 
     def site(self, ident: int) -> SiteErrors:
         if not 1 <= ident <= len(self.sites):
-            raise ValueError(f"site id {ident} is not in the table (ids 1-{len(self.sites)})")
+            ids = f"ids 1-{len(self.sites)}" if self.sites else "no sites"
+            raise ValueError(f"site id {ident} is not in the table ({ids})")
         return self.sites[ident - 1]
 
     def where(self, site: SiteErrors, base: str | None = None) -> str:
@@ -252,11 +280,13 @@ class BlameReport:
         ax_share.invert_yaxis()
         ax_share.set_xlabel("share of the run's error mass (%)")
         ax_share.set_title("error per site")
+        plotted: list[float] = []
         for i, s in enumerate(shown, 1):
             steps = sorted(s.steps)
             values = [s.steps[k].max_term_relative for k in steps]
+            plotted += values
             ax_steps.plot(steps, values, marker="o", markersize=3, label=f"#{i}")
-        ax_steps.set_yscale("symlog", linthresh=1e-9)
+        _error_axis(ax_steps, plotted)
         ax_steps.set_xlabel("optimizer step")
         ax_steps.set_ylabel("max |result - exact| / sum|terms|")
         ax_steps.set_title("error vs step")
