@@ -38,7 +38,16 @@ def _state(recorder: Recorder, results) -> dict:
 def _ranked(recorder: Recorder) -> list:
     return sorted(
         recorder.sites.values(),
-        key=lambda s: (-s.errors.overflow, -s.errors.mass, -s.errors.max_term_relative, s.file, s.line, s.kind, s.op, s.dtypes),
+        key=lambda s: (
+            -s.errors.overflow,
+            -s.errors.mass,
+            -s.errors.max_term_relative,
+            s.file,
+            s.line,
+            s.kind,
+            s.op,
+            s.dtypes,
+        ),
     )
 
 
@@ -52,7 +61,8 @@ def check_spec(spec: object) -> SiteSpec:
     Checked before the base run: a malformed entry is bad input, not something a run can answer.
     """
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise SiteNotFound(f"--promote {spec!r}: a site is an id (1, 2, ...) or 'file:line', not a {type(spec).__name__}")
+        kind = type(spec).__name__
+        raise SiteNotFound(f"--promote {spec!r}: a site is an id (1, 2, ...) or 'file:line', not a {kind}")
     text = str(spec).strip()
     if text.lstrip("+-").isdigit():
         if int(text) < 1:

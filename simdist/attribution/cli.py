@@ -41,7 +41,8 @@ def check_figure(path: str) -> None:
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
     if ext and ext not in formats:
-        raise ValueError(f"--figure {path}: matplotlib writes no .{ext} files (use one of {', '.join(sorted(formats))})")
+        known = ", ".join(sorted(formats))
+        raise ValueError(f"--figure {path}: matplotlib writes no .{ext} files (use one of {known})")
     if os.path.isdir(path):
         raise ValueError(f"--figure {path}: is a directory")
     directory = os.path.dirname(os.path.abspath(path))

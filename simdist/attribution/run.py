@@ -4,9 +4,9 @@
 narrowing casts (an `simdist.audit.Audit` following every thread, with a ``cast_hook``), the optimizer step
 each rank is at (a global optimizer step post-hook: the step of an event is the number of ``optimizer.step()``
 calls its rank had finished), the loss of each rank (every ``torch.autograd.backward`` root, also reached by
-``loss.backward()``; where a ``torch.amp.GradScaler`` scaled the root, the loss is what it was given, unscaled,
-and the root is kept as the "scaled loss") and the optimizers each rank stepped (their parameters and state are the run's final
-state). `execute` runs a callable under all of that and returns the recorder.
+``loss.backward()``; where a ``torch.amp.GradScaler`` scaled the root, the loss is what it was given,
+unscaled, and the root is kept as the "scaled loss") and the optimizers each rank stepped (their parameters
+and state are the run's final state). `execute` runs a callable under all of that and returns the recorder.
 
 Promotion: a site in ``promote`` is computed without its rounding -- a collective gets its exact FP64
 result rounded once to its dtype, an out-of-place cast returns its wide input unchanged (the program then
@@ -187,7 +187,7 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
         return result
 
     torch.autograd.backward = backward
-    GradScaler.scale = scale  # type: ignore[method-assign,assignment]
+    GradScaler.scale = scale  # type: ignore[method-assign]
     try:
         audit = Audit(
             skip=(_BLAME_DIR,),

@@ -21,7 +21,6 @@ from torch.utils._python_dispatch import (
 )
 
 from simdist.audit import world_hooks
-from simdist.world.engine import WRAPPER_FILES
 from simdist.audit.ops import _OPS, _describe_op, _get, _Op, _safe_error, _Tensor, _tensors, _wide_error, _widen
 from simdist.audit.report import (
     _MAX_SHAPES,
@@ -37,6 +36,7 @@ from simdist.audit.report import (
     dtype_name,
     narrows,
 )
+from simdist.world.engine import WRAPPER_FILES
 
 _AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

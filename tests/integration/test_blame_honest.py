@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from simdist.attribution import blame
 from simdist.attribution.api import SiteNotFound
-from simdist.attribution.measure import errors
+from simdist.attribution.measure import Errors, SiteErrors, errors
+from simdist.attribution.report import BlameReport
 from simdist.cli import main
 from simdist.numerics.floats import bits
 from simdist.world.errors import CollectiveMismatchError
@@ -215,7 +216,13 @@ def _tick_labels(fig) -> list[list[str]]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig).draw()
-    return [[t.get_text() for t in axis.get_ticklabels() if t.get_text()] for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)]
+    shown = []
+    for ax in fig.axes:
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = min(lo, hi), max(lo, hi)
+            ticks = zip(axis.get_majorticklocs(), axis.get_ticklabels(), strict=True)
+            shown.append([label.get_text() for loc, label in ticks if lo <= loc <= hi and label.get_text()])
+    return shown
 
 
 def _exact_sum(rank: int) -> None:
@@ -227,6 +234,14 @@ def test_every_panel_has_tick_labels_when_errors_stay_within_a_decade(fn):
     """One rounding per step (errors within a decade; or zero) gave an error-vs-step panel without y labels."""
     labels = _tick_labels(blame(fn, 2, reduction="sequential").figure())
     assert len(labels) == 4 and all(labels), labels
+
+
+def test_errors_within_a_decade_over_steps_get_labelled_ticks():
+    site = SiteErrors("/x/train.py", 3, "train", "cast", "to", "fp32->bf16")
+    for step, value in enumerate([3e-4, 6e-4, 4.5e-4]):
+        site.add(0, step, Errors(elements=1, max_term_relative=value, mass=value))
+    labels = _tick_labels(BlameReport([site], {}).figure())
+    assert labels[3] == ["0.0003", "0.000424", "0.0006"]
 
 
 def test_the_error_axis_labels_zero_and_positive_errors():
