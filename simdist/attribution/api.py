@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from simdist.attribution.arithmetic import op_names
 from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
 from simdist.attribution.run import Recorder, execute
 
@@ -109,23 +110,28 @@ def blame_target(
     *,
     promote: Iterable[SiteSpec] = (),
     promote_top: int = 0,
+    ops: str | Iterable[str] | None = None,
 ) -> BlameReport:
     """Run ``target()`` blamed; then, for each entry of ``promote`` (and each of the ``promote_top`` first
     sites), rerun it with those sites exact and measure how far the final state moved.
+
+    ``ops``: also measure arithmetic sites (`simdist.attribution.arithmetic`): ``"all"`` the ops of
+    `simdist.attribution.arithmetic.OPS`, or some of them by name (``"mm,add"``, ``["mm"]``); None: none.
 
     The base run is the comparison point of every promotion: simdist runs are deterministic, so a rerun
     without promotion gives the same bits (the tests check it).
     """
     promote = [check_spec(spec) for spec in promote]
     check_count(promote_top)
-    recorder = Recorder()
+    names = op_names(ops)
+    recorder = Recorder(ops=names)
     results = execute(target, recorder)
     report = BlameReport(_ranked(recorder), _state(recorder, results), results)
     specs: list[SiteSpec] = list(promote) + [i for i in range(1, min(promote_top, len(report.sites)) + 1)]
     for spec in specs:
         ids = resolve(report, spec)
         keys = {report.site(i).key for i in ids}
-        rerun = Recorder(promote=keys)
+        rerun = Recorder(promote=keys, ops=names)
         label = " + ".join(f"#{i} {os.path.basename(report.site(i).file)}:{report.site(i).line}" for i in ids)
         try:
             rerun_results = execute(target, rerun)
@@ -150,6 +156,7 @@ def blame(
     *args: Any,
     promote: Iterable[SiteSpec] = (),
     promote_top: int = 0,
+    ops: str | Iterable[str] | None = None,
     **spawn_kwargs: Any,
 ) -> BlameReport:
     """Run ``fn(rank, *args)`` on ``world_size`` `simdist.spawn` rank threads and blame its rounding, site by site.
@@ -160,8 +167,10 @@ def blame(
     inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
     and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
     ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
-    holds ``fn``'s per-rank results; ``report.figure()`` draws the sites and their error per step.
+    holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`); ``report.figure()`` draws the sites and their error per step.
     """
     from simdist.world.inproc import spawn
 
-    return blame_target(lambda: spawn(fn, world_size, *args, **spawn_kwargs), promote=promote, promote_top=promote_top)
+    return blame_target(
+        lambda: spawn(fn, world_size, *args, **spawn_kwargs), promote=promote, promote_top=promote_top, ops=ops
+    )

@@ -91,6 +91,13 @@ def add_blame_subcommand(subparsers) -> argparse.ArgumentParser:
         help="rerun with SITE exact (a table id or file:line; repeatable, one rerun each)",
     )
     parser.add_argument("--promote-top", type=_count, default=0, metavar="K", help="promote each of the K first sites")
+    parser.add_argument(
+        "--ops",
+        default=None,
+        metavar="OPS",
+        help="also measure floating ops against FP64: 'all' or a comma-separated subset (add,mul,mm,bmm,addmm,"
+        "sum,mean,_foreach_add,_fused_adamw,...); slower",
+    )
     parser.add_argument("--figure", metavar="PNG", help="write the figure (error per site, error vs step) here")
     parser.add_argument(
         "--nproc", type=_nproc, default=None, metavar="N", help="run a torchrun-style SCRIPT on N simdist rank threads"
@@ -162,17 +169,19 @@ def _script_target(script: str, argv: list[str], nproc: int | None):
 def run_blame(args: argparse.Namespace) -> int:
     """Run ``args.script`` blamed and print the report; returns the script's exit status."""
     from simdist.attribution.api import SiteNotFound, blame_target
+    from simdist.attribution.arithmetic import op_names
 
     script = args.script
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script!r}")
     if args.figure is not None:
         check_figure(args.figure)
+    op_names(args.ops)  # an unknown op is bad input, before the run
     target = _script_target(script, args.script_args, args.nproc)
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with redirect:
-            report = blame_target(target, promote=args.promote, promote_top=args.promote_top)
+            report = blame_target(target, promote=args.promote, promote_top=args.promote_top, ops=args.ops)
     except ScriptExit as exc:
         if exc.message is not None:
             print(exc.message, file=sys.stderr)

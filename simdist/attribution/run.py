@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from simdist.attribution import collectives
+from simdist.attribution import arithmetic, collectives
 from simdist.attribution.measure import Errors, SiteErrors, errors
 from simdist.audit import Audit, dtype_name
 
@@ -44,7 +44,7 @@ def _rank() -> int | None:
 class Recorder:
     """Per-site errors, steps, losses and optimizers of one run; ``promote`` holds the site keys to promote."""
 
-    def __init__(self, promote: Iterable[SiteKey] = ()) -> None:
+    def __init__(self, promote: Iterable[SiteKey] = (), ops: frozenset[str] = frozenset()) -> None:
         self.lock = threading.Lock()
         self.sites: dict[SiteKey, SiteErrors] = {}
         self.steps: dict[int | None, int] = {}
@@ -52,6 +52,7 @@ class Recorder:
         self.losses: dict[int | None, list[torch.Tensor]] = {}
         self.unscaled: dict[int | None, list[torch.Tensor]] = {}  # what a GradScaler scaled, per rank
         self.promote = set(promote)
+        self.ops = ops  # aten op names measured as arithmetic sites (`simdist.attribution.arithmetic`)
         self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
         self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
         self._sites: dict = {}  # (code, line) -> (file, line, function)
@@ -118,6 +119,11 @@ class Recorder:
         measured = replaced if replaced is not None else result
         self.record(site, "cast", op, dtypes, rank, errors(measured, wide, wide.abs()), promoted=replaced is not None)
         return replaced
+
+    def op_hook(self, site, rank, name: str, call, written: tuple, args: tuple, kwargs: dict):
+        if rank is None:
+            rank = _rank()
+        return arithmetic.measure_op(self, site, rank, name, call, written, args, kwargs)
 
     def step_hook(self, optimizer, args, kwargs) -> None:
         rank = _rank()
@@ -192,6 +198,8 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
         audit = Audit(
             skip=(_BLAME_DIR,),
             cast_hook=recorder.cast_hook,
+            op_hook=recorder.op_hook if recorder.ops else None,
+            op_names=recorder.ops,
             errors=False,
             collectives=False,
             threads=True,

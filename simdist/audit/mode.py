@@ -150,7 +150,12 @@ class Audit(TorchDispatchMode):
     function)``, ``source`` the wide input, ``result`` the narrowed tensor), with
     the audit paused; for an out-of-place cast (``in_place`` false) a tensor it
     returns replaces the cast's result (`simdist.blame` measures and promotes
-    casts with it).
+    casts with it); ``op_hook`` and ``op_names`` -- every op whose name (e.g.
+    ``aten.mm``, ``aten.add_``) is in ``op_names`` is run by
+    ``op_hook(site, rank, name, call, written, args, kwargs)`` instead (``call``
+    runs the op, ``written`` names the arguments it writes), whatever its
+    dtypes; what the hook returns is the op's result (`simdist.blame`'s
+    arithmetic sites).
     """
 
     def __init__(
@@ -163,6 +168,8 @@ class Audit(TorchDispatchMode):
         threads: bool = False,
         max_records: int = 100_000,
         cast_hook: Callable[..., torch.Tensor | None] | None = None,
+        op_hook: Callable[..., Any] | None = None,
+        op_names: Iterable[str] = (),
         _parent: Audit | None = None,
     ) -> None:
         super().__init__()
@@ -174,6 +181,8 @@ class Audit(TorchDispatchMode):
         self._entered = 0
         self._previous_profile: Callable[..., object] | None = None
         self.cast_hook: Callable[..., torch.Tensor | None] | None = cast_hook if _parent is None else _parent.cast_hook
+        self.op_hook: Callable[..., Any] | None = op_hook if _parent is None else _parent.op_hook
+        self.op_names: frozenset[str] = frozenset(op_names) if _parent is None else _parent.op_names
         self._store: _Store
         self._prefixes: tuple[str, ...]
         if _parent is not None:
@@ -275,6 +284,10 @@ class Audit(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         kind = op.kind
+        if self.op_hook is not None and op.name in self.op_names and not self._paused and not self._store.closed:
+            site = self._site()
+            with self.paused():
+                return self.op_hook(site, self.rank, op.name, op.call, op.written, args, kwargs)
         if kind == IGNORE or self._paused or self._store.closed:
             return op.call(*args, **kwargs)
         if kind == CAST:
