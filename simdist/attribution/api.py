@@ -167,7 +167,8 @@ def blame(
     inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
     and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
     ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
-    holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`); ``report.figure()`` draws the sites and their error per step.
+    holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`); ``report.figure()``
+    draws the sites and their error per step.
     """
     from simdist.world.inproc import spawn
 
