@@ -190,3 +190,21 @@ def test_promoting_a_foreach_op_rounds_it_once_and_moves_the_parameters():
     promoted = blame(_foreach_adamw, 2, ops="_foreach_addcdiv", promote=[site_id])
     (promotion,) = promoted.promotions
     assert promotion.events == 4 and promotion.movement["parameters"].differing == 2
+
+
+def _bf16_difference(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a, b = _chunks(rank)[2:4]
+    return a, b, a - b  # LINE_SUB
+
+
+def test_a_subtraction_is_measured_against_the_sum_of_its_absolute_terms():
+    """err/sum|t| of a - b divides by |a| + |b| (not |a| - |b|): the figure that stays below u for one rounding."""
+    report = blame(_bf16_difference, 2, ops="sub")
+    (site,) = [s for s in report.sites if s.kind == "arith"]
+    assert (site.op, site.line) == ("sub", _line(_bf16_difference, "LINE_SUB"))
+    pairs = []
+    for a, b, r in report.results:
+        for x, y, z in zip(a.tolist(), b.tolist(), r.tolist(), strict=True):
+            pairs.append((z, Fraction(x) - Fraction(y), abs(Fraction(x)) + abs(Fraction(y))))
+    _check(site, _expected(pairs))
+    assert site.errors.max_term_relative <= 2.0**-8  # BF16 unit roundoff: one rounding of a + (-b)
