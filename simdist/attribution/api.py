@@ -10,7 +10,7 @@ import torch
 
 from simdist.attribution.arithmetic import op_names
 from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
-from simdist.attribution.run import Recorder, execute
+from simdist.attribution.run import Recorder, execute, local
 
 SiteSpec = int | str
 """A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
@@ -22,7 +22,7 @@ def _result_tensors(value, name: str = "result", out: dict | None = None) -> dic
     out = {} if out is None else out
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            out[name] = value.detach().clone()
+            out[name] = local(value)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _result_tensors(v, f"{name}[{i}]", out)
@@ -127,6 +127,8 @@ def blame_target(
     recorder = Recorder(ops=names)
     results = execute(target, recorder)
     report = BlameReport(_ranked(recorder), _state(recorder, results), results)
+    if recorder.sharded:
+        report.notes.append("DTensor parameters and optimizer states are compared by each rank's local shard")
     specs: list[SiteSpec] = list(promote) + [i for i in range(1, min(promote_top, len(report.sites)) + 1)]
     for spec in specs:
         ids = resolve(report, spec)

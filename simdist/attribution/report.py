@@ -128,6 +128,7 @@ class BlameReport:
     state: dict[str, dict[str, torch.Tensor]]
     results: Any = None
     promotions: list[Promotion] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the promotions' figures were taken (local shards)
 
     @property
     def total_mass(self) -> float:
@@ -202,7 +203,12 @@ class BlameReport:
             }
             for p in self.ranked_promotions()
         ]
-        return {"total_error_mass": number(self.total_mass), "sites": sites, "promotions": promotions}
+        return {
+            "total_error_mass": number(self.total_mass),
+            "sites": sites,
+            "promotions": promotions,
+            "notes": self.notes,
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -241,6 +247,7 @@ class BlameReport:
             lines.append("")
             lines.append("promotions (the site exact: a collective's FP64 sum rounded once; a cast not narrowed),")
             lines.append("final state moved vs the unpromoted run, largest end-to-end effect first:")
+            lines += [f"({note})" for note in self.notes]
             lines.append(
                 f"{'promoted':<34} {'category':<16} {'differ':>7} {'max abs':>9} {'max rel':>9} "
                 f"{'max ulp':>9} {'norm rel':>9}"

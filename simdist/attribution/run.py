@@ -34,6 +34,16 @@ _AUDIT_DIR = os.path.join(os.path.dirname(_BLAME_DIR.rstrip(os.sep)), "audit") +
 SiteKey = tuple  # (file, line, function, kind, op, dtypes)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t``; of a DTensor, of this rank's local shard (its mesh is the run's own: a promoted
+    rerun's DTensors live on another mesh, and comparing the two would need the collectives of a finished run).
+    Each rank's shard is named by its rank, so the shards of all ranks together cover the full tensor."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None and type(t).__name__ == "DTensor":
+        t = to_local()
+    return t.detach().clone()
+
+
 def _rank() -> int | None:
     from simdist.world.inproc import current
 
@@ -52,6 +62,7 @@ class Recorder:
         self.losses: dict[int | None, list[torch.Tensor]] = {}
         self.unscaled: dict[int | None, list[torch.Tensor]] = {}  # what a GradScaler scaled, per rank
         self.promote = set(promote)
+        self.sharded = False  # a DTensor's local shard stood in for it in the final state
         self.ops = ops  # aten op names measured as arithmetic sites (`simdist.attribution.arithmetic`)
         self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
         self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
@@ -137,7 +148,7 @@ class Recorder:
         first = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
         if isinstance(first, torch.Tensor):
             rank = _rank()
-            value = first.detach().clone()
+            value = local(first)
             with self.lock:
                 self.losses.setdefault(rank, []).append(value)
 
@@ -145,7 +156,7 @@ class Recorder:
         """A ``GradScaler.scale(outputs)`` call: ``outputs`` is the loss the script means (the root is scaled)."""
         if result is not outputs and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
             rank = _rank()
-            value = outputs.detach().clone()
+            value = local(outputs)
             with self.lock:
                 self.unscaled.setdefault(rank, []).append(value)
 
@@ -160,10 +171,11 @@ class Recorder:
                 ps = [p for group in opt.param_groups for p in group["params"]]
                 for pi, p in enumerate(ps):
                     name = f"rank {rank} optimizer {oi} param {pi}"
-                    params[name] = p.detach().clone()
+                    self.sharded = self.sharded or type(p).__name__ == "DTensor"
+                    params[name] = local(p)
                     for k, v in sorted(opt.state.get(p, {}).items()):
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
-                            state[f"{name} {k}"] = v.detach().clone()
+                            state[f"{name} {k}"] = local(v)
         roots = {f"rank {r} final": v[-1] for r, v in self.losses.items() if v}
         unscaled = {f"rank {r} final": v[-1] for r, v in self.unscaled.items() if v}
         if unscaled:  # a loss scaler: "loss" is the script's loss, the backward() root is the scaled one

@@ -326,6 +326,9 @@ class Audit(TorchDispatchMode):
     def _cast(self, op: _Op, args, kwargs):
         source = _get(args, kwargs, op.source)
         result = op.call(*args, **kwargs)
+        if isinstance(source, (list, tuple)):
+            self._list_cast(op, source, _get(args, kwargs, 0) if op.written else result)
+            return result
         if not isinstance(source, _Tensor):
             return result
         target = _get(args, kwargs, op.written[0]) if op.written else result
@@ -338,6 +341,16 @@ class Audit(TorchDispatchMode):
                 if replaced is not None and not op.written:
                     return replaced
         return result
+
+    def _list_cast(self, op: _Op, sources, targets) -> None:
+        """A foreach copy (``torch._foreach_copy_(dsts, srcs)``): each narrowing pair is one cast, in place."""
+        for source, target in zip(sources, _tensors(targets), strict=False):
+            if isinstance(source, _Tensor) and narrows(source.dtype, target.dtype):
+                error = _safe_error(target, source) if self.errors else None
+                site = self._record(op.name, CAST, (source.dtype,), target.dtype, target.shape, error, "")
+                if self.cast_hook is not None:
+                    with self.paused():
+                        self.cast_hook(site, self.rank, source, target, True)
 
     def _narrowing(self, op: _Op, args, kwargs, widest, requested):
         """An op with mixed input dtypes, a dtype argument or an out= argument: did it store narrower?"""
