@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from simdist.attribution.arithmetic import op_names
 from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
-from simdist.attribution.run import Recorder, execute
+from simdist.attribution.run import Recorder, execute, local
 
 SiteSpec = int | str
 """A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
@@ -21,7 +22,7 @@ def _result_tensors(value, name: str = "result", out: dict | None = None) -> dic
     out = {} if out is None else out
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            out[name] = value.detach().clone()
+            out[name] = local(value)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _result_tensors(v, f"{name}[{i}]", out)
@@ -38,7 +39,16 @@ def _state(recorder: Recorder, results) -> dict:
 def _ranked(recorder: Recorder) -> list:
     return sorted(
         recorder.sites.values(),
-        key=lambda s: (-s.errors.mass, -s.errors.max_term_relative, s.file, s.line, s.kind, s.op, s.dtypes),
+        key=lambda s: (
+            -s.errors.overflow,
+            -s.errors.mass,
+            -s.errors.max_term_relative,
+            s.file,
+            s.line,
+            s.kind,
+            s.op,
+            s.dtypes,
+        ),
     )
 
 
@@ -46,9 +56,37 @@ class SiteNotFound(ValueError):
     """A ``--promote`` entry that names no site of the base run (bad input)."""
 
 
+def check_spec(spec: object) -> SiteSpec:
+    """``spec`` if it has the form of a site (an id >= 1 or ``path:line``), else ``SiteNotFound`` saying so.
+
+    Checked before the base run: a malformed entry is bad input, not something a run can answer.
+    """
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        kind = type(spec).__name__
+        raise SiteNotFound(f"--promote {spec!r}: a site is an id (1, 2, ...) or 'file:line', not a {kind}")
+    text = str(spec).strip()
+    if text.lstrip("+-").isdigit():
+        if int(text) < 1:
+            raise SiteNotFound(f"--promote {text}: site ids start at 1")
+        return int(text)
+    path, _, line = text.rpartition(":")
+    if not (path and line.isdigit()):
+        raise SiteNotFound(f"--promote {text!r}: a site is an id (1, 2, ...) or 'file:line' (e.g. train.py:42)")
+    return spec
+
+
+def check_count(value: object, name: str = "promote_top") -> int:
+    """``value`` if it is a non-negative int, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def resolve(report: BlameReport, spec: SiteSpec) -> list[int]:
     """The ids of the base report's sites that ``spec`` names; ``ValueError`` listing the sites if none."""
     text = str(spec).strip()
+    if not report.sites:
+        raise SiteNotFound(f"--promote {text}: this run has no sites (no measured collective, cast or op)")
     if text.isdigit():
         if not 1 <= int(text) <= len(report.sites):
             raise SiteNotFound(f"--promote {text}: site ids of this run are 1-{len(report.sites)}")
@@ -72,21 +110,30 @@ def blame_target(
     *,
     promote: Iterable[SiteSpec] = (),
     promote_top: int = 0,
+    ops: str | Iterable[str] | None = None,
 ) -> BlameReport:
     """Run ``target()`` blamed; then, for each entry of ``promote`` (and each of the ``promote_top`` first
     sites), rerun it with those sites exact and measure how far the final state moved.
 
+    ``ops``: also measure arithmetic sites (`simdist.attribution.arithmetic`): ``"all"`` the ops of
+    `simdist.attribution.arithmetic.OPS`, or some of them by name (``"mm,add"``, ``["mm"]``); None: none.
+
     The base run is the comparison point of every promotion: simdist runs are deterministic, so a rerun
     without promotion gives the same bits (the tests check it).
     """
-    recorder = Recorder()
+    promote = [check_spec(spec) for spec in promote]
+    check_count(promote_top)
+    names = op_names(ops)
+    recorder = Recorder(ops=names)
     results = execute(target, recorder)
     report = BlameReport(_ranked(recorder), _state(recorder, results), results)
+    if recorder.sharded:
+        report.notes.append("DTensor parameters and optimizer states are compared by each rank's local shard")
     specs: list[SiteSpec] = list(promote) + [i for i in range(1, min(promote_top, len(report.sites)) + 1)]
     for spec in specs:
         ids = resolve(report, spec)
         keys = {report.site(i).key for i in ids}
-        rerun = Recorder(promote=keys)
+        rerun = Recorder(promote=keys, ops=names)
         label = " + ".join(f"#{i} {os.path.basename(report.site(i).file)}:{report.site(i).line}" for i in ids)
         try:
             rerun_results = execute(target, rerun)
@@ -111,6 +158,7 @@ def blame(
     *args: Any,
     promote: Iterable[SiteSpec] = (),
     promote_top: int = 0,
+    ops: str | Iterable[str] | None = None,
     **spawn_kwargs: Any,
 ) -> BlameReport:
     """Run ``fn(rank, *args)`` on ``world_size`` `simdist.spawn` rank threads and blame its rounding, site by site.
@@ -121,8 +169,11 @@ def blame(
     inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
     and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
     ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
-    holds ``fn``'s per-rank results; ``report.figure()`` draws the sites and their error per step.
+    holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`); ``report.figure()``
+    draws the sites and their error per step.
     """
     from simdist.world.inproc import spawn
 
-    return blame_target(lambda: spawn(fn, world_size, *args, **spawn_kwargs), promote=promote, promote_top=promote_top)
+    return blame_target(
+        lambda: spawn(fn, world_size, *args, **spawn_kwargs), promote=promote, promote_top=promote_top, ops=ops
+    )

@@ -28,6 +28,30 @@ class ScriptExit(Exception):
         self.message = message
 
 
+class TorchrunStyle(ValueError):
+    """A script that initialises the default group from torchrun's environment, run without ``--nproc``."""
+
+
+def check_figure(path: str) -> None:
+    """``ValueError`` unless ``path`` can take the figure: checked before the run, whose table would be lost."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if not path.strip():
+        raise ValueError("--figure: expected a file path, got an empty one")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        known = ", ".join(sorted(formats))
+        raise ValueError(f"--figure {path}: matplotlib writes no .{ext} files (use one of {known})")
+    if os.path.isdir(path):
+        raise ValueError(f"--figure {path}: is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"--figure {path}: no such directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--figure {path}: not writable")
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -67,6 +91,13 @@ def add_blame_subcommand(subparsers) -> argparse.ArgumentParser:
         help="rerun with SITE exact (a table id or file:line; repeatable, one rerun each)",
     )
     parser.add_argument("--promote-top", type=_count, default=0, metavar="K", help="promote each of the K first sites")
+    parser.add_argument(
+        "--ops",
+        default=None,
+        metavar="OPS",
+        help="also measure floating ops against FP64: 'all' or a comma-separated subset (add,mul,mm,bmm,addmm,"
+        "sum,mean,_foreach_add,_fused_adamw,...); slower",
+    )
     parser.add_argument("--figure", metavar="PNG", help="write the figure (error per site, error vs step) here")
     parser.add_argument(
         "--nproc", type=_nproc, default=None, metavar="N", help="run a torchrun-style SCRIPT on N simdist rank threads"
@@ -97,6 +128,20 @@ def _script_target(script: str, argv: list[str], nproc: int | None):
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         try:
             if nproc is None:
+
+                def init_outside_ranks(*args, **kwargs):
+                    from simdist.world.inproc import current
+
+                    from_env = len(args) < 2 and not {"init_method", "store"} & set(kwargs)
+                    missing = [v for v in ("RANK", "WORLD_SIZE") if v not in os.environ]
+                    if current() is None and from_env and missing and "world_size" not in kwargs:
+                        raise TorchrunStyle(
+                            f"{script} calls dist.init_process_group() from torchrun's environment "
+                            f"({', '.join(missing)} unset): a torchrun-style script; run it with --nproc N"
+                        )
+                    return saved_init(*args, **kwargs)
+
+                dist.init_process_group = init_outside_ranks
                 run_main()
                 return
             from simdist.world.inproc import spawn
@@ -124,20 +169,24 @@ def _script_target(script: str, argv: list[str], nproc: int | None):
 def run_blame(args: argparse.Namespace) -> int:
     """Run ``args.script`` blamed and print the report; returns the script's exit status."""
     from simdist.attribution.api import SiteNotFound, blame_target
+    from simdist.attribution.arithmetic import op_names
 
     script = args.script
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script!r}")
+    if args.figure is not None:
+        check_figure(args.figure)
+    op_names(args.ops)  # an unknown op is bad input, before the run
     target = _script_target(script, args.script_args, args.nproc)
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with redirect:
-            report = blame_target(target, promote=args.promote, promote_top=args.promote_top)
+            report = blame_target(target, promote=args.promote, promote_top=args.promote_top, ops=args.ops)
     except ScriptExit as exc:
         if exc.message is not None:
             print(exc.message, file=sys.stderr)
         return exc.status
-    except SiteNotFound:
+    except (SiteNotFound, TorchrunStyle):
         raise
     except Exception:
         traceback.print_exc()

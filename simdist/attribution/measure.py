@@ -12,7 +12,10 @@ them, in FP64:
   mass*, and a site's share is its mass over the mass of every site of the run;
 * ``rel``: ``|r - e| / |e|`` over non-zero ``e``.
 
-Elements whose exact value or result is not finite are counted (``nonfinite``), never averaged in.
+Elements whose exact value or result is not finite are counted (``nonfinite``), never averaged in; those
+whose exact value is finite and whose result is not (an overflow to +-inf, a NaN the rounding made) are
+counted again as ``overflow``: blame ranks a site with overflow before every site without (its error has no
+finite size, and leaving it out of the mass would make the overflowing variant look the better one).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Errors:
 
     elements: int = 0
     nonfinite: int = 0
+    overflow: int = 0
     max_ulp: float = 0.0
     max_term_relative: float = 0.0
     max_relative: float = 0.0
@@ -47,6 +51,7 @@ class Errors:
     def add(self, other: Errors) -> None:
         self.elements += other.elements
         self.nonfinite += other.nonfinite
+        self.overflow += other.overflow
         self.max_ulp = max(self.max_ulp, other.max_ulp)
         self.max_term_relative = max(self.max_term_relative, other.max_term_relative)
         self.max_relative = max(self.max_relative, other.max_relative)
@@ -63,10 +68,11 @@ def errors(result: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> Er
         return Errors()
     finite = torch.isfinite(r) & torch.isfinite(e) & torch.isfinite(t)
     nonfinite = int(n - finite.sum())
+    overflow = int((~torch.isfinite(r) & torch.isfinite(e)).sum()) if nonfinite else 0
     if nonfinite:
         r, e, t = r[finite], e[finite], t[finite]
     if r.numel() == 0:
-        return Errors(elements=n, nonfinite=nonfinite)
+        return Errors(elements=n, nonfinite=nonfinite, overflow=overflow)
     err = (r - e).abs()
     ulp = err / spacing(e, result.dtype)
     scaled = torch.where(t > 0, err / t, torch.where(err > 0, math.inf, 0.0))
@@ -75,6 +81,7 @@ def errors(result: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> Er
     return Errors(
         elements=n,
         nonfinite=nonfinite,
+        overflow=overflow,
         max_ulp=float(ulp.max()),
         max_term_relative=float(scaled.max()),
         max_relative=float(rel.max()),

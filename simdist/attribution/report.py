@@ -68,9 +68,11 @@ class Promotion:
         return tuple(self.movement[c].norm_relative if c in self.movement else 0.0 for c in CATEGORIES)
 
 
-CATEGORIES = ("parameters", "optimizer state", "loss", "results")
-"""What a promotion compares: the optimizers' parameters and state, the last ``backward()`` root per rank, and
-the floating tensors the rank function returned (`simdist.attribution.blame`; none for a script)."""
+CATEGORIES = ("parameters", "optimizer state", "loss", "results", "scaled loss")
+"""What a promotion compares: the optimizers' parameters and state, the last loss per rank (the last
+``backward()`` root; where a ``torch.amp.GradScaler`` scaled it, the unscaled loss it was given, and the root
+under "scaled loss", whose movement includes the scaler's own changes of scale), and the floating tensors the
+rank function returned (`simdist.attribution.blame`; none for a script)."""
 
 
 def _short(path: str, base: str) -> str:
@@ -86,6 +88,38 @@ def _ranks(ranks) -> str:
     return ",".join(map(str, ranks))
 
 
+def _error_axis(ax, values: list[float]) -> None:
+    """A log axis for errors (symlog where some are zero) whose ticks are labelled also within one decade.
+
+    A log axis labels only powers of ten: errors that stay within a decade (the common case: one rounding per
+    step) got a panel without y labels. Then three ticks (the smallest, the geometric middle and the largest
+    positive value, and 0 where present) are placed and labelled explicitly.
+    """
+    import numpy as np
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    finite = [v for v in values if math.isfinite(v)]
+    positive = [v for v in finite if v > 0]
+    lo, hi = (min(positive), max(positive)) if positive else (1e-9, 1e-9)
+    if len(positive) < len(finite):
+        ax.set_yscale("symlog", linthresh=lo)
+    else:
+        ax.set_yscale("log")
+    if hi / lo >= 100:
+        return  # the axis spans two decades or more: its own labelled powers of ten read well
+    ticks = sorted({lo, float(np.sqrt(lo * hi)), hi} | ({0.0} if len(positive) < len(finite) else set()))
+    if hi == lo:
+        ax.set_ylim(lo / 2 if len(positive) == len(finite) else -lo / 2, hi * 2)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+
+
+def _nonfinite(e) -> str:
+    """The inf/nan cell: the site's non-finite results, marked ``!`` when some had a finite exact value."""
+    return f"{e.nonfinite}!" if e.overflow else str(e.nonfinite)
+
+
 @dataclass
 class BlameReport:
     """Sites ranked by error mass (largest first; ids are 1-based positions), the final state, promotions."""
@@ -94,6 +128,7 @@ class BlameReport:
     state: dict[str, dict[str, torch.Tensor]]
     results: Any = None
     promotions: list[Promotion] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the promotions' figures were taken (local shards)
 
     @property
     def total_mass(self) -> float:
@@ -105,7 +140,8 @@ class BlameReport:
 
     def site(self, ident: int) -> SiteErrors:
         if not 1 <= ident <= len(self.sites):
-            raise ValueError(f"site id {ident} is not in the table (ids 1-{len(self.sites)})")
+            ids = f"ids 1-{len(self.sites)}" if self.sites else "no sites"
+            raise ValueError(f"site id {ident} is not in the table ({ids})")
         return self.sites[ident - 1]
 
     def where(self, site: SiteErrors, base: str | None = None) -> str:
@@ -140,6 +176,7 @@ class BlameReport:
                     "calls": s.calls,
                     "elements": e.elements,
                     "nonfinite": e.nonfinite,
+                    "overflow": e.overflow,
                     "max_ulp": number(e.max_ulp),
                     "max_err_over_sum_abs_terms": number(e.max_term_relative),
                     "max_rel_err": number(e.max_relative),
@@ -166,26 +203,42 @@ class BlameReport:
             }
             for p in self.ranked_promotions()
         ]
-        return {"total_error_mass": number(self.total_mass), "sites": sites, "promotions": promotions}
+        return {
+            "total_error_mass": number(self.total_mass),
+            "sites": sites,
+            "promotions": promotions,
+            "notes": self.notes,
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     def format(self, limit: int | None = None, base: str | None = None) -> str:
         """The ranked table, then the promotions ordered by their end-to-end effect."""
+        nonfinite = any(s.errors.nonfinite for s in self.sites)
         lines = [
             f"{len(self.sites)} sites; error mass = sum over elements of |result - exact| / sum|terms| "
-            f"(total {self.total_mass:.4g})",
-            f"{'id':>3} {'share':>6}  {'kind':<10} {'op':<22} {'dtypes':<10} {'calls':>6} {'elements':>9} "
-            f"{'max ulp':>8} {'err/sum|t|':>10} {'max rel':>9}  site",
+            f"(total {self.total_mass:.4g})"
         ]
+        if nonfinite:
+            overflowing = sum(1 for s in self.sites if s.errors.overflow)
+            lines.append(
+                f"inf/nan: non-finite results, not in the error mass; '!' where the exact value was finite "
+                f"(overflow: {overflowing} site(s), ranked first)"
+            )
+        column = f" {'inf/nan':>7}" if nonfinite else ""
+        lines.append(
+            f"{'id':>3} {'share':>6}  {'kind':<10} {'op':<22} {'dtypes':<10} {'calls':>6} {'elements':>9} "
+            f"{'max ulp':>8} {'err/sum|t|':>10} {'max rel':>9}{column}  site"
+        )
         for i, s in enumerate(self.sites[:limit], 1):
             e = s.errors
             extra = [f"groups {' '.join(sorted(s.groups))}"] if s.groups else []
             extra.append(f"ranks {_ranks(s.ranks)}")
+            cell = f" {_nonfinite(e):>7}" if nonfinite else ""
             lines.append(
                 f"{i:>3} {100 * self.share(s):>5.1f}%  {s.kind:<10} {s.op:<22} {s.dtypes:<10} {s.calls:>6} "
-                f"{e.elements:>9} {e.max_ulp:>8.3g} {e.max_term_relative:>10.3g} {e.max_relative:>9.3g}  "
+                f"{e.elements:>9} {e.max_ulp:>8.3g} {e.max_term_relative:>10.3g} {e.max_relative:>9.3g}{cell}  "
                 f"{self.where(s, base)}  [{'; '.join(extra)}]"
             )
         if limit is not None and len(self.sites) > limit:
@@ -194,6 +247,7 @@ class BlameReport:
             lines.append("")
             lines.append("promotions (the site exact: a collective's FP64 sum rounded once; a cast not narrowed),")
             lines.append("final state moved vs the unpromoted run, largest end-to-end effect first:")
+            lines += [f"({note})" for note in self.notes]
             lines.append(
                 f"{'promoted':<34} {'category':<16} {'differ':>7} {'max abs':>9} {'max rel':>9} "
                 f"{'max ulp':>9} {'norm rel':>9}"
@@ -233,11 +287,13 @@ class BlameReport:
         ax_share.invert_yaxis()
         ax_share.set_xlabel("share of the run's error mass (%)")
         ax_share.set_title("error per site")
+        plotted: list[float] = []
         for i, s in enumerate(shown, 1):
             steps = sorted(s.steps)
             values = [s.steps[k].max_term_relative for k in steps]
+            plotted += values
             ax_steps.plot(steps, values, marker="o", markersize=3, label=f"#{i}")
-        ax_steps.set_yscale("symlog", linthresh=1e-9)
+        _error_axis(ax_steps, plotted)
         ax_steps.set_xlabel("optimizer step")
         ax_steps.set_ylabel("max |result - exact| / sum|terms|")
         ax_steps.set_title("error vs step")

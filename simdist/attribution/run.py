@@ -4,8 +4,9 @@
 narrowing casts (an `simdist.audit.Audit` following every thread, with a ``cast_hook``), the optimizer step
 each rank is at (a global optimizer step post-hook: the step of an event is the number of ``optimizer.step()``
 calls its rank had finished), the loss of each rank (every ``torch.autograd.backward`` root, also reached by
-``loss.backward()``) and the optimizers each rank stepped (their parameters and state are the run's final
-state). `execute` runs a callable under all of that and returns the recorder.
+``loss.backward()``; where a ``torch.amp.GradScaler`` scaled the root, the loss is what it was given,
+unscaled, and the root is kept as the "scaled loss") and the optimizers each rank stepped (their parameters
+and state are the run's final state). `execute` runs a callable under all of that and returns the recorder.
 
 Promotion: a site in ``promote`` is computed without its rounding -- a collective gets its exact FP64
 result rounded once to its dtype, an out-of-place cast returns its wide input unchanged (the program then
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from simdist.attribution import collectives
+from simdist.attribution import arithmetic, collectives
 from simdist.attribution.measure import Errors, SiteErrors, errors
 from simdist.audit import Audit, dtype_name
 
@@ -31,6 +32,16 @@ _BLAME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _AUDIT_DIR = os.path.join(os.path.dirname(_BLAME_DIR.rstrip(os.sep)), "audit") + os.sep
 
 SiteKey = tuple  # (file, line, function, kind, op, dtypes)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t``; of a DTensor, of this rank's local shard (its mesh is the run's own: a promoted
+    rerun's DTensors live on another mesh, and comparing the two would need the collectives of a finished run).
+    Each rank's shard is named by its rank, so the shards of all ranks together cover the full tensor."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None and type(t).__name__ == "DTensor":
+        t = to_local()
+    return t.detach().clone()
 
 
 def _rank() -> int | None:
@@ -43,13 +54,16 @@ def _rank() -> int | None:
 class Recorder:
     """Per-site errors, steps, losses and optimizers of one run; ``promote`` holds the site keys to promote."""
 
-    def __init__(self, promote: Iterable[SiteKey] = ()) -> None:
+    def __init__(self, promote: Iterable[SiteKey] = (), ops: frozenset[str] = frozenset()) -> None:
         self.lock = threading.Lock()
         self.sites: dict[SiteKey, SiteErrors] = {}
         self.steps: dict[int | None, int] = {}
         self.optimizers: dict[int | None, list] = {}
         self.losses: dict[int | None, list[torch.Tensor]] = {}
+        self.unscaled: dict[int | None, list[torch.Tensor]] = {}  # what a GradScaler scaled, per rank
         self.promote = set(promote)
+        self.sharded = False  # a DTensor's local shard stood in for it in the final state
+        self.ops = ops  # aten op names measured as arithmetic sites (`simdist.attribution.arithmetic`)
         self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
         self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
         self._sites: dict = {}  # (code, line) -> (file, line, function)
@@ -117,6 +131,11 @@ class Recorder:
         self.record(site, "cast", op, dtypes, rank, errors(measured, wide, wide.abs()), promoted=replaced is not None)
         return replaced
 
+    def op_hook(self, site, rank, name: str, call, written: tuple, args: tuple, kwargs: dict):
+        if rank is None:
+            rank = _rank()
+        return arithmetic.measure_op(self, site, rank, name, call, written, args, kwargs)
+
     def step_hook(self, optimizer, args, kwargs) -> None:
         rank = _rank()
         with self.lock:
@@ -129,9 +148,17 @@ class Recorder:
         first = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
         if isinstance(first, torch.Tensor):
             rank = _rank()
-            value = first.detach().clone()
+            value = local(first)
             with self.lock:
                 self.losses.setdefault(rank, []).append(value)
+
+    def scaled(self, outputs, result) -> None:
+        """A ``GradScaler.scale(outputs)`` call: ``outputs`` is the loss the script means (the root is scaled)."""
+        if result is not outputs and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+            rank = _rank()
+            value = local(outputs)
+            with self.lock:
+                self.unscaled.setdefault(rank, []).append(value)
 
     # -- the final state ------------------------------------------------------------------
 
@@ -144,12 +171,16 @@ class Recorder:
                 ps = [p for group in opt.param_groups for p in group["params"]]
                 for pi, p in enumerate(ps):
                     name = f"rank {rank} optimizer {oi} param {pi}"
-                    params[name] = p.detach().clone()
+                    self.sharded = self.sharded or type(p).__name__ == "DTensor"
+                    params[name] = local(p)
                     for k, v in sorted(opt.state.get(p, {}).items()):
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
-                            state[f"{name} {k}"] = v.detach().clone()
-        losses = {f"rank {r} final": v[-1] for r, v in self.losses.items() if v}
-        return {"parameters": params, "optimizer state": state, "loss": losses}
+                            state[f"{name} {k}"] = local(v)
+        roots = {f"rank {r} final": v[-1] for r, v in self.losses.items() if v}
+        unscaled = {f"rank {r} final": v[-1] for r, v in self.unscaled.items() if v}
+        if unscaled:  # a loss scaler: "loss" is the script's loss, the backward() root is the scaled one
+            return {"parameters": params, "optimizer state": state, "loss": unscaled, "scaled loss": roots}
+        return {"parameters": params, "optimizer state": state, "loss": roots, "scaled loss": {}}
 
 
 def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
@@ -164,11 +195,23 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
         recorder.loss(tensors)
         return original_backward(tensors, *args, **kwargs)
 
+    from torch.amp.grad_scaler import GradScaler
+
+    original_scale = GradScaler.scale
+
+    def scale(self, outputs):
+        result = original_scale(self, outputs)
+        recorder.scaled(outputs, result)
+        return result
+
     torch.autograd.backward = backward
+    GradScaler.scale = scale  # type: ignore[method-assign]
     try:
         audit = Audit(
             skip=(_BLAME_DIR,),
             cast_hook=recorder.cast_hook,
+            op_hook=recorder.op_hook if recorder.ops else None,
+            op_names=recorder.ops,
             errors=False,
             collectives=False,
             threads=True,
@@ -178,5 +221,6 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
             return target()
     finally:
         torch.autograd.backward = original_backward
+        GradScaler.scale = original_scale  # type: ignore[method-assign]
         handle.remove()
         uninstall()

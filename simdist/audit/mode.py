@@ -36,6 +36,7 @@ from simdist.audit.report import (
     dtype_name,
     narrows,
 )
+from simdist.world.engine import WRAPPER_FILES
 
 _AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -149,7 +150,12 @@ class Audit(TorchDispatchMode):
     function)``, ``source`` the wide input, ``result`` the narrowed tensor), with
     the audit paused; for an out-of-place cast (``in_place`` false) a tensor it
     returns replaces the cast's result (`simdist.blame` measures and promotes
-    casts with it).
+    casts with it); ``op_hook`` and ``op_names`` -- every op whose name (e.g.
+    ``aten.mm``, ``aten.add_``) is in ``op_names`` is run by
+    ``op_hook(site, rank, name, call, written, args, kwargs)`` instead (``call``
+    runs the op, ``written`` names the arguments it writes), whatever its
+    dtypes; what the hook returns is the op's result (`simdist.blame`'s
+    arithmetic sites).
     """
 
     def __init__(
@@ -162,6 +168,8 @@ class Audit(TorchDispatchMode):
         threads: bool = False,
         max_records: int = 100_000,
         cast_hook: Callable[..., torch.Tensor | None] | None = None,
+        op_hook: Callable[..., Any] | None = None,
+        op_names: Iterable[str] = (),
         _parent: Audit | None = None,
     ) -> None:
         super().__init__()
@@ -173,6 +181,8 @@ class Audit(TorchDispatchMode):
         self._entered = 0
         self._previous_profile: Callable[..., object] | None = None
         self.cast_hook: Callable[..., torch.Tensor | None] | None = cast_hook if _parent is None else _parent.cast_hook
+        self.op_hook: Callable[..., Any] | None = op_hook if _parent is None else _parent.op_hook
+        self.op_names: frozenset[str] = frozenset(op_names) if _parent is None else _parent.op_names
         self._store: _Store
         self._prefixes: tuple[str, ...]
         if _parent is not None:
@@ -180,7 +190,7 @@ class Audit(TorchDispatchMode):
             self._prefixes = _parent._prefixes
         else:
             self._store = _Store(max_records)
-            self._prefixes = (_TORCH_DIR, _AUDIT_DIR, "<frozen ", *(_skip_prefix(s) for s in skip))
+            self._prefixes = (_TORCH_DIR, _AUDIT_DIR, "<frozen ", *WRAPPER_FILES, *(_skip_prefix(s) for s in skip))
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -274,6 +284,10 @@ class Audit(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         kind = op.kind
+        if self.op_hook is not None and op.name in self.op_names and not self._paused and not self._store.closed:
+            site = self._site()
+            with self.paused():
+                return self.op_hook(site, self.rank, op.name, op.call, op.written, args, kwargs)
         if kind == IGNORE or self._paused or self._store.closed:
             return op.call(*args, **kwargs)
         if kind == CAST:
@@ -312,6 +326,9 @@ class Audit(TorchDispatchMode):
     def _cast(self, op: _Op, args, kwargs):
         source = _get(args, kwargs, op.source)
         result = op.call(*args, **kwargs)
+        if isinstance(source, (list, tuple)):
+            self._list_cast(op, source, _get(args, kwargs, 0) if op.written else result)
+            return result
         if not isinstance(source, _Tensor):
             return result
         target = _get(args, kwargs, op.written[0]) if op.written else result
@@ -324,6 +341,16 @@ class Audit(TorchDispatchMode):
                 if replaced is not None and not op.written:
                     return replaced
         return result
+
+    def _list_cast(self, op: _Op, sources, targets) -> None:
+        """A foreach copy (``torch._foreach_copy_(dsts, srcs)``): each narrowing pair is one cast, in place."""
+        for source, target in zip(sources, _tensors(targets), strict=False):
+            if isinstance(source, _Tensor) and narrows(source.dtype, target.dtype):
+                error = _safe_error(target, source) if self.errors else None
+                site = self._record(op.name, CAST, (source.dtype,), target.dtype, target.shape, error, "")
+                if self.cast_hook is not None:
+                    with self.paused():
+                        self.cast_hook(site, self.rank, source, target, True)
 
     def _narrowing(self, op: _Op, args, kwargs, widest, requested):
         """An op with mixed input dtypes, a dtype argument or an out= argument: did it store narrower?"""

@@ -25,6 +25,8 @@ _CAST_SOURCE = {  # op name -> position of the value being converted
     "aten._copy_from": 0,
     "aten._copy_from_and_resize": 0,
     "aten._autocast_to_reduced_precision": 0,
+    "aten._foreach_copy_": 1,  # a list into a list (FSDP2's parameter casts to param_dtype)
+    "aten._foreach_copy": 1,
     "prims.convert_element_type": 0,
 }
 _ACCUMULATE = frozenset(

@@ -63,6 +63,26 @@ from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchErro
 
 _WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _wrapper_files() -> tuple[str, ...]:
+    """Modules whose decorators wrap torch's functions (``typing_extensions.deprecated``, whose ``wrapper`` frame
+    sits between a user's ``dist.all_reduce_coalesced`` call and torch; ``warnings.deprecated`` from Python 3.13):
+    their frames are no call site either."""
+    import warnings
+
+    files = [warnings.__file__]
+    try:
+        import typing_extensions
+
+        files.append(typing_extensions.__file__)
+    except ImportError:
+        pass
+    return tuple(os.path.abspath(f) for f in files if f)
+
+
+WRAPPER_FILES = _wrapper_files()
+"""The wrapper modules' files (`is_internal`; the audit skips them too: one call-site rule)."""
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
 
 
@@ -71,9 +91,15 @@ class Aborted(BaseException):
 
 
 def is_internal(filename: str) -> bool:
-    """Frames of simdist's world layer and of torch are not call sites a user wants to see."""
+    """Frames of simdist's world layer, of torch and of the wrappers torch's functions are decorated with
+    (`WRAPPER_FILES`) are not call sites a user wants to see."""
     path = os.path.abspath(filename)
-    return path.startswith(_WORLD_DIR) or path.startswith(_TORCH_DIR) or filename.startswith("<frozen")
+    return (
+        path.startswith(_WORLD_DIR)
+        or path.startswith(_TORCH_DIR)
+        or path in WRAPPER_FILES
+        or filename.startswith("<frozen")
+    )
 
 
 def site(frame) -> str:
