@@ -245,6 +245,12 @@ def current() -> _Context | None:
     return getattr(_Context.local, "ctx", None)
 
 
+def _current_rank() -> int | None:
+    """The calling rank thread's rank (``None`` elsewhere): how per-rank generators find their owner."""
+    ctx = getattr(_Context.local, "ctx", None)
+    return None if ctx is None else ctx.rank
+
+
 class RecvWork(dist.Work):
     """A posted receive; ``wait()`` blocks (deadlock-checked) until the message is there."""
 
@@ -375,7 +381,7 @@ _spawn_lock = threading.Lock()
 def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads) -> list[Any]:
     # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
-    isolation = RankIsolation(world_size)
+    isolation = RankIsolation(world_size, _current_rank)
     engine = Engine(world_size, label="simdist.spawn", switch=isolation)
     store = dist.HashStore()
     saved = _process_globals()
@@ -399,6 +405,7 @@ def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_
             _Context.local.ctx = None
 
     try:
+        isolation.start()
         results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
     except BaseException:
         isolation.restore()  # the caller's generator and settings, also when a rank failed
