@@ -235,6 +235,19 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 
 def _add_growth_subcommand(sub) -> None:
+    launch = sub.add_parser(
+        "run",
+        help="run an unmodified torchrun script on N simdist rank processes (like torchrun --nproc-per-node N)",
+    )
+    launch.add_argument("--nproc", type=_positive, required=True, help="number of rank processes")
+    launch.add_argument("--reduction", default="gloo", help="reduction model of every group (default gloo)")
+    launch.add_argument(
+        "--report-backend", action="store_true", help="dist.get_backend() answers the name the script asked for"
+    )
+    launch.add_argument("--timeout", type=float, default=3600.0, help="stop the launch after this many seconds")
+    launch.add_argument("script", help="the training script, as given to torchrun")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
     growth = sub.add_parser("growth", help="error growth of policies against the FP32 oracle over many steps")
     growth.add_argument(
         "--policies", default="bf16_writeback,fp32_staging,bf16_only", help="comma-separated policy names"
@@ -440,6 +453,17 @@ def _policies(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from simdist.world.script_launch import launch
+
+        return launch(
+            args.script,
+            args.script_args,
+            args.nproc,
+            reduction=args.reduction,
+            report_backend=args.report_backend,
+            timeout_s=args.timeout,
+        )
     if args.command == "audit":
         return run_audit(args)
     if args.command == "blame":
