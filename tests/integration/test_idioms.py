@@ -158,5 +158,5 @@ def test_a_torchrun_script_asking_for_nccl_gives_real_gloos_bits_under_simdist_r
         other = tmp_path / "sequential"
         other.mkdir()
         subprocess.run([*simdist_run, "--reduction", "sequential", str(SCRIPT), "gloo", str(other)], check=True)
-        changed = _script_results(other, n)
-        assert not all(torch.equal(a["total"], b["total"]) for a, b in zip(changed, _script_results(real, n)))
+        pairs = zip(_script_results(other, n), _script_results(real, n), strict=True)
+        assert not all(torch.equal(a["total"], b["total"]) for a, b in pairs)
