@@ -10,6 +10,7 @@ What cannot be per rank is refused at first use, naming the rank, the call site 
 from __future__ import annotations
 
 import random
+from random import random as random_taken_before_the_spawn
 from random import shuffle as shuffle_taken_before_the_spawn
 
 import isolation_programs as programs
@@ -87,6 +88,13 @@ def test_a_reference_to_pythons_shared_generator_is_refused_at_first_use_naming_
     with pytest.raises(SharedGlobalStateError, match=expected):
         simdist.spawn(rank, 2)
     assert 1 not in reached and random.getstate() == state  # refused before it drew
+
+
+def test_pythons_c_level_random_taken_before_the_spawn_is_refused_when_the_spawn_ends():
+    state = random.getstate()
+    with pytest.raises(SharedGlobalStateError, match=r"Python's shared `random` generator.*where=\"processes\""):
+        simdist.spawn(lambda r: random_taken_before_the_spawn(), 2)
+    assert random.getstate() == state
 
 
 def test_a_reference_to_numpys_shared_generator_is_refused_when_the_spawn_ends():
