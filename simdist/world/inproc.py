@@ -54,6 +54,7 @@ from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
 from simdist.world.engine import Call, Engine
+from simdist.world.frameworks import install as refuse_frameworks
 from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
 from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
@@ -425,6 +426,7 @@ def _spawn(
             _Context.local.ctx = None
 
     undo_attach = install_attach(_current_attachment)
+    undo_frameworks = refuse_frameworks(_current_rank)
     try:
         isolation.start()
         results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
@@ -432,6 +434,7 @@ def _spawn(
         isolation.restore()  # the caller's generator and settings, also when a rank failed
         raise
     finally:
+        undo_frameworks()
         undo_attach()
         _uninstall()
         _restore_process_globals(saved)

@@ -30,6 +30,7 @@ baton handoff on (`RankGenerators.refresh`).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from collections.abc import Callable
@@ -46,13 +47,15 @@ FIX = 'run it in process mode: simdist.run(fn, n, where="processes")'
 _GENERATOR_METHODS = ("random", "getrandbits", "seed", "getstate", "setstate", "randbytes")
 
 
-def call_site() -> str:
-    """``file:line`` of the innermost frame outside this module, ``random`` and NumPy's random package."""
+def call_site(skip: tuple[str, ...] = ("numpy/random",)) -> str:
+    """``file:line`` of the innermost frame outside simdist's world package, ``random`` and files whose path
+    contains one of ``skip`` (the framework's own code, so the line named is the user's)."""
     frame = sys._getframe(1)
-    skip = (__file__, random.__file__)
+    here = os.path.dirname(__file__)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name not in skip and "numpy/random" not in name.replace("\\", "/"):
+        path = name.replace("\\", "/")
+        if os.path.dirname(name) != here and name != random.__file__ and not any(s in path for s in skip):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>"

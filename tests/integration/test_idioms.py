@@ -160,3 +160,31 @@ def test_a_torchrun_script_asking_for_nccl_gives_real_gloos_bits_under_simdist_r
         subprocess.run([*simdist_run, "--reduction", "sequential", str(SCRIPT), "gloo", str(other)], check=True)
         pairs = zip(_script_results(other, n), _script_results(real, n), strict=True)
         assert not all(torch.equal(a["total"], b["total"]) for a, b in pairs)
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _installed("deepspeed"), reason="needs the [deepspeed] extra")
+def test_deepspeed_on_rank_threads_is_refused_where_it_initialises_in_one_line():
+    import deepspeed
+    from torch import nn
+
+    from simdist.world.isolation import SharedGlobalStateError
+
+    def rank(r: int):
+        deepspeed.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 2})  # line named
+
+    line = rank.__code__.co_firstlineno + 1
+    with pytest.raises(
+        SharedGlobalStateError,
+        match=rf"rank 0 called deepspeed.comm.init_distributed at .*test_idioms.py:{line}: .*where=\"processes\"",
+    ):
+        simdist.run(rank, 2)
+    assert deepspeed.comm.init_distributed.__module__ == "deepspeed.comm.comm"  # given back
