@@ -9,6 +9,9 @@ on threads they give a real job's bits only if every rank thread has its own.
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -188,6 +191,44 @@ def zero_overlap(rank: int) -> dict:
     except RuntimeError as exc:
         return {"refused": f"RuntimeError: {exc}"}
     return {"refused": "no"}
+
+
+def seeded_data(rank: int, *, collectives: bool = True) -> dict:
+    """``random.seed(rank); np.random.seed(rank); torch.manual_seed(rank)``, then shuffles and draws from all three
+    global generators with collectives in between (so rank threads interleave their draws); the numbers summed by
+    an all_reduce. ``collectives=False`` runs the same draws with no collective (one process's sequence alone)."""
+
+    def sync() -> None:
+        if collectives:
+            dist.barrier()
+
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(rank)
+    sync()
+    order = list(range(24))
+    random.shuffle(order)
+    picks = [*random.sample(range(1000), 5), random.randint(0, 10**9), random.getrandbits(40)]
+    sync()
+    normal = np.random.randn(6)  # legacy Gaussian pairs: a cached second value crosses the barrier below
+    sync()
+    normal2 = np.random.standard_normal(3)
+    perm = np.random.permutation(12)
+    ints = np.random.randint(0, 2**31 - 1, size=4)
+    np.random.shuffle(perm)
+    floats = [random.random(), random.gauss(0.0, 1.0), np.random.ranf()]
+    values = torch.tensor(floats + normal.tolist() + normal2.tolist(), dtype=torch.float64) * torch.randn(12).double()
+    total = values.clone()
+    if collectives:
+        dist.all_reduce(total)
+    return {
+        "order": torch.tensor(order),
+        "picks": torch.tensor(picks),
+        "perm": torch.from_numpy(perm.copy()),
+        "ints": torch.from_numpy(ints.astype(np.int64)),
+        "values": values,
+        "total": total,
+    }
 
 
 QUICK = ("seed_per_rank", "same_seed_init", "settings", "broadcast_params")

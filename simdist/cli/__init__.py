@@ -44,6 +44,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("compare", "compare two per-rank tensor dumps (experiments/crosscheck.py)"),
     ("audit", "run a Python script under the precision audit and report where it narrows precision"),
     ("blame", "rank a script's collective and cast sites by rounding error against the exact result; promote some"),
+    ("run", "run an unmodified torchrun script on N simdist rank processes (like torchrun --nproc-per-node N)"),
     ("growth", "error growth of policies against the FP32 oracle over many steps"),
     ("case", "run a real framework next to simdist's policies (simdist/cases)"),
     ("doctor", "what this installation has: versions, the native fold kernel, the torch.distributed backend"),
@@ -309,6 +310,16 @@ def _add_growth_subcommand(sub) -> None:
     from simdist.gradpath.kernel import Marker
     from simdist.models import GradientModel
 
+    launch = sub.add_parser("run", help=dict(COMMANDS)["run"])
+    launch.add_argument("--nproc", type=_positive, required=True, help="number of rank processes")
+    launch.add_argument("--reduction", default="gloo", help="reduction model of every group (default gloo)")
+    launch.add_argument(
+        "--report-backend", action="store_true", help="dist.get_backend() answers the name the script asked for"
+    )
+    launch.add_argument("--timeout", type=float, default=3600.0, help="stop the launch after this many seconds")
+    launch.add_argument("script", help="the training script, as given to torchrun")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
     growth = sub.add_parser("growth", help=dict(COMMANDS)["growth"])
     growth.add_argument(
         "--policies", default="bf16_writeback,fp32_staging,bf16_only", help="comma-separated policy names"
@@ -553,6 +564,17 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from simdist.world.script_launch import launch
+
+        return launch(
+            args.script,
+            args.script_args,
+            args.nproc,
+            reduction=args.reduction,
+            report_backend=args.report_backend,
+            timeout_s=args.timeout,
+        )
     from simdist.attribution.cli import run_blame
     from simdist.audit import run_audit
     from simdist.cases.cli import run_case_command

@@ -50,8 +50,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from simdist.world.attach import Attachment
+from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
 from simdist.world.engine import Call, Engine
+from simdist.world.frameworks import install as refuse_frameworks
 from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
 from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
@@ -238,11 +241,23 @@ class _Context:
         self.rank = rank
         self.chooser = chooser
         self.token = next(self.tokens)  # unique per rank of every spawn (a thread id can be reused)
+        self.attachment: Attachment | None = None  # the script's own init_process_group calls (`attach`)
 
 
 def current() -> _Context | None:
     """The in-process context of the calling thread (``None`` outside `spawn`'s rank threads)."""
     return getattr(_Context.local, "ctx", None)
+
+
+def _current_attachment() -> Attachment | None:
+    ctx = getattr(_Context.local, "ctx", None)
+    return None if ctx is None else ctx.attachment
+
+
+def _current_rank() -> int | None:
+    """The calling rank thread's rank (``None`` elsewhere): how per-rank generators find their owner."""
+    ctx = getattr(_Context.local, "ctx", None)
+    return None if ctx is None else ctx.rank
 
 
 class RecvWork(dist.Work):
@@ -358,6 +373,7 @@ def spawn_threads(
     timeout_s: float | None,
     one_cpu: bool,
     intra_op_threads: int | None,
+    report_backend: bool = False,
 ) -> list[Any]:
     """The thread launcher behind `spawn` and ``simdist.run(where="threads", api="dist")``: ``fn(rank, *args,
     **kwargs)`` on ``world_size`` rank threads (arguments checked here, once for both)."""
@@ -366,44 +382,60 @@ def spawn_threads(
     if current() is not None:
         raise RuntimeError("simdist.spawn called from a rank thread of another spawn (spawns run one at a time)")
     with _spawn_lock:  # process-global state is swapped per rank: one spawn at a time
-        return _spawn(fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads)
+        return _spawn(
+            fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
+        )
 
 
 _spawn_lock = threading.Lock()
 
 
-def _spawn(fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads) -> list[Any]:
+def _spawn(
+    fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads, report_backend
+) -> list[Any]:
     # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
-    isolation = RankIsolation(world_size)
+    isolation = RankIsolation(world_size, _current_rank)
     engine = Engine(world_size, label="simdist.spawn", switch=isolation)
     store = dist.HashStore()
+    stores: dict[int, dist.Store] = {}  # the stores of scripts' re-inits after their destroy_process_group
     saved = _process_globals()
     world = _install()
+    init = c10d.init_process_group  # the original: the launcher's own init is not the script's
 
     def body(rank: int) -> Any:
-        _Context.local.ctx = _Context(engine, rank, chooser)
+        ctx = _Context.local.ctx = _Context(engine, rank, chooser)
         world.enter_rank()
         try:
-            dist.init_process_group(BACKEND_NAME, rank=rank, world_size=world_size, store=store)
+            init(BACKEND_NAME, rank=rank, world_size=world_size, store=store)
+
+            def reinit(n: int) -> None:
+                init(BACKEND_NAME, rank=rank, world_size=world_size, store=stores.setdefault(n, dist.HashStore()))
+
+            ctx.attachment = Attachment(rank, world_size, reinit, report_backend)
             try:
                 return fn(rank, *args, **kwargs)
             except SystemExit as exc:  # in a real job this rank's process would end: an error naming the rank
                 ended = f"rank {rank} called sys.exit({exc.code!r}); its process would have ended"
                 raise RankExitError(ended) from None
             finally:
-                if engine.error is None:
+                if engine.error is None and dist.is_initialized():  # the script may have destroyed it
                     dist.destroy_process_group()
         finally:
             world.leave_rank()
             _Context.local.ctx = None
 
+    undo_attach = install_attach(_current_attachment)
+    undo_frameworks = refuse_frameworks(_current_rank)
     try:
+        isolation.start()
         results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
     except BaseException:
         isolation.restore()  # the caller's generator and settings, also when a rank failed
         raise
     finally:
+        undo_frameworks()
+        undo_attach()
         _uninstall()
         _restore_process_globals(saved)
     isolation.finish()  # restores them and refuses state that ranks shared

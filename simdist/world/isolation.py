@@ -38,13 +38,11 @@ Found thread-local by experiment (nothing to do): grad and inference mode,
 autocast, ``set_default_device``, ``set_num_threads`` (OpenMP, per thread),
 ``set_flush_denormal`` (per-thread CPU flags).
 
-Refused by name, because swapping them at every handoff would cost more than
-the collective itself (~20 us for Python's ``random``, ~150 us for numpy's
-legacy global generator): a rank that uses Python's global ``random`` or
-numpy's global ``np.random`` is detected when the spawn ends (the state
-differs from the one the spawn started with) and the run raises
-`SharedGlobalStateError` naming it; so does ``torch.compile`` (dynamo's code
-caches are one per process).
+Python's global ``random`` and NumPy's global ``np.random`` are per rank too,
+by dispatch rather than by swapping (`simdist.world.rank_rngs`): what cannot
+be dispatched is refused by name (`SharedGlobalStateError`), and so is
+``torch.compile`` (dynamo's code caches are one per process), found when the
+spawn ends.
 
 Not covered: CUDA's default generators (no GPU was at hand to find a fresh
 process's CUDA generator state by experiment), and threads that a rank
@@ -61,9 +59,9 @@ from typing import Any
 
 import torch
 
+from simdist.world.rank_rngs import FIX, RankGenerators, SharedGlobalStateError
 
-class SharedGlobalStateError(RuntimeError):
-    """A rank thread used process-global state that `simdist.spawn` cannot give each rank (one line, named)."""
+__all__ = ["SETTINGS", "RankIsolation", "SharedGlobalStateError", "read_settings"]
 
 
 def _deterministic() -> tuple[bool, bool]:
@@ -128,19 +126,6 @@ def fresh_generator_state() -> torch.Tensor:
     return g.get_state()
 
 
-def _numpy_state() -> Any:
-    np = sys.modules.get("numpy")
-    return None if np is None else np.random.get_state(legacy=False)
-
-
-def _same_numpy(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    if not bool((a["state"]["key"] == b["state"]["key"]).all()):
-        return False
-    return (a["state"]["pos"], a["has_gauss"], a["gauss"]) == (b["state"]["pos"], b["has_gauss"], b["gauss"])
-
-
 def _dynamo_frames() -> int:
     dynamo = sys.modules.get("torch._dynamo.utils")
     return 0 if dynamo is None else int(dynamo.counters["frames"]["total"])
@@ -159,18 +144,24 @@ class RankIsolation:
     touched that cannot be per rank.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, rank_of: Callable[[], int | None] = lambda: None) -> None:
+        self.rngs = RankGenerators(world_size, rank_of)
         self.generators = [fresh_generator_state() for _ in range(world_size)]
         fresh = tuple(value for _, _, value in SETTINGS.values())
         self.settings = [fresh] * world_size  # tuples: replaced at every suspend, never changed in place
         self.caller_generator = torch.default_generator.get_state()
         self.caller_settings = read_settings()
         self.caller_random = random.getstate()
-        self.caller_numpy = _numpy_state()
         self.caller_frames = _dynamo_frames()
         self.current = self.caller_settings[:]  # what the process holds now
 
+    def start(self) -> None:
+        """Put Python's and NumPy's global generators per rank (`simdist.world.rank_rngs`) for the spawn."""
+        self.rngs.install()
+
     def resume(self, rank: int) -> None:
+        if not self.rngs.numpy_patched:
+            self.rngs.refresh()  # NumPy imported by a rank since: per rank from now on
         _set_state(self.generators[rank])
         values = self.settings[rank]
         if values != self.current:  # one tuple comparison; the setters run only for what differs
@@ -192,23 +183,25 @@ class RankIsolation:
         used = self.restore()
         if used:
             raise SharedGlobalStateError(
-                f"rank threads used {' and '.join(used)}: one per process, shared by every rank thread; "
-                "run in process mode (simdist.world.launch.spawn_procs) for that"
+                f"rank threads used {' and '.join(used)}: one per process, shared by every rank thread; {FIX}"
             )
 
     def restore(self) -> list[str]:
         """Give the caller its own state back (also after a failed run); return what ranks used that is shared."""
+        numpy_shared = self.rngs.give_back_shared_numpy()
+        self.rngs.uninstall()
         torch.default_generator.set_state(self.caller_generator)
         self.current = read_settings()
         self._apply(self.caller_settings)
         used = []
         if random.getstate() != self.caller_random:
             random.setstate(self.caller_random)
-            used.append("Python's global `random` (seed a random.Random per rank)")
-        numpy_now = _numpy_state()
-        if self.caller_numpy is not None and not _same_numpy(numpy_now, self.caller_numpy):
-            sys.modules["numpy"].random.set_state(self.caller_numpy)
-            used.append("numpy's global `np.random` (use np.random.default_rng per rank)")
+            used.append("Python's shared `random` generator through a reference taken before the spawn")
+        if numpy_shared:
+            used.append(
+                "NumPy's shared global generator through a reference taken before the spawn "
+                "(e.g. `from numpy.random import rand`; call np.random.rand(...) instead)"
+            )
         if _dynamo_frames() != self.caller_frames:
             used.append("torch.compile (dynamo's caches are one per process)")
         return used

@@ -56,6 +56,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from simdist.reduce import Reduction, ReductionModel
+from simdist.world.attach import Attachment
+from simdist.world.attach import install as install_attach
 from simdist.world.modelmap import as_model
 from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
 from simdist.world.process import use_reduction
@@ -147,8 +149,12 @@ def _rank_main(
     reduction: ReductionModel | None = None,
     kwargs: dict | None = None,
     preload: tuple[str, ...] = (),
+    report_backend: bool = False,
 ) -> None:
     """Body of one spawned rank: init the group, run ``fn``, save its result or its traceback.
+
+    With plain ``torch.distributed`` code (no ``spec``), a ``fn`` that calls ``init_process_group`` itself
+    attaches to the group made here (`simdist.world.attach`), as on rank threads.
 
     ``fn`` gets a `TorchComm` when ``spec`` is given, else its rank (plain ``torch.distributed`` code). The
     wall-clock times of its phases go to ``rank{r}.times`` (`LaunchTimings`).
@@ -170,10 +176,20 @@ def _rank_main(
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         joined = time.time()
+        if spec is None:
+            init = dist.init_process_group
+
+            def reinit(n: int) -> None:
+                prefixed = dist.PrefixStore(f"simdist-reinit{n}", store)
+                init(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+
+            attachment = Attachment(rank, world_size, reinit, report_backend)
+            install_attach(lambda: attachment)  # this process is the rank: no undo
         first = TorchComm(spec) if spec is not None else rank
         result = fn(first, *args, **(kwargs or {}))
         done = time.time()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the script may have destroyed it
+            dist.destroy_process_group()
         torch.save(result, out / f"rank{rank}.tmp")
         (out / f"rank{rank}.times").write_text(json.dumps([entered, imported, joined, done]))
         os.replace(out / f"rank{rank}.tmp", out / f"rank{rank}.pt")
@@ -309,6 +325,7 @@ def spawn_processes(
     reduction: Any,
     preload: tuple[str, ...] = (),
     timings: list[LaunchTimings] | None = None,
+    report_backend: bool = False,
 ) -> list[Any]:
     """The process launcher behind `spawn_gloo`, `spawn_procs` and ``simdist.run(where="processes"|"gloo")``.
 
@@ -336,7 +353,21 @@ def spawn_processes(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, n, store.port, fn, spec, args, outdir, timeout, backend, model, kwargs, tuple(preload)),
+                args=(
+                    r,
+                    n,
+                    store.port,
+                    fn,
+                    spec,
+                    args,
+                    outdir,
+                    timeout,
+                    backend,
+                    model,
+                    kwargs,
+                    tuple(preload),
+                    report_backend,
+                ),
                 name=f"simdist-rank{r}",
                 daemon=True,
             )

@@ -56,6 +56,7 @@ def run(
     timings: list[LaunchTimings] | None = None,
     one_cpu: bool = True,
     intra_op_threads: int | None = 1,
+    report_backend: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank or comm, *args, **kwargs)`` on every rank of ``world``; return the results in rank order.
 
@@ -72,6 +73,11 @@ def run(
     process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
     ``timings`` (a list) receives the launch's `LaunchTimings`.
     Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
+
+    With ``api="dist"``, ``fn`` may call ``dist.init_process_group`` itself with any backend name and init
+    method (an ``mp.spawn``-style ``worker(rank, world_size)``): it attaches to the rank's default group, and
+    ``destroy_process_group`` detaches (`simdist.world.attach`). ``report_backend=True``: ``dist.get_backend()``
+    answers the name ``fn`` asked for (``"gloo"``, ``"nccl"``) instead of ``"simdist"``.
     """
     place: Where = choose(Where, where, "where")
     hand: Api = choose(Api, api, "api")
@@ -86,12 +92,16 @@ def run(
                 spec, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads, reduction=reduction
             )
             return threads.run(fn, *args, **kwargs)
-        return spawn_threads(fn, size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads)
+        return spawn_threads(
+            fn, size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
+        )
     timeout = check_timeout(timeout_s, none_ok=False)
     assert timeout is not None
     backend = "gloo" if place == Where.GLOO else "simdist"
     comm_spec = spec if hand == Api.COMM else None
-    return spawn_processes(fn, size, comm_spec, args, kwargs, timeout, backend, reduction, tuple(preload), timings)
+    return spawn_processes(
+        fn, size, comm_spec, args, kwargs, timeout, backend, reduction, tuple(preload), timings, report_backend
+    )
 
 
 def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:

@@ -125,20 +125,16 @@ def test_the_callers_generator_and_settings_are_untouched_and_ranks_start_fresh(
     assert torch.equal(torch.default_generator.get_state(), state) and torch.get_default_dtype() == torch.float32
 
 
-@pytest.mark.parametrize("which", ["random", "numpy"])
-def test_python_and_numpy_global_generators_are_refused_by_name(which):
+def test_python_and_numpy_module_generators_are_per_rank_not_refused():
+    """Per rank by dispatch (tests/integration/test_rank_rngs.py checks the bits and the refusals)."""
     random.seed(5)
     np.random.seed(5)
     before = (random.random(), np.random.rand())
     random.seed(5)
     np.random.seed(5)
-
-    def rank(r: int):
-        (random.random if which == "random" else np.random.rand)()
-
-    with pytest.raises(SharedGlobalStateError, match="Python's global `random`" if which == "random" else "np.random"):
-        simdist.spawn(rank, 2)
-    assert (random.random(), np.random.rand()) == before  # the caller's streams are given back
+    seen = simdist.spawn(lambda r: (random.random(), np.random.rand()), 2)
+    assert seen[0] != seen[1] and before not in seen
+    assert (random.random(), np.random.rand()) == before  # the caller's streams are untouched
 
 
 def _other(name: str, original):
