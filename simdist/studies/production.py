@@ -228,3 +228,41 @@ def format_table(rows: list[FamilyRow]) -> str:
             f"| {number(r.first_step_over_bf16_ulp, 'd')} | {r.over_bf16_ulp:.0f} |"
         )
     return "\n".join(lines)
+
+
+def shape_models(shape: str) -> list[str]:
+    """The catalogue models ``--shape`` names: ``production`` (all) or one model; ``ValueError`` otherwise."""
+    if shape == "production":
+        return list(CATALOGUE)
+    get_shape(shape)
+    return [shape]
+
+
+def repro_production(
+    shape: str, steps: int, seed: int, spec: ParallelSpec, as_json: bool = False, progress: bool = True
+) -> str:
+    """``simdist repro 8913 --shape production|MODEL``: the study for ``steps`` steps and one seed, as text."""
+    models = shape_models(shape)
+    rows = []
+    for name in models:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps, desc=f"repro 8913 {name}", unit="step")
+        rows += study_model(name, steps, 1, spec, seed, progress=None if bar is None else lambda _s, b=bar: b.update(1))
+        if bar is not None:
+            bar.close()
+    if as_json:
+        import json
+        from dataclasses import asdict
+
+        return json.dumps([asdict(r) for r in rows], indent=2)
+    from simdist.models.production import SLICE_NOTE
+
+    head = (
+        f"#8913 at production shapes ({', '.join(models)}): one MoE layer, {spec.world_size} ranks TP{spec.tp}/"
+        f"EP{spec.ep}/ETP{spec.etp}, {steps} steps, seed {seed}; shipped (bf16_writeback) and the fix "
+        f"(fp32_staging) against the independent FP32 oracle; {SLICE_NOTE}."
+    )
+    return head + "\n\n" + format_table(rows)

@@ -44,3 +44,14 @@ def test_full_mixtral_layer_over_1000_steps():
     rows = {(r.policy, r.family): r for r in study_model("Mixtral-8x7B", 1000, 2)}
     assert rows[("bf16_writeback", "router_gate_replicated")].differ > 0
     assert all(r.differ == 0 for (policy, _), r in rows.items() if policy == "fp32_staging")
+
+
+def test_cli_repro_shape_runs_the_catalogue_model_and_refuses_unknown_ones(capsys):
+    from simdist.cli import main
+
+    assert main(["repro", "8913", "--shape", "Mixtral-8x7B", "--steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "#8913 at production shapes (Mixtral-8x7B)" in out
+    assert "| Mixtral-8x7B | bf16_writeback | router_gate_replicated | 32768 |" in out
+    assert main(["repro", "8913", "--shape", "Mixtral-8x22B", "--no-progress"]) == 2
+    assert "unknown model 'Mixtral-8x22B'" in capsys.readouterr().err
