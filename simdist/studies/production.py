@@ -128,10 +128,17 @@ def study_model(
     torch.set_num_threads(1)
     try:
         for step in range(steps):
-            draw = stream.draw(step, 0)
-            oracle.step(step, 1, lambda micro, lp, draw=draw: draw)
+            drawn = stream.draw(step, 0)
+
+            def oracle_grads(_micro: int, _lp, drawn=drawn) -> dict[str, torch.Tensor]:
+                return drawn
+
+            def path_grads(_step: int, _micro: int, drawn=drawn) -> dict[str, torch.Tensor]:
+                return drawn
+
+            oracle.step(step, 1, oracle_grads)
             for path in paths:
-                path.run_step(lambda _step, _micro, draw=draw: draw)
+                path.run_step(path_grads)
             reference = oracle.flat("master")
             row = row_of.get(step + 1)
             for j, path in enumerate(paths):
@@ -166,7 +173,7 @@ def study_model(
             late = (steps_axis >= max(10, steps // 10)) & (median > 0)
             slope = _slope(steps_axis[late], median[late]) if late.sum() >= 3 else None
             hits = first[j, f][first[j, f] > 0]
-            over = (got.double() - want.double()).abs() > bf16_ulp(want)
+            beyond = (got.double() - want.double()).abs() > bf16_ulp(want)
             rows.append(
                 FamilyRow(
                     model=name,
@@ -178,7 +185,7 @@ def study_model(
                     median_rel=float(relative.median()),
                     growth_exponent=slope,
                     first_step_over_bf16_ulp=int(hits.min()) if hits.size else None,
-                    over_bf16_ulp=float(over.flatten(1).sum(dim=1).double().mean()),
+                    over_bf16_ulp=float(beyond.flatten(1).sum(dim=1).double().mean()),
                 )
             )
     return rows
@@ -230,6 +237,13 @@ def format_table(rows: list[FamilyRow]) -> str:
     return "\n".join(lines)
 
 
+def _ticker(bar) -> Callable[[int], None]:
+    def tick(_step: int) -> None:
+        bar.update(1)
+
+    return tick
+
+
 def shape_models(shape: str) -> list[str]:
     """The catalogue models ``--shape`` names: ``production`` (all) or one model; ``ValueError`` otherwise."""
     if shape == "production":
@@ -250,7 +264,7 @@ def repro_production(
             from tqdm import tqdm
 
             bar = tqdm(total=steps, desc=f"repro 8913 {name}", unit="step")
-        rows += study_model(name, steps, 1, spec, seed, progress=None if bar is None else lambda _s, b=bar: b.update(1))
+        rows += study_model(name, steps, 1, spec, seed, progress=None if bar is None else _ticker(bar))
         if bar is not None:
             bar.close()
     if as_json:
