@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from simdist.cases.upstream.patches import DEEPSPEED_VERSION, PATCHES, Patch, unified_diff
+from simdist.extras import install_hint
 
 REPRODUCERS = Path(__file__).resolve().parent.parent / "reproducers"
 
@@ -154,7 +155,7 @@ def deepspeed_root() -> Path:
     except ModuleNotFoundError:
         spec = None
     if spec is None or spec.origin is None:
-        raise ValueError("exporting the packages needs DeepSpeed: pip install 'simdist[deepspeed]'")
+        raise ValueError(f"exporting the packages needs DeepSpeed: {install_hint('deepspeed')}")
     return Path(spec.origin).parent.parent
 
 
