@@ -40,7 +40,7 @@ class Package:
         return f"torchrun --standalone --nproc-per-node {self.nproc} reproduce.py"
 
     def report(self) -> str:
-        where = "\n".join(f"- `{line}`" for line in self.where)
+        where = "\n".join(f"- `{place}` -- {why}" for place, why in (line.split(" -- ", 1) for line in self.where))
         return (
             f"# {self.title}\n\nDeepSpeed {DEEPSPEED_VERSION}.\n\n## What\n\n{self.what}\n\n## Where\n\n{where}\n\n"
             f"## Figures\n\n{self.figures}\n\n## How to run\n\n"
@@ -48,7 +48,8 @@ class Package:
             f"DS_BUILD_OPS=0 pip install deepspeed=={DEEPSPEED_VERSION}\n"
             f"{self.command}        # exit 1: the defect\n"
             "# with the fix, on a copy of the package:\n"
-            "cp -r \"$(python -c 'import deepspeed, os; print(os.path.dirname(deepspeed.__file__))')\" ds/deepspeed\n"
+            "mkdir ds && cp -r \"$(python -c 'import deepspeed, os; print(os.path.dirname(deepspeed.__file__))')\" "
+            "ds/\n"
             "(cd ds && patch -p1 < ../fix.diff)\n"
             f"PYTHONPATH=$PWD/ds {self.command}        # exit 0\n"
             "```\n\n"
