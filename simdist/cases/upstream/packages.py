@@ -48,8 +48,8 @@ class Package:
             f"DS_BUILD_OPS=0 pip install deepspeed=={DEEPSPEED_VERSION}\n"
             f"{self.command}        # exit 1: the defect\n"
             "# with the fix, on a copy of the package:\n"
-            "mkdir ds && cp -r \"$(python -c 'import deepspeed, os; print(os.path.dirname(deepspeed.__file__))')\" "
-            "ds/\n"
+            "mkdir ds && cp -r \"$(python -c 'import importlib.util as u, os; "
+            'print(os.path.dirname(u.find_spec("deepspeed").origin))\')" ds/\n'
             "(cd ds && patch -p1 < ../fix.diff)\n"
             f"PYTHONPATH=$PWD/ds {self.command}        # exit 0\n"
             "```\n\n"
