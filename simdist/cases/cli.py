@@ -1,4 +1,5 @@
-"""``simdist case list`` and ``simdist case run NAME [--json] [--world gloo|simdist]``.
+"""``simdist case list``, ``simdist case run NAME [--json] [--world gloo|simdist]`` and
+``simdist case export production DIR [--only NAME]`` (the upstream packages, `simdist.cases.upstream`).
 
 Kept here, beside the cases, so that the CLI module only adds the
 subcommand (`add_case_subcommand`) and dispatches to `run_case_command`.
@@ -35,6 +36,12 @@ def add_case_subcommand(sub) -> None:
         help="the verdict the exit status gates on: ok (default; exit 1 when the case's ok is false) or not-ok "
         "(exit 1 when it is true, e.g. a run meant to show a defect)",
     )
+    export = actions.add_parser(
+        "export", help="write the upstream packages (standalone reproducer, fix diff, report) of the DeepSpeed defects"
+    )
+    export.add_argument("set", choices=("production",), help="production: #8913, the ZeRO norm and the load defects")
+    export.add_argument("directory", help="where to write one folder per defect (created if missing)")
+    export.add_argument("--only", action="append", metavar="NAME", help="one package (repeatable; default: all)")
 
 
 def run_case_command(args: argparse.Namespace) -> int:
@@ -42,6 +49,8 @@ def run_case_command(args: argparse.Namespace) -> int:
     input, raised as ValueError)."""
     from simdist.cases import case_names, get_case, run_case
 
+    if args.case_action == "export":
+        return _export(args)
     if args.case_action == "list":
         for name in case_names():
             case = get_case(name)
@@ -62,3 +71,14 @@ def run_case_command(args: argparse.Namespace) -> int:
         verdict = run_case(args.name, world=args.world)
         print(verdict.summary)
     return 0 if bool(verdict.ok) == (getattr(args, "expect", "ok") == "ok") else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from simdist.cases.upstream.packages import PACKAGES, export
+
+    for folder in export(Path(args.directory), args.only):
+        package = PACKAGES[folder.name]
+        print(f"{folder}: reproduce.py fix.diff REPORT.md -- {package.title}\n    run: {package.command}")
+    return 0

@@ -240,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         "policy is bitwise equal to the oracle) and every applicable power check shows power",
     )
     repro.add_argument("--json", action="store_true", help="print the report as JSON (every tensor)")
+    repro.add_argument(
+        "--shape",
+        default="toy",
+        help="toy (default: simdist's synthetic parameters), production (one MoE layer of every model of "
+        "simdist.models.production at full router and norm size) or one catalogue model, e.g. Mixtral-8x7B",
+    )
     diff = repro.add_mutually_exclusive_group()
     diff.add_argument(
         "--diff-only",
@@ -449,6 +455,12 @@ def _repro(args: argparse.Namespace) -> int:
     from simdist.studies.repro import ReproConfig, format_report, meets, reproduce, run_count, to_json
     from simdist.world.spec import ParallelSpec
 
+    if args.shape != "toy":
+        from simdist.studies.production import repro_production
+
+        spec = ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp)
+        print(repro_production(args.shape, args.steps, args.seed, spec, args.json, not args.no_progress))
+        return EXIT_OK
     _load_policy_modules(args)
     names = _policy_list(args.policies)
     check_run(

@@ -3,7 +3,7 @@
 (the next steps do not repair it); in a multi-rank run the ranks holding no fragment of that parameter then
 wait in its all-reduce (a hang).
 
-Standalone: torch and deepspeed only. Run on CPU with gloo:
+Standalone: torch and deepspeed only. Run with torchrun (gloo on CPU, NCCL when CUDA is present):
 
     DS_BUILD_OPS=0 pip install deepspeed==0.19.8
     torchrun --standalone --nproc-per-node 1 deepspeed_bf16_load_unlinks_state.py [--fresh]
@@ -49,7 +49,7 @@ def build():
 
 
 def train_step(engine) -> None:
-    loss = engine(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum()
+    loss = engine(torch.ones(1, 4, dtype=torch.bfloat16, device=engine.device)).float().sum()
     engine.backward(loss)
     engine.step()
 
@@ -59,13 +59,16 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="load into a newly built engine (the control)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     from deepspeed import comm as ds_comm
     from deepspeed.utils import logger, safe_get_full_optimizer_state
 
     logger.setLevel(logging.ERROR)
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None  # nothing to compile
-    ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
 
     engine = build()
     train_step(engine)

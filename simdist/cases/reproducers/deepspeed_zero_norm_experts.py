@@ -1,7 +1,7 @@
 """DeepSpeed 0.19.8: under AutoEP+AutoTP folding, ZeRO-1/2's global gradient norm leaves out the routed experts
 held by TP ranks other than 0, so gradient clipping uses a norm that is too small.
 
-Standalone: torch and deepspeed only. Run on CPU with gloo:
+Standalone: torch and deepspeed only. Run with torchrun (gloo on CPU, NCCL when CUDA is present):
 
     DS_BUILD_OPS=0 pip install deepspeed==0.19.8
     torchrun --standalone --nproc-per-node 4 deepspeed_zero_norm_experts.py [--stage 1|2] [--bf16-optimizer]
@@ -48,7 +48,7 @@ class Leaf(torch.nn.Module):
         self.weight = torch.nn.Parameter(value)
 
     def forward(self, grad: torch.Tensor) -> torch.Tensor:
-        return (self.weight * grad.to(self.weight.dtype)).sum()
+        return (self.weight * grad.to(self.weight)).sum()
 
 
 class Model(torch.nn.Module):
@@ -69,7 +69,10 @@ def main() -> int:
     parser.add_argument("--bf16-optimizer", action="store_true", help="grad_accum_dtype fp32: BF16_Optimizer")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.module_inject.auto_ep import AutoEP
@@ -80,7 +83,7 @@ def main() -> int:
     logger.setLevel(logging.ERROR)
     # (through the module's namespace: the untyped module declares no such attribute)
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
-    ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
     rank = dist.get_rank()
 
     # the two hand-done injection steps (see the docstring)
@@ -126,7 +129,7 @@ def main() -> int:
     expert = torch.full((4,), (tp_rank + 1) * 2.0 / 32)
     sharded = torch.full((4,), (tp_rank + 1) / 16)
     engine.module.grads = {"dense": dense, "sharded": sharded, "expert": expert}
-    loss = engine(torch.zeros(1))
+    loss = engine(torch.zeros(1, device=engine.device))
     engine.backward(loss)
     engine.step()
 

@@ -1,0 +1,57 @@
+"""The #8913 production study on a tiny layer (the full-shape run is slow; its table is in docs/production.md)."""
+
+import pytest
+import torch
+
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.studies.production import bf16_ulp, format_table, study_model
+
+TINY = (
+    ParamSpec("router.weight", Family.ROUTER_GATE_REPLICATED, (4, 64)),
+    ParamSpec("norm.weight", Family.DENSE, (64,)),
+    ParamSpec("attn[slice]", Family.MODEL_PARALLEL, (1, 64)),
+    ParamSpec("expert[slice]", Family.EXPERT, (1, 64)),
+)
+
+
+def test_bf16_ulp_is_the_gap_to_the_next_bf16_value():
+    values = torch.tensor([1.0, 1.5, 3.0, -0.015625, 2.0**-120, 6.0e4], dtype=torch.bfloat16)
+    following = (values.view(torch.int16) + 1).view(torch.bfloat16)  # next magnitude up (same sign)
+    assert torch.equal(bf16_ulp(values.float()), (following.double() - values.double()).abs())
+
+
+def test_shipped_rounds_only_the_router_and_the_fix_equals_the_oracle():
+    rows = {(r.policy, r.family): r for r in study_model("tiny", 12, 2, params=TINY)}
+    shipped = rows[("bf16_writeback", "router_gate_replicated")]
+    assert shipped.differ > 0 and shipped.max_rel > 0 and shipped.first_step_over_bf16_ulp is not None
+    for family in ("dense", "model_parallel", "expert"):  # identical TP peers / no TP sum: nothing rounds
+        assert rows[("bf16_writeback", family)].differ == 0
+    for family in ("router_gate_replicated", "dense", "model_parallel", "expert"):
+        fixed = rows[("fp32_staging", family)]
+        assert fixed.differ == 0 and fixed.max_rel == 0 and fixed.first_step_over_bf16_ulp is None
+    assert "| tiny | bf16_writeback | router_gate_replicated | 256 |" in format_table(list(rows.values()))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="steps and seeds must be >= 1"):
+        study_model("tiny", 0, 1, params=TINY)
+    with pytest.raises(ValueError, match="unknown model"):
+        study_model("tiny", 1, 1)
+
+
+@pytest.mark.slow
+def test_full_mixtral_layer_over_1000_steps():
+    rows = {(r.policy, r.family): r for r in study_model("Mixtral-8x7B", 1000, 2)}
+    assert rows[("bf16_writeback", "router_gate_replicated")].differ > 0
+    assert all(r.differ == 0 for (policy, _), r in rows.items() if policy == "fp32_staging")
+
+
+def test_cli_repro_shape_runs_the_catalogue_model_and_refuses_unknown_ones(capsys):
+    from simdist.cli import main
+
+    assert main(["repro", "8913", "--shape", "Mixtral-8x7B", "--steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "#8913 at production shapes (Mixtral-8x7B)" in out
+    assert "| Mixtral-8x7B | bf16_writeback | router_gate_replicated | 32768 |" in out
+    assert main(["repro", "8913", "--shape", "Mixtral-8x22B", "--no-progress"]) == 2
+    assert "unknown model 'Mixtral-8x22B'" in capsys.readouterr().err
