@@ -33,15 +33,28 @@ def busy() -> bool:
     return getattr(_local, "busy", False)
 
 
-def _exact(tensors: Sequence[torch.Tensor], avg: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    stacked = torch.stack([t.detach().reshape(-1).double() for t in tensors])
-    exact, terms = stacked.sum(0), stacked.abs().sum(0)
+def _exact(tensors: Sequence[torch.Tensor], avg: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(exact, sum|terms|, low)``: the members' sum as an unevaluated FP64 pair ``exact + low``.
+
+    A plain FP64 sum is exact only while the terms span at most 53 bits; FP32 terms 30 binades apart do not
+    (64 + 64 + (2**-23 + 2**-46) rounds in FP64), and the figures are then measured against a rounded value.
+    Knuth's TwoSum collects each addition's rounding error into ``low`` (its own rounding is below 2**-53 of
+    ``low``), so ``exact + low`` is the sum to about 106 bits."""
+    stacked = [t.detach().reshape(-1).double() for t in tensors]
+    high, low = stacked[0].clone(), torch.zeros_like(stacked[0])
+    for x in stacked[1:]:
+        total = high + x
+        virtual = total - high
+        low += (high - (total - virtual)) + (x - virtual)
+        high = total
+    low = torch.where(torch.isfinite(low), low, 0.0)  # an overflowing or NaN sum: the figures skip the element
+    terms = torch.stack(stacked).abs().sum(0)
     if avg:
-        exact, terms = exact / len(tensors), terms / len(tensors)
-    return exact, terms
+        high, low, terms = high / len(tensors), low / len(tensors), terms / len(tensors)
+    return high, terms, low
 
 
-Output = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # member, output tensor, exact, sum|terms|
+Output = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # member, output, exact, sum|terms|, low
 
 
 def _all_reduce(calls, targets, avg: bool) -> Callable[[], Iterator[Output]]:
@@ -49,8 +62,8 @@ def _all_reduce(calls, targets, avg: bool) -> Callable[[], Iterator[Output]]:
 
     def outputs() -> Iterator[Output]:
         for i in targets:
-            for k, (exact, terms) in enumerate(sums):
-                yield i, calls[i].inputs[k], exact, terms
+            for k, (exact, terms, low) in enumerate(sums):
+                yield i, calls[i].inputs[k], exact, terms, low
 
     return outputs
 
@@ -67,8 +80,8 @@ def _reduce_scatter_tensor(calls, targets, avg: bool) -> Callable[[], Iterator[O
 
     def outputs() -> Iterator[Output]:
         for i in targets:
-            for k, (exact, terms) in enumerate(sums):
-                yield i, calls[i].outputs[k], exact.view(n, -1)[i], terms.view(n, -1)[i]
+            for k, (exact, terms, low) in enumerate(sums):
+                yield i, calls[i].outputs[k], exact.view(n, -1)[i], terms.view(n, -1)[i], low.view(n, -1)[i]
 
     return outputs
 
@@ -80,8 +93,8 @@ def _reduce_scatter_list(calls, targets, avg: bool) -> Callable[[], Iterator[Out
     def outputs() -> Iterator[Output]:
         for i in targets:
             for k, per_member in enumerate(sums):
-                exact, terms = per_member[i]
-                yield i, calls[i].outputs[k], exact, terms
+                exact, terms, low = per_member[i]
+                yield i, calls[i].outputs[k], exact, terms, low
 
     return outputs
 
@@ -121,12 +134,12 @@ def _measured(complete, recorder):
             outputs = plan(calls, targets, op == "AVG")
             complete(calls, targets)
             group = label.split("#", 1)[0]
-            for i, out, exact, terms in outputs():
+            for i, out, exact, terms, low in outputs():
                 site = recorder.site_of(calls[i].frame)
                 promoted = recorder.promotes(site, "collective", name, out.dtype)
                 if promoted:
                     out.copy_(exact.to(out.dtype).view(out.shape))
-                found = errors(out, exact, terms)
+                found = errors(out, exact, terms, low)
                 recorder.record(site, "collective", name, out.dtype, calls[i].rank, found, group, promoted)
         finally:
             _local.busy = False

@@ -58,11 +58,15 @@ class Errors:
         self.mass += other.mass
 
 
-def errors(result: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> Errors:
-    """Compare ``result`` (any floating dtype) with ``exact`` and ``terms`` (FP64, same number of elements)."""
+def errors(result: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor, low: torch.Tensor | None = None) -> Errors:
+    """Compare ``result`` (any floating dtype) with ``exact`` and ``terms`` (FP64, same number of elements).
+
+    ``low``, when given, is the part of the exact value FP64 could not hold (``exact + low``, a TwoSum pair:
+    `simdist.attribution.collectives`); the error is taken against the pair."""
     r = result.detach().reshape(-1).double()
     e = exact.detach().reshape(-1).double()
     t = terms.detach().reshape(-1).double()
+    lo = torch.zeros_like(e) if low is None else low.detach().reshape(-1).double()
     n = r.numel()
     if n == 0:
         return Errors()
@@ -70,10 +74,10 @@ def errors(result: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> Er
     nonfinite = int(n - finite.sum())
     overflow = int((~torch.isfinite(r) & torch.isfinite(e)).sum()) if nonfinite else 0
     if nonfinite:
-        r, e, t = r[finite], e[finite], t[finite]
+        r, e, t, lo = r[finite], e[finite], t[finite], lo[finite]
     if r.numel() == 0:
         return Errors(elements=n, nonfinite=nonfinite, overflow=overflow)
-    err = (r - e).abs()
+    err = ((r - e) - lo).abs()
     ulp = err / spacing(e, result.dtype)
     scaled = torch.where(t > 0, err / t, torch.where(err > 0, math.inf, 0.0))
     nonzero = e != 0

@@ -123,7 +123,7 @@ def test_a_real_ctrl_c_is_one_line_and_130(delay_s):
     import time
 
     child = subprocess.Popen(
-        [sys.executable, "-m", "simdist.cli", "repro", "8913", "--no-progress"],
+        [sys.executable, "-m", "simdist.cli", "repro", "8913", "--steps", "40", "--no-progress"],  # runs past 4 s
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
