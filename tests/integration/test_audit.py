@@ -321,6 +321,7 @@ def gradpath_step(comm):
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_one_rank_program_gives_the_same_report_on_gloo_and_in_simworld():
     real = [AuditReport.from_dict(d) for d in spawn_gloo(gradpath_step, SPEC, timeout_s=120)]
     simulated = [AuditReport.from_dict(d) for d in SimWorld(SPEC, reduction=Gloo()).run(gradpath_step)]

@@ -41,6 +41,7 @@ def test_repro_json_has_every_tensor_of_every_rank(capsys):
     }
 
 
+@pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_gas_two_states_the_writeback_and_the_marker_separately(capsys):
     assert main(["repro", "8913", "--gas", "2"]) == 0
     out = capsys.readouterr().out

@@ -58,6 +58,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_plugin_and_backend_load_on_first_use():
     """The plugin's object imports no torch until it runs something; after only ``import simdist`` (which the
     plugin's import is), ``init_process_group("simdist")`` works and registering imported nothing of the backend

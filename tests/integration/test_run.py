@@ -269,6 +269,7 @@ def _processes_with(marker: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_a_process_deadline_names_each_ranks_line_and_leaves_no_lock_or_child(tmp_path, monkeypatch, capfd):
     """At the deadline the launcher asks each pending rank for its Python stack (faulthandler on SIGUSR1): the
     message holds the rank's own line, not only the frame it waits in (``subprocess.py``, or a collective). A

@@ -163,6 +163,7 @@ def test_failing_rank_is_reraised_naming_the_rank():
     assert "deliberate failure on rank 2" in info.value.remote_traceback
 
 
+@pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_hanging_rank_times_out_instead_of_hanging():
     """spawn_gloo's own timeout ends a hung world with TimeoutError (a hang would instead hit pytest-timeout)."""
     with pytest.raises(TimeoutError, match=r"did not finish"):
