@@ -32,11 +32,11 @@ def _result_tensors(value, name: str = "result", out: dict | None = None) -> dic
     return out
 
 
-def _state(recorder: Recorder, results) -> dict:
+def _state(recorder, results) -> dict:
     return {**recorder.final_state(), "results": _result_tensors(results)}
 
 
-def _ranked(recorder: Recorder) -> list:
+def _ranked(recorder) -> list:
     return sorted(
         recorder.sites.values(),
         key=lambda s: (
@@ -105,6 +105,11 @@ def resolve(report: BlameReport, spec: SiteSpec) -> list[int]:
     raise SiteNotFound(f"--promote {text!r} names no site of this run; use an id or file:line ({listed})")
 
 
+Run = Callable[[set, frozenset], tuple[Any, Any]]
+"""One blamed run: ``run(promoted site keys, op names) -> (recorder, results)``; the recorder holds ``sites``,
+``promoted``, ``unpromotable``, ``sharded`` and ``final_state()`` (a `Recorder`, or process mode's merged one)."""
+
+
 def blame_target(
     target: Callable[[], Any],
     *,
@@ -121,11 +126,26 @@ def blame_target(
     The base run is the comparison point of every promotion: simdist runs are deterministic, so a rerun
     without promotion gives the same bits (the tests check it).
     """
+
+    def run(keys: set, names: frozenset) -> tuple[Any, Any]:
+        recorder = Recorder(promote=keys, ops=names)
+        return recorder, execute(target, recorder)
+
+    return blame_runs(run, promote=promote, promote_top=promote_top, ops=ops)
+
+
+def blame_runs(
+    run: Run,
+    *,
+    promote: Iterable[SiteSpec] = (),
+    promote_top: int = 0,
+    ops: str | Iterable[str] | None = None,
+) -> BlameReport:
+    """`blame_target` for any way of running the program (``run``, see `Run`): threads or processes."""
     promote = [check_spec(spec) for spec in promote]
     check_count(promote_top)
     names = op_names(ops)
-    recorder = Recorder(ops=names)
-    results = execute(target, recorder)
+    recorder, results = run(set(), names)
     report = BlameReport(_ranked(recorder), _state(recorder, results), results)
     if recorder.sharded:
         report.notes.append("DTensor parameters and optimizer states are compared by each rank's local shard")
@@ -133,10 +153,9 @@ def blame_target(
     for spec in specs:
         ids = resolve(report, spec)
         keys = {report.site(i).key for i in ids}
-        rerun = Recorder(promote=keys, ops=names)
         label = " + ".join(f"#{i} {os.path.basename(report.site(i).file)}:{report.site(i).line}" for i in ids)
         try:
-            rerun_results = execute(target, rerun)
+            rerun, rerun_results = run(keys, names)
         except Exception as exc:  # the program cannot go on in the wide dtype there (e.g. an autograd cast)
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             report.promotions.append(Promotion(ids, label, 0, [], failed=f"{type(exc).__name__}: {message}"))
@@ -148,7 +167,9 @@ def blame_target(
         if not events and not unpromotable:
             raise RuntimeError(f"promoting {label} changed nothing: the rerun never reached the site")
         why = "; ".join(sorted({rerun.unpromotable[report.site(i).key] for i in unpromotable}))
-        report.promotions.append(Promotion(ids, label, events, unpromotable, movement, unpromotable_why=why))
+        report.promotions.append(
+            Promotion(ids, label, events, unpromotable, movement, unpromotable_why=why, state=state)
+        )
     return report
 
 

@@ -102,6 +102,12 @@ def add_blame_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc", type=_nproc, default=None, metavar="N", help="run a torchrun-style SCRIPT on N simdist rank threads"
     )
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="with --nproc: run the N ranks as processes (process mode: module-global groups such as "
+        "DeepSpeed's and Megatron's), merging each call site's records over the ranks",
+    )
     parser.add_argument("script", help="path of the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     return parser
@@ -170,6 +176,7 @@ def run_blame(args: argparse.Namespace) -> int:
     """Run ``args.script`` blamed and print the report; returns the script's exit status."""
     from simdist.attribution.api import SiteNotFound, blame_target
     from simdist.attribution.arithmetic import op_names
+    from simdist.attribution.processes import RankExit
 
     script = args.script
     if not os.path.isfile(script):
@@ -177,11 +184,23 @@ def run_blame(args: argparse.Namespace) -> int:
     if args.figure is not None:
         check_figure(args.figure)
     op_names(args.ops)  # an unknown op is bad input, before the run
+    if args.processes and args.nproc is None:
+        raise ValueError("--processes runs the script on --nproc N rank processes: give --nproc")
     target = _script_target(script, args.script_args, args.nproc)
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with redirect:
-            report = blame_target(target, promote=args.promote, promote_top=args.promote_top, ops=args.ops)
+            if args.processes:
+                from simdist.attribution.processes import blame_processes
+
+                report = blame_processes(
+                    script, args.script_args, args.nproc, promote=args.promote, promote_top=args.promote_top,
+                    ops=args.ops,
+                )  # fmt: skip
+            else:
+                report = blame_target(target, promote=args.promote, promote_top=args.promote_top, ops=args.ops)
+    except RankExit as exc:  # the rank printed its own traceback or message
+        return exc.status
     except ScriptExit as exc:
         if exc.message is not None:
             print(exc.message, file=sys.stderr)

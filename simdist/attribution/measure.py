@@ -108,6 +108,7 @@ class SiteErrors:
     groups: set = field(default_factory=set)
     errors: Errors = field(default_factory=Errors)
     steps: dict = field(default_factory=dict)  # step -> Errors
+    by_rank: dict = field(default_factory=dict)  # rank -> Errors (the JSON's per-rank detail)
 
     @property
     def key(self) -> tuple:
@@ -121,3 +122,18 @@ class SiteErrors:
             self.groups.add(group)
         self.errors.add(found)
         self.steps.setdefault(step, Errors()).add(found)
+        self.by_rank.setdefault(rank, Errors()).add(found)
+
+    def merge(self, other: SiteErrors) -> None:
+        """Add the record of the same site seen by another process (process mode: each rank records its own
+        calls): calls, elements, non-finite counts and masses add up, the max figures are the larger."""
+        if other.key != self.key:
+            raise ValueError(f"cannot merge site {other.key} into {self.key}")
+        self.calls += other.calls
+        self.ranks |= other.ranks
+        self.groups |= other.groups
+        self.errors.add(other.errors)
+        for step, found in other.steps.items():
+            self.steps.setdefault(step, Errors()).add(found)
+        for rank, found in other.by_rank.items():
+            self.by_rank.setdefault(rank, Errors()).add(found)

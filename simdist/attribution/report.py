@@ -61,6 +61,7 @@ class Promotion:
     movement: dict[str, Movement] = field(default_factory=dict)
     unpromotable_why: str = ""
     failed: str | None = None  # why the rerun raised (the program could not go on with the site wide)
+    state: dict = field(default_factory=dict, repr=False)  # the rerun's final state (category -> name -> tensor)
 
     @property
     def effect(self) -> tuple[float, ...]:
@@ -173,6 +174,16 @@ class BlameReport:
                     "dtypes": s.dtypes,
                     "groups": sorted(s.groups),
                     "ranks": sorted(r for r in s.ranks if r is not None),
+                    "by_rank": {
+                        str(r): {
+                            "elements": v.elements,
+                            "max_ulp": number(v.max_ulp),
+                            "max_err_over_sum_abs_terms": number(v.max_term_relative),
+                            "error_mass": number(v.mass),
+                            "overflow": v.overflow,
+                        }
+                        for r, v in sorted(s.by_rank.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+                    },
                     "calls": s.calls,
                     "elements": e.elements,
                     "nonfinite": e.nonfinite,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,11 +45,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-def _rank() -> int | None:
+def _thread_rank() -> int | None:
     from simdist.world.inproc import current
 
     ctx = current()
     return None if ctx is None else ctx.rank
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits as integers (NaN payloads and signed zeros compare exactly)."""
+    return t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _buffer(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements live: the key of a narrow buffer's shadow (`Recorder.shadows`)."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
 class Recorder:
@@ -67,6 +78,13 @@ class Recorder:
         self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
         self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
         self._sites: dict = {}  # (code, line) -> (file, line, function)
+        self.rank: int | None = None  # this process's rank in process mode (threads name their own)
+        self._promoted_values: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self.shadows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # buffer -> (its bits, the wide value)
+
+    def _rank(self) -> int | None:
+        rank = _thread_rank()
+        return self.rank if rank is None else rank
 
     # -- sites -------------------------------------------------------------------------
 
@@ -110,7 +128,7 @@ class Recorder:
         if collectives.busy():
             return None
         if rank is None:
-            rank = _rank()
+            rank = self._rank()
         op = "copy_" if in_place else "to"
         dtypes = f"{dtype_name(source.dtype)}->{dtype_name(result.dtype)}"
         key = self.key(site, "cast", op, dtypes)
@@ -127,17 +145,39 @@ class Recorder:
                     self.unpromotable[key] = why
             else:
                 replaced = source.detach().clone()
+                self._promoted_values[id(replaced)] = replaced
+        elif in_place and self._promoted_values.get(id(source)) is source:
+            # a promoted cast's wide value written into a narrow buffer: the buffer keeps it as its shadow
+            with self.lock:
+                self.shadows[_buffer(result)] = (_bits(result).clone(), source.detach().clone())
         measured = replaced if replaced is not None else result
         self.record(site, "cast", op, dtypes, rank, errors(measured, wide, wide.abs()), promoted=replaced is not None)
         return replaced
 
+    def widen_hook(self, source: torch.Tensor, result: torch.Tensor) -> torch.Tensor | None:
+        """A widening cast of a narrow buffer that holds a promoted value, unchanged since (same bits): the
+        wide value, in the cast's dtype, instead of the widened narrow one (see `execute`)."""
+        if not self.shadows:
+            return None
+        key = _buffer(source)
+        with self.lock:
+            found = self.shadows.get(key)
+        if found is None:
+            return None
+        narrow, wide = found
+        if not torch.equal(narrow, _bits(source)):  # written since: the shadow is stale
+            with self.lock:
+                self.shadows.pop(key, None)
+            return None
+        return wide.to(result.dtype).view(result.shape).clone()
+
     def op_hook(self, site, rank, name: str, call, written: tuple, args: tuple, kwargs: dict):
         if rank is None:
-            rank = _rank()
+            rank = self._rank()
         return arithmetic.measure_op(self, site, rank, name, call, written, args, kwargs)
 
     def step_hook(self, optimizer, args, kwargs) -> None:
-        rank = _rank()
+        rank = self._rank()
         with self.lock:
             self.steps[rank] = self.steps.get(rank, 0) + 1
             known = self.optimizers.setdefault(rank, [])
@@ -147,7 +187,7 @@ class Recorder:
     def loss(self, tensors) -> None:
         first = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
         if isinstance(first, torch.Tensor):
-            rank = _rank()
+            rank = self._rank()
             value = local(first)
             with self.lock:
                 self.losses.setdefault(rank, []).append(value)
@@ -155,7 +195,7 @@ class Recorder:
     def scaled(self, outputs, result) -> None:
         """A ``GradScaler.scale(outputs)`` call: ``outputs`` is the loss the script means (the root is scaled)."""
         if result is not outputs and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
-            rank = _rank()
+            rank = self._rank()
             value = local(outputs)
             with self.lock:
                 self.unscaled.setdefault(rank, []).append(value)
@@ -212,6 +252,7 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
             cast_hook=recorder.cast_hook,
             op_hook=recorder.op_hook if recorder.ops else None,
             op_names=recorder.ops,
+            widen_hook=recorder.widen_hook if recorder.promote else None,
             errors=False,
             collectives=False,
             threads=True,

@@ -155,7 +155,10 @@ class Audit(TorchDispatchMode):
     ``op_hook(site, rank, name, call, written, args, kwargs)`` instead (``call``
     runs the op, ``written`` names the arguments it writes), whatever its
     dtypes; what the hook returns is the op's result (`simdist.blame`'s
-    arithmetic sites).
+    arithmetic sites); ``widen_hook`` -- called as ``widen_hook(source, result)`` after every out-of-place
+    floating cast that does not narrow (``.float()`` of a BF16 tensor), with the audit paused; a tensor it
+    returns replaces the cast's result (`simdist.blame`'s promotion carries a promoted value through a narrow
+    buffer with it).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class Audit(TorchDispatchMode):
         cast_hook: Callable[..., torch.Tensor | None] | None = None,
         op_hook: Callable[..., Any] | None = None,
         op_names: Iterable[str] = (),
+        widen_hook: Callable[..., torch.Tensor | None] | None = None,
         _parent: Audit | None = None,
     ) -> None:
         super().__init__()
@@ -183,6 +187,9 @@ class Audit(TorchDispatchMode):
         self.cast_hook: Callable[..., torch.Tensor | None] | None = cast_hook if _parent is None else _parent.cast_hook
         self.op_hook: Callable[..., Any] | None = op_hook if _parent is None else _parent.op_hook
         self.op_names: frozenset[str] = frozenset(op_names) if _parent is None else _parent.op_names
+        self.widen_hook: Callable[..., torch.Tensor | None] | None = (
+            widen_hook if _parent is None else _parent.widen_hook
+        )
         self._store: _Store
         self._prefixes: tuple[str, ...]
         if _parent is not None:
@@ -340,6 +347,12 @@ class Audit(TorchDispatchMode):
                     replaced = self.cast_hook(site, self.rank, source, target, bool(op.written))
                 if replaced is not None and not op.written:
                     return replaced
+        elif self.widen_hook is not None and not op.written and isinstance(result, _Tensor):
+            if source.dtype.is_floating_point and result.dtype.is_floating_point:
+                with self.paused():
+                    widened = self.widen_hook(source, result)
+                if widened is not None:
+                    return widened
         return result
 
     def _list_cast(self, op: _Op, sources, targets) -> None:
