@@ -176,7 +176,8 @@ def run_blame(args: argparse.Namespace) -> int:
     """Run ``args.script`` blamed and print the report; returns the script's exit status."""
     from simdist.attribution.api import SiteNotFound, blame_target
     from simdist.attribution.arithmetic import op_names
-    from simdist.attribution.processes import RankExit
+    from simdist.attribution.processes import ScriptExit as RankScriptExit
+    from simdist.world.launch import RankFailure
 
     script = args.script
     if not os.path.isfile(script):
@@ -199,8 +200,13 @@ def run_blame(args: argparse.Namespace) -> int:
                 )  # fmt: skip
             else:
                 report = blame_target(target, promote=args.promote, promote_top=args.promote_top, ops=args.ops)
-    except RankExit as exc:  # the rank printed its own traceback or message
+    except RankScriptExit as exc:
+        if exc.message is not None:
+            print(exc.message, file=sys.stderr)
         return exc.status
+    except RankFailure as exc:  # a rank raised: its traceback, named by rank
+        print(exc, file=sys.stderr)
+        return 1
     except ScriptExit as exc:
         if exc.message is not None:
             print(exc.message, file=sys.stderr)

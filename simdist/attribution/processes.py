@@ -2,30 +2,27 @@
 
     simdist blame --nproc 4 --processes train.py      # DeepSpeed, Megatron: module-global groups per process
 
-`run_processes` starts ``N`` Python processes with the environment torchrun gives a rank, each running
-`rank_main`: the script runs as `simdist.world.script_launch.rank_main` runs it (its ``init_process_group``
-makes a ``simdist`` group in process mode, `simdist.world.process`), under a `simdist.attribution.run.Recorder`
+`run_processes` starts ``N`` rank processes (`simdist.world.launch.spawn_processes`: forked from a server that
+has torch and the script's frameworks imported, each with the default group already a ``simdist`` group in
+process mode, `simdist.world.process`, that the script's own ``init_process_group`` attaches to), each running
+the script as ``python script.py args`` would (`_blame_rank`) under a `simdist.attribution.run.Recorder`
 whose rank is the process's. A collective in process mode gathers every member's inputs before its
 reduction model runs (`simdist.world.process.ProcessTransport`), so each process measures its own outputs
 against the FP64 sum of all members' inputs exactly as a rank thread does; casts and arithmetic sites are
-each process's own. Each rank saves its sites, promoted events and final state; `merge` joins them: the
+each process's own. Each rank returns its sites, promoted events and final state; `merge` joins them: the
 same call site on several ranks is one site (calls, elements, non-finite counts and error masses add up,
 the max figures are the largest of any rank; `simdist.attribution.measure.SiteErrors.merge`), with each
 rank's figures kept for the JSON (``by_rank``); the final states are disjoint (their tensors are named by
 rank).
 
-A promoted rerun is another launch with the promoted site keys handed to every rank. Reduction model: gloo's
-(``SIMDIST_REDUCTION`` is set for the ranks), as in ``simdist run``.
+A promoted rerun is another launch with the promoted site keys handed to every rank. Reduction model: gloo's.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
+import re
+import runpy
 import sys
-import tempfile
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,17 +34,13 @@ from simdist.attribution.measure import SiteErrors
 from simdist.attribution.report import BlameReport
 from simdist.attribution.run import Recorder, SiteKey, execute
 
-PLAN = "plan.pt"
-"""The file in the launch's folder that tells every rank which sites to promote and which ops to measure."""
+class ScriptExit(Exception):
+    """The script exited with a non-zero status (``sys.exit``) on a rank process."""
 
-
-class RankExit(Exception):
-    """A rank process of a blamed launch exited with a non-zero status (its own output says why)."""
-
-    def __init__(self, status: int, rank: int) -> None:
-        super().__init__(f"rank {rank} exited with status {status}")
+    def __init__(self, status: int, message: str | None) -> None:
+        super().__init__(message or f"exit status {status}")
         self.status = status
-        self.rank = rank
+        self.message = message
 
 
 @dataclass
@@ -87,10 +80,18 @@ def merge(records: Iterable[dict]) -> MergedRun:
     return merged
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def frameworks_of(script: str) -> tuple[str, ...]:
+    """The framework modules ``script`` imports (DeepSpeed's, Megatron-Core's), for the forkserver to preload:
+    their imports cost seconds per rank otherwise (`simdist.world.launch._context`)."""
+    from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
+    from simdist.extras import installed
+
+    text = Path(script).read_text(errors="replace")
+    found: list[str] = []
+    for name, modules in (("deepspeed", DEEPSPEED_MODULES), ("megatron", MEGATRON_MODULES)):
+        if re.search(rf"^\s*(import|from)\s+{name}\b", text, re.MULTILINE) and installed(name):
+            found.extend(modules)
+    return tuple(found)
 
 
 def run_processes(
@@ -101,43 +102,23 @@ def run_processes(
     ops: frozenset[str] = frozenset(),
     timeout_s: float = 3600.0,
 ) -> MergedRun:
-    """Run ``script argv`` blamed on ``nproc`` simdist rank processes; the ranks' merged records.
+    """Run ``script argv`` blamed on ``nproc`` simdist rank processes (gloo's reduction model); the ranks'
+    merged records.
 
-    A rank that exits non-zero stops the launch (the others are killed) and raises `RankExit` with its status;
-    a launch past ``timeout_s`` raises ``TimeoutError``."""
-    with tempfile.TemporaryDirectory(prefix="simdist-blame-") as folder:
-        out = Path(folder)
-        torch.save({"promote": sorted(promote), "ops": sorted(ops)}, out / PLAN)
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), SIMDIST_REDUCTION="gloo")
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "simdist.attribution.processes", folder, script, *argv],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0"),
-            )
-            for r in range(nproc)
-        ]
-        deadline = time.monotonic() + timeout_s
-        try:
-            running = dict(enumerate(procs))
-            while running:
-                for rank, p in list(running.items()):
-                    code = p.poll()
-                    if code is None:
-                        continue
-                    del running[rank]
-                    if code != 0:
-                        raise RankExit(code, rank)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"simdist blame: the {nproc} rank processes ran past {timeout_s:g} s")
-                time.sleep(0.05)
-        finally:
-            for p in procs:  # the peers of a failed rank would wait for it until their timeout
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        return merge(torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc))
+    The ranks are `simdist.world.launch.spawn_processes`'s (forked from a server with torch and the script's
+    frameworks imported); a rank that raises stops the launch with
+    `simdist.world.launch.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
+    from simdist.world.launch import spawn_processes
+
+    plan = (script, list(argv), sorted(promote), sorted(ops))
+    records = spawn_processes(
+        _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", ("simdist.attribution.processes",
+        *frameworks_of(script)),
+    )  # fmt: skip
+    for record in records:
+        if record.get("exit"):
+            raise ScriptExit(*record["exit"])
+    return merge(records)
 
 
 def blame_processes(
@@ -159,40 +140,28 @@ def blame_processes(
     return blame_runs(run, promote=promote, promote_top=promote_top, ops=ops)
 
 
-def rank_main(argv: list[str]) -> None:
-    """One rank process: run the script blamed (`execute`), save this rank's record into the launch's folder."""
+def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: list[str]) -> dict:
+    """One rank process: run the script blamed as ``python script.py argv`` would run it (``__main__``, its
+    ``sys.argv``, its folder first on ``sys.path``; its ``init_process_group`` attaches to the rank's simdist
+    group); this rank's record (`merge`)."""
     from simdist.audit.cli import exit_status
-    from simdist.world.script_launch import rank_main as run_script
 
-    folder, script, *args = argv
-    out = Path(folder)
-    plan = torch.load(out / PLAN, weights_only=False)
-    rank = int(os.environ["RANK"])
-    recorder = Recorder(promote=[tuple(k) for k in plan["promote"]], ops=frozenset(plan["ops"]))
+    recorder = Recorder(promote=[tuple(k) for k in promote], ops=frozenset(ops))
     recorder.rank = rank
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))
     try:
-        execute(lambda: run_script([script, *args]), recorder)
+        execute(lambda: runpy.run_path(script, run_name="__main__"), recorder)
     except SystemExit as exc:
         status, message = exit_status(exc)
         if status:
-            if message:
-                print(message, file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
-    record = {
+            return {"exit": (status, message)}
+    return {
         "state": recorder.final_state(),  # first: it notes whether DTensor shards stood in (``sharded``)
         "sites": list(recorder.sites.values()),
         "promoted": recorder.promoted,
         "unpromotable": recorder.unpromotable,
         "sharded": recorder.sharded,
     }
-    torch.save(record, out / f"rank{rank}.tmp")
-    os.replace(out / f"rank{rank}.tmp", out / f"rank{rank}.pt")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # frameworks leave groups undestroyed (DeepSpeed's): their teardown can abort a finished rank
 
 
-if __name__ == "__main__":
-    rank_main(sys.argv[1:])
