@@ -112,9 +112,8 @@ def run_processes(
 
     plan = (script, list(argv), sorted(promote), sorted(ops))
     records = spawn_processes(
-        _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", ("simdist.attribution.processes",
-        *frameworks_of(script)),
-    )  # fmt: skip
+        _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", frameworks_of(script)
+    )
     for record in records:
         if record.get("exit"):
             raise ScriptExit(*record["exit"])
