@@ -1,0 +1,52 @@
+"""``simdist blame --processes`` on an unmodified DeepSpeed AutoEP+AutoTP BF16_Optimizer training script
+(``experiments/blame_deepspeed_autoep.py``, real DeepSpeed 0.19.8 on 4 simdist rank processes): the #8913
+writeback in ``auto_ep_folding.py`` is a top site, and promoting it gives the FP32 masters of the fixed run,
+bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from simdist.extras import installed, not_installed_reason
+
+if not installed("deepspeed"):  # found, not imported: only the ranks import it
+    pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
+
+from simdist.attribution.processes import blame_processes
+from simdist.cases.world import DEEPSPEED_MODULES
+
+FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
+SCRIPT = str(Path(__file__).resolve().parents[2] / "experiments" / "blame_deepspeed_autoep.py")
+CORRECTED = 64 + 64 + 256 + 16
+"""Elements the folding helper averages over TP per rank and step: both routers, the dense weight and norm."""
+
+
+def _masters(state: dict) -> dict[str, torch.Tensor]:
+    return {name: t.view(torch.int32) for name, t in state["parameters"].items()}
+
+
+@pytest.mark.slow
+def test_the_writeback_is_a_top_site_and_its_promotion_gives_the_fixed_runs_masters():
+    shipped = blame_processes(SCRIPT, [], 4, promote=["module_inject/auto_ep_folding.py:452"])
+    fixed = blame_processes(SCRIPT, ["--fix"], 4)
+
+    writeback = [i for i, s in enumerate(shipped.sites, 1) if s.file.endswith("module_inject/auto_ep_folding.py")]
+    assert len(writeback) == 1
+    site = shipped.site(writeback[0])
+    assert writeback[0] <= 3, shipped.format()
+    assert (site.kind, site.op, site.dtypes, site.function) == ("cast", "to", "fp32->bf16", "reduce_autoep_folding_gradient")
+    assert site.ranks == {0, 1, 2, 3}
+    assert site.errors.elements == CORRECTED * 4 * 2  # 4 ranks, 2 steps
+    assert 0 < site.errors.max_ulp <= 0.5 and site.errors.mass > 0
+    assert not any(s.file.endswith("auto_ep_folding.py") for s in fixed.sites)  # the fix never writes back
+
+    base, fix = _masters(shipped.state), _masters(fixed.state)
+    (promotion,) = shipped.promotions
+    promoted = _masters(promotion.state)
+    assert base.keys() == fix.keys() == promoted.keys() and len(base) == 8  # 4 ranks x (dense, expert) partitions
+    assert sum(int((base[k] != fix[k]).sum()) for k in base) > 100  # power: the writeback moves the masters
+    for name in base:
+        assert torch.equal(promoted[name], fix[name]), name
