@@ -196,7 +196,7 @@ def run_blame(args: argparse.Namespace) -> int:
 
                 report = blame_processes(
                     script, args.script_args, args.nproc, promote=args.promote, promote_top=args.promote_top,
-                    ops=args.ops,
+                    ops=args.ops, stdout_to_stderr=args.json,
                 )  # fmt: skip
             else:
                 report = blame_target(target, promote=args.promote, promote_top=args.promote_top, ops=args.ops)

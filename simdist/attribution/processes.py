@@ -20,6 +20,7 @@ A promoted rerun is another launch with the promoted site keys handed to every r
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
 import sys
@@ -101,19 +102,31 @@ def run_processes(
     promote: Iterable[SiteKey] = (),
     ops: frozenset[str] = frozenset(),
     timeout_s: float = 3600.0,
+    stdout_to_stderr: bool = False,
 ) -> MergedRun:
     """Run ``script argv`` blamed on ``nproc`` simdist rank processes (gloo's reduction model); the ranks'
     merged records.
 
     The ranks are `simdist.world.launch.spawn_processes`'s (forked from a server with torch and the script's
-    frameworks imported); a rank that raises stops the launch with
+    frameworks imported); ``stdout_to_stderr``: the ranks' standard output (file descriptor 1) goes to standard
+    error (``--json``: stdout is the report's); a rank that raises stops the launch with
     `simdist.world.launch.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
     from simdist.world.launch import spawn_processes
 
-    plan = (script, list(argv), sorted(promote), sorted(ops))
-    records = spawn_processes(
-        _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", frameworks_of(script)
-    )
+    plan = (script, list(argv), sorted(promote), sorted(ops), stdout_to_stderr)
+    saved = None
+    if stdout_to_stderr:  # a forkserver started now prints its imports' log lines on the descriptor it inherits
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        records = spawn_processes(
+            _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", frameworks_of(script)
+        )
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
     for record in records:
         if record.get("exit"):
             raise ScriptExit(*record["exit"])
@@ -129,17 +142,18 @@ def blame_processes(
     promote_top: int = 0,
     ops: str | Iterable[str] | None = None,
     timeout_s: float = 3600.0,
+    stdout_to_stderr: bool = False,
 ) -> BlameReport:
     """`simdist.attribution.api.blame_target` for a torchrun-style script on ``nproc`` rank processes: every
     run (the base run and each promotion's rerun) is a launch (`run_processes`), its ranks' records merged."""
 
     def run(keys: set, names: frozenset) -> tuple[MergedRun, None]:
-        return run_processes(script, argv, nproc, keys, names, timeout_s), None
+        return run_processes(script, argv, nproc, keys, names, timeout_s, stdout_to_stderr), None
 
     return blame_runs(run, promote=promote, promote_top=promote_top, ops=ops)
 
 
-def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: list[str]) -> dict:
+def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: list[str], to_stderr: bool) -> dict:
     """One rank process: run the script blamed as ``python script.py argv`` would run it (``__main__``, its
     ``sys.argv``, its folder first on ``sys.path``; its ``init_process_group`` attaches to the rank's simdist
     group); this rank's record (`merge`)."""
@@ -147,6 +161,9 @@ def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: lis
 
     recorder = Recorder(promote=[tuple(k) for k in promote], ops=frozenset(ops))
     recorder.rank = rank
+    if to_stderr:
+        sys.stdout.flush()
+        os.dup2(2, 1)
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).resolve().parent))
     try:
