@@ -35,6 +35,7 @@ from simdist.attribution.measure import SiteErrors
 from simdist.attribution.report import BlameReport
 from simdist.attribution.run import Recorder, SiteKey, execute
 
+
 class ScriptExit(Exception):
     """The script exited with a non-zero status (``sys.exit``) on a rank process."""
 
@@ -179,5 +180,3 @@ def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: lis
         "unpromotable": recorder.unpromotable,
         "sharded": recorder.sharded,
     }
-
-

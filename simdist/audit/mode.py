@@ -347,12 +347,17 @@ class Audit(TorchDispatchMode):
                     replaced = self.cast_hook(site, self.rank, source, target, bool(op.written))
                 if replaced is not None and not op.written:
                     return replaced
-        elif self.widen_hook is not None and not op.written and isinstance(result, _Tensor):
-            if source.dtype.is_floating_point and result.dtype.is_floating_point:
-                with self.paused():
-                    widened = self.widen_hook(source, result)
-                if widened is not None:
-                    return widened
+        elif (
+            self.widen_hook is not None
+            and not op.written
+            and isinstance(result, _Tensor)
+            and source.dtype.is_floating_point
+            and result.dtype.is_floating_point
+        ):
+            with self.paused():
+                widened = self.widen_hook(source, result)
+            if widened is not None:
+                return widened
         return result
 
     def _list_cast(self, op: _Op, sources, targets) -> None:

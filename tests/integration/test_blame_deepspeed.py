@@ -37,7 +37,8 @@ def test_the_writeback_is_a_top_site_and_its_promotion_gives_the_fixed_runs_mast
     assert len(writeback) == 1
     site = shipped.site(writeback[0])
     assert writeback[0] <= 3, shipped.format()
-    assert (site.kind, site.op, site.dtypes, site.function) == ("cast", "to", "fp32->bf16", "reduce_autoep_folding_gradient")
+    assert (site.kind, site.op, site.dtypes) == ("cast", "to", "fp32->bf16")
+    assert site.function == "reduce_autoep_folding_gradient"
     assert site.ranks == {0, 1, 2, 3}
     assert site.errors.elements == CORRECTED * 4 * 2  # 4 ranks, 2 steps
     assert 0 < site.errors.max_ulp <= 0.5 and site.errors.mass > 0

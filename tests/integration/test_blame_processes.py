@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from simdist.attribution import blame
 from simdist.attribution.measure import Errors, SiteErrors
-from simdist.attribution.processes import blame_processes, merge
+from simdist.attribution.processes import merge
 from simdist.cli import main
 
 SCRIPT = '''
