@@ -12,8 +12,10 @@ the figures). Promotion reruns the program with chosen sites exact and reports h
 parameters, optimizer state and loss move: which boundary matters for the end result
 (`simdist.attribution.api.blame_target`).
 
-What it does not see: what the audit cannot see (`simdist.audit`), collectives in process mode or on real
-process groups, and the rounding inside a collective of ops other than SUM/AVG.
+``simdist blame --nproc N --processes script.py`` runs a torchrun-style script on N simdist rank processes
+(DeepSpeed, Megatron: module-global groups) and merges the ranks' sites (`simdist.attribution.processes`).
+
+What it does not see: what the audit cannot see (`simdist.audit`), collectives on real process groups (gloo, NCCL), and the rounding inside a collective of ops other than SUM/AVG.
 """
 
 from simdist.attribution.api import blame, blame_target

@@ -13,7 +13,9 @@ A promoted site gets the exact result instead, rounded once to the tensor's dtyp
 Measured: all_reduce, all_reduce_coalesced, reduce (the root's result), reduce_scatter_tensor (and its
 coalesced form), list reduce_scatter, under SUM and AVG on floating tensors. Other ops (PRODUCT, MIN, MAX,
 PREMUL_SUM) and data movement (broadcast, all_gather, all_to_all: exact by construction) pass unmeasured.
-Thread mode (`simdist.spawn`) only: in process mode each process sees only its own calls' targets.
+In process mode (`simdist.world.process`) the transport gathers every member's inputs before ``complete`` runs for
+this process's own rank, so the same observer measures each process's own outputs against the same FP64 sum
+(`simdist.attribution.processes` merges the processes' records).
 """
 
 from __future__ import annotations

@@ -13,6 +13,15 @@ result rounded once to its dtype, an out-of-place cast returns its wide input un
 goes on in the wide dtype from there). An in-place cast (``copy_`` into a narrow tensor: the
 destination's dtype is fixed) and a cast inside autograd's backward (autograd checks every gradient's
 dtype) cannot be promoted: they are listed in ``unpromotable`` and computed as usual.
+
+A promoted out-of-place cast's wide value that the program then copies into a narrow buffer
+(``grad.copy_(reduced.to(grad.dtype))``, DeepSpeed's #8913 writeback) travels with the buffer: the recorder keeps
+the wide value as the buffer's *shadow*, and the next widening cast of that buffer (``grad.float()``,
+``grad.to(torch.float32)``) returns the shadow instead of the widened narrow bits, provided the buffer still holds
+the bits written (same storage, shape and strides, same raw bits; otherwise the shadow is stale and dropped).
+The promoted program therefore computes what a program that never narrowed there computes (checked against
+the #8913 fix, bit for bit: ``tests/integration/test_blame_processes.py``, ``test_blame_deepspeed.py``).
+Same-dtype copies of the buffer and reads other than a widening cast see its narrow bits.
 """
 
 from __future__ import annotations
