@@ -3,8 +3,23 @@ in FP64 (its local rounding error), and promotable (the op computed in FP64 and 
 
 An op of `OPS` (``blame(..., ops="all")`` or a subset; ``simdist blame --ops``) whose outputs are floating and
 narrower than FP64 (BF16, FP16, FP32) is run twice: as the program runs it, and on FP64 copies of its inputs
-(``exact``; exact for additions of two BF16/FP16/FP32 values, and for products; a longer sum or a matmul of
-FP64 values is itself rounded, about ``n * 2**-53`` relative, far below the narrow dtype's rounding). Its
+(``exact``). How exact that reference is:
+
+* ``add``/``sub`` of two tensors (or a tensor and a number; ``alpha`` 1 or a power of two), plain or in place:
+  exact. The FP64 sum of two FP32 values spanning more than 53 bits rounds (``2**30 + 2**-30``), so Knuth's
+  TwoSum adds the FP64 sum's own rounding error (`two_sum_low`) and the figures are taken against the pair;
+  a promoted one is the pair rounded once (`round_pair`: FP64 rounded to odd, then to the output dtype).
+* products of two BF16/FP16/FP32 values (``mul``, one term of ``mm``...) are exact in FP64.
+* every other op -- a longer sum (``sum``, ``mean``, ``mm``, ``_foreach_add`` of lists, ...), ``div``,
+  ``addcmul``/``addcdiv``/``lerp``, the fused optimizer steps -- has an FP64 reference that is itself
+  rounded: for a sum of ``n`` exact terms ``|fp64 - exact| <= (n - 1) 2**-53 sum|terms|`` (to first
+  order), so ``err/sum|t|`` is within ``(n - 1) 2**-53`` of the true figure (``n``: the terms per output
+  element; for FP32 output that is ``(n - 1) 2**-29`` of its unit roundoff); for one rounded op
+  (``div``) the reference is within ``2**-53 |exact|``, i.e. ``2**(p - 53)`` output ulps (p: the output's
+  precision, 24 for FP32). ``max ulp`` and ``max rel`` of a cancelling sum can be off by more (they divide
+  by ``|exact|``). ``tests/integration/test_blame_arithmetic.py`` checks both against `fractions.Fraction`.
+
+Its
 ``sum |terms|`` is the same op on the absolute values of the inputs (sub as add) for the summing ops
 (`SUMMING`), ``|exact|`` for the others (mul, div, addcmul, the fused optimizer steps...). The figures are
 then those of `simdist.attribution.measure.errors`, grouped like every site by the first frame outside torch,
@@ -18,6 +33,7 @@ meta device, ops inside a measured collective (the simulator's own) and in simdi
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -153,6 +169,50 @@ def _run(_unused, call, written: tuple, args: tuple, kwargs: dict, convert) -> l
     return _outputs(result, written, wide_args, wide_kwargs)
 
 
+TWO_SUM = frozenset({"add", "sub"})
+"""Ops whose FP64 reference gets its TwoSum low part (`two_sum_low`): exact for any two floating inputs."""
+
+
+def two_sum_low(name: str, args: tuple, kwargs: dict, high: torch.Tensor) -> torch.Tensor | None:
+    """The rounding error of the FP64 ``high = a + alpha * b`` (``add``/``sub``, ``alpha`` a power of two or 1):
+    ``a + alpha * b == high + low`` exactly (Knuth's TwoSum; no FP64 overflow). None where it does not apply
+    (a list op, a ``alpha`` whose product could round, a non-float operand)."""
+    if len(args) < 2:
+        return None
+    alpha = kwargs.get("alpha", 1)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 0:
+        return None
+    if abs(math.frexp(alpha)[0]) != 0.5:  # not a power of two: alpha * b may round in FP64
+        return None
+    operands = []
+    for value in args[:2]:
+        if isinstance(value, torch.Tensor):
+            if not (_plain(value) and value.is_floating_point()):
+                return None
+            operands.append(value.detach().to(torch.float64))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            operands.append(torch.tensor(float(value), dtype=torch.float64))
+        else:
+            return None
+    a, b = operands[0], operands[1] * (-alpha if _base(name) in SUBTRACTING else alpha)
+    a, b = torch.broadcast_tensors(a, b)
+    if a.shape != high.shape:
+        return None
+    virtual = high - a
+    low = (a - (high - virtual)) + (b - virtual)
+    return torch.where(torch.isfinite(low), low, 0.0)
+
+
+def round_pair(high: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``high + low`` rounded once to ``dtype`` (BF16, FP16, FP32): ``high`` rounded to odd by ``low`` (the
+    neighbour with an odd last bit where ``low`` is not 0), then to nearest in ``dtype``; rounding to odd in
+    a format with at least 2 more bits than ``dtype`` and then to nearest is one correct rounding."""
+    odd = (high.view(torch.int64) & 1) == 1
+    toward = torch.where(low > 0, math.inf, -math.inf).to(torch.float64)
+    nudged = torch.where((low != 0) & ~odd & torch.isfinite(high), torch.nextafter(high, toward), high)
+    return nudged.to(dtype)
+
+
 def measure_op(recorder, site, rank, name: str, call, written: tuple, args: tuple, kwargs: dict):
     """Run one op of the program (``recorder``'s op hook): measured against FP64 and, if promoted, replaced."""
     from simdist.attribution import collectives
@@ -172,6 +232,9 @@ def measure_op(recorder, site, rank, name: str, call, written: tuple, args: tupl
                 absolute = [t.abs() for t in _run(None, call, written, tuple(abs_args), abs_kwargs, lambda t: t)]
             else:
                 absolute = [t.abs() for t in exact]
+            lows: list[torch.Tensor | None] = [None] * len(exact)
+            if _base(name) in TWO_SUM and len(exact) == 1:
+                lows[0] = two_sum_low(name, args, kwargs, exact[0])
     except (_NotMeasurable, RuntimeError, TypeError, ValueError, AttributeError):
         return call(*args, **kwargs)
     result = call(*args, **kwargs)
@@ -194,13 +257,19 @@ def measure_op(recorder, site, rank, name: str, call, written: tuple, args: tupl
     replaced = list(outputs)
     with torch.no_grad():
         for i, out in pairs:
+            low = lows[i]
             if promoted:
-                rounded = exact[i].to(out.dtype).view(out.shape)
+                whole = (
+                    exact[i].reshape(-1)
+                    if low is None
+                    else round_pair(exact[i].reshape(-1), low.reshape(-1), out.dtype)
+                )
+                rounded = whole.to(out.dtype).view(out.shape)
                 if written:
                     out.copy_(rounded)
                 else:
                     replaced[i] = rounded
-            found.add(errors(replaced[i], exact[i], absolute[i]))
+            found.add(errors(replaced[i], exact[i], absolute[i], low))
     recorder.record(site, "arith", op, dtypes, rank, found, promoted=promoted)
     if promoted and not written:
         if isinstance(result, torch.Tensor):
