@@ -14,10 +14,10 @@ narrower than FP64 (BF16, FP16, FP32) is run twice: as the program runs it, and 
   ``addcmul``/``addcdiv``/``lerp``, the fused optimizer steps -- has an FP64 reference that is itself
   rounded: for a sum of ``n`` exact terms ``|fp64 - exact| <= (n - 1) 2**-53 sum|terms|`` (to first
   order), so ``err/sum|t|`` is within ``(n - 1) 2**-53`` of the true figure (``n``: the terms per output
-  element; for FP32 output that is ``(n - 1) 2**-29`` of its unit roundoff); for one rounded op
-  (``div``) the reference is within ``2**-53 |exact|``, i.e. ``2**(p - 53)`` output ulps (p: the output's
-  precision, 24 for FP32). ``max ulp`` and ``max rel`` of a cancelling sum can be off by more (they divide
-  by ``|exact|``). ``tests/integration/test_blame_arithmetic.py`` checks both against `fractions.Fraction`.
+  element; for FP32 output that is ``(n - 1) 2**-29`` of its unit roundoff). ``max ulp`` and ``max rel``
+  of a cancelling sum can be off by more (they divide by ``|exact|``).
+  ``tests/integration/test_blame_arithmetic_wide.py`` checks the exact ``add`` and the bound of ``sum``
+  against `fractions.Fraction`.
 
 Its
 ``sum |terms|`` is the same op on the absolute values of the inputs (sub as add) for the summing ops

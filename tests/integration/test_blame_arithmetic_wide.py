@@ -109,3 +109,21 @@ def test_rounding_high_alone_is_wrong_at_a_midpoint():
     assert float(torch.tensor(high, dtype=torch.float64).to(torch.float32)) == 1.0
     got = round_pair(torch.tensor([high], dtype=torch.float64), torch.tensor([low], dtype=torch.float64), torch.float32)
     assert float(got[0]) == 1.0 + 2.0**-23
+
+
+def _sum(terms: list[float]) -> torch.Tensor:
+    return torch.tensor(terms, dtype=torch.float32).sum()
+
+
+@given(st.lists(FP32_VALUES, min_size=2, max_size=40))
+@example([2.0**60, 1.0, -(2.0**60)])  # FP64 loses the 1: the reference itself is off by 1 / (2**61 + 1)
+def test_a_longer_fp32_sum_is_within_the_stated_bound_of_its_exact_figure(terms):
+    """The FP64 reference of ``sum`` is itself rounded: ``err/sum|t|`` is within ``(n - 1) 2**-53`` (gamma)."""
+    out: list[torch.Tensor] = []
+    report = blame_target(lambda: out.append(_sum(terms)), ops="sum")
+    (site,) = [s for s in report.sites if s.kind == "arith"]
+    exact = sum((Fraction(t) for t in terms), Fraction(0))
+    true = abs(Fraction(float(out[0])) - exact) / sum((abs(Fraction(t)) for t in terms), Fraction(0))
+    n = len(terms)
+    gamma = (n - 1) * 2.0**-53 / (1 - (n - 1) * 2.0**-53)
+    assert abs(site.errors.max_term_relative - float(true)) <= gamma + 2.0**-50 * float(true)
