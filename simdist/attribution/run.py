@@ -133,12 +133,17 @@ class Recorder:
 
     # -- hooks ---------------------------------------------------------------------------
 
-    def cast_hook(self, site, rank, source: torch.Tensor, result: torch.Tensor, in_place: bool):
+    def cast_hook(
+        self, site, rank, source: torch.Tensor, result: torch.Tensor, in_place: bool, op: str | None = None
+    ):
+        """A narrowing cast (`simdist.audit.Audit`'s hook): measured, and promoted where asked. An in-place cast
+        is named by the op called (``copy_``, ``_foreach_copy_``: FSDP2's parameter casts); an out-of-place one
+        is ``to`` (``.to``, ``.bfloat16()``, ``_to_copy``)."""
         if collectives.busy():
             return None
         if rank is None:
             rank = self._rank()
-        op = "copy_" if in_place else "to"
+        op = (op or "aten.copy_").removeprefix("aten.") if in_place else "to"
         dtypes = f"{dtype_name(source.dtype)}->{dtype_name(result.dtype)}"
         key = self.key(site, "cast", op, dtypes)
         wide = source.detach().double()

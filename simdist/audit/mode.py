@@ -146,7 +146,7 @@ class Audit(TorchDispatchMode):
     threads started while active (each into this report, rank from SimWorld's
     thread names); ``max_records`` -- raw records kept (site counts are always
     complete); ``cast_hook`` -- called as ``cast_hook(site, rank, source, result,
-    in_place)`` after every narrowing cast it records (``site`` is ``(file, line,
+    in_place, op=aten name)`` after every narrowing cast it records (``site`` is ``(file, line,
     function)``, ``source`` the wide input, ``result`` the narrowed tensor), with
     the audit paused; for an out-of-place cast (``in_place`` false) a tensor it
     returns replaces the cast's result (`simdist.blame` measures and promotes
@@ -344,7 +344,7 @@ class Audit(TorchDispatchMode):
             site = self._record(op.name, CAST, (source.dtype,), target.dtype, target.shape, error, "")
             if self.cast_hook is not None:
                 with self.paused():
-                    replaced = self.cast_hook(site, self.rank, source, target, bool(op.written))
+                    replaced = self.cast_hook(site, self.rank, source, target, bool(op.written), op=op.name)
                 if replaced is not None and not op.written:
                     return replaced
         elif (
@@ -368,7 +368,7 @@ class Audit(TorchDispatchMode):
                 site = self._record(op.name, CAST, (source.dtype,), target.dtype, target.shape, error, "")
                 if self.cast_hook is not None:
                     with self.paused():
-                        self.cast_hook(site, self.rank, source, target, True)
+                        self.cast_hook(site, self.rank, source, target, True, op=op.name)
 
     def _narrowing(self, op: _Op, args, kwargs, widest, requested):
         """An op with mixed input dtypes, a dtype argument or an out= argument: did it store narrower?"""

@@ -44,7 +44,7 @@ def _line(marker: str) -> int:
 
 def test_fsdp2_parameter_casts_are_sites_with_exact_figures_and_promotion_runs_on_dtensors():
     report = blame(_train, 2)
-    casts = [s for s in report.sites if s.kind == "cast" and s.op == "copy_"]
+    casts = [s for s in report.sites if s.kind == "cast" and s.op == "_foreach_copy_"]  # named as FSDP2 calls it
     (site,) = casts
     assert (site.dtypes, site.line) == ("fp32->bf16", _line("LINE_FORWARD"))
     assert site.calls == 2 * STEPS * len(SHAPES)  # one foreach copy per parameter, rank and step
