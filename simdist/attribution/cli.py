@@ -4,7 +4,8 @@ The script either starts its ranks itself with `simdist.spawn` (as ``experiments
 is a ``torchrun``-style script run on ``--nproc N`` rank threads: its ``__main__`` runs once per rank with the
 default group already initialised (its own ``dist.init_process_group`` and ``destroy_process_group`` calls
 are then no-ops; ranks come from ``dist.get_rank()``, not from environment variables, which the threads
-share).
+share). With ``--processes`` the ranks are processes instead (`simdist.attribution.processes`): scripts that
+keep their groups in module globals (DeepSpeed, Megatron) need them.
 """
 
 from __future__ import annotations

@@ -66,3 +66,7 @@ def test_fsdp2_parameter_casts_are_sites_with_exact_figures_and_promotion_runs_o
     assert by_site[rs].failed is None and by_site[rs].movement["parameters"].tensors == 2 * len(SHAPES)
     assert by_site[cast].unpromotable == [cast]  # FSDP2's all-gather input is a BF16 buffer: in place
     assert "local shard" in promoted.format()
+    # the figures are the local shards' (dim 0 split over the 2 ranks), both ranks' together the full parameters
+    for rank in (0, 1):
+        local = [tuple(t.shape) for n, t in promoted.state["parameters"].items() if n.startswith(f"rank {rank} ")]
+        assert local == [(s[0] // 2, *s[1:]) for s in SHAPES]
