@@ -15,7 +15,8 @@ parameters, optimizer state and loss move: which boundary matters for the end re
 ``simdist blame --nproc N --processes script.py`` runs a torchrun-style script on N simdist rank processes
 (DeepSpeed, Megatron: module-global groups) and merges the ranks' sites (`simdist.attribution.processes`).
 
-What it does not see: what the audit cannot see (`simdist.audit`), collectives on real process groups (gloo, NCCL), and the rounding inside a collective of ops other than SUM/AVG.
+What it does not see: what the audit cannot see (`simdist.audit`), collectives on real process groups (gloo,
+NCCL), and the rounding inside a collective of ops other than SUM/AVG.
 """
 
 from simdist.attribution.api import blame, blame_target

@@ -6,7 +6,8 @@
     simdist policies [--policy-module my_policies.py]
     simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
     simdist audit [--json] path/to/script.py [args...]
-    simdist blame [--json] [--promote SITE]... [--promote-top K] [--figure PNG] [--nproc N [--processes]] script.py [args...]
+    simdist blame [--json] [--promote SITE]... [--promote-top K] [--figure PNG]
+                  [--nproc N [--processes]] script.py [args...]
     simdist growth --policies bf16_writeback,fp32_staging,bf16_only --steps 10000 --seeds 8 --out runs/NAME
                    [--model synthetic --seed 0 --gas 1 --marker deepspeed --checkpoint-every 500 --force]
 
