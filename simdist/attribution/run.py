@@ -133,9 +133,7 @@ class Recorder:
 
     # -- hooks ---------------------------------------------------------------------------
 
-    def cast_hook(
-        self, site, rank, source: torch.Tensor, result: torch.Tensor, in_place: bool, op: str | None = None
-    ):
+    def cast_hook(self, site, rank, source: torch.Tensor, result: torch.Tensor, in_place: bool, op: str | None = None):
         """A narrowing cast (`simdist.audit.Audit`'s hook): measured, and promoted where asked. An in-place cast
         is named by the op called (``copy_``, ``_foreach_copy_``: FSDP2's parameter casts); an out-of-place one
         is ``to`` (``.to``, ``.bfloat16()``, ``_to_copy``)."""
