@@ -3,7 +3,6 @@
     simdist blame --nproc 4 --processes experiments/blame_deepspeed_autoep.py
     simdist blame --nproc 4 --processes --promote auto_ep_folding.py:452 experiments/blame_deepspeed_autoep.py
     simdist blame --nproc 4 --processes experiments/blame_deepspeed_autoep.py --fix     # the #8913 fix
-    torchrun --nproc-per-node 4 experiments/blame_deepspeed_autoep.py                  # real gloo
 
 Nothing here knows simdist's blame. The setup is the one the ``deepspeed-8913`` case drives
 (`simdist.cases.deepspeed_harness`): DeepSpeed 0.19.8's own groups for TP2/EP2/ETP1 folding on 4 ranks

@@ -151,3 +151,11 @@ def test_a_promoted_writeback_reaches_the_wide_buffer_as_the_fix_does():
     stale = blame(_writeback, 2, "stale", promote=[spec])  # the buffer changed: its widening is not replaced
     assert _equal(_bits(stale.promotions[0].state), _bits(stale.state))
     assert not math.isnan(stale.total_mass)
+
+
+def test_processes_without_nproc_is_refused_before_the_run(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    assert main(["blame", "--processes", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc" in err and "the script ran" not in err
