@@ -159,3 +159,15 @@ def test_processes_without_nproc_is_refused_before_the_run(tmp_path, capsys):
     assert main(["blame", "--processes", str(script)]) == 2
     err = capsys.readouterr().err
     assert "--nproc" in err and "the script ran" not in err
+
+
+def test_the_forkserver_preloads_the_frameworks_a_script_imports(tmp_path):
+    from simdist.attribution.processes import frameworks_of
+    from simdist.cases.world import DEEPSPEED_MODULES
+    from simdist.extras import installed
+
+    plain, framework = tmp_path / "plain.py", tmp_path / "ds.py"
+    plain.write_text(SCRIPT + "# deepspeed is mentioned, not imported\n")
+    framework.write_text("import torch\nfrom deepspeed.utils import groups\n")
+    assert frameworks_of(str(plain)) == ()
+    assert frameworks_of(str(framework)) == (DEEPSPEED_MODULES if installed("deepspeed") else ())
