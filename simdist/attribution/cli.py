@@ -107,7 +107,8 @@ def add_blame_subcommand(subparsers) -> argparse.ArgumentParser:
         "--processes",
         action="store_true",
         help="with --nproc: run the N ranks as processes (process mode: module-global groups such as "
-        "DeepSpeed's and Megatron's), merging each call site's records over the ranks",
+        "DeepSpeed's and Megatron's), merging each call site's records over the ranks; chosen by itself when "
+        "the script imports deepspeed or megatron",
     )
     parser.add_argument("script", help="path of the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
@@ -188,6 +189,16 @@ def run_blame(args: argparse.Namespace) -> int:
     op_names(args.ops)  # an unknown op is bad input, before the run
     if args.processes and args.nproc is None:
         raise ValueError("--processes runs the script on --nproc N rank processes: give --nproc")
+    if args.nproc is not None and not args.processes:
+        from simdist.attribution.processes import frameworks_of
+
+        if frameworks_of(script):  # DeepSpeed's or Megatron's module-global groups: threads would share them
+            print(
+                f"simdist blame: {script} imports a framework with module-global process groups "
+                "(DeepSpeed, Megatron-Core): its ranks run as processes (--processes)",
+                file=sys.stderr,
+            )
+            args.processes = True
     target = _script_target(script, args.script_args, args.nproc)
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:

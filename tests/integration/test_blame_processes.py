@@ -171,3 +171,28 @@ def test_the_forkserver_preloads_the_frameworks_a_script_imports(tmp_path):
     framework.write_text("import torch\nfrom deepspeed.utils import groups\n")
     assert frameworks_of(str(plain)) == ()
     assert frameworks_of(str(framework)) == (DEEPSPEED_MODULES if installed("deepspeed") else ())
+
+
+def test_a_script_importing_a_module_global_framework_runs_in_processes_by_itself(tmp_path, capsys, monkeypatch):
+    """``blame --nproc N ds_script.py`` (no ``--processes``): DeepSpeed's groups are module globals, which rank
+    threads would share, so the ranks are processes, said in one line on stderr; a plain script stays on threads."""
+    import simdist.attribution.processes as processes
+    from simdist.cases.world import DEEPSPEED_MODULES
+
+    launched: list[str] = []
+
+    def recording(script, argv, nproc, **kwargs):
+        launched.append(script)
+        raise processes.ScriptExit(7, "stopped before the launch")
+
+    monkeypatch.setattr(processes, "blame_processes", recording)
+    monkeypatch.setattr(processes, "frameworks_of", lambda script: DEEPSPEED_MODULES if "ds" in script else ())
+    framework = tmp_path / "ds.py"
+    framework.write_text("import deepspeed\n")
+    assert main(["blame", "--nproc", "2", str(framework)]) == 7
+    assert launched == [str(framework)]
+    assert "its ranks run as processes" in capsys.readouterr().err
+    plain = tmp_path / "plain.py"
+    plain.write_text(SCRIPT)
+    main(["blame", "--nproc", "2", str(plain)])
+    assert launched == [str(framework)]  # threads: the process launcher was not called
