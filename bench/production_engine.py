@@ -218,7 +218,9 @@ def _rank(rank: int, args, model: str, results) -> None:
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
     spec = ParallelSpec(args.world, tp=args.tp, ep=EP)
-    folding = build_folding_spec(world_size=args.world, pp_size=1, tp_size=args.tp, ep_size=EP, etp_size=1, mp_mode="tp")
+    folding = build_folding_spec(
+        world_size=args.world, pp_size=1, tp_size=args.tp, ep_size=EP, etp_size=1, mp_mode="tp"
+    )
     groups._init_tp_groups_with_new_group(args.tp)
     groups._create_expert_and_data_parallel(EP, mp_size=args.tp, pp_size=1, mp_mode="tp", folding_spec=folding)
     groups.mpu = groups  # what the engine's AutoTP set-up does (``self.mpu = groups``, then ``groups.mpu = self.mpu``)
@@ -279,8 +281,15 @@ def _rank(rank: int, args, model: str, results) -> None:
             gradient_predivide_factor=lambda: 1.0,
         )
         engine.flatten, engine.unflatten = _flatten_dense_tensors, _unflatten_dense_tensors
-        for method in ("allreduce_bucket", "allreduce_and_copy", "allreduce_no_retain", "_reduce_non_expert_gradients",
-                       "_reduce_expert_gradients", "buffered_allreduce_fallback", "_reduce_autoep_folding_tp_replicated_gradients"):
+        for method in (
+            "allreduce_bucket",
+            "allreduce_and_copy",
+            "allreduce_no_retain",
+            "_reduce_non_expert_gradients",
+            "_reduce_expert_gradients",
+            "buffered_allreduce_fallback",
+            "_reduce_autoep_folding_tp_replicated_gradients",
+        ):
             setattr(engine, method, types.MethodType(getattr(DeepSpeedEngine, method), engine))
         copies[variant] = {"params": params, "optimizer": optimizer, "engine": engine}
     masters = {n: torch.nn.Parameter(t.float()) for n, t in init.items()}
@@ -305,7 +314,9 @@ def _rank(rank: int, args, model: str, results) -> None:
                     c["engine"]._reduce_autoep_folding_tp_replicated_gradients()
                     c["engine"].buffered_allreduce_fallback()
             low = {n: m.detach().to(torch.bfloat16).requires_grad_() for n, m in masters.items()}
-            (Layer(shape, low, stand_ins, local, shape.top_k.value).loss(x, probes, tp_rank, args.tp) / args.gas).backward()
+            (
+                Layer(shape, low, stand_ins, local, shape.top_k.value).loss(x, probes, tp_rank, args.tp) / args.gas
+            ).backward()
             for n, lp in low.items():
                 grad = lp.grad.float()
                 corrected = args.marker == "per_micro_step" or micro == 0  # ``--marker deepspeed``: micro-step 0
@@ -342,8 +353,19 @@ def _rank(rank: int, args, model: str, results) -> None:
                 flush=True,
             )
     if rank == 0:
-        results.append({"model": model, "tp": args.tp, "world": args.world, "gas": args.gas, "steps": args.steps,
-                        "tokens": args.tokens, "expert_rows": args.expert_rows, "stats": stats, "record": record})
+        results.append(
+            {
+                "model": model,
+                "tp": args.tp,
+                "world": args.world,
+                "gas": args.gas,
+                "steps": args.steps,
+                "tokens": args.tokens,
+                "expert_rows": args.expert_rows,
+                "stats": stats,
+                "record": record,
+            }
+        )
     for c in copies.values():
         c["optimizer"].destroy()
     dist.barrier()
@@ -369,9 +391,14 @@ def summary(result: dict) -> list[dict]:
     rows = []
     last = result["record"][-1]
     for family in last["shipped"]:
-        row = {"model": result["model"], "layout": f"TP{result['tp']}/EP{EP} on {result['world']}",
-               "gas": result["gas"], "steps": result["steps"], "family": family,
-               "elements": last["shipped"][family]["elements"]}
+        row = {
+            "model": result["model"],
+            "layout": f"TP{result['tp']}/EP{EP} on {result['world']}",
+            "gas": result["gas"],
+            "steps": result["steps"],
+            "family": family,
+            "elements": last["shipped"][family]["elements"],
+        }
         for variant in ("shipped", "fixed"):
             figures = last[variant][family]
             first = next((e["step"] for e in result["record"] if e[variant][family]["over_1_ulp"]), None)
@@ -383,7 +410,8 @@ def summary(result: dict) -> list[dict]:
 def table(results: list[dict]) -> str:
     lines = [
         "| model | layout | GAS | steps | family | elements | shipped differing | shipped max rel | shipped median rel "
-        "| shipped > 1 BF16 ulp | first step > 1 ulp (shipped) | fixed differing | fixed max rel | first step > 1 ulp (fixed) |",
+        "| shipped > 1 BF16 ulp | first step > 1 ulp (shipped) | fixed differing | fixed max rel "
+        "| first step > 1 ulp (fixed) |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
@@ -430,9 +458,11 @@ def main(argv: list[str] | None = None) -> None:
         run = argparse.Namespace(**{**vars(args), "port": args.port + i})
         mp.spawn(_rank, args=(run, model, results), nprocs=args.world)
     results = list(results)
-    print(f"# #8913 on DeepSpeed's real BF16_Optimizer: TP{args.tp}/EP{EP}/ETP1 on {args.world} gloo processes, "
-          f"GAS {args.gas}, {args.steps} steps, {args.tokens} tokens per DP rank per micro-batch, experts sliced to "
-          f"{args.expert_rows} FFN rows; oracle TP correction: {args.marker}")
+    print(
+        f"# #8913 on DeepSpeed's real BF16_Optimizer: TP{args.tp}/EP{EP}/ETP1 on {args.world} gloo processes, "
+        f"GAS {args.gas}, {args.steps} steps, {args.tokens} tokens per DP rank per micro-batch, experts sliced to "
+        f"{args.expert_rows} FFN rows; oracle TP correction: {args.marker}"
+    )
     for r in results:
         print(f"# {r['model']}: x rms {r['stats']['x_rms']:.3f}, max |x| {r['stats']['x_absmax']:.2f}")
     print(table(results))
