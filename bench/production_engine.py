@@ -197,32 +197,23 @@ def _compare(masters: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor]) 
     return out
 
 
-def _rank(rank: int, args, model: str, results) -> None:
+def setup_ranks(rank: int, spec: ParallelSpec, shape: MoEShape) -> types.SimpleNamespace:
+    """DeepSpeed's comm layer and folding groups on this rank (checked against ``spec``), the oracles' own gloo
+    groups, this rank's coordinates and routed experts."""
     import importlib
     import logging
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
-    torch.set_num_threads(1)
     from deepspeed import comm as ds_comm
     from deepspeed.module_inject.auto_ep_folding import build_folding_spec, local_folding_ranks
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
-    from deepspeed.utils import groups, logger, safe_get_full_fp32_param
-
-    from simdist.cases.deepspeed_harness import _staged_update_hp_grad, mark_family
-    from simdist.gradpath.families import Family
+    from deepspeed.utils import groups, logger
 
     logger.setLevel(logging.ERROR)
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
-    spec = ParallelSpec(args.world, tp=args.tp, ep=EP)
-    folding = build_folding_spec(
-        world_size=args.world, pp_size=1, tp_size=args.tp, ep_size=EP, etp_size=1, mp_mode="tp"
-    )
-    groups._init_tp_groups_with_new_group(args.tp)
-    groups._create_expert_and_data_parallel(EP, mp_size=args.tp, pp_size=1, mp_mode="tp", folding_spec=folding)
+    world, tp = spec.world_size, spec.tp
+    folding = build_folding_spec(world_size=world, pp_size=1, tp_size=tp, ep_size=EP, etp_size=1, mp_mode="tp")
+    groups._init_tp_groups_with_new_group(tp)
+    groups._create_expert_and_data_parallel(EP, mp_size=tp, pp_size=1, mp_mode="tp", folding_spec=folding)
     groups.mpu = groups  # what the engine's AutoTP set-up does (``self.mpu = groups``, then ``groups.mpu = self.mpu``)
     theirs = local_folding_ranks(rank, folding)
     for kind, mine in {"tp": "tp", "dense_dp": "dp", "ep": "ep", "edp": "edp"}.items():
@@ -230,22 +221,37 @@ def _rank(rank: int, args, model: str, results) -> None:
             raise RuntimeError(f"DeepSpeed's {kind} group {theirs[kind]} != simdist's {spec.group_of(mine, rank)}")
     if dist.get_world_size(groups._get_sequence_data_parallel_group()) != spec.dp:
         raise RuntimeError("DeepSpeed's DP reduction group is not the dense DP group")
-    # the oracle's own groups (every rank creates every group, in the same order)
+    # the oracles' own groups (every rank creates every group, in the same order)
     own = {kind: {g: dist.new_group(list(g)) for g in spec.groups(kind)} for kind in ("tp", "dp", "edp")}
-    tp_group, dp_group = own["tp"][spec.group_of("tp", rank)], own["dp"][spec.group_of("dp", rank)]
-    edp_group = own["edp"][spec.group_of("edp", rank)]
-    tp_rank = spec.group_of("tp", rank).index(rank)
-    ep_rank = spec.group_of("ep", rank).index(rank)
-    dp_rank = spec.group_of("dp", rank).index(rank)
-
-    shape = get_shape(model)
     per_ep = shape.experts.value // EP
-    local = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
-    init = _init(shape, local, args.expert_rows, args.seed, tp_rank)
-    stand_ins = _stand_ins(shape, args.expert_rows, args.seed)
-    probes = _probes(shape, args.tokens, args.seed, args.expert_rows)
-    families = {name: _family_of(name) for name in init}
+    ep_rank = spec.group_of("ep", rank).index(rank)
+    return types.SimpleNamespace(
+        rank=rank,
+        spec=spec,
+        folding=folding,
+        tp_group=own["tp"][spec.group_of("tp", rank)],
+        dp_group=own["dp"][spec.group_of("dp", rank)],
+        edp_group=own["edp"][spec.group_of("edp", rank)],
+        tp_rank=spec.group_of("tp", rank).index(rank),
+        dp_rank=spec.group_of("dp", rank).index(rank),
+        local=range(ep_rank * per_ep, (ep_rank + 1) * per_ep),
+    )
 
+
+def deepspeed_copies(setup, shape: MoEShape, args) -> dict[str, dict]:
+    """``{"shipped": ..., "fixed": ...}``: each a real ``BF16_Optimizer`` (wrapping ``torch.optim.AdamW``) over
+    its own copy of the layer's BF16 parameters, with a stand-in engine whose folding pass and DP reduction are
+    DeepSpeedEngine's own methods; ``fixed`` has the #8913 fix bound in."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.utils import groups
+
+    from simdist.cases.deepspeed_harness import _staged_update_hp_grad, mark_family
+    from simdist.gradpath.families import Family
+
+    init = _init(shape, setup.local, args.expert_rows, args.seed, setup.tp_rank)
+    families = {name: _family_of(name) for name in init}
     copies: dict[str, dict] = {}
     for variant in ("shipped", "fixed"):
         params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
@@ -264,11 +270,11 @@ def _rank(rank: int, args, model: str, results) -> None:
             has_moe_layers=True,
             mpu=groups,
         )
-        optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
+        optimizer.configure_autoep_folding_tp_gradient_reduction(setup.folding)
         if variant == "fixed":
             optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, optimizer)
         engine = types.SimpleNamespace(
-            _autoep_folding_spec=folding,
+            _autoep_folding_spec=setup.folding,
             optimizer=optimizer,
             module=_module(params),
             zero_optimization_partition_weights=lambda: False,
@@ -292,6 +298,39 @@ def _rank(rank: int, args, model: str, results) -> None:
         ):
             setattr(engine, method, types.MethodType(getattr(DeepSpeedEngine, method), engine))
         copies[variant] = {"params": params, "optimizer": optimizer, "engine": engine}
+    return copies
+
+
+def deepspeed_micro_step(c: dict, shape: MoEShape, stand_ins, setup, x, probes, gas: int, boundary: bool) -> None:
+    """One micro-step as DeepSpeed's engine runs it: prologue, backward, epilogue; at the boundary the engine's
+    folding pass and DP reduction (the optimizer step is the caller's)."""
+    layer = Layer(shape, dict(c["params"]), stand_ins, setup.local, shape.top_k.value)
+    c["optimizer"].backward_prologue()
+    (layer.loss(x, probes, setup.tp_rank, setup.spec.tp) / gas).backward()
+    c["optimizer"].backward_epilogue()
+    if boundary:
+        c["engine"]._reduce_autoep_folding_tp_replicated_gradients()
+        c["engine"].buffered_allreduce_fallback()
+
+
+def _rank(rank: int, args, model: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    torch.set_num_threads(1)
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from simdist.gradpath.families import Family
+
+    spec = ParallelSpec(args.world, tp=args.tp, ep=EP)
+    shape = get_shape(model)
+    setup = setup_ranks(rank, spec, shape)
+    tp_group, dp_group, edp_group = setup.tp_group, setup.dp_group, setup.edp_group
+    tp_rank, dp_rank, local = setup.tp_rank, setup.dp_rank, setup.local
+    init = _init(shape, local, args.expert_rows, args.seed, tp_rank)
+    stand_ins = _stand_ins(shape, args.expert_rows, args.seed)
+    probes = _probes(shape, args.tokens, args.seed, args.expert_rows)
+    families = {name: _family_of(name) for name in init}
+    copies = deepspeed_copies(setup, shape, args)
     masters = {n: torch.nn.Parameter(t.float()) for n, t in init.items()}
     oracle_adam = torch.optim.AdamW(list(masters.values()), foreach=False, **ADAM)
 
@@ -304,15 +343,8 @@ def _rank(rank: int, args, model: str, results) -> None:
             x = _tokens(shape, args.tokens, args.seed, step, micro, dp_rank)
             if step == 0 and micro == 0:
                 stats = {"x_rms": float(x.float().pow(2).mean().sqrt()), "x_absmax": float(x.float().abs().max())}
-            for variant in ("shipped", "fixed"):
-                c = copies[variant]
-                layer = Layer(shape, dict(c["params"]), stand_ins, local, shape.top_k.value)
-                c["optimizer"].backward_prologue()
-                (layer.loss(x, probes, tp_rank, args.tp) / args.gas).backward()
-                c["optimizer"].backward_epilogue()
-                if micro == args.gas - 1:
-                    c["engine"]._reduce_autoep_folding_tp_replicated_gradients()
-                    c["engine"].buffered_allreduce_fallback()
+            for c in copies.values():
+                deepspeed_micro_step(c, shape, stand_ins, setup, x, probes, args.gas, micro == args.gas - 1)
             low = {n: m.detach().to(torch.bfloat16).requires_grad_() for n, m in masters.items()}
             (
                 Layer(shape, low, stand_ins, local, shape.top_k.value).loss(x, probes, tp_rank, args.tp) / args.gas
