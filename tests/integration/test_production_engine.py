@@ -16,6 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1200),  # each launches DeepSpeed on 4 processes (twice in the GAS test): minutes here
     pytest.mark.skipif(not installed("deepspeed"), reason=not_installed_reason("deepspeed")),
 ]
 
