@@ -532,6 +532,9 @@ def _repro_production(args: argparse.Namespace) -> int:
                 f"the real engine at production shapes is bench/production_engine.py)"
             )
     _load_policy_modules(args)
+    policies = _policy_list(args.policies)
+    if args.expect == "reproduced" and "bf16_writeback" not in policies:
+        raise ValueError("--expect reproduced needs bf16_writeback among --policies")
     spec = ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp)
     text, rows = repro_production(
         args.shape,
@@ -541,7 +544,7 @@ def _repro_production(args: argparse.Namespace) -> int:
         args.json,
         not args.no_progress,
         gas=args.gas,
-        policies=_policy_list(args.policies),
+        policies=policies,
         marker=args.marker,
     )
     print(text)

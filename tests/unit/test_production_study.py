@@ -5,7 +5,7 @@ import torch
 
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
-from simdist.studies.production import bf16_ulp, format_table, study_model
+from simdist.studies.production import bf16_ulp, format_table, meets, study_model
 
 TINY = (
     ParamSpec("router.weight", Family.ROUTER_GATE_REPLICATED, (4, 64)),
@@ -75,6 +75,11 @@ def test_gas_is_honoured_with_the_marker_it_is_run_with():
 def test_policies_are_honoured():
     rows = study_model("tiny", 2, 1, params=TINY, policies=("fp32_staging",))
     assert {r.policy for r in rows} == {"fp32_staging"}
+    assert meets("fixed", rows)
+    with pytest.raises(ValueError, match="needs bf16_writeback"):
+        meets("reproduced", rows)
+    with pytest.raises(ValueError, match="expected one of"):
+        meets("improved", rows)
     with pytest.raises(ValueError, match="at least one"):
         study_model("tiny", 2, 1, params=TINY, policies=())
 
