@@ -457,11 +457,7 @@ def _repro(args: argparse.Namespace) -> int:
     from simdist.world.spec import ParallelSpec
 
     if args.shape != "toy":
-        from simdist.studies.production import repro_production
-
-        spec = ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp)
-        print(repro_production(args.shape, args.steps, args.seed, spec, args.json, not args.no_progress))
-        return EXIT_OK
+        return _repro_production(args)
     _load_policy_modules(args)
     names = _policy_list(args.policies)
     check_run(
@@ -509,6 +505,56 @@ def _repro(args: argparse.Namespace) -> int:
         met = meets(args.expect, reports, verdict)
         print(f"expect {args.expect}: {'met' if met else 'NOT met (exit status 1)'}")
     return status(reports, verdict)
+
+
+def _repro_production(args: argparse.Namespace) -> int:
+    """``repro 8913 --shape``: the production study; honours the layout, ``--steps``, ``--gas``, ``--seed``,
+    ``--policies``, ``--marker``, ``--json`` and ``--expect``, and refuses the options it cannot honour."""
+    from simdist.gradpath.kernel import UpdatePath
+    from simdist.models import GradientModel
+    from simdist.models.synthetic import Inputs
+    from simdist.studies.production import meets, repro_production
+    from simdist.studies.repro import Engine
+    from simdist.world.options import DEFAULT_REDUCTION
+    from simdist.world.spec import ParallelSpec
+
+    unsupported = {
+        "--engine": (args.engine, Engine.TRANSCRIBED),
+        "--model": (args.model, GradientModel.SYNTHETIC),
+        "--reduction": (args.reduction, DEFAULT_REDUCTION),
+        "--update-path": (args.update_path, UpdatePath.EPILOGUE),
+        "--inputs": (args.inputs, Inputs.ROUNDING),
+    }
+    for option, (got, default) in unsupported.items():
+        if got != default:
+            raise ValueError(
+                f"--shape {args.shape} runs the production study (the growth stream, gloo's order, the epilogue "
+                f"path, simdist's transcription): {option} {got} is not supported there (leave it at {default}; "
+                f"the real engine at production shapes is bench/production_engine.py)"
+            )
+    _load_policy_modules(args)
+    policies = _policy_list(args.policies)
+    if args.expect == "reproduced" and "bf16_writeback" not in policies:
+        raise ValueError("--expect reproduced needs bf16_writeback among --policies")
+    spec = ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp)
+    text, rows = repro_production(
+        args.shape,
+        args.steps,
+        args.seed,
+        spec,
+        args.json,
+        not args.no_progress,
+        gas=args.gas,
+        policies=policies,
+        marker=args.marker,
+    )
+    print(text)
+    if args.expect is None:
+        return EXIT_OK
+    met = meets(args.expect, rows)
+    if not args.json:
+        print(f"expect {args.expect}: {'met' if met else 'NOT met (exit status 1)'}")
+    return EXIT_OK if met else EXIT_DIFFERS
 
 
 def _reproduce_with_bar(config, args: argparse.Namespace, reproduce, run_count):

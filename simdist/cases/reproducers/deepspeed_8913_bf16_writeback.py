@@ -2,7 +2,8 @@
 rounds the FP32 TP reduction of a replicated parameter's gradient to BF16 before adding it to the FP32
 accumulation buffer.
 
-Standalone: torch and deepspeed only. Run with torchrun (gloo on CPU, NCCL when CUDA is present):
+Standalone: torch and deepspeed only. Run with torchrun (gloo on CPU; NCCL when CUDA is present with a GPU per rank,
+else gloo with every rank's tensors on the one GPU):
 
     DS_BUILD_OPS=0 pip install deepspeed==0.19.8
     torchrun --standalone --nproc-per-node 4 deepspeed_8913_bf16_writeback.py [--size 4096] [--seed 0]
@@ -52,7 +53,9 @@ def main() -> int:
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # NCCL needs a GPU per rank; with fewer GPUs gloo all-reduces the CUDA tensors (ranks share a GPU)
+    backend = "nccl" if cuda and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1")) else "gloo"
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 4:
         raise SystemExit("run on 4 ranks: torchrun --standalone --nproc-per-node 4 ...")
@@ -68,7 +71,7 @@ def main() -> int:
     logger.setLevel(logging.ERROR)
     # (through the module's namespace: the untyped module declares no such attribute)
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
-    ds_comm.init_distributed(dist_backend="nccl" if cuda else "gloo", dist_init_required=False, verbose=False)
+    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
     folding = build_folding_spec(world_size=world, pp_size=1, tp_size=2, ep_size=2, etp_size=1, mp_mode="tp")
     groups._init_tp_groups_with_new_group(2)
     groups._create_expert_and_data_parallel(2, mp_size=2, pp_size=1, mp_mode="tp", folding_spec=folding)
@@ -103,6 +106,7 @@ def main() -> int:
     dist.all_reduce(figures[1:], op=dist.ReduceOp.MAX)
     wrong = int(counts.item())
     if rank == 0:
+        print(f"{world} ranks, {backend} on {hp_grad.device.type}", flush=True)
         if wrong:
             print(
                 f"DEFECT: {wrong} of {world * args.size} router hp-gradient elements over {world} ranks are the "

@@ -54,7 +54,8 @@ class Package:
             f"PYTHONPATH=$PWD/ds {self.command}        # exit 0\n"
             "```\n\n"
             "CPU: gloo on 127.0.0.1 (set `GLOO_SOCKET_IFNAME=lo` if the host has no routable interface); with "
-            "CUDA the script uses NCCL and one GPU per rank.\n"
+            "CUDA the #8913 script uses NCCL with one GPU per rank, or gloo on the one GPU where there are fewer GPUs "
+            "than ranks.\n"
         )
 
 
