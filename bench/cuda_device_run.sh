@@ -1,5 +1,14 @@
 #!/bin/bash
-# One prepared device run (issue #31 item 2 + the #8913 reproducer's CUDA path). Writes under $OUT.
+# One device run for issue #31 (bench/fix_cost.py --device cuda and the #8913 reproducer's GPU path), written to
+# run on a machine with one GPU, whose Python has torch but neither DeepSpeed nor simdist installed.
+# Prepare build/devsite here first (build/ is ignored by git):
+#   S=<venv>/lib/python3.11/site-packages; mkdir -p build/devsite
+#   cp -r $S/deepspeed $S/hjson $S/pydantic $S/annotated_types $S/typing_inspection build/devsite/
+#   for v in 3.10 3.11 3.12 3.13; do pip download --no-deps --only-binary=:all: --python-version $v --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d build/devsite/whl pydantic_core==<the venv's version>; done
+#   simdist case export production build/devsite/pkg --only deepspeed-8913
+#   cp bench/cuda_device_run.sh build/devsite/device.sh
+# then run `bash build/devsite/device.sh` there with build/devsite carried; results land under $OUT.
 exec > >(tee "$OUT/device.log") 2>&1
 export PYTHONUNBUFFERED=1
 ROOT=$PWD; D=$ROOT/build/devsite
