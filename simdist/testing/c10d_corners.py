@@ -102,6 +102,22 @@ def agc_transposed_layout(rank: int, world: int) -> Any:
     return outputs
 
 
+def agc_too_many_lists(rank: int, world: int) -> Any:
+    """P + 1 lists, each as long as the inputs: refused for their number alone."""
+    inputs = [torch.tensor([1.0 + rank]), torch.tensor([2.0])]
+    outputs = [[torch.zeros(1), torch.zeros(1)] for _ in range(world + 1)]
+    dist.all_gather_coalesced(outputs, inputs)
+    return outputs
+
+
+def agc_broadcastable_shape(rank: int, world: int) -> Any:
+    """An output of shape (1, 3) for a (3,) input: a copy would broadcast; gloo refuses the shape."""
+    inputs = [torch.tensor([1.0, 2.0, 3.0]) + rank]
+    outputs = [[torch.zeros(1, 3)] for _ in range(world)]
+    dist.all_gather_coalesced(outputs, inputs)
+    return outputs
+
+
 def agc_short_list(rank: int, world: int) -> Any:
     """P lists, each one tensor short."""
     inputs = [torch.tensor([1.0 + rank]), torch.tensor([2.0])]
@@ -246,7 +262,7 @@ def _sparse(gen: torch.Generator, size: tuple[int, ...], nnz: int, dtype: torch.
 
 def sparse_sum(rank: int, world: int) -> Any:
     gen = torch.Generator().manual_seed(20 + rank)
-    s = _sparse(gen, (7,), 9, torch.float32)
+    s = _sparse(gen, (7,), 40, torch.float32)  # every place summed from several entries of every rank
     dist.all_reduce(s)
     return s
 
@@ -376,6 +392,8 @@ CORNERS: dict[str, Callable[[int, int], Any]] = {
         agc_mixed_shapes,
         agc_one_input,
         agc_transposed_layout,
+        agc_too_many_lists,
+        agc_broadcastable_shape,
         agc_short_list,
         agc_shape_mismatch,
         agc_reshape,

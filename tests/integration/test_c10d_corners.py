@@ -134,18 +134,28 @@ def test_any_source_receives_in_threads_take_the_earliest_sent_message(early):
     assert runs[0] == runs[1] == [1, 2, 3]
 
 
-def _send_in_reverse(rank: int) -> list[int] | None:
-    """Rank 3 sends first (ranks 1 and 2 wait for its message to pass on their own): the earliest sent wins."""
+def _send_in_reverse(rank: int, early: bool) -> list[int] | None:
+    """The last rank sends to rank 0 first, then passes a token down; each rank sends to 0 once it has the token,
+    so the messages are sent in reverse rank order. ``early``: they are all queued (isend, then a barrier) before
+    rank 0 posts its receives."""
     world = dist.get_world_size()
     if rank == 0:
-        return [dist.recv(torch.zeros(1)) for _ in range(world - 1)]
+        if early:
+            dist.barrier()
+        got = [dist.recv(torch.zeros(1)) for _ in range(world - 1)]
+        if not early:
+            dist.barrier()
+        return got
     if rank < world - 1:
         dist.recv(torch.zeros(1), rank + 1)
-    dist.send(torch.tensor([float(rank)]), 0)
+    work = dist.isend(torch.tensor([float(rank)]), 0)
     if rank > 1:
         dist.send(torch.tensor([0.0]), rank - 1)
+    dist.barrier()
+    work.wait()
     return None
 
 
-def test_an_any_source_receive_follows_the_send_order_not_the_rank_order():
-    assert simdist.spawn(_send_in_reverse, 4)[0] == [3, 2, 1]
+@pytest.mark.parametrize("early", [False, True])
+def test_an_any_source_receive_follows_the_send_order_not_the_rank_order(early):
+    assert simdist.spawn(_send_in_reverse, 4, early)[0] == [3, 2, 1]
