@@ -151,7 +151,7 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
             return dist.Backend(att.asked)
         return name
 
-    replacements = {
+    replacements: dict[str, Callable[..., Any]] = {
         "init_process_group": served,
         "new_group": new_group,
         "get_backend": get_backend,
