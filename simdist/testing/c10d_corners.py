@@ -446,7 +446,9 @@ def corner_outcomes(rank: int, names: tuple[str, ...] | None = None) -> dict[str
             found[name] = ("ok", encode(CORNERS[name](rank, world)))
         except Exception as exc:
             found[name] = ("error", type(exc).__name__)
-    dist.barrier()
+    # a last collective before the ranks part; not a barrier: gloo's barrier re-raises the errors of earlier
+    # collectives whose work failed (the all_to_all enforces), on some ranks, by a race (seen at P = 5)
+    dist.all_reduce(torch.zeros(1))
     return found
 
 

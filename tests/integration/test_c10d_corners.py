@@ -159,3 +159,38 @@ def _send_in_reverse(rank: int, early: bool) -> list[int] | None:
 @pytest.mark.parametrize("early", [False, True])
 def test_an_any_source_receive_follows_the_send_order_not_the_rank_order(early):
     assert simdist.spawn(_send_in_reverse, 4, early)[0] == [3, 2, 1]
+
+
+# -- what simdist refuses where gloo has no answer or the model is not gloo's ---------------------------------
+
+
+def _smaller_buffer(rank: int) -> None:
+    if rank == 0:
+        dist.send(torch.ones(3), 1)
+    else:
+        dist.recv(torch.zeros(2), 0)
+
+
+def test_a_receive_into_a_smaller_buffer_fails_the_run_naming_both_calls():
+    """On gloo the receiver crashes or hangs; simdist says which send and which receive."""
+    from simdist.world.errors import CollectiveMismatchError
+
+    with pytest.raises(CollectiveMismatchError, match=r"12 bytes\) does not fit the receive buffer \(8 bytes") as e:
+        simdist.spawn(_smaller_buffer, 2)
+    assert "rank 0: send" in str(e.value) and "rank 1: recv" in str(e.value)
+
+
+def _sparse_and_monitored(rank: int, which: str) -> None:
+    if which == "sparse":
+        dist.all_reduce(torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,), check_invariants=True))
+    else:
+        group: object = dist.group.WORLD
+        group.monitored_barrier()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("which", ["sparse", "monitored_barrier"])
+def test_sparse_all_reduce_and_group_monitored_barrier_are_refused_under_another_model(which):
+    """Only gloo's sparse all_reduce and monitored_barrier are modelled: another reduction model refuses them."""
+    simdist.spawn(_sparse_and_monitored, 2, which)  # the default model is gloo's: answered
+    with pytest.raises(RuntimeError, match="model is sequential" if which == "sparse" else "only gloo implements"):
+        simdist.spawn(_sparse_and_monitored, 2, which, reduction="sequential")
