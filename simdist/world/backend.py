@@ -106,8 +106,22 @@ class DoneWork(dist.Work):
         if self._no_future:
             raise RuntimeError(GETFUTURE_NOT_IMPLEMENTED)
         future: torch._C.Future = torch._C.Future([])  # gloo's type ("torch.Future"), not the Python subclass
-        future.set_result(self._result)
+        future.set_result(self.result())
         return future  # type: ignore[return-value]
+
+
+class PiecesWork(DoneWork):
+    """all_gather_into_tensor's Work on gloo: its result and future hold the output's group-size pieces along
+    dim 0 (views of it), cut only when asked (the collective itself does not pay for them)."""
+
+    __slots__ = ("_pieces",)
+
+    def __init__(self, output: torch.Tensor, pieces: int) -> None:
+        super().__init__([output])
+        self._pieces = pieces
+
+    def result(self) -> list:
+        return list(self._result[0].chunk(self._pieces))
 
 
 def _untracked(tree):
@@ -184,16 +198,17 @@ class SimProcessGroup(dist.ProcessGroup):
         frame = sys._getframe(2)
         return Call(self.global_rank, (op, self.label, *details), frame, inputs, outputs, extra)
 
-    def _run(self, prepared: cc.Prepared, result: list, no_future: bool = False) -> DoneWork:
+    def _run(self, prepared: cc.Prepared, result: list | DoneWork, no_future: bool = False) -> DoneWork:
         """The one funnel of every collective: the engine's observers are told, then the transport runs it.
 
-        ``result`` is what the Work's future holds (as on gloo); ``no_future``: its ``get_future`` raises."""
+        ``result`` is what the Work's future holds (as on gloo), or the Work itself; ``no_future``: its
+        ``get_future`` raises."""
         call, complete = prepared
         call.inputs = _untracked(call.inputs)
         if call.outputs:
             call.outputs = _untracked(call.outputs)
         self._go(call, complete)
-        return DoneWork(result, no_future)
+        return result if isinstance(result, DoneWork) else DoneWork(result, no_future)
 
     def _go(self, call: Call, complete: Complete) -> None:
         """`_run` after the call's tensors are untracked (`allreduce` passes ``.data`` aliases itself)."""
@@ -302,7 +317,7 @@ class SimProcessGroup(dist.ProcessGroup):
         prepared = cc.all_gather_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, name)
         if name == "all_gather_into_tensor" and self.gloo_rules and outputs[0].dim():
             # gloo's future holds the output's group-size pieces along dim 0 (views), not the output
-            return self._run(prepared, list(outputs[0].chunk(self._group_size)))
+            return self._run(prepared, PiecesWork(outputs[0], self._group_size))
         return self._run(prepared, list(outputs))
 
     def gather(self, output_tensors, input_tensors, opts=None):
