@@ -14,6 +14,10 @@ a rank process of ``where="processes"`` or of ``simdist run``), `install` makes 
 * ``new_group(..., backend="gloo")`` (any name) makes a simdist group: on a simdist rank every group is one.
 * ``dist.get_backend()`` answers ``"simdist"``, or with ``report_backend=True`` the name the script asked
   for, so code gated on ``get_backend() == "nccl"`` takes the path it takes on that backend.
+* ``from torch.distributed import init_process_group`` taken before the spawn (a module-level import of the
+  script) holds torch's own function object, which replacing the module attribute does not reach: `install`
+  also points that function's inner call (torch wraps it in logging decorators; the wrapper calls the function
+  held in its closure) at the rank-aware version while simdist ranks run, and back afterwards.
 
 `Attachment` is one rank's record (the thread launcher keeps one per rank thread, a rank process one for
 itself); ``lookup`` finds the calling rank's (``None``: not a simdist rank, the originals run untouched).
@@ -21,6 +25,7 @@ itself); ``lookup`` finds the calling rank's (``None``: not a simdist rank, the 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +54,38 @@ class Attachment:
 _MODULES = (dist, c10d)
 
 
+class _Serving(threading.local):
+    """Set on a thread while the rank-aware ``init_process_group`` runs: its own calls of torch's (the
+    launcher's re-init) reach torch's function, not the rank-aware one again."""
+
+    active = False
+
+
+def _redirect_bound_init(original: Callable, serve: Callable, serving: _Serving) -> Callable[[], None]:
+    """Make torch's ``init_process_group`` function object itself (as a script may have bound it by name)
+    call ``serve`` instead of the function it wraps; returns the undo. torch 2.13 wraps the function in
+    ``_exception_logger`` and ``_time_logger``: the outer wrapper's closure cell ``func`` holds the next one.
+    Where the layout differs (another torch) nothing is redirected and a bound name keeps torch's function."""
+    code = getattr(original, "__code__", None)
+    cells = getattr(original, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    if "func" not in names:
+        return lambda: None
+    cell = cells[names.index("func")]
+    inner = cell.cell_contents
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        if serving.active:
+            return inner(*args, **kwargs)
+        return serve(*args, **kwargs)
+
+    def undo() -> None:
+        cell.cell_contents = inner
+
+    cell.cell_contents = dispatch
+    return undo
+
+
 def _check_rank(att: Attachment, rank: Any, world_size: Any) -> None:
     if rank is not None and rank != -1 and rank != att.rank:
         raise ValueError(
@@ -70,20 +107,37 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
     original_new_group = c10d.new_group
     original_get_backend = c10d.get_backend
 
+    serving = _Serving()
+
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, *args, **kwargs):
         att = lookup()
         if att is None:
-            return original_init(backend, init_method, timeout, world_size, rank, *args, **kwargs)
+            return torch_init(backend, init_method, timeout, world_size, rank, *args, **kwargs)
         _check_rank(att, rank, world_size)
         if c10d.is_initialized():
             if att.initialised_by_script:
                 raise ValueError("trying to initialize the default process group twice!")
         else:
             att.reinits += 1
-            att.reinit(att.reinits)
+            att.reinit(att.reinits)  # the launcher's call of torch's function: served by torch's own
         att.asked = None if backend is None else str(backend)
         att.initialised_by_script = True
         return None
+
+    def served(*args, **kwargs):
+        """The rank-aware init, with torch's own function serving any call it makes meanwhile."""
+        previous, serving.active = serving.active, True
+        try:
+            return init_process_group(*args, **kwargs)
+        finally:
+            serving.active = previous
+
+    def torch_init(*args, **kwargs):
+        previous, serving.active = serving.active, True
+        try:
+            return original_init(*args, **kwargs)
+        finally:
+            serving.active = previous
 
     def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
         if lookup() is not None:
@@ -97,8 +151,8 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
             return dist.Backend(att.asked)
         return name
 
-    replacements = {
-        "init_process_group": init_process_group,
+    replacements: dict[str, Callable[..., Any]] = {
+        "init_process_group": served,
         "new_group": new_group,
         "get_backend": get_backend,
     }
@@ -109,7 +163,10 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
             function.simdist_original = getattr(module, name)  # type: ignore[attr-defined]
             setattr(module, name, function)
 
+    undo_bound = _redirect_bound_init(original_init, served, serving)
+
     def undo() -> None:
+        undo_bound()
         for module, name, value in saved:
             setattr(module, name, value)
 

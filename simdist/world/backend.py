@@ -64,18 +64,28 @@ class Transport(Protocol):
 
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work: ...
 
+    def recv_any(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, tag: int) -> dist.Work: ...
+
 
 _WORK_INIT = dist.Work.__init__
 
 
+GETFUTURE_NOT_IMPLEMENTED = "Work::getFuture not implemented."
+"""What gloo's Work raises from ``get_future()`` for the reduce_scatters (found by experiment, torch 2.13)."""
+
+
 class DoneWork(dist.Work):
-    """A finished collective's ``Work``: ``wait()`` returns at once; the future holds the outputs."""
+    """A finished collective's ``Work``: ``wait()`` returns at once; the future holds what gloo's holds.
 
-    __slots__ = ("_result",)  # one is made per collective: no instance dict
+    ``result`` is the future's value (each collective's, as real gloo fills it: `SimProcessGroup`'s methods
+    say which); ``no_future`` makes ``get_future()`` raise gloo's ``RuntimeError`` instead."""
 
-    def __init__(self, result: list[torch.Tensor] | None = None) -> None:
+    __slots__ = ("_no_future", "_result")  # one is made per collective: no instance dict
+
+    def __init__(self, result: list | None = None, no_future: bool = False) -> None:
         _WORK_INIT(self)
         self._result = result or []
+        self._no_future = no_future
 
     def wait(self, timeout=None) -> bool:
         return True
@@ -89,13 +99,29 @@ class DoneWork(dist.Work):
     def exception(self):
         return None
 
-    def result(self) -> list[torch.Tensor]:
+    def result(self) -> list:
         return self._result
 
     def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._result)
-        return future
+        if self._no_future:
+            raise RuntimeError(GETFUTURE_NOT_IMPLEMENTED)
+        future: torch._C.Future = torch._C.Future([])  # gloo's type ("torch.Future"), not the Python subclass
+        future.set_result(self.result())
+        return future  # type: ignore[return-value]
+
+
+class PiecesWork(DoneWork):
+    """all_gather_into_tensor's Work on gloo: its result and future hold the output's group-size pieces along
+    dim 0 (views of it), cut only when asked (the collective itself does not pay for them)."""
+
+    __slots__ = ("_pieces",)
+
+    def __init__(self, output: torch.Tensor, pieces: int) -> None:
+        super().__init__([output])
+        self._pieces = pieces
+
+    def result(self) -> list:
+        return list(self._result[0].chunk(self._pieces))
 
 
 def _untracked(tree):
@@ -172,14 +198,17 @@ class SimProcessGroup(dist.ProcessGroup):
         frame = sys._getframe(2)
         return Call(self.global_rank, (op, self.label, *details), frame, inputs, outputs, extra)
 
-    def _run(self, prepared: cc.Prepared, result: list[torch.Tensor]) -> DoneWork:
-        """The one funnel of every collective: the engine's observers are told, then the transport runs it."""
+    def _run(self, prepared: cc.Prepared, result: list | DoneWork, no_future: bool = False) -> DoneWork:
+        """The one funnel of every collective: the engine's observers are told, then the transport runs it.
+
+        ``result`` is what the Work's future holds (as on gloo), or the Work itself; ``no_future``: its
+        ``get_future`` raises."""
         call, complete = prepared
         call.inputs = _untracked(call.inputs)
         if call.outputs:
             call.outputs = _untracked(call.outputs)
         self._go(call, complete)
-        return DoneWork(result)
+        return result if isinstance(result, DoneWork) else DoneWork(result, no_future)
 
     def _go(self, call: Call, complete: Complete) -> None:
         """`_run` after the call's tensors are untracked (`allreduce` passes ``.data`` aliases itself)."""
@@ -206,13 +235,29 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op = cc.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if tensors and tensors[0].is_sparse:
+            return self._sparse_allreduce(tensors, op)
         if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
             call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
             self._go(call, complete)
             return self._finished(opts, tensors)
         return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
+    def _sparse_allreduce(self, tensors, op: cc.Op) -> DoneWork:
+        """A sparse all_reduce as gloo does it (`simdist.world.collectives.all_reduce_sparse`): the result is
+        written into the caller's sparse tensor itself (not a ``.data`` alias: a sparse tensor's indices and
+        values are replaced, which an alias would not pass on)."""
+        (tensor,) = tensors
+        call, complete = cc.all_reduce_sparse(self, self.global_rank, sys._getframe(2), tensor, op)
+        self._go(call, complete)
+        return DoneWork([tensor])
+
     def allreduce_coalesced(self, tensors, opts=None):
+        if any(t.is_sparse for t in tensors):  # on gloo c10d's dispatcher refuses before the backend
+            raise NotImplementedError(
+                "Could not run 'c10d::allreduce_coalesced_' with arguments from the 'SparseCPU' backend "
+                "(torch raises this on gloo too: all_reduce_coalesced has no sparse kernel; all_reduce each tensor)"
+            )
         op = cc.resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
         return self._run(cc.all_reduce_coalesced(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
@@ -235,12 +280,12 @@ class SimProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_tensors(self, outputs, inputs, opts, name):
         op = cc.resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
         prepared = cc.reduce_scatter_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, op, name)
-        return self._run(prepared, list(outputs))
+        return self._run(prepared, list(outputs), no_future=self.gloo_rules)  # gloo: getFuture not implemented
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = cc.resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
         prepared = cc.reduce_scatter_list(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, op)
-        return self._run(prepared, list(output_tensors))
+        return self._run(prepared, list(output_tensors), no_future=self.gloo_rules)
 
     # -- data movement ------------------------------------------------------------
 
@@ -253,7 +298,10 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._run(prepared, [t for o in output_tensors for t in o])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        """gloo's layout: ``output_lists[j][k]`` gets group rank ``j``'s ``input_list[k]``; the future holds
+        the lists."""
+        prepared = cc.all_gather_coalesced(self, self.global_rank, sys._getframe(1), output_lists, input_list)
+        return self._run(prepared, [list(outs) for outs in output_lists])
 
     def all_gather_single(self, output, input, opts=None):
         return self._all_gather_tensors([output], [input], "all_gather_into_tensor")
@@ -267,6 +315,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _all_gather_tensors(self, outputs, inputs, name):
         prepared = cc.all_gather_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, name)
+        if name == "all_gather_into_tensor" and self.gloo_rules and outputs[0].dim():
+            # gloo's future holds the output's group-size pieces along dim 0 (views), not the output
+            return self._run(prepared, PiecesWork(outputs[0], self._group_size))
         return self._run(prepared, list(outputs))
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -297,10 +348,39 @@ class SimProcessGroup(dist.ProcessGroup):
         self._go(call, complete)
         return self._finished(opts, [])
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
+        """``group.monitored_barrier()`` called on the group object, as gloo's groups answer it (a barrier of
+        the members; in process mode gloo's own on the inner group, which names the ranks that did not arrive).
+        Refused, as c10d refuses it, where the group's model is not gloo's."""
+        if not self.gloo_rules:
+            raise RuntimeError(
+                f"monitored_barrier on {self.label}: only gloo implements it, and this group's model is "
+                f"{self.model.name}"
+            )
+        inner = getattr(self.transport, "inner", None)
+        if inner is None:  # rank threads: the engine names the ranks that do not arrive
+            call, complete = cc.barrier(self, self.global_rank, sys._getframe(1))
+            self._go(call, complete)
+            return None
+        if timeout is None:
+            return inner.monitored_barrier(wait_all_ranks=wait_all_ranks)
+        return inner.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
     # -- point to point -------------------------------------------------------------
+
+    def _refuse_self(self, peer: int, what: str) -> None:
+        """gloo has no connection from a rank to itself: ``isend``/``irecv`` (and the group's own
+        ``send``/``recv``) with its own rank raise this ``RuntimeError`` (``dist.send``/``dist.recv`` refuse it
+        earlier with ``ValueError``)."""
+        if peer == self._group_rank:
+            raise RuntimeError(
+                f"{what} on {self.label}: rank {self.global_rank} to itself; gloo raises this (Pair is not "
+                "connected): a rank has no connection to itself"
+            )
 
     def send(self, tensors, dst_rank, tag=0):
         (tensor,) = tensors
+        self._refuse_self(dst_rank, "send")
         if self.gloo_rules and not tensor.is_contiguous():
             raise RuntimeError(
                 f"send on {self.label}: input tensor has to be contiguous (as on gloo, which raises this)"
@@ -310,10 +390,18 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors, src_rank, tag=0):
         (tensor,) = tensors
+        self._refuse_self(src_rank, "recv")
         if self.gloo_rules and not tensor.is_contiguous():
             raise RuntimeError(f"recv on {self.label}: the receive buffer must be contiguous (as on gloo)")
         call = self._call("recv", (f"src={self.ranks[src_rank]}", f"tag={tag}", tensor.shape, tensor.dtype))
         return self.transport.recv(self, call, tensor, src_rank, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("the simdist backend does not support recv from any source (pass src)")
+        """``dist.recv(t)``/``irecv(t)`` without ``src``: a message from any other member. In process mode
+        gloo's own (the first to arrive); in threads the earliest sent in simdist's schedule
+        (`simdist.world.engine.Engine.post_recv_any`: deterministic)."""
+        (tensor,) = tensors
+        if self.gloo_rules and not tensor.is_contiguous():
+            raise RuntimeError(f"recv on {self.label}: the receive buffer must be contiguous (as on gloo)")
+        call = self._call("recv", ("src=any", f"tag={tag}", tensor.shape, tensor.dtype))
+        return self.transport.recv_any(self, call, tensor, tag)

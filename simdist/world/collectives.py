@@ -291,15 +291,24 @@ def refuse_scatter_shapes(calls: list[Call], k: int, root: int, label: str) -> N
 
 
 def _splits(t: torch.Tensor, sizes: Sequence[int] | None, n: int, what: str) -> tuple[int, ...]:
+    """A rank's split sizes, checked at the call; ``RuntimeError`` as torch raises it on gloo (its messages:
+    "Number of tensor splits not equal to group size", "Split sizes doesn't match total dim 0 size", gloo's
+    enforce on an indivisible dim 0)."""
     rows = t.shape[0] if t.dim() else 1
     if sizes is None or len(sizes) == 0:
         if rows % n:
-            raise ValueError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by the group size {n}")
+            raise RuntimeError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by the group size {n}")
         return (rows // n,) * n
     sizes = tuple(int(s) for s in sizes)
-    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
-        raise ValueError(
-            f"all_to_all_single: {what}_split_sizes {list(sizes)} must be {n} sizes >= 0 summing to {rows}"
+    if len(sizes) != n:
+        raise RuntimeError(
+            f"all_to_all_single: {len(sizes)} {what}_split_sizes, the group has {n} (Number of tensor splits not "
+            "equal to group size)"
+        )
+    if sum(sizes) != rows or min(sizes) < 0:
+        raise RuntimeError(
+            f"all_to_all_single: {what}_split_sizes {list(sizes)} must be {n} sizes >= 0 summing to {rows} "
+            "(Split sizes doesn't match total dim 0 size)"
         )
     return sizes
 
@@ -570,6 +579,86 @@ def all_gather(
     return Call(rank, ("all_gather", label, *_meta(inputs)), frame, tuple(inputs), outputs), complete
 
 
+ALLGATHER_COALESCED = "ProcessGroupGloo::allgather_coalesced"
+
+
+def all_gather_coalesced(
+    m: Members, rank: int, frame: Any, output_lists: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]
+) -> Prepared:
+    """``all_gather_coalesced``: ``output_lists[j][k]`` gets group rank ``j``'s ``inputs[k]`` (gloo's layout,
+    found by experiment: one list per member, each as long as the inputs; not `all_gather`'s ``[k][j]``).
+
+    Refused at the call with gloo's ``RuntimeError`` (torch 2.13): a number of lists other than the group
+    size, a list whose length is not the number of inputs, an output whose shape or dtype is not its input's
+    (a reshape of the same numel included)."""
+    label, n = m.label, len(m.ranks)
+    if m.gloo_rules:
+        refuse_gloo_dtypes("all_gather_coalesced", label, inputs)
+    if len(output_lists) != n:
+        raise RuntimeError(
+            f"{ALLGATHER_COALESCED}: output lists should be equal to world size (all_gather_coalesced on {label}: "
+            f"{len(output_lists)} output lists, {n} members; output_lists[j][k] receives member j's input k)"
+        )
+    for j, outs in enumerate(output_lists):
+        if len(outs) != len(inputs):
+            raise RuntimeError(
+                f"{ALLGATHER_COALESCED}: invalid output tensor list at index {j} (expected length "
+                f"{len(inputs)}, got {len(outs)})"
+            )
+        for k, (out, inp) in enumerate(zip(outs, inputs, strict=True)):
+            if out.shape != inp.shape or out.dtype != inp.dtype:
+                raise RuntimeError(
+                    f"{ALLGATHER_COALESCED}: invalid size of output tensor at index {k} (expected "
+                    f"{tuple(inp.shape)} {inp.dtype}, got {tuple(out.shape)} {out.dtype})"
+                )
+
+    def complete(calls: list[Call], targets: Sequence[int]) -> None:
+        for i in targets:
+            for j, outs in enumerate(calls[i].outputs):
+                for out, inp in zip(outs, calls[j].inputs, strict=True):
+                    out.copy_(inp)
+
+    outputs = tuple(list(o) for o in output_lists)
+    return Call(rank, ("all_gather_coalesced", label, *_meta(inputs)), frame, tuple(inputs), outputs), complete
+
+
+def all_reduce_sparse(m: Members, rank: int, frame: Any, tensor: torch.Tensor, op: Op) -> Prepared:
+    """A sparse COO ``all_reduce`` as torch's gloo backend computes it (read in ProcessGroupGloo.cpp, checked
+    bitwise against real gloo): each member coalesces its tensor; the members' coalesced tensors are summed
+    as sparse tensors in group-rank order, ``((s0 + s1) + s2) + ...``, and the sum is coalesced; every member's
+    tensor is replaced by the result (coalesced, indices sorted). Only ``SUM`` (gloo's ``RuntimeError``
+    otherwise), and only under a model with gloo's rules: no other backend's sparse path is modelled."""
+    label = m.label
+    if op.name != "SUM":
+        raise RuntimeError(
+            "ProcessGroupGloo::allreduce: unsupported reduction operation (allreduce of sparse tensors only "
+            f"works with ReduceOp.SUM); got {op.shown} on {label}"
+        )
+    if not m.gloo_rules:
+        raise RuntimeError(
+            f"sparse all_reduce on {label}: simdist models gloo's sparse all_reduce only; this group's model is "
+            f"{m.model.name} (use the gloo model, or a dense tensor)"
+        )
+    local = tensor.detach().coalesce()
+    size = tuple(tensor.shape)
+
+    def complete(calls: list[Call], targets: Sequence[int]) -> None:
+        total = None
+        for c in calls:
+            indices, values = c.inputs
+            term = torch.sparse_coo_tensor(indices, values, size, check_invariants=False)  # gloo's: unchecked
+            total = term if total is None else total + term
+        assert total is not None
+        result = total.coalesce()
+        for i in targets:
+            with torch.no_grad():
+                calls[i].outputs[0].copy_(result)
+
+    signature = ("all_reduce_sparse", label, op.shown, tensor.shape, tensor.dtype, tensor.sparse_dim())
+    inputs = (local._indices(), local._values())
+    return Call(rank, signature, frame, inputs, (tensor,)), complete
+
+
 def all_gather_tensors(
     m: Members,
     rank: int,
@@ -647,6 +736,14 @@ def scatter(
         )
     if gloo_rules:
         refuse_gloo_dtypes("scatter", label, outputs)
+    n = len(m.ranks)
+    for lst in input_lists:  # the root's lists (the others pass none)
+        if len(lst) != n:
+            raise RuntimeError(
+                f"ProcessGroupGloo::scatter: Incorrect input list size {len(lst)}. Input list size should be {n}, "
+                f"same as size of the process group ({label}; on gloo the root raises this RuntimeError and its "
+                "peers hang)"
+            )
     count = len(outputs)
 
     def complete(calls: list[Call], targets: Sequence[int]) -> None:
@@ -700,9 +797,9 @@ def all_to_all_single(
 ) -> Prepared:
     """Exchange dim-0 slices: this rank's ``input`` slice ``j`` goes to group rank ``j``.
 
-    Without split sizes dim 0 is cut evenly. Split sizes may be uneven; each
-    member's input split for ``j`` must equal ``j``'s output split for it
-    (checked when every member has arrived: `exchange_rows`).
+    Without split sizes dim 0 is cut evenly (with gloo's rules: the bytes, `all_to_all_bytes`). Split sizes
+    may be uneven; each member's input split for ``j`` must equal ``j``'s output split for it (checked when
+    every member has arrived: `exchange_rows`).
     """
     label, n = m.label, len(m.ranks)
     if m.gloo_rules:
@@ -713,6 +810,8 @@ def all_to_all_single(
                 f"all_to_all_single on {label}: the {which} must be contiguous (gloo refuses a strided input "
                 "and moves a strided output's memory, not its elements)"
             )
+        if not input_split_sizes and not output_split_sizes:
+            return all_to_all_bytes(m, rank, frame, output, input)
     in_splits = _splits(input, input_split_sizes, n, "input")
     out_splits = _splits(output, output_split_sizes, n, "output")
     trailing = tuple(input.shape[1:])
@@ -727,6 +826,44 @@ def all_to_all_single(
 
     signature = ("all_to_all_single", label, input.dtype, f"trailing dims={trailing}")
     return Call(rank, signature, frame, (input,), (output,), (in_splits, out_splits)), complete
+
+
+def all_to_all_bytes(m: Members, rank: int, frame: Any, output: torch.Tensor, input: torch.Tensor) -> Prepared:
+    """gloo's ``all_to_all_single`` without split sizes (found by experiment, torch 2.13): the input's BYTES are
+    cut into group-size equal pieces, whatever its rows, and piece ``i`` of member ``j`` lands in piece ``j`` of
+    member ``i``'s output. A dim 0 the group size does not divide therefore splits rows (at P = 2 a (3, 2) fp32
+    input sends one and a half rows to each peer) -- gloo does that silently, and so does simdist, byte for
+    byte. ``RuntimeError`` at the call, as gloo's enforces raise it, when the bytes do not divide or the output's
+    bytes differ from the input's."""
+    label, n = m.label, len(m.ranks)
+    nbytes = input.numel() * input.element_size()
+    if nbytes % n:
+        raise RuntimeError(
+            f"all_to_all_single on {label}: gloo cuts the input's {nbytes} bytes into {n} equal pieces "
+            "(enforce in->size % context->size == 0 fails)"
+        )
+    if output.numel() * output.element_size() != nbytes or output.dtype != input.dtype:
+        raise RuntimeError(
+            f"all_to_all_single on {label}: output {tuple(output.shape)} {output.dtype} and input "
+            f"{tuple(input.shape)} {input.dtype} must have the same bytes (enforce in->size == out->size fails)"
+        )
+    piece = nbytes // n
+
+    def complete(calls: list[Call], targets: Sequence[int]) -> None:
+        sizes = {c.extra for c in calls}
+        if len(sizes) > 1:
+            raise CollectiveMismatchError(
+                f"all_to_all_single on {label}: the members' inputs differ in bytes ({sorted(sizes)}); gloo needs "
+                "them equal:\n  " + "\n  ".join(c.describe() for c in calls)
+            )
+        sources = [c.inputs[0].reshape(-1).view(torch.uint8) for c in calls]
+        for i in targets:
+            out = calls[i].outputs[0].view(-1).view(torch.uint8)
+            for j, src in enumerate(sources):
+                out[j * piece : (j + 1) * piece].copy_(src[i * piece : (i + 1) * piece])
+
+    signature = ("all_to_all_single", label, input.dtype, "even byte pieces")
+    return Call(rank, signature, frame, (input,), (output,), nbytes), complete
 
 
 def _nothing(calls: list[Call], targets: Sequence[int]) -> None:

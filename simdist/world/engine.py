@@ -53,7 +53,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -173,18 +173,23 @@ class _Pending:
 
 
 class _Recv:
-    """A posted receive: filled by a matching send, waited on by its rank."""
+    """A posted receive: filled by a matching send, waited on by its rank.
 
-    __slots__ = ("call", "done", "src", "tensor")
+    ``src`` is the global rank it receives from (``None``: any source); ``source`` the sender's channel key
+    part (its group rank) once a message has filled it."""
 
-    def __init__(self, call: Call, src: int, tensor: torch.Tensor) -> None:
+    __slots__ = ("call", "done", "source", "src", "tensor")
+
+    def __init__(self, call: Call, src: int | None, tensor: torch.Tensor) -> None:
         self.call = call
         self.src = src
         self.tensor = tensor
         self.done = False
+        self.source: Hashable = None
 
     def waiting_line(self, rank: int) -> str:
-        return f"{self.call.describe()}  [waiting for a message from rank {self.src}]"
+        sender = "any rank" if self.src is None else f"rank {self.src}"
+        return f"{self.call.describe()}  [waiting for a message from {sender}]"
 
 
 class _Send:
@@ -291,6 +296,8 @@ class Engine:
         self.pending: dict[tuple[Hashable, int], _Pending] = {}
         self.waiting: dict[int, _Pending | _Recv | _Send] = {}
         self.channels: dict[Hashable, deque] = {}
+        self.any_recvs: dict[Hashable, deque[_Recv]] = {}  # posted any-source receives, per (group, dst, tag)
+        self.sent_count = 0  # numbers queued messages: an any-source receive takes the earliest sent
         self.ready: deque[int] = deque()
         self.finished: set[int] = set()
         self.error: BaseException | None = None
@@ -425,27 +432,42 @@ class Engine:
 
     # -- point to point -------------------------------------------------------
 
-    def send(self, call: Call, channel: Hashable, tensor: torch.Tensor, dst: int = -1) -> _Send:
+    def send(
+        self, call: Call, channel: Hashable, tensor: torch.Tensor, dst: int = -1, any_key: Hashable = None
+    ) -> _Send:
         """Deliver a copy of ``tensor`` on ``channel`` (to a posted receive, or queued); never blocks.
 
-        Returns the message's `_Send`: `wait_send` on it blocks until a receive
-        (of global rank ``dst``) has taken the message.
+        A receive posted on ``channel`` itself takes it first, else the earliest any-source receive posted
+        under ``any_key`` (the channel without its source). ``channel[2]`` is the source as the receiver sees
+        it (its group rank). Returns the message's `_Send`: `wait_send` on it blocks until a receive (of
+        global rank ``dst``) has taken the message.
         """
         sent = _Send(call, dst)
         with self.lock:
             if self.error is not None:
                 raise Aborted
             queue = self.channels.setdefault(channel, deque())
+            anyone = self.any_recvs.get(any_key) if any_key is not None else None
             if queue and isinstance(queue[0], _Recv):
-                recv = queue.popleft()
-                self.deliver(recv, tensor, call)
-                recv.done = sent.done = True
-                receiver = recv.call.rank
-                if self.waiting.get(receiver) is recv:
-                    self.release(receiver)
+                self._take(queue.popleft(), tensor, call, sent, channel)
+            elif anyone:
+                self._take(anyone.popleft(), tensor, call, sent, channel)
             else:
-                queue.append((call, tensor.detach().clone(), sent))
+                self.sent_count += 1
+                queue.append((call, tensor.detach().clone(), sent, self.sent_count))
         return sent
+
+    def _take(self, recv: _Recv, data: torch.Tensor, call: Call, sent: _Send, channel: Any) -> None:
+        """``recv`` takes the message ``data`` of ``sent`` from ``channel`` (lock held); both are done."""
+        self.deliver(recv, data, call)
+        recv.done = sent.done = True
+        recv.source = channel[2]
+        receiver = recv.call.rank
+        if self.waiting.get(receiver) is recv:
+            self.release(receiver)
+        sender = sent.call.rank
+        if self.waiting.get(sender) is sent:
+            self.release(sender)
 
     def wait_send(self, sent: _Send) -> None:
         """Block until a receive has taken ``sent`` (gloo's blocking send)."""
@@ -459,14 +481,33 @@ class Engine:
                 raise Aborted
             queue = self.channels.setdefault(channel, deque())
             if queue and not isinstance(queue[0], _Recv):
-                sent, data, handle = queue.popleft()
-                self.deliver(recv, data, sent)
-                recv.done = handle.done = True
-                sender = handle.call.rank
-                if self.waiting.get(sender) is handle:
-                    self.release(sender)
+                sent, data, handle, _ = queue.popleft()
+                self._take(recv, data, sent, handle, channel)
             else:
                 queue.append(recv)
+        return recv
+
+    def post_recv_any(self, call: Call, channels: Sequence[Hashable], any_key: Hashable, tensor: torch.Tensor) -> _Recv:
+        """Post a receive from any source: it takes the earliest sent message queued on ``channels`` (one per
+        possible source), else the first message later sent to it (`send` with ``any_key``).
+
+        Deterministic: rank threads run one at a time in a fixed schedule, so "earliest sent" is a fact of
+        the program, not of a race (on gloo it is whichever message arrives first)."""
+        recv = _Recv(call, None, tensor)
+        with self.lock:
+            if self.error is not None:
+                raise Aborted
+            queued = [
+                (q[0][3], channel)
+                for channel in channels
+                if (q := self.channels.get(channel)) and not isinstance(q[0], _Recv)
+            ]
+            if queued:
+                channel = min(queued, key=lambda item: item[0])[1]
+                sent, data, handle, _ = self.channels[channel].popleft()
+                self._take(recv, data, sent, handle, channel)
+            else:
+                self.any_recvs.setdefault(any_key, deque()).append(recv)
         return recv
 
     def wait_recv(self, recv: _Recv) -> None:
@@ -488,15 +529,25 @@ class Engine:
         self.block(item.call.rank, item)
 
     def deliver(self, recv: _Recv, data: torch.Tensor, sent: Call) -> None:
-        """Copy a message into a receive buffer (lock held); a misfit fails the run naming both calls."""
-        if recv.tensor.shape != data.shape or recv.tensor.dtype != data.dtype:
+        """Copy a message's bytes into a receive buffer (lock held), as gloo does: into the buffer's first bytes,
+        whatever its dtype and shape (a larger buffer keeps the rest). A buffer smaller than the message
+        (on gloo: the receiver crashes or hangs) fails the run naming both calls."""
+        buffer = recv.tensor
+        nbytes = data.numel() * data.element_size()
+        if buffer.numel() * buffer.element_size() < nbytes:
             self.fail(
                 CollectiveMismatchError(
-                    f"message does not fit the receive buffer:\n  {sent.describe()}\n  {recv.call.describe()}"
+                    f"message ({nbytes} bytes) does not fit the receive buffer "
+                    f"({buffer.numel() * buffer.element_size()} bytes):\n  {sent.describe()}\n  "
+                    f"{recv.call.describe()}"
                 )
             )
             raise Aborted
-        recv.tensor.copy_(data)
+        if buffer.shape == data.shape and buffer.dtype == data.dtype:
+            buffer.copy_(data)
+        elif nbytes:
+            raw = data.contiguous().reshape(-1).view(torch.uint8)
+            buffer.reshape(-1).view(torch.uint8)[:nbytes].copy_(raw)
 
     # -- ranks ----------------------------------------------------------------
 

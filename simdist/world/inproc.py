@@ -281,9 +281,16 @@ class RecvWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         self.wait()
-        future: torch.futures.Future = torch.futures.Future()
+        future: torch._C.Future = torch._C.Future([])  # gloo's futures are torch._C.Future, not the subclass
         future.set_result([self._tensor])
-        return future
+        return future  # type: ignore[return-value]
+
+    def _source_rank(self) -> int:
+        """The sender's group rank (``dist.recv(src=None)`` asks for it after ``wait()``)."""
+        self.wait()
+        return int(self._recv.source)
+
+    source_rank = _source_rank
 
 
 class SendWork(DoneWork):
@@ -315,12 +322,20 @@ class ThreadTransport:
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)
-        return SendWork(self.engine, self.engine.send(call, channel, tensor, pg.ranks[dst]), tensor)
+        any_key = (pg.group_name, pg.ranks, dst, tag)  # where an any-source receive of ``dst`` waits
+        return SendWork(self.engine, self.engine.send(call, channel, tensor, pg.ranks[dst], any_key), tensor)
 
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, src, pg.rank(), tag)
         # the message is written into a detached alias, as gloo writes from C++: no autograd record, no version bump
         posted = self.engine.post_recv(call, channel, pg.ranks[src], tensor.data)
+        return RecvWork(self.engine, posted, tensor)
+
+    def recv_any(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, tag: int) -> dist.Work:
+        """A receive from any other member: the earliest sent message (`Engine.post_recv_any`)."""
+        me = pg.rank()
+        channels = [(pg.group_name, pg.ranks, src, me, tag) for src in range(len(pg.ranks)) if src != me]
+        posted = self.engine.post_recv_any(call, channels, (pg.group_name, pg.ranks, me, tag), tensor.data)
         return RecvWork(self.engine, posted, tensor)
 
 

@@ -203,6 +203,9 @@ class ProcessTransport:
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         return self.inner.recv([tensor], src, tag)
 
+    def recv_any(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.inner.recv_anysource([tensor], tag)  # gloo's own: its Work knows the source rank
+
     def barrier(self) -> None:
         self.inner.barrier().wait()
 

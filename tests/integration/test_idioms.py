@@ -20,7 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import simdist
+from simdist.extras import installed, not_installed_reason
 from simdist.numerics.floats import bits
+
+bound_init = dist.init_process_group  # a script's `from torch.distributed import init_process_group`, at import
+bound_destroy = dist.destroy_process_group
 
 KEYS = ("total", "pair", "gathered", "scaled")
 
@@ -188,3 +192,53 @@ def test_deepspeed_on_rank_threads_is_refused_where_it_initialises_in_one_line()
     ):
         simdist.run(rank, 2)
     assert deepspeed.comm.init_distributed.__module__ == "deepspeed.comm.comm"  # given back
+
+
+def _plain17(rank: int) -> torch.Tensor:
+    x = programs._values(rank, 17)
+    dist.all_reduce(x)
+    return x
+
+
+def _bound_worker(rank: int, backend: str) -> list[torch.Tensor]:
+    """A worker that calls torch's function objects bound before the spawn (not the module attributes)."""
+    sums = []
+    for _ in range(2):  # init, destroy, init again
+        bound_init(backend, init_method="env://", rank=rank, world_size=3)
+        x = programs._values(rank, 17)
+        dist.all_reduce(x)
+        sums.append(x)
+        bound_destroy()
+    return sums
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_init_process_group_bound_before_the_spawn_attaches_too(backend):
+    seen = simdist.run(_bound_worker, 3, args=(backend,))
+    plain = simdist.run(_plain17, 3)
+    for rank in range(3):
+        for total in seen[rank]:
+            assert torch.equal(bits(total), bits(plain[rank]))
+    # outside a rank, the bound name is torch's own again: it refuses a second init as torch does
+    func = bound_init.__closure__[bound_init.__code__.co_freevars.index("func")].cell_contents
+    assert func.__code__.co_filename.endswith("c10d_logger.py")  # torch's time-logging wrapper, not simdist's
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(not installed("megatron"), reason=not_installed_reason("megatron"))
+def test_megatron_on_rank_threads_is_refused_where_it_initialises_in_one_line():
+    from megatron.core import parallel_state
+
+    from simdist.world.isolation import SharedGlobalStateError
+
+    def rank(r: int):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)  # line named
+
+    line = rank.__code__.co_firstlineno + 1
+    with pytest.raises(
+        SharedGlobalStateError,
+        match=rf"rank 0 called megatron.core.parallel_state.initialize_model_parallel at .*test_idioms.py:{line}: "
+        r".*megatron.core.parallel_state.*where=\"processes\"",
+    ):
+        simdist.run(rank, 2)
+    assert parallel_state.initialize_model_parallel.__module__ == "megatron.core.parallel_state"  # given back
