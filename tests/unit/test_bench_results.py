@@ -125,5 +125,5 @@ def test_a_file_that_breaks_the_schema_is_refused_naming_the_field(change, messa
 def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{")
-    with pytest.raises(ValueError, match="broken.json: not JSON"):
+    with pytest.raises(ValueError, match=r"broken\.json: not JSON"):
         report.load(path)
