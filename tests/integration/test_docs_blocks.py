@@ -101,7 +101,8 @@ def test_every_runnable_block_runs_or_says_why():
 
 
 HISTORY = re.compile(
-    r"\bissues? #?(?!8913\b)\d+|\bround \d+|\b(?:first|second|third|fourth) round\b|\bquiet (?:2-vCPU |2-core )?machine",
+    r"\bissues? #?(?!8913\b)\d+|\bround \d+|\b(?:first|second|third|fourth) round\b"
+    r"|\bquiet (?:2-vCPU |2-core )?machine",
     re.IGNORECASE,
 )
 """Project history a reader cannot follow: issue numbers, review rounds, "the quiet machine" (#8913, the case's
