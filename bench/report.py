@@ -50,7 +50,7 @@ class Table:
 
 def machine() -> str:
     """The machine in words: CPU model, logical CPUs, OS and architecture, and the load average at the call."""
-    model = platform.processor() or platform.machine()
+    model = platform.machine()  # (platform.processor() may start a subprocess: /proc/cpuinfo names the CPU)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

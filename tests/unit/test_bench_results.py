@@ -127,3 +127,22 @@ def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path):
     path.write_text("{")
     with pytest.raises(ValueError, match=r"broken\.json: not JSON"):
         report.load(path)
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "columns"),
+    [
+        ("audit", ["--repeats", "1"], ["variant", "wall ms"]),
+    ],
+)
+def test_a_bench_script_writes_its_tables_in_the_schema(tmp_path, capsys, script, argv, columns):
+    """``--json PATH`` writes what the page renders (a quick script run here in-process; bench/scale.py is left
+    out: it sets process-wide torch and allocator settings)."""
+    bench = _load(f"bench_{script}_under_test", ROOT / "bench" / f"{script}.py")
+    path = tmp_path / f"{script}.json"
+    bench.main([*argv, "--json", str(path)])
+    data = report.load(path)
+    assert data["command"].startswith("python ") and "load average" in data["machine"]
+    table = data["tables"][0]
+    assert table["columns"][: len(columns)] == columns and table["rows"]
+    assert f"wrote {path}" in capsys.readouterr().err
