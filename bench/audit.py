@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,6 +39,9 @@ from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGr
 from simdist.reduce.gloo import Gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/report.py, also when loaded by path
+from report import Table, machine, write
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 
@@ -59,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--json", metavar="PATH", help="also write the table as bench/report.py's schema")
     ns = parser.parse_args(argv)
+    started_on = machine()
     world = SimWorld(SPEC, reduction=Gloo())
     args = (
         list(DEFAULT_PARAMS),
@@ -103,6 +110,23 @@ def main(argv: list[str] | None = None) -> None:
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other processes inflate wall time; "
         "CPU time is this process's own); target: audited <= 3x plain"
     )
+    if ns.json:
+        table = Table(
+            f"One gradient-path step, {SPEC.describe()}, bf16_writeback, {ns.steps} step(s), "
+            f"{len(DEFAULT_PARAMS)} parameters",
+            ["variant", "wall ms", "wall / plain", "CPU ms", "CPU / plain"],
+        )
+        for name in variants:
+            t, c = median[name], median_cpu[name]
+            table.add(name, 1e3 * t, t / median["plain"], 1e3 * c, c / median_cpu["plain"])
+        table.notes = (
+            f"Medians of {ns.repeats} interleaved rounds of one `world.run` (thread start-up included); rank 0 "
+            f"records {report.total} events at {len(report.sites)} sites per run. *audited*: every rank under "
+            "`simdist.audit` with rounding errors measured; *no errors*: the same without them; *empty mode*: a "
+            "dispatch mode that only calls each op (the floor of any dispatch-mode audit). Target: audited <= 3x "
+            "plain. CPU time is this process's own; wall time includes other jobs' load."
+        )
+        write(ns.json, [table], machine_text=started_on)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,9 +80,20 @@ from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/report.py, also when loaded by path
+from report import Table, machine, write
+
 SPEC = ParallelSpec(4, tp=1, ep=1)
 
 CLOCK = [time.perf_counter]
+TABLES: list[Table] = []
+"""The tables of this run, for ``--json`` (bench/report.py's schema)."""
+
+
+def _clock_name() -> str:
+    return "this process's CPU time" if CLOCK[0] is time.process_time else "wall time"
+
+
 """The clock of every timed loop: wall time, or with ``--cpu-clock`` (tables 2-4) this process's CPU time, which
 on a busy shared machine leaves out the time other processes take the CPUs (the rank threads run one at a time,
 so on a quiet machine both agree)."""
@@ -244,10 +257,18 @@ def model_table(iters: int, repeats: int) -> None:
     fold_us = statistics.median(laps["fold"]) * 1e6
     print(f"\n{numel} fp32 elements, 4 ranks: reduction model + writes vs plain fold + writes (us per all_reduce)")
     print(f"{'model':>10} {'us':>8} {'model/fold':>10}")
+    table = Table(
+        f"Each reduction model alone, {numel} fp32 elements on 4 ranks: model + writes vs plain fold + writes",
+        ["model", "us per all_reduce", "/ fold"],
+        notes=f"Medians of {repeats} interleaved repeats, {_clock_name()}. The fold is `((x0+x1)+x2)+x3`. "
+        "Target for gloo: <= 2x the fold.",
+    )
     for name, values in laps.items():
         us = statistics.median(values) * 1e6
         target = "   (target <= 2x)" if name == "gloo" else ""
         print(f"{name:>10} {us:>8.1f} {us / fold_us:>9.2f}x{target}")
+        table.add(name, us, us / fold_us)
+    TABLES.append(table)
 
 
 def batched_table(iters: int, repeats: int) -> None:
@@ -259,6 +280,12 @@ def batched_table(iters: int, repeats: int) -> None:
     numel, n = 1024, SPEC.world_size
     print(f"\n{numel} fp32 elements, 4 ranks, rank-batched engine (us per all_reduce of the whole batch)")
     print(f"{'batch':>5} {'plain fold':>10} {'batched':>8}   {'batched/fold':>12}")
+    table = Table(
+        f"Rank-batched engine, all_reduce of {numel} fp32 elements on 4 ranks, per batch",
+        ["batch", "plain fold us", "rank-batched us", "rank-batched / fold"],
+        notes=f"The 4 ranks as one `[batch, 4, {numel}]` tensor, gloo's order (checked bit for bit against the "
+        f"gloo model first); medians of {repeats} interleaved repeats, {_clock_name()}. Target: <= 2x the fold.",
+    )
     for batch in (1, 8):
         gen = torch.Generator().manual_seed(batch)
         value = torch.randn(batch, n, numel, generator=gen)  # [batch, rank, 1024]
@@ -273,6 +300,8 @@ def batched_table(iters: int, repeats: int) -> None:
             batched += _laps(lambda: ops.all_reduce(value, "dp"), iters, 1)  # noqa: B023
         plain_us, batched_us = statistics.median(plain) * 1e6, statistics.median(batched) * 1e6
         print(f"{batch:>5} {plain_us:>10.1f} {batched_us:>8.1f}   {batched_us / plain_us:>11.2f}x (target <= 2x)")
+        table.add(batch, plain_us, batched_us, batched_us / plain_us)
+    TABLES.append(table)
 
 
 def backend_table(iters: int, repeats: int) -> None:
@@ -299,6 +328,29 @@ def backend_table(iters: int, repeats: int) -> None:
         f"{threaded_us / backend_us:>15.2f}x {local_ratio}"
     )
     print("targets: backend/Sim <= 1.2x, SimWorld and backend <= 3x fold, LocalT/backend > 1x")
+    table = Table(
+        f"Ways to run torch.distributed code on 4 ranks in one process, {numel} fp32 elements",
+        ["front end", "us per all_reduce", "/ fold", "/ simdist backend"],
+        notes="*fold*: `((x0+x1)+x2)+x3` plus the writes, the cheapest in-place all_reduce (not gloo's order); "
+        "*floor*: the gloo model plus the writes, one call; *SimWorld*: `comm.all_reduce` on 4 rank threads; "
+        "*simdist backend*: unmodified `dist.all_reduce` (gloo's order, bit for bit); *threaded*: torch's "
+        "threaded process group (its own order); *LocalTensor*: torch's LocalTensorMode (one thread). "
+        f"Medians of {repeats} interleaved repeats, {_clock_name()}. Targets: backend <= 1.2x SimWorld, "
+        "SimWorld and backend <= 3x the fold.",
+    )
+    for name, value in (
+        ("fold", fold_us),
+        ("floor", floor_us),
+        ("SimWorld", sim_us),
+        ("simdist backend", backend_us),
+        ("torch threaded group", threaded_us),
+        ("LocalTensor", local_us if local else "n/a"),
+    ):
+        if isinstance(value, str):
+            table.add(name, value, value, value)
+        else:
+            table.add(name, value, value / fold_us, value / backend_us)
+    TABLES.append(table)
     split_rows(us)
 
 
@@ -448,6 +500,17 @@ def split_rows(us: dict[str, float]) -> None:
         f"{us['bare']:.1f} (isolated {us['iso']:.1f})"
     )
     least = (us["ring"] + us["model"] + us["writes"]) / fold_us
+    table = Table(
+        "Where a 4-rank all_reduce of 1024 fp32 elements goes",
+        ["part", "us", "/ fold"],
+        notes="Each part timed alone, interleaved in one run. *4 handoffs*: a bare ring of the engine's wake-ups "
+        "(each collective needs four rank-to-rank switches); *isolation swaps*: a bare engine barrier with "
+        "`RankIsolation` minus without. Handoffs + model + writes, the least a front end on OS threads can take: "
+        f"{least:.2f}x the fold in this run.",
+    )
+    for name, value in rows + sub_rows:
+        table.add(name, value, value / fold_us)
+    TABLES.append(table)
     print(f"least on OS threads (handoffs + model + writes): {least:.2f}x fold (target for SimWorld, backend: <= 3x)")
 
 
@@ -456,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier figures)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-gloo", action="store_true", help="only the in-process table (no gloo processes)")
+    parser.add_argument("--json", metavar="PATH", help="also write the tables as bench/report.py's schema")
     parser.add_argument(
         "--cpu-clock",
         action="store_true",
@@ -463,12 +527,15 @@ def main(argv: list[str] | None = None) -> None:
         "first table, which has gloo processes, stays in wall time)",
     )
     args = parser.parse_args(argv)
+    started_on = machine()
     torch.set_num_threads(1)  # as on the rank threads and in the gloo processes: the floor is not run on 2 CPUs
     if args.no_gloo:
         CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
         backend_table(_iterations(1024, args.quick), args.repeats)
         batched_table(_iterations(1024, args.quick), args.repeats)
         model_table(_iterations(1024, args.quick), args.repeats)
+        if args.json:
+            write(args.json, TABLES, machine_text=started_on)
         return
     world = SimWorld(SPEC, reduction=Gloo())
     rows = []
@@ -489,15 +556,35 @@ def main(argv: list[str] | None = None) -> None:
         f"{'elements':>9} {'floor us':>9} {'barrier us':>10} {'SimWorld us':>11} {'gloo us':>9} "
         f"{'Sim/floor':>9} {'gloo/Sim':>9}"
     )
+    table = Table(
+        "all_reduce fp32 SUM on 4 ranks, gloo order: SimWorld against the floor and 4 gloo processes",
+        [
+            "elements",
+            "floor us",
+            "SimWorld barrier us",
+            "SimWorld us",
+            "4 gloo processes us",
+            "SimWorld / floor",
+            "gloo / SimWorld",
+        ],
+        notes="*floor*: the gloo model's reduction plus writing the result into the four rank tensors, one call; "
+        "*barrier*: a 4-rank SimWorld barrier (handing the interpreter round the rank threads, no arithmetic); "
+        f"*gloo*: the same loop in 4 real gloo processes on 127.0.0.1. Medians of {args.repeats} interleaved "
+        "repeats, wall time; inputs are zeros.",
+    )
     for numel, floor_us, barrier_us, sim_us, gloo_us in rows:
         print(
             f"{numel:>9} {floor_us:>9.1f} {barrier_us:>10.1f} {sim_us:>11.1f} {gloo_us:>9.1f} "
             f"{sim_us / floor_us:>8.2f}x {gloo_us / sim_us:>8.1f}x"
         )
+        table.add(numel, floor_us, barrier_us, sim_us, gloo_us, sim_us / floor_us, gloo_us / sim_us)
+    TABLES.append(table)
     CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
     backend_table(_iterations(1024, args.quick), args.repeats)
     batched_table(_iterations(1024, args.quick), args.repeats)
     model_table(_iterations(1024, args.quick), args.repeats)
+    if args.json:
+        write(args.json, TABLES, machine_text=started_on)
 
 
 if __name__ == "__main__":

@@ -682,12 +682,48 @@ def table(results: list[Result], mutations: dict[str, Mutation]) -> str:
     return "\n".join(lines)
 
 
+def _report():
+    """bench/report.py (the results schema), imported on demand: the catalogue's users need none of it."""
+    sys.path.append(str(Path(__file__).resolve().parent))  # also when this file is loaded by path
+    import report
+
+    return report
+
+
+def results_table(results: list[Result], mutations: dict[str, Mutation], seconds: float, whole: bool):
+    """The run as one table of bench/report.py's schema: each mutation, its outcome and what killed it."""
+    report = _report()
+    killed, counted = score(results)
+    table = report.Table(
+        f"Mutation testing: {killed} of {counted} mutations killed",
+        ["mutation", "outcome", "seconds", "killed by (first failing test) or why it survives"],
+        notes=f"{len(results)} mutations in {seconds:.0f} s, each against "
+        f"{'the whole default suite' if whole else 'its own fast tests'} with `-x` (only the first failing test "
+        "is named); equivalent mutations are not counted. `python bench/mutations.py --list` prints the "
+        "catalogue: what each edit breaks and its tests.",
+    )
+    for r in results:
+        m = mutations[r.name]
+        if r.status == "killed":
+            why = ", ".join(r.killed_by[:2])
+        elif r.status == "error":
+            why = r.detail.strip().splitlines()[-1] if r.detail.strip() else "error"
+        else:
+            why = f"equivalent: {m.equivalent}" if m.equivalent else (f"awaiting: {m.awaiting}" if m.awaiting else "")
+        status = "equivalent" if r.status == "equivalent-survived" else r.status
+        table.add(r.name, status, round(r.seconds, 1), why or "-")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
     parser.add_argument("--all", action="store_true", help="run the whole default suite for every mutation")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--results", metavar="PATH", help="also write the results table as bench/report.py's schema (the docs page)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="mutations run at once (default 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run (default 900)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
@@ -700,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name}: {m.what}\n    {m.path}; tests: {' '.join(m.tests)}{note}")
         return 0
     from tqdm import tqdm
+
+    started_on = _report().machine()
 
     def tests_of(m: Mutation) -> tuple[str, ...]:
         return ("tests",) if args.all else m.tests
@@ -757,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(table(ordered, by_name))
         print(f"{len(ordered)} mutations in {elapsed:.0f} s ({'whole default suite' if args.all else 'fast tests'})")
+    if args.results:
+        _report().write(args.results, [results_table(ordered, by_name, elapsed, args.all)], machine_text=started_on)
     return 0 if all(r.status != "error" for r in ordered) else 1
 
 

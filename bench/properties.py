@@ -24,7 +24,9 @@ import cProfile
 import io
 import os
 import pstats
+import sys
 import time
+from pathlib import Path
 
 from hypothesis import given, settings
 
@@ -32,6 +34,9 @@ from simdist.testing.case_batches import oracle_case_batches
 from simdist.testing.compact import cases_depart_from_oracle, staging_departs_from_oracle
 from simdist.testing.strategies import oracle_cases
 from simdist.world.spec import DEFAULT_SPEC
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/report.py, also when loaded by path
+from report import Table, machine, write
 
 GOAL = 500.0  # cases of property (a) per second, issue 22
 
@@ -114,17 +119,44 @@ def main() -> None:
         action="store_false",
         help="skip the run with one case per example (the ratio to it)",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the table as bench/report.py's schema")
     args = parser.parse_args()
+    started_on = machine()
+    table = Table(
+        f"Property (a), fp32_staging bitwise equal to the FP32 oracle, layout {args.layout}, ci settings",
+        ["cases per example", "examples", "cases", "seconds", "cases/s", "examples/s", "drawing %", "running %"],
+        notes="Each case is one layout, GAS, step count and gradient set, run through the rank-batched engine and "
+        "the independent oracle and judged bit for bit. *Drawing*: Hypothesis and decoding the gradient bytes; "
+        f"*running*: the two runs and the comparison. Goal: >= {GOAL:.0f} cases/s.",
+    )
+
+    def row(result: dict[str, float], cases: int) -> None:
+        total = result["total"]
+        body = 100 * result["body"] / total
+        table.add(
+            cases,
+            result["examples"],
+            result["cases"],
+            total,
+            result["cases"] / total,
+            result["examples"] / total,
+            100 - body,
+            body,
+        )
 
     measure(5, args.layout, args.cases)  # warm-up: imports, strategy caches, torch kernels
     result = measure(args.examples, args.layout, args.cases)
     report(result, args.layout, args.cases)
+    row(result, args.cases)
     if args.cases > 1 and args.baseline:
         measure(5, args.layout, 1)
         single = measure(args.examples, args.layout, 1)
         report(single, args.layout, 1)
+        row(single, 1)
         ratio = (result["cases"] / result["total"]) / (single["cases"] / single["total"])
         print(f"{args.cases} cases per example check {ratio:.1f}x the cases per second of one case per example")
+    if args.json:
+        write(args.json, [table], machine_text=started_on)
 
     if args.profile:
         profile = cProfile.Profile()

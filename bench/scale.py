@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,6 +51,9 @@ from simdist.reduce.gloo import Gloo
 from simdist.reduce.nccl import Nccl, double_binary_trees
 from simdist.studies.growth import GrowthConfig, run_growth
 from simdist.world.spec import ParallelSpec
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/report.py, also when loaded by path
+from report import Table, machine, write
 
 WORLDS = (8, 16, 32, 64, 128, 256, 512)
 QUICK_WORLDS = (8, 16, 32, 64)
@@ -135,6 +139,7 @@ class Plan:
     reduction: str
     run_models: bool
     run_growth: bool
+    json: str | None = None
 
     def estimates(self) -> list[tuple[str, Estimate]]:
         out = []
@@ -165,6 +170,7 @@ def parse(argv: list[str] | None = None) -> Plan:
     parser.add_argument("--reduction", default="gloo", help="the growth study's reduction model")
     parser.add_argument("--skip-models", action="store_true")
     parser.add_argument("--skip-growth", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the tables as bench/report.py's schema")
     args = parser.parse_args(argv)
     worlds = QUICK_WORLDS if args.quick else WORLDS
     if args.worlds:
@@ -172,10 +178,19 @@ def parse(argv: list[str] | None = None) -> Plan:
     steps = args.steps if args.steps is not None else (12 if args.quick else 20)
     if args.numel < 1 or steps < 1 or args.seeds < 1 or any(w < 1 for w in worlds):
         parser.error("--numel, --steps, --seeds and the worlds must be positive")
-    return Plan(worlds, args.numel, steps, args.seeds, args.reduction, not args.skip_models, not args.skip_growth)
+    return Plan(
+        worlds, args.numel, steps, args.seeds, args.reduction, not args.skip_models, not args.skip_growth, args.json
+    )
 
 
-def bench_models(plan: Plan, peak: PeakMemory) -> None:
+def bench_models(plan: Plan, peak: PeakMemory) -> Table:
+    table = Table(
+        f"One all-reduce of {plan.numel} fp32 elements per rank",
+        ["world", "model", "first call ms", "median ms", "peak MiB"],
+        notes="The first call builds and caches the plan; the median is of 3 later calls. Peak: resident set "
+        "above the case's start, the input included. NCCL models: Simple protocol, 2 channels; the tree is "
+        "NCCL's double binary tree over n / 8 nodes of 8, each node a chain.",
+    )
     print(f"(i) one all-reduce of {plan.numel} fp32 elements per rank (first call builds the plan; then median of 3)")
     print(f"{'world':>6} {'model':<10} {'first':>10} {'median':>10} {'peak':>10}")
     for n in plan.worlds:
@@ -198,10 +213,18 @@ def bench_models(plan: Plan, peak: PeakMemory) -> None:
                 f"{human_bytes(used):>10}",
                 flush=True,
             )
+            table.add(n, name, cold * 1e3, statistics.median(warm) * 1e3, used / 2**20)
             del x
+    return table
 
 
-def bench_growth(plan: Plan, peak: PeakMemory) -> None:
+def bench_growth(plan: Plan, peak: PeakMemory) -> Table:
+    table = Table(
+        f"Growth study, TP8 x DP(n/8) with EP8, {plan.steps} steps x {plan.seeds} seed(s)",
+        ["world", "total s", "steps/s", "peak MiB", "exponent bf16_writeback", "exponent bf16_only"],
+        notes=f"Three policies and the independent FP32 oracle, {plan.reduction} order. Exponent: log-log slope of "
+        "the median master error over steps; over a few steps it is rough (the study's figure needs about 1000).",
+    )
     print(
         f"(ii) growth, TP8 x DP(n/8) EP8, {plan.steps} steps x {plan.seeds} seed(s) x {len(POLICIES)} policies "
         f"+ FP32 oracle, {plan.reduction} order (exponent: median master error ~ steps^e)"
@@ -225,8 +248,10 @@ def bench_growth(plan: Plan, peak: PeakMemory) -> None:
                 f"{shown[0]:>17} {shown[1]:>12}",
                 flush=True,
             )
+            table.add(n, seconds, plan.steps / seconds, used / 2**20, *shown)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,15 +262,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/scale.py: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    started_on = machine()
+    tables = []
     peak = PeakMemory()
     how = "VmHWM reset per case" if peak.exact else "ru_maxrss growth (VmHWM reset unavailable)"
     print(f"peak memory: RSS above the case's start ({how}); {os.cpu_count()} CPUs, 1 intra-op thread")
     start = time.perf_counter()
     if plan.run_models:
-        bench_models(plan, peak)
+        tables.append(bench_models(plan, peak))
     if plan.run_growth:
-        bench_growth(plan, peak)
+        tables.append(bench_growth(plan, peak))
     print(f"total {time.perf_counter() - start:.1f} s")
+    if plan.json:
+        write(plan.json, tables, machine_text=started_on)
     return 0
 
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,9 @@ from simdist.world.groups import Group, group_for
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/report.py, also when loaded by path
+from report import Table, machine, write
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
 
@@ -107,7 +112,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gas", type=int, default=1)
     parser.add_argument("--policy", default="bf16_writeback")
+    parser.add_argument("--json", metavar="PATH", help="also write the table as bench/report.py's schema")
     ns = parser.parse_args()
+    started_on = machine()
     steps, repeats = ns.steps, ns.repeats
 
     torch.set_num_threads(1)
@@ -143,6 +150,18 @@ def main() -> None:
     print(f"SimWorld / floor: {sim_s / floor_s:.2f}x the floor's time (target <= 1.5x)")
     print(f"gloo / SimWorld:  SimWorld is {gloo_s / sim_s:.1f}x faster than 4 gloo processes (target >= 5x)")
     print(f"gloo end to end (spawn, warm-up, {repeats} runs): {total:.1f} s")
+    if ns.json:
+        table = Table(
+            f"Folded MoE block, {SPEC.describe()}, {ns.policy}, {steps} steps x GAS {ns.gas}, best of {repeats}",
+            ["world", "steps/s", "ms/step", "time / SimWorld"],
+            notes="The same rank program (`train_rank` with `MoEGradients`) three ways: *floor*, the ranks one "
+            "after another on one CPU thread, each with a loopback communicator that does no communication; "
+            "*SimWorld*, 4 rank threads; *4 gloo*, 4 real gloo processes on 127.0.0.1 (process start-up not "
+            f"counted; end to end {total:.1f} s). Targets: SimWorld <= 1.5x the floor, >= 5x faster than gloo.",
+        )
+        for name, seconds in (("floor", floor_s), ("SimWorld", sim_s), ("4 gloo", gloo_s)):
+            table.add(name, steps / seconds, 1000 * seconds / steps, seconds / sim_s)
+        write(ns.json, [table], machine_text=started_on)
 
 
 if __name__ == "__main__":

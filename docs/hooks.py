@@ -1,10 +1,21 @@
-"""MkDocs hook: the command-line reference page, generated from ``simdist.cli.build_parser`` at build time."""
+"""MkDocs hook: pages generated at build time.
+
+* the command-line reference, from ``simdist.cli.build_parser`` (marker ``<!-- simdist-cli-reference -->``);
+* the benchmark results, from every ``bench/results/*.json`` through ``bench/report.py``
+  (marker ``<!-- simdist-bench-results -->``): the page never holds a hand-copied figure.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 MARK = "<!-- simdist-cli-reference -->"
+BENCH_MARK = "<!-- simdist-bench-results -->"
+BENCH_REPORT = Path(__file__).resolve().parents[1] / "bench" / "report.py"
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str) -> list[tuple[str, argparse.ArgumentParser]]:
@@ -26,5 +37,19 @@ def reference() -> str:
     return "\n".join(parts)
 
 
+def bench_report() -> ModuleType:
+    """``bench/report.py`` loaded by path (``bench/`` holds scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("simdist_bench_report", BENCH_REPORT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    return markdown.replace(MARK, reference()) if MARK in markdown else markdown
+    if MARK in markdown:
+        markdown = markdown.replace(MARK, reference())
+    if BENCH_MARK in markdown:
+        markdown = markdown.replace(BENCH_MARK, bench_report().render_dir())
+    return markdown

@@ -660,7 +660,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (`EXIT_CODES`), also for argparse errors and ``--help``."""
+    """Run the command line; returns the exit status (`EXIT_CODES`), also for argparse errors and ``--help``.
+
+    Without ``argv`` this is the ``simdist`` process itself: Ctrl-C then ends it at once with one line and
+    status 130 wherever the signal lands (`simdist.cli.interrupt`); with ``argv`` (a library call) Python's
+    ``KeyboardInterrupt`` gives the same line and status."""
+    if argv is None:
+        from simdist.cli.interrupt import exit_on_interrupt
+
+        exit_on_interrupt()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while parsing or importing: one line, as during a run
