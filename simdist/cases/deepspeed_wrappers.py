@@ -49,13 +49,17 @@ from simdist.cases.deepspeed_engine import (
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.gradpath.families import Correction, Family
 from simdist.gradpath.reference import dp_kind
-from simdist.models.synthetic import InitialWeights, SyntheticGradients
+from simdist.models.synthetic import InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.floats import bits
+from simdist.reduce import make_model
 from simdist.world.spec import ParallelSpec
 
 NAME = "deepspeed-wrappers"
 BF16_LEVEL = 2.0**-16
 """An error above this fraction of sum|terms| is a BF16 rounding; FP32 order effects stay far below it."""
+
+GLOO = make_model("gloo")
+"""The order of the oracle's TP sums: gloo's (the real engine all-reduces on gloo processes)."""
 
 CLIP = 0.05
 """Below the synthetic gradients' global norm (about 0.07 at TP2), so clipping is active."""
@@ -115,27 +119,72 @@ class OracleStep:
     exp_avg_sq: dict = field(default_factory=dict)
 
 
-def _correct(family: Family, tp: int, own: torch.Tensor, peers: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The intended TP correction of one micro-step in FP32 (``peers`` in TP rank order); value and sum|terms|."""
+@dataclass(frozen=True)
+class OracleControl:
+    """A deliberate error in `oracle`, for the case's power checks (`CONTROLS`); the default is no change."""
+
+    tp_rank_order: bool = False
+    """Sum TP peers in a plain rank-order loop (the old oracle's order) instead of gloo's."""
+    tp_sum_dtype: torch.dtype = torch.float32
+    """The dtype of the TP sum (and ``/tp``): BF16 is the error."""
+    corrected_dtype: torch.dtype | None = None
+    """Round the corrected value to this dtype before it is accumulated (BF16: the #8913 writeback)."""
+    experts_over_dp: bool = False
+    """Reduce routed experts over the dense DP group instead of EDP."""
+    dp_then_tp: bool = False
+    """Apply the TP correction after the DP reduction instead of to each micro-step's gradient."""
+    correct_again_at_boundary: bool = False
+    """Correct the accumulated gradient once more at the boundary (the correction-once marker never set)."""
+
+
+NO_CONTROL = OracleControl()
+
+
+def _correct(
+    family: Family, tp: int, own: torch.Tensor, peers: list[torch.Tensor], control: OracleControl = NO_CONTROL
+) -> tuple[torch.Tensor, ...]:
+    """The intended TP correction of one micro-step in FP32 (``peers`` in TP rank order); value and sum|terms|.
+
+    The TP sum is gloo's all-reduce order (`GLOO`: the model of gloo's order found by experiment and pinned to
+    real gloo by ``simdist/testing/gloo_probe.py``): DeepSpeed all-reduces each parameter's FP32 copy over
+    the TP group on gloo, and for more than two members gloo's order is not rank order (the old rank-order loop
+    differed from the real engine in 80/6400 elements at TP4 on rounding inputs, issue 30)."""
     correction = family.correction(tp)
     if correction in (Correction.AVERAGE, Correction.SUM):
-        total = torch.zeros_like(own, dtype=torch.float32)
         terms = torch.zeros_like(own, dtype=torch.float64)
         for peer in peers:
-            total = total + peer.float()
-            terms = terms + peer.double().abs()
+            terms = terms + peer.double().abs()  # exact: BF16 terms of 31 binades fit FP64's 53 bits
+        dtype = control.tp_sum_dtype
+        if control.tp_rank_order:
+            total = torch.zeros_like(own, dtype=dtype)
+            for peer in peers:
+                total = total + peer.to(dtype)
+        else:
+            total = GLOO.sum([peer.to(dtype) for peer in peers])
         if correction is Correction.AVERAGE:
-            return total / tp, terms / tp
-        return total, terms
+            return (total / tp).float(), terms / tp
+        return total.float(), terms
     if correction is Correction.EXPERT_TP_CANCEL:
         return own.float() / tp, own.double().abs() / tp
     return own.float(), own.double().abs()
 
 
-def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep]:
-    """The intended FP32 computation for ``run`` on ``spec``, step by step."""
+def oracle(
+    spec: ParallelSpec,
+    run: EngineRun,
+    seed: int = 0,
+    inputs: Inputs | str = Inputs.ROUNDING,
+    control: OracleControl = NO_CONTROL,
+    clip_norms: dict[int, float] | None = None,
+) -> list[OracleStep]:
+    """The intended FP32 computation for ``run`` on ``spec``, step by step, on the ``inputs`` distribution
+    (``control``: one deliberate error, for the power checks).
+
+    ``clip_norms`` (``step -> norm``) replaces the oracle's global norm in the clipping coefficient only (the
+    ``norm`` it reports stays its own): given the engine's norm, it tells whether the clipping coefficient
+    alone explains a difference (`EPILOGUE_MASTERS`)."""
     params = run.params()
-    source, initial = SyntheticGradients(spec, seed=seed), InitialWeights(spec, seed)
+    source, initial = synthetic_gradients(spec, seed, inputs), InitialWeights(spec, seed)
     ranks = range(spec.world_size)
     masters = {(r, p.name): initial(r, p).float().clone().requires_grad_(False) for r in ranks for p in params}
     optimizers = {
@@ -146,6 +195,7 @@ def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep
     }
     m_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in masters.items()}
     v_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in masters.items()}
+    uncorrected = Family.MODEL_PARALLEL  # a family whose correction is none: what dp_then_tp does per micro-step
     out = []
     for step in range(run.steps):
         o = OracleStep()
@@ -156,7 +206,10 @@ def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep
             for r in ranks:
                 for p in params:
                     peers = [o.local[(micro, q, p.name)] for q in spec.group_of("tp", r)]
-                    value, terms = _correct(p.family, spec.tp, o.local[(micro, r, p.name)], peers)
+                    family = uncorrected if control.dp_then_tp else p.family
+                    value, terms = _correct(family, spec.tp, o.local[(micro, r, p.name)], peers, control)
+                    if control.corrected_dtype is not None:
+                        value = value.to(control.corrected_dtype).float()
                     o.corrected[(micro, r, p.name)] = (value, terms)
                     if micro == 0:
                         acc, acc_terms = value, terms
@@ -165,18 +218,25 @@ def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep
                         acc, acc_terms = prev + value, prev_terms + terms
                     o.accumulated[(micro, r, p.name)] = (acc, acc_terms)
         last = run.gas - 1
+        if control.correct_again_at_boundary:
+            _correct_accumulated(spec, params, o.accumulated, last, control)
         for r in ranks:
             for p in params:
                 # the independent oracle's own group rule, not the family table the engines read (issue 30)
                 group = spec.group_of(dp_kind(p.family), r)
+                if control.experts_over_dp and p.family is Family.EXPERT:
+                    group = spec.group_of("dp", r)
                 total = torch.zeros(p.shape, dtype=torch.float32)
                 terms = torch.zeros(p.shape, dtype=torch.float64)
                 for q in group:
                     value, t = o.accumulated[(last, q, p.name)]
                     total, terms = total + value, terms + t
                 o.reduced[(r, p.name)] = (total / spec.dp, terms / spec.dp)
+        if control.dp_then_tp:
+            _correct_reduced(spec, params, o.reduced, control)
         o.norm = _global_norm(spec, params, o.reduced)
-        scale = run.clip / (o.norm + 1e-6) if run.clip and o.norm > run.clip else 1.0
+        norm = o.norm if clip_norms is None else clip_norms[step]
+        scale = run.clip / (norm + 1e-6) if run.clip and norm > run.clip else 1.0
         for r in ranks:
             for p in params:
                 masters[(r, p.name)].grad = o.reduced[(r, p.name)][0] * scale
@@ -193,6 +253,29 @@ def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep
                 o.exp_avg_sq[key] = (state["exp_avg_sq"].clone(), v_terms[key].clone())
         out.append(o)
     return out
+
+
+def _correct_accumulated(spec: ParallelSpec, params, accumulated: dict, last: int, control: OracleControl) -> None:
+    """Control ``correct_again_at_boundary``: the last micro-step's accumulated gradient corrected once more."""
+    before = dict(accumulated)
+    for r in range(spec.world_size):
+        for p in params:
+            peers = [before[(last, q, p.name)][0] for q in spec.group_of("tp", r)]
+            value, _ = _correct(p.family, spec.tp, before[(last, r, p.name)][0], peers, control)
+            accumulated[(last, r, p.name)] = (value, before[(last, r, p.name)][1])
+
+
+def _correct_reduced(spec: ParallelSpec, params, reduced: dict, control: OracleControl) -> None:
+    """Control ``dp_then_tp``: the TP correction applied to the DP-reduced gradient."""
+    before = dict(reduced)
+    for r in range(spec.world_size):
+        for p in params:
+            peers = [before[(q, p.name)][0] for q in spec.group_of("tp", r)]
+            value, _ = _correct(p.family, spec.tp, before[(r, p.name)][0], peers, control)
+            terms = before[(r, p.name)][1]
+            if p.family.correction(spec.tp).divides:
+                terms = terms / spec.tp
+            reduced[(r, p.name)] = (value, terms)
 
 
 def _global_norm(spec: ParallelSpec, params, reduced: dict) -> float:
@@ -258,6 +341,14 @@ class WrappersVerdict:
     """Per wrapper, every site ``simdist.audit`` found inside the rank processes (rank 0, all runs): narrowing
     casts/accumulations/stores of floats and the floating collectives with their dtype, with DeepSpeed's
     ``file:line``."""
+    inputs: str = ""
+    """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
+    findings: list = field(default_factory=list)
+    """The case's claims (`simdist.cases.deepspeed_wrappers_checks.findings`) and whether each held."""
+    power_checks: list = field(default_factory=list)
+    """The controls (`simdist.cases.deepspeed_wrappers_checks.CONTROLS`) against each layout's fixed run."""
+    findings_hold: bool = False
+    """Every applicable finding held (``ok`` also needs every applicable power check to show power)."""
 
 
 class _Acc:
@@ -289,14 +380,23 @@ class _Acc:
         return Row(boundary, self.compared, self.differing, self.ratio, sorted(self.params), effect, note)
 
 
-def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture], seed: int = 0) -> RunResult:
-    """Compare one run's captures on every rank with `oracle`."""
+def judge_run(
+    spec: ParallelSpec,
+    run: EngineRun,
+    captures: list[EngineCapture],
+    seed: int = 0,
+    inputs: Inputs | str = Inputs.ROUNDING,
+    control: OracleControl = NO_CONTROL,
+    engine_norm: bool = False,
+) -> RunResult:
+    """Compare one run's captures on every rank with `oracle` (with ``control``'s error, for a power check;
+    ``engine_norm``: clipping by rank 0's reported global norm instead of the oracle's)."""
     first = captures[0]
     error = next((c.error for c in captures if c.error), "")
     result = RunResult(f"{spec.describe()} {run.label}", first.optimizer_class, error)
     if error:
         return result
-    steps = oracle(spec, run, seed)
+    steps = oracle(spec, run, seed, inputs, control, dict(first.norm) if engine_norm else None)
     rows = {name: _Acc() for name in ("local", "fp32", "writeback", "hp", "reduced", "master", "exp_avg", "exp_sq")}
     norm = _Acc()
     sites, skipped, dtypes = set(), set(), set()
@@ -369,9 +469,17 @@ def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture],
 # -- running ---------------------------------------------------------------------------------------------------
 
 
-def run_real(spec: ParallelSpec, runs: tuple[EngineRun, ...], world: World = "gloo", seed: int = 0):
+def run_real(
+    spec: ParallelSpec,
+    runs: tuple[EngineRun, ...],
+    world: World = "gloo",
+    seed: int = 0,
+    inputs: Inputs | str = Inputs.ROUNDING,
+):
     """Every run on the real engine in one launch of ``spec.world_size`` ranks; ``{run: per-rank captures}``."""
-    per_rank = run_ranks(engine_rank, spec, runs, seed, world=world, timeout_s=1800.0, preload=DEEPSPEED_MODULES)
+    per_rank = run_ranks(
+        engine_rank, spec, runs, seed, Inputs(inputs).value, world=world, timeout_s=1800.0, preload=DEEPSPEED_MODULES
+    )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
@@ -387,29 +495,43 @@ def run(
     tps: tuple[int, ...] = (2, 4),
     runs: tuple[EngineRun, ...] | None = None,
     world_size: int = 4,
+    inputs: Inputs | str = Inputs.ROUNDING,
 ) -> WrappersVerdict:
-    """The whole audit: every run at each TP size (``world_size`` ranks, EP2) on ``world``; the verdict + table."""
+    """The whole audit: every run at each TP size (``world_size`` ranks, EP2) on ``world``, one launch per TP size;
+    the findings and power checks (`simdist.cases.deepspeed_wrappers_checks`), the verdict and its table.
+
+    ``ok`` is true only when every applicable finding holds and every applicable power check shows power."""
     import deepspeed
 
+    from simdist.cases import deepspeed_wrappers_checks as checks  # it imports this module's oracle and judge
+
     start = time.perf_counter()
-    results, layouts = [], []
+    inputs = Inputs(inputs)
+    results, layouts, judged, power = [], [], [], []
     sites: dict[str, list[str]] = {}
     for tp in tps:
         spec = ParallelSpec(world_size, tp=tp, ep=2)
         layouts.append(spec.describe())
         chosen = runs if runs is not None else audit_runs(tp)
-        real = run_real(spec, chosen, world)
-        results += [judge_run(spec, r, real[r]) for r in chosen]
+        real = run_real(spec, chosen, world, inputs=inputs)
         for r in chosen:
+            result = judge_run(spec, r, real[r], inputs=inputs)
+            again = judge_run(spec, r, real[r], inputs=inputs, engine_norm=True) if checks.fixed_run(r) else None
+            results.append(result)
+            judged.append((spec, r, result, again))
             found = sites.setdefault(r.wrapper, [])
             found += [s for s in _sites(real[r][0]) if s not in found]
-    ok = all(
-        (not r.error or any(e in r.error for e in EXPECTED_UNSUPPORTED))
-        and all(row.effect == "bitwise" for row in r.rows if row.boundary.startswith("BF16 local"))
-        for r in results
-    )
+        target = next((r for r in chosen if checks.fixed_run(r) and not real[r][0].error), None)
+        if target is not None:
+            power += checks.power_checks(spec, target, real[target], inputs=inputs)
+    found_claims = checks.findings(judged, EXPECTED_UNSUPPORTED)
+    holds = all(f.holds for f in found_claims if f.applies)
+    used = [c for c in power if c.applies]
+    ok = holds and bool(used) and all(c.shown for c in used)
     verdict = WrappersVerdict(ok, "", deepspeed.__version__, world, layouts, time.perf_counter() - start, results)
     verdict.narrowing_sites = sites
+    verdict.inputs, verdict.findings, verdict.power_checks = describe_inputs(inputs), found_claims, power
+    verdict.findings_hold = holds
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -489,8 +611,26 @@ def summarize(v: WrappersVerdict) -> str:
     for wrapper, found in v.narrowing_sites.items():
         lines.append(f"  narrowing sites and collectives found by simdist.audit in the {wrapper} rank processes:")
         lines += [f"    {site}" for site in found]
+    lines.append(f"inputs: {v.inputs}")
+    for f in v.findings:
+        state = "holds" if f.holds else "FAILS"
+        lines.append(f"finding {f.name}: {state if f.applies else 'not applicable'} ({f.detail})")
+    for c in v.power_checks:
+        if not c.applies:
+            lines.append(f"power check {c.name} ({c.layout}): not applicable ({c.what}: no change there)")
+        else:
+            shown = "shows power" if c.shown else "NO POWER: the case cannot see this error"
+            lines.append(
+                f"power check {c.name} ({c.layout}): {shown} ({c.differing}/{c.compared} elements differ from "
+                f"{c.against})"
+            )
     lines.append(f"audit time: {v.seconds:.0f} s")
-    lines.append("verdict: " + ("every run captured, inputs bitwise" if v.ok else "FAILED (see above)"))
+    if v.ok:
+        lines.append("verdict: every finding holds; every applicable power check shows power")
+    elif v.findings_hold:
+        lines.append("verdict: NOT OK: the findings hold, but a power check shows no power (see above)")
+    else:
+        lines.append("verdict: NOT OK: a finding fails (see above)")
     return "\n".join(lines)
 
 
