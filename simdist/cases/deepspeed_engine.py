@@ -313,14 +313,14 @@ def staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
         lp.grad.zero_()
 
 
-def engine_rank(comm, runs: tuple[EngineRun, ...], seed: int, inputs: str = "rounding") -> list[EngineCapture]:
+def engine_rank(comm, runs: tuple[EngineRun, ...], seed: int, distribution: str = "rounding") -> list[EngineCapture]:
     """Rank program: every `EngineRun` on a fresh real engine; one `EngineCapture` each (DeepSpeed logs to stderr).
 
-    ``inputs`` names the synthetic gradients' distribution (`simdist.models.synthetic.Inputs`)."""
+    ``distribution`` names the synthetic gradients' (`simdist.models.synthetic.Inputs`)."""
     from simdist.cases.stdout import stdout_to_stderr
 
     with stdout_to_stderr():
-        return [_drive(comm, run, seed, inputs) for run in runs]
+        return [_drive(comm, run, seed, distribution) for run in runs]
 
 
 def init_comm() -> None:
@@ -347,7 +347,7 @@ def reset_groups() -> None:
     groups.mpu = None
 
 
-def _drive(comm, run: EngineRun, seed: int, inputs: str) -> EngineCapture:
+def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     import deepspeed
     from deepspeed.runtime import bf16_optimizer as bf16_module
     from deepspeed.runtime import engine as engine_module
@@ -360,7 +360,7 @@ def _drive(comm, run: EngineRun, seed: int, inputs: str) -> EngineCapture:
     init_comm()
     reset_groups()
     capture = EngineCapture(run, rank)
-    local_grads = synthetic_gradients(spec, seed, inputs)
+    local_grads = synthetic_gradients(spec, seed, distribution)
     module = SyntheticModule(run.params(), InitialWeights(spec, seed), rank)
     groups = mark_families(module, run.params(), spec.ep)
     names = {p: n for n, p in module.named_parameters()}

@@ -13,6 +13,10 @@ one fails:
 * ``clip_explains_masters``: in the same runs, masters and both Adam moments are bitwise the oracle once the
   oracle clips with the engine's reported global norm (`EPILOGUE_MASTERS` says which operation and which order
   the remaining differences come from);
+* ``zero_buffer_bf16``: every ZeRO run (1, 2, 3; ``overlap_comm``, buckets, FP32 communication and
+  ``grad_accum_dtype: fp32`` alike) applies the correction to a BF16 buffer (``param.grad`` or the reduce
+  bucket: ZeRO-2 uses its ``grad_accum`` copy only when it does not partition gradients), so an FP32 staging
+  copy has no FP32 buffer to land in: the write-back's BF16 rounding moves, it does not go away;
 * ``zero_norm_defect``: at GAS 1, ZeRO's global norm leaves out the expert of TP rank 1 (relative error above
   ``1e-2``), BF16_Optimizer's does not (below ``1e-3``).
 
@@ -163,6 +167,11 @@ def findings(
         )
     add(
         "clip_explains_masters", clip, "fix + FP32 comm: masters and moments bitwise with the engine's norm in the clip"
+    )
+    add(
+        "zero_buffer_bf16",
+        [(r.label, r.buffer_dtypes == ["torch.bfloat16"]) for _, run, r, _ in ran if run.wrapper != "bf16_optimizer"],
+        "ZeRO: the correction's target buffer is BF16 (no FP32 buffer for staging; grad_accum fp32 too)",
     )
     norm_runs = []
     for _, run, r, _ in ran:
