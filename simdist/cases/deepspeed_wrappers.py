@@ -349,6 +349,8 @@ class WrappersVerdict:
     """The controls (`simdist.cases.deepspeed_wrappers_checks.CONTROLS`) against each layout's fixed run."""
     findings_hold: bool = False
     """Every applicable finding held (``ok`` also needs every applicable power check to show power)."""
+    explanations: dict[str, str] = field(default_factory=dict)
+    """What a finding's remaining differences come from (``fixed_run_masters``: which operation, which order)."""
 
 
 class _Acc:
@@ -532,6 +534,7 @@ def run(
     verdict.narrowing_sites = sites
     verdict.inputs, verdict.findings, verdict.power_checks = describe_inputs(inputs), found_claims, power
     verdict.findings_hold = holds
+    verdict.explanations = {"fixed_run_masters": checks.EPILOGUE_MASTERS}
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -615,6 +618,8 @@ def summarize(v: WrappersVerdict) -> str:
     for f in v.findings:
         state = "holds" if f.holds else "FAILS"
         lines.append(f"finding {f.name}: {state if f.applies else 'not applicable'} ({f.detail})")
+    for key, text in v.explanations.items():
+        lines.append(f"explanation {key}: {text}")
     for c in v.power_checks:
         if not c.applies:
             lines.append(f"power check {c.name} ({c.layout}): not applicable ({c.what}: no change there)")

@@ -103,11 +103,12 @@ def findings(
     """Every finding over ``judged``: ``(spec, run, result, result clipping by the engine's norm or None)``."""
     out = []
 
-    def add(name: str, cases: list[tuple[str, bool]], what: str) -> None:
+    def add(name: str, cases: list[tuple[str, bool]], what: str, measured: str = "") -> None:
         failed = [label for label, ok in cases if not ok]
         detail = f"{what}: {len(cases) - len(failed)}/{len(cases)} runs" + (
             f"; FAILS in {'; '.join(failed)}" if failed else ""
         )
+        detail += f"; {measured}" if measured else ""
         out.append(Finding(name, not failed, detail if cases else f"{what}: no run shows it", bool(cases)))
 
     ran = [(spec, run, r, e) for spec, run, r, e in judged if not r.error]
@@ -156,17 +157,16 @@ def findings(
         ],
         "fix + FP32 comm: every gradient stage bitwise the gloo-ordered oracle",
     )
-    clip = []
+    clip, own_norm = [], []
     for _, _, r, e in fixed:
-        own = _differing(r, STEP_ROWS)
-        clip.append(
-            (
-                f"{r.label} ({own} master/moment elements differ with the oracle's own norm)",
-                e is not None and _differing(e, STEP_ROWS) == 0,
-            )
-        )
+        clip.append((r.label, e is not None and _differing(e, STEP_ROWS) == 0))
+        master = _row(r, "FP32 master after step")
+        own_norm.append(f"{r.label}: {master.differing if master else 0}")
     add(
-        "clip_explains_masters", clip, "fix + FP32 comm: masters and moments bitwise with the engine's norm in the clip"
+        "clip_explains_masters",
+        clip,
+        "fix + FP32 comm: masters and moments bitwise with the engine's norm in the clip",
+        "masters differing with the oracle's own norm: " + "; ".join(own_norm),
     )
     add(
         "zero_buffer_bf16",
