@@ -540,7 +540,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-experts-over-dp",
         "the deepspeed-wrappers case's oracle reduces experts over the dense DP group",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         "group = spec.group_of(dp_kind(p.family), r)",
         'group = spec.group_of("dp", r)',
         (WRAPPERS,),
@@ -548,7 +548,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-tp-reversed",
         "the deepspeed-wrappers case's oracle sums TP peers in gloo's order over the reversed peers",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         "total = GLOO.sum([peer.to(dtype) for peer in peers])",
         "total = GLOO.sum([peer.to(dtype) for peer in reversed(peers)])",
         (WRAPPERS,),
@@ -556,7 +556,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-tp-rank-order",
         "the deepspeed-wrappers case's oracle sums TP peers in a rank-order loop (the old oracle), not gloo's order",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         "tp_rank_order: bool = False",
         "tp_rank_order: bool = True",
         (WRAPPERS,),
@@ -564,7 +564,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-dp-before-tp",
         "the deepspeed-wrappers case's oracle applies the TP correction after the DP reduction",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         "dp_then_tp: bool = False",
         "dp_then_tp: bool = True",
         (WRAPPERS,),
@@ -572,7 +572,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-staging-rounded",
         "the deepspeed-wrappers case's oracle rounds the corrected gradient to BF16 (the #8913 write-back)",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         "corrected_dtype: torch.dtype | None = None",
         "corrected_dtype: torch.dtype | None = torch.bfloat16",
         (WRAPPERS,),
@@ -580,7 +580,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-control-experts-over-dp-blind",
         "the case's experts-over-DP control reduces experts over EDP after all (a control without power)",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         'group = spec.group_of("dp", r)',
         "group = spec.group_of(dp_kind(p.family), r)",
         (WRAPPERS,),

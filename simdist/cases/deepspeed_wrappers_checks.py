@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from simdist.cases.deepspeed_engine import EngineRun
-from simdist.cases.deepspeed_wrappers import OracleControl, RunResult, judge_run
+from simdist.cases.deepspeed_wrappers_oracle import OracleControl, RunResult, judge_run
 from simdist.models.synthetic import Inputs
 from simdist.world.spec import ParallelSpec
 

@@ -24,18 +24,9 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
 
 from simdist.cases import case_names
 from simdist.cases.deepspeed_engine import EngineCapture, EngineRun, HelperCall
-from simdist.cases.deepspeed_wrappers import (
-    BF16_LEVEL,
-    CLIP,
-    SMALL_RUNS,
-    _global_norm,
-    judge_run,
-    oracle,
-    run,
-    run_real,
-    run_small,
-)
+from simdist.cases.deepspeed_wrappers import CLIP, SMALL_RUNS, run, run_real, run_small
 from simdist.cases.deepspeed_wrappers_checks import CONTROLS, findings, power_checks
+from simdist.cases.deepspeed_wrappers_oracle import BF16_LEVEL, _global_norm, judge_run, oracle
 from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, synthetic_gradients
 from simdist.numerics.floats import bits
