@@ -79,8 +79,12 @@ def audit_runs(tp: int = 2) -> tuple[EngineRun, ...]:
     )
 
 
-SMALL_RUNS = (EngineRun("bf16_optimizer", gas=1, clip=CLIP),)
-"""The default suite's one engine run (one wrapper, one step)."""
+SMALL_RUNS = (
+    EngineRun("bf16_optimizer", gas=1, clip=CLIP),
+    EngineRun("bf16_optimizer", gas=1, comm_dtype="fp32", clip=CLIP, fix="fp32_staging"),
+)
+"""The small run (`run_small`): BF16_Optimizer as shipped, and with the fix and FP32 comm (the power checks'
+target), one step each."""
 
 
 @dataclass
@@ -267,7 +271,7 @@ def summarize(v: WrappersVerdict) -> str:
 
 
 def run_small(world: World = "gloo") -> WrappersVerdict:
-    """The default suite's case: BF16_Optimizer, GAS 1, one step, TP2/EP2 on 2 ranks (the fewest processes)."""
+    """A small case (slow tests): `SMALL_RUNS`, TP2/EP2 on 2 ranks (the fewest processes); ok as the full run's."""
     return run(world, tps=(2,), runs=SMALL_RUNS, world_size=2)
 
 
