@@ -79,6 +79,7 @@ BATCHED = "tests/unit/test_gradpath_batched.py"
 ORACLE = "tests/unit/test_oracle.py"
 VERDICTS = "tests/unit/test_verdicts.py"  # issue 30: rounding inputs, power checks, --expect
 DS8913 = "tests/integration/test_cases_deepspeed.py"
+WRAPPERS = "tests/integration/test_cases_deepspeed_wrappers.py"  # its default-suite tests: oracle, judge, controls
 NATIVE = "tests/unit/test_native_fold.py"  # the native kernel against the eager gloo path it replaces
 
 FSDP2 = ("tests/integration/test_cases_fsdp2.py", "tests/integration/test_cases_fsdp2_tp.py")
@@ -539,22 +540,50 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-experts-over-dp",
         "the deepspeed-wrappers case's oracle reduces experts over the dense DP group",
-        "simdist/cases/deepspeed_wrappers.py",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
         "group = spec.group_of(dp_kind(p.family), r)",
         'group = spec.group_of("dp", r)',
-        ("tests/integration/test_cases_deepspeed_wrappers.py",),
-        awaiting="issue 30 item 4: the wrappers audit asserts its findings only in slow tests, on narrow inputs and "
-        "a layout where DP and EDP coincide",
+        (WRAPPERS,),
     ),
     Mutation(
         "wrappers-oracle-tp-reversed",
-        "the deepspeed-wrappers case's oracle sums TP peers in reverse rank order",
-        "simdist/cases/deepspeed_wrappers.py",
-        "for peer in peers:",
-        "for peer in reversed(peers):",
-        ("tests/integration/test_cases_deepspeed_wrappers.py",),
-        awaiting="issue 30 items 3-4: the wrappers oracle's TP order is a rank-order loop, not gloo's; at TP2 a "
-        "two-member sum is one addition either way (equivalent there), so only a TP4 run on rounding inputs sees it",
+        "the deepspeed-wrappers case's oracle sums TP peers in gloo's order over the reversed peers",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "total = GLOO.sum([peer.to(dtype) for peer in peers])",
+        "total = GLOO.sum([peer.to(dtype) for peer in reversed(peers)])",
+        (WRAPPERS,),
+    ),
+    Mutation(
+        "wrappers-oracle-tp-rank-order",
+        "the deepspeed-wrappers case's oracle sums TP peers in a rank-order loop (the old oracle), not gloo's order",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "tp_rank_order: bool = False",
+        "tp_rank_order: bool = True",
+        (WRAPPERS,),
+    ),
+    Mutation(
+        "wrappers-oracle-dp-before-tp",
+        "the deepspeed-wrappers case's oracle applies the TP correction after the DP reduction",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "dp_then_tp: bool = False",
+        "dp_then_tp: bool = True",
+        (WRAPPERS,),
+    ),
+    Mutation(
+        "wrappers-oracle-staging-rounded",
+        "the deepspeed-wrappers case's oracle rounds the corrected gradient to BF16 (the #8913 write-back)",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "corrected_dtype: torch.dtype | None = None",
+        "corrected_dtype: torch.dtype | None = torch.bfloat16",
+        (WRAPPERS,),
+    ),
+    Mutation(
+        "wrappers-control-experts-over-dp-blind",
+        "the case's experts-over-DP control reduces experts over EDP after all (a control without power)",
+        "simdist/cases/deepspeed_wrappers_oracle.py",
+        'group = spec.group_of("dp", r)',
+        "group = spec.group_of(dp_kind(p.family), r)",
+        (WRAPPERS,),
     ),
     # -- comparisons (simdist/numerics/) --------------------------------------------------------------------------
     Mutation(

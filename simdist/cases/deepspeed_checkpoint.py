@@ -35,6 +35,7 @@ import torch
 
 from simdist.cases.base import Case
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.numerics.floats import bits
 from simdist.world.spec import ParallelSpec
 
@@ -99,10 +100,10 @@ def _engine(comm, fixed: bool, seed: int):
     return engine
 
 
-def _train(comm, engine, steps: range, seed: int) -> None:
-    from simdist.models.synthetic import SyntheticGradients
+def _train(comm, engine, steps: range, seed: int, inputs: str) -> None:
+    from simdist.models.synthetic import synthetic_gradients
 
-    source, rank = SyntheticGradients(comm.spec, seed=seed), comm.get_rank()
+    source, rank = synthetic_gradients(comm.spec, seed, inputs), comm.get_rank()
     params = _run(False, 1).params()
     for step in steps:
         engine.module.grads = {p.name: source(step, 0, rank, p) for p in params}
@@ -172,7 +173,7 @@ def describe_dir(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def checkpoint_rank(comm, n: int, m: int, root: str, seed: int, mutation: str) -> dict:
+def checkpoint_rank(comm, n: int, m: int, root: str, seed: int, mutation: str, inputs: str = "rounding") -> dict:
     """Rank program: the six scenarios on fresh engines; snapshots, probes and (rank 0) the files' description."""
     from simdist.cases.stdout import stdout_to_stderr
 
@@ -182,17 +183,17 @@ def checkpoint_rank(comm, n: int, m: int, root: str, seed: int, mutation: str) -
             tag = "fixed" if fixed else "shipped"
             engine = _engine(comm, fixed, seed)
             out["optimizer_class"] = type(engine.optimizer).__name__
-            _train(comm, engine, range(n + m), seed)
+            _train(comm, engine, range(n + m), seed, inputs)
             out["snap"][f"{tag} N+M"] = snapshot(engine)
             engine.destroy()
             engine = _engine(comm, fixed, seed)
-            _train(comm, engine, range(n), seed)
+            _train(comm, engine, range(n), seed, inputs)
             engine.save_checkpoint(os.path.join(root, tag), tag="ckpt")
             out["snap"][f"{tag} at save"] = snapshot(engine)
             # the same engine loads its own checkpoint after stepping: are the accessor fragments relinked?
             engine.load_checkpoint(os.path.join(root, tag), tag="ckpt")
             out["probe"][f"{tag}: stepped engine, after load"] = fragment_probe(engine)
-            _train(comm, engine, range(n, n + 1), seed)
+            _train(comm, engine, range(n, n + 1), seed, inputs)
             out["probe"][f"{tag}: stepped engine, after load + 1 step"] = fragment_probe(engine)
             engine.destroy()
         for saved in ("shipped", "fixed"):
@@ -208,7 +209,7 @@ def checkpoint_rank(comm, n: int, m: int, root: str, seed: int, mutation: str) -
                     engine.optimizer.refresh_fp32_params()  # masters from the BF16 weights, not the saved FP32
                 out["probe"][f"{saved} -> {after}: fresh engine, after load"] = fragment_probe(engine)
                 out["snap"][f"{saved} -> {after} at load"] = snapshot(engine)
-                _train(comm, engine, range(n, n + m), seed)
+                _train(comm, engine, range(n, n + m), seed, inputs)
                 out["probe"][f"{saved} -> {after}: fresh engine, after load + {m} step"] = fragment_probe(engine)
                 out["snap"][f"{saved} -> {after}"] = snapshot(engine)
                 engine.destroy()
@@ -262,6 +263,10 @@ class CheckpointVerdict:
     fixed checkpoint: ``differing/compared`` elements."""
     probes: dict[str, str] = field(default_factory=dict)
     """``scenario -> ranks: mapped params, unlinked fragments`` (`fragment_probe`)."""
+    inputs: str = ""
+    """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
+    power_checks: dict[str, bool] = field(default_factory=dict)
+    """``control -> shown`` (`fix_changes_state`); ``ok`` needs every one."""
 
 
 def compare(per_rank: list[dict], got: str, want: str, group: str, comparison: str) -> Cell:
@@ -331,8 +336,10 @@ def run(
     mutation: str = "",
     seed: int = 0,
     timeout_s: float = 900.0,
+    inputs: str = "rounding",
 ) -> CheckpointVerdict:
-    """The six scenarios on 4 ranks (TP2/DP2/EP2), judged; ``mutation`` breaks the load on purpose (tests)."""
+    """The six scenarios on 4 ranks (TP2/DP2/EP2), judged; ``mutation`` breaks the load on purpose (tests);
+    ``inputs`` names the synthetic gradients' distribution (`simdist.models.synthetic.Inputs`)."""
     import deepspeed
 
     if mutation not in MUTATIONS:
@@ -340,7 +347,7 @@ def run(
     spec = ParallelSpec(4, tp=2, ep=2)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="simdist-ckpt-") as root:
-        args = (n, m, root, seed, mutation)
+        args = (n, m, root, seed, mutation, Inputs(inputs).value)
         per_rank = run_ranks(checkpoint_rank, spec, *args, world=world, timeout_s=timeout_s, preload=DEEPSPEED_MODULES)
     cells = [
         compare(per_rank, got, want, group, comparison) for comparison, got, want in COMPARISONS for group in GROUPS
@@ -369,10 +376,18 @@ def run(
         format_differences=fmt,
         value_differences=values,
         probes=probes,
+        inputs=describe_inputs(inputs),
     )
-    verdict.ok = controls_bitwise(verdict) and same
+    verdict.power_checks = {"fix_changes_state": fix_changes_state(verdict)}
+    verdict.ok = controls_bitwise(verdict) and same and all(verdict.power_checks.values())
     verdict.summary = summarize(verdict)
     return verdict
+
+
+def fix_changes_state(v: CheckpointVerdict) -> bool:
+    """Power check: the fix changes some compared state bit (``fix effect``), so the comparisons can see a change of
+    the gradient path at all; inputs on which it changed nothing could not tell a lossy load from a good one."""
+    return any(c.differing for c in v.cells if c.comparison.startswith("fix effect"))
 
 
 def controls_bitwise(v: CheckpointVerdict) -> bool:
@@ -407,6 +422,8 @@ def summarize(v: CheckpointVerdict) -> str:
         f"{n} step(s), save_checkpoint, a fresh engine load_checkpoint, {m} step(s)"
         + (f" [MUTATION: {v.mutation}]" if v.mutation else ""),
         table(v),
+        f"inputs: {v.inputs}; power check fix_changes_state: "
+        + ("shows power" if v.power_checks.get("fix_changes_state") else "NO POWER"),
         "checkpoint files (shipped; the fixed run's have the same keys/dtypes/shapes: "
         + ("yes" if v.format_identical else "NO: " + "; ".join(v.format_differences[:10]))
         + "):",

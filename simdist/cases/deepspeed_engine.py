@@ -313,12 +313,14 @@ def staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
         lp.grad.zero_()
 
 
-def engine_rank(comm, runs: tuple[EngineRun, ...], seed: int) -> list[EngineCapture]:
-    """Rank program: every `EngineRun` on a fresh real engine; one `EngineCapture` each (DeepSpeed logs to stderr)."""
+def engine_rank(comm, runs: tuple[EngineRun, ...], seed: int, distribution: str = "rounding") -> list[EngineCapture]:
+    """Rank program: every `EngineRun` on a fresh real engine; one `EngineCapture` each (DeepSpeed logs to stderr).
+
+    ``distribution`` names the synthetic gradients' (`simdist.models.synthetic.Inputs`)."""
     from simdist.cases.stdout import stdout_to_stderr
 
     with stdout_to_stderr():
-        return [_drive(comm, run, seed) for run in runs]
+        return [_drive(comm, run, seed, distribution) for run in runs]
 
 
 def init_comm() -> None:
@@ -345,20 +347,20 @@ def reset_groups() -> None:
     groups.mpu = None
 
 
-def _drive(comm, run: EngineRun, seed: int) -> EngineCapture:
+def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     import deepspeed
     from deepspeed.runtime import bf16_optimizer as bf16_module
     from deepspeed.runtime import engine as engine_module
     from deepspeed.runtime.zero import stage3 as stage3_module
     from deepspeed.runtime.zero import stage_1_and_2 as stage12_module
 
-    from simdist.models.synthetic import InitialWeights, SyntheticGradients
+    from simdist.models.synthetic import InitialWeights, synthetic_gradients
 
     spec, rank = comm.spec, comm.get_rank()
     init_comm()
     reset_groups()
     capture = EngineCapture(run, rank)
-    local_grads = SyntheticGradients(spec, seed=seed)
+    local_grads = synthetic_gradients(spec, seed, distribution)
     module = SyntheticModule(run.params(), InitialWeights(spec, seed), rank)
     groups = mark_families(module, run.params(), spec.ep)
     names = {p: n for n, p in module.named_parameters()}

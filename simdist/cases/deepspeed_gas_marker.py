@@ -39,7 +39,7 @@ from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import Inputs
+from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-gas-marker"
@@ -52,11 +52,11 @@ class Config:
     gas: int = 4
     steps: int = 1
     seed: int = 0
+    inputs: Inputs = Inputs.ROUNDING
+    """The synthetic gradients' distribution (`Inputs`; ``narrow``, the old one, as a named variant)."""
 
     def base(self, marker: Marker) -> Config8913:
-        # the narrow inputs this case was written for: the harness draws them unless told otherwise (issue 30
-        # moves the deepspeed-8913 case and the repro to rounding inputs; this case has not been reviewed for it)
-        return Config8913(self.spec, self.steps, self.seed, (self.gas,), marker=marker, inputs=Inputs.NARROW)
+        return Config8913(self.spec, self.steps, self.seed, (self.gas,), marker=marker, inputs=Inputs(self.inputs))
 
     def runs(self) -> tuple[DsRun, ...]:
         return tuple(DsRun(path, self.gas, self.steps) for path in (UpdatePath.EPILOGUE, UpdatePath.HOOKS))
@@ -90,6 +90,12 @@ class MarkerVerdict:
     deepspeed_version: str
     paths: list[PathFinding]
     reproducer: str
+    inputs: str = ""
+    """The input distribution (`describe_inputs`)."""
+    power_checks: dict[str, bool] = field(default_factory=dict)
+    """``control -> shown``: ``marker_never_set`` (the per-micro-step transcription must differ from DeepSpeed
+    on the epilogue path: else the case could not see the marker) and ``writeback_removed`` (``bf16_writeback``
+    without its BF16 write-back must differ from DeepSpeed on both paths). ``ok`` needs both."""
 
 
 def _norm_error(a: list[Trace], b: list[Trace], gas: int) -> list[ParamError]:
@@ -132,13 +138,25 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy |
         )
     epilogue, hooks = paths
     later = list(range(1, config.gas))
+    no_writeback = dataclasses.replace(policy, name="control_no_writeback", writeback=None)
+    power = {
+        "marker_never_set": not epilogue.real_vs_per_micro_step.bitwise_equal,
+        "writeback_removed": all(
+            not match_traces(
+                [c.trace for c in real[run]],
+                transcription(config.base(Marker.DEEPSPEED), no_writeback, run.update_path, config.gas),
+            ).bitwise_equal
+            for run in config.runs()
+        ),
+    }
     ok = (
         all(p.real_vs_transcription.bitwise_equal for p in paths)
         and epilogue.skipped_micro_steps.get("router.weight") == later
         and not hooks.skipped_micro_steps
         and hooks.real_vs_per_micro_step.bitwise_equal
+        and all(power.values())
     )
-    verdict = MarkerVerdict(ok, "", config.gas, version, paths, str(REPRODUCER))
+    verdict = MarkerVerdict(ok, "", config.gas, version, paths, str(REPRODUCER), describe_inputs(config.inputs), power)
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -163,6 +181,9 @@ def summarize(v: MarkerVerdict) -> str:
             )
         elif p.real_vs_per_micro_step.bitwise_equal:
             lines.append(f"  {p.update_path}: bitwise equal to the per-micro-step semantics")
+    lines.append(f"  inputs: {v.inputs}")
+    for name, shown in v.power_checks.items():
+        lines.append(f"  power check {name}: {'shows power' if shown else 'NO POWER: the case cannot see this error'}")
     lines.append(f"standalone reproducer (torchrun --standalone --nproc-per-node 4): {v.reproducer}")
     lines.append(
         "verdict: "
@@ -182,7 +203,15 @@ def write_reproducer(path: str | Path) -> Path:
 
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     runs = config.runs()
-    per_rank = run_ranks(deepspeed_rank, config.spec, runs, config.seed, world=world, preload=DEEPSPEED_MODULES)
+    per_rank = run_ranks(
+        deepspeed_rank,
+        config.spec,
+        runs,
+        config.seed,
+        Inputs(config.inputs).value,
+        world=world,
+        preload=DEEPSPEED_MODULES,
+    )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 

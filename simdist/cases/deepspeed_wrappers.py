@@ -10,15 +10,12 @@ do the DP-reduced gradient, the global norm, the FP32 master and both Adam momen
 Real code: ``deepspeed.initialize`` + ``engine.backward`` + ``engine.step`` on real gloo processes (or simdist's
 process mode), driven by `simdist.cases.deepspeed_engine` (which says what is done by hand and why).
 
-Compared with: `oracle` below, written for this case and sharing no code with DeepSpeed or simdist's
-gradient path: per micro-step the intended correction in FP32 (TP peers summed in rank order in plain
-loops, then ``/tp`` for averaged families; experts ``/tp``; TP-sharded weights untouched), FP32 accumulation
-over micro-steps, the FP32 data-parallel reduction (the DP group's sum, or the EDP group's for experts,
-divided by the number of DP replicas: a folded expert's EDP group holds TP peers' disjoint token slices of
-one batch as well as other DP replicas, so its sum over EDP is divided by ``dp``, not by the EDP size;
-at TP2/DP2/EDP2 both are 2, at TP4/DP1/EDP2 they differ), the global norm over
-the distinct shards, clipping, and ``torch.optim.AdamW`` on FP32 masters. Its inputs are the same seeded
-BF16 local gradients (`simdist.models.synthetic`), which the case checks bitwise against the engine's.
+Compared with: `simdist.cases.deepspeed_wrappers_oracle.oracle`, written for this case and sharing no code with
+DeepSpeed or simdist's gradient path (the intended FP32 computation; its TP sums in gloo's order, the real
+engine's). Its inputs are the same seeded BF16 local gradients (`simdist.models.synthetic`, the ``rounding``
+distribution by default), which the case checks bitwise against the engine's. The default run asserts the
+case's findings and runs its power checks (`simdist.cases.deepspeed_wrappers_checks`): ``ok`` is false when a
+finding fails or a control shows no power.
 
 The verdict table: for every run and boundary (capture), how many elements differ from the oracle, the
 largest error over the sum of the absolute terms that element sums (gradient stages), and an effect class:
@@ -32,31 +29,25 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from simdist.cases import deepspeed_wrappers_checks as checks
 from simdist.cases.base import Case
 from simdist.cases.deepspeed_engine import (
-    BETAS,
-    BOUNDARY_PASS,
-    EPS,
-    LR,
-    WEIGHT_DECAY,
-    EngineCapture,
     EngineRun,
     Wrapper,
     engine_rank,
 )
+from simdist.cases.deepspeed_wrappers_oracle import (
+    Row,
+    RunResult,
+    _sites,
+    judge_run,
+    oracle,
+)
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
-from simdist.gradpath.families import Correction, Family
-from simdist.gradpath.reference import dp_kind
-from simdist.models.synthetic import InitialWeights, SyntheticGradients
-from simdist.numerics.floats import bits
+from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.world.spec import ParallelSpec
 
 NAME = "deepspeed-wrappers"
-BF16_LEVEL = 2.0**-16
-"""An error above this fraction of sum|terms| is a BF16 rounding; FP32 order effects stay far below it."""
-
 CLIP = 0.05
 """Below the synthetic gradients' global norm (about 0.07 at TP2), so clipping is active."""
 
@@ -88,161 +79,12 @@ def audit_runs(tp: int = 2) -> tuple[EngineRun, ...]:
     )
 
 
-SMALL_RUNS = (EngineRun("bf16_optimizer", gas=1, clip=CLIP),)
-"""The default suite's one engine run (one wrapper, one step)."""
-
-
-# -- the oracle (independent: plain loops, FP32, torch.optim.AdamW) ----------------------------------------------
-
-
-@dataclass
-class OracleStep:
-    """What the intended FP32 computation gives on every rank for one step (keys carry the rank)."""
-
-    local: dict = field(default_factory=dict)
-    """``(micro, rank, param) -> BF16 local gradient`` (``g / GAS``)."""
-    corrected: dict = field(default_factory=dict)
-    """``(micro, rank, param) -> (FP32 corrected gradient, sum|terms|)``."""
-    accumulated: dict = field(default_factory=dict)
-    """``(micro, rank, param) -> (FP32 running sum over micro-steps, sum|terms|)``."""
-    reduced: dict = field(default_factory=dict)
-    """``(rank, param) -> (FP32 DP average, sum|terms|)`` before clipping."""
-    norm: float = 0.0
-    master: dict = field(default_factory=dict)
-    """``(rank, param) -> (FP32 master, lr x steps)``: an AdamW step moves an element by about ``lr``."""
-    exp_avg: dict = field(default_factory=dict)
-    """``(rank, param) -> (exp_avg, its sum|terms|)`` (the gradient's terms through the moment's recurrence)."""
-    exp_avg_sq: dict = field(default_factory=dict)
-
-
-def _correct(family: Family, tp: int, own: torch.Tensor, peers: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The intended TP correction of one micro-step in FP32 (``peers`` in TP rank order); value and sum|terms|."""
-    correction = family.correction(tp)
-    if correction in (Correction.AVERAGE, Correction.SUM):
-        total = torch.zeros_like(own, dtype=torch.float32)
-        terms = torch.zeros_like(own, dtype=torch.float64)
-        for peer in peers:
-            total = total + peer.float()
-            terms = terms + peer.double().abs()
-        if correction is Correction.AVERAGE:
-            return total / tp, terms / tp
-        return total, terms
-    if correction is Correction.EXPERT_TP_CANCEL:
-        return own.float() / tp, own.double().abs() / tp
-    return own.float(), own.double().abs()
-
-
-def oracle(spec: ParallelSpec, run: EngineRun, seed: int = 0) -> list[OracleStep]:
-    """The intended FP32 computation for ``run`` on ``spec``, step by step."""
-    params = run.params()
-    source, initial = SyntheticGradients(spec, seed=seed), InitialWeights(spec, seed)
-    ranks = range(spec.world_size)
-    masters = {(r, p.name): initial(r, p).float().clone().requires_grad_(False) for r in ranks for p in params}
-    optimizers = {
-        r: torch.optim.AdamW(
-            [masters[(r, p.name)] for p in params], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
-        )
-        for r in ranks
-    }
-    m_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in masters.items()}
-    v_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in masters.items()}
-    out = []
-    for step in range(run.steps):
-        o = OracleStep()
-        for micro in range(run.gas):
-            for r in ranks:
-                for p in params:
-                    o.local[(micro, r, p.name)] = (source(step, micro, r, p).float() / run.gas).to(torch.bfloat16)
-            for r in ranks:
-                for p in params:
-                    peers = [o.local[(micro, q, p.name)] for q in spec.group_of("tp", r)]
-                    value, terms = _correct(p.family, spec.tp, o.local[(micro, r, p.name)], peers)
-                    o.corrected[(micro, r, p.name)] = (value, terms)
-                    if micro == 0:
-                        acc, acc_terms = value, terms
-                    else:
-                        prev, prev_terms = o.accumulated[(micro - 1, r, p.name)]
-                        acc, acc_terms = prev + value, prev_terms + terms
-                    o.accumulated[(micro, r, p.name)] = (acc, acc_terms)
-        last = run.gas - 1
-        for r in ranks:
-            for p in params:
-                # the independent oracle's own group rule, not the family table the engines read (issue 30)
-                group = spec.group_of(dp_kind(p.family), r)
-                total = torch.zeros(p.shape, dtype=torch.float32)
-                terms = torch.zeros(p.shape, dtype=torch.float64)
-                for q in group:
-                    value, t = o.accumulated[(last, q, p.name)]
-                    total, terms = total + value, terms + t
-                o.reduced[(r, p.name)] = (total / spec.dp, terms / spec.dp)
-        o.norm = _global_norm(spec, params, o.reduced)
-        scale = run.clip / (o.norm + 1e-6) if run.clip and o.norm > run.clip else 1.0
-        for r in ranks:
-            for p in params:
-                masters[(r, p.name)].grad = o.reduced[(r, p.name)][0] * scale
-            optimizers[r].step()
-            for p in params:
-                key = (r, p.name)
-                master = masters[key]
-                state = optimizers[r].state[master]
-                g_terms = o.reduced[key][1] * scale
-                m_terms[key] = BETAS[0] * m_terms[key] + (1 - BETAS[0]) * g_terms
-                v_terms[key] = BETAS[1] * v_terms[key] + (1 - BETAS[1]) * g_terms**2
-                o.master[key] = (master.detach().clone(), torch.full(p.shape, LR * (step + 1), dtype=torch.float64))
-                o.exp_avg[key] = (state["exp_avg"].clone(), m_terms[key].clone())
-                o.exp_avg_sq[key] = (state["exp_avg_sq"].clone(), v_terms[key].clone())
-        out.append(o)
-    return out
-
-
-def _global_norm(spec: ParallelSpec, params, reduced: dict) -> float:
-    """The L2 norm of the whole model's gradient: each distinct shard once (FP32 squares, summed in FP64)."""
-    total = 0.0
-    for p in params:
-        if p.family is Family.EXPERT:
-            holders = {spec.group_of("edp", r)[0] for r in range(spec.world_size)}  # one per expert shard
-        elif p.family is Family.MODEL_PARALLEL:
-            holders = {spec.group_of("dp", r)[0] for r in range(spec.world_size)}  # one per TP shard
-        else:
-            holders = {0}  # replicated after the TP correction and the DP average
-        for r in holders:
-            total += float((reduced[(r, p.name)][0].float() ** 2).sum())
-    return total**0.5
-
-
-# -- comparison -----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    """One boundary (capture) of one run against the oracle."""
-
-    boundary: str
-    compared: int
-    differing: int
-    max_error_over_terms: float
-    params_differing: list[str]
-    effect: str
-    note: str = ""
-
-
-@dataclass
-class RunResult:
-    label: str
-    optimizer_class: str
-    error: str
-    rows: list[Row] = field(default_factory=list)
-    skipped_corrections: list[str] = field(default_factory=list)
-    """``micro m: param`` where the helper skipped the TP correction because the marker was set."""
-    correction_sites: list[str] = field(default_factory=list)
-    """Which DeepSpeed code applied the TP correction (``bf16_optimizer``, ``stage_1_and_2``, ...)."""
-    buffer_dtypes: list[str] = field(default_factory=list)
-    """The dtypes of the gradient buffers the correction wrote back into (``torch.bfloat16``: a BF16 boundary)."""
-    norms: dict[int, float] = field(default_factory=dict)
-    """Each rank's global gradient norm at step 0 (``engine.get_global_grad_norm``)."""
-    oracle_norm: float = 0.0
-    narrowing: list[str] = field(default_factory=list)
-    """The sites ``simdist.audit`` found in rank 0's process during this run's backward and step."""
+SMALL_RUNS = (
+    EngineRun("bf16_optimizer", gas=1, clip=CLIP),
+    EngineRun("bf16_optimizer", gas=1, comm_dtype="fp32", clip=CLIP, fix="fp32_staging"),
+)
+"""The small run (`run_small`): BF16_Optimizer as shipped, and with the fix and FP32 comm (the power checks'
+target), one step each."""
 
 
 @dataclass
@@ -258,120 +100,32 @@ class WrappersVerdict:
     """Per wrapper, every site ``simdist.audit`` found inside the rank processes (rank 0, all runs): narrowing
     casts/accumulations/stores of floats and the floating collectives with their dtype, with DeepSpeed's
     ``file:line``."""
-
-
-class _Acc:
-    """Accumulates one row: differing elements and the largest error / sum|terms|."""
-
-    def __init__(self) -> None:
-        self.compared = self.differing = 0
-        self.ratio = 0.0
-        self.params: set[str] = set()
-
-    def add(self, param: str, got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor | None) -> None:
-        got, want = got.float().reshape(want.shape), want.float()
-        self.compared += want.numel()
-        differ = bits(got) != bits(want)
-        n = int(differ.sum())
-        if not n:
-            return
-        self.differing += n
-        self.params.add(param)
-        err = (got.double() - want.double()).abs()
-        scale = terms.double() if terms is not None else want.double().abs()
-        ratio = err / scale.clamp_min(torch.finfo(torch.float64).tiny)
-        self.ratio = max(self.ratio, float(ratio[differ].max()))
-
-    def row(self, boundary: str, note: str = "", classify: bool = True) -> Row:
-        effect = "bitwise" if not self.differing else "bf16" if self.ratio > BF16_LEVEL else "fp32-order"
-        if self.differing and not classify:
-            effect = "differs"
-        return Row(boundary, self.compared, self.differing, self.ratio, sorted(self.params), effect, note)
-
-
-def judge_run(spec: ParallelSpec, run: EngineRun, captures: list[EngineCapture], seed: int = 0) -> RunResult:
-    """Compare one run's captures on every rank with `oracle`."""
-    first = captures[0]
-    error = next((c.error for c in captures if c.error), "")
-    result = RunResult(f"{spec.describe()} {run.label}", first.optimizer_class, error)
-    if error:
-        return result
-    steps = oracle(spec, run, seed)
-    rows = {name: _Acc() for name in ("local", "fp32", "writeback", "hp", "reduced", "master", "exp_avg", "exp_sq")}
-    norm = _Acc()
-    sites, skipped, dtypes = set(), set(), set()
-    for c in captures:
-        r = c.rank
-        for (step, micro, name), value in c.local.items():
-            want = steps[step].local[(micro, r, name)]
-            rows["local"].add(name, value, want.float(), None)
-        for call in c.calls:
-            if call.action == "skipped: marker set":
-                skipped.add(f"micro {call.micro}: {call.param}")
-                continue
-            if call.action != "corrected":
-                continue
-            sites.add(call.caller)
-            dtypes.add(call.buffer_dtype)
-            # The engine's boundary pass, and ZeRO-1's reduce hook (it reduces only at the boundary:
-            # stage_1_and_2.py reduce_ready_partitions_and_remove_grads), correct the BF16 gradient accumulated
-            # over the micro-steps; BF16_Optimizer, ZeRO-2 and ZeRO-3 correct each micro-step's.
-            on_accumulated = call.caller == BOUNDARY_PASS or run.wrapper == "zero1"
-            table = steps[call.step].accumulated if on_accumulated else steps[call.step].corrected
-            value, terms = table[(call.micro, r, call.param)]
-            if call.fp32_before_writeback is not None:
-                rows["fp32"].add(call.param, call.fp32_before_writeback, value, terms)
-            if call.after is not None:
-                rows["writeback"].add(call.param, call.after, value, terms)
-        for (step, micro, name), value in c.hp.items():
-            want, terms = steps[step].accumulated[(micro, r, name)]
-            rows["hp"].add(name, value, want, terms)
-        for (step, name), value in c.reduced.items():
-            want, terms = steps[step].reduced[(r, name)]
-            rows["reduced"].add(name, value, want, terms)
-        for key, store, boundary in (
-            ("master", c.master, "master"),
-            ("exp_avg", c.exp_avg, "exp_avg"),
-            ("exp_avg_sq", c.exp_avg_sq, "exp_sq"),
-        ):
-            for (step, name), value in store.items():
-                rows[boundary].add(name, value, *getattr(steps[step], key)[(r, name)])
-        for step, norm_value in c.norm.items():
-            norm.add(f"rank {r}", torch.tensor([norm_value]), torch.tensor([steps[step].norm]), None)
-        result.norms[r] = c.norm.get(0, float("nan"))
-    labels = {
-        "local": "BF16 local gradient (input check)",
-        "fp32": "FP32 TP-corrected value before write-back",
-        "writeback": "corrected gradient after write-back",
-        "hp": "FP32 accumulated gradient after each micro-step",
-        "reduced": "DP-reduced gradient (safe_get_full_grad)",
-        "master": "FP32 master after step",
-        "exp_avg": "Adam exp_avg",
-        "exp_sq": "Adam exp_avg_sq",
-    }
-    notes = {"master": "error / (lr x steps)"}
-    for key, acc in rows.items():
-        if acc.compared:
-            # A master's error has no BF16/FP32 scale: Adam's first update is lr * sign(g), so a gradient
-            # whose sign a BF16 rounding flips moves the master by 2 lr; the row says only whether it differs.
-            row = acc.row(labels[key], notes.get(key, "error / sum|terms|"), classify=key != "master")
-            result.rows.append(row)
-    if norm.compared:
-        result.rows.append(norm.row("global grad norm", "error / |value|"))
-    result.narrowing = _sites(first)
-    result.correction_sites = sorted(sites)
-    result.buffer_dtypes = sorted(dtypes)
-    result.oracle_norm = steps[0].norm
-    result.skipped_corrections = sorted(skipped)
-    return result
+    inputs: str = ""
+    """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
+    findings: list = field(default_factory=list)
+    """The case's claims (`simdist.cases.deepspeed_wrappers_checks.findings`) and whether each held."""
+    power_checks: list = field(default_factory=list)
+    """The controls (`simdist.cases.deepspeed_wrappers_checks.CONTROLS`) against each layout's fixed run."""
+    findings_hold: bool = False
+    """Every applicable finding held (``ok`` also needs every applicable power check to show power)."""
+    explanations: dict[str, str] = field(default_factory=dict)
+    """What a finding's remaining differences come from (``fixed_run_masters``: which operation, which order)."""
 
 
 # -- running ---------------------------------------------------------------------------------------------------
 
 
-def run_real(spec: ParallelSpec, runs: tuple[EngineRun, ...], world: World = "gloo", seed: int = 0):
+def run_real(
+    spec: ParallelSpec,
+    runs: tuple[EngineRun, ...],
+    world: World = "gloo",
+    seed: int = 0,
+    inputs: Inputs | str = Inputs.ROUNDING,
+):
     """Every run on the real engine in one launch of ``spec.world_size`` ranks; ``{run: per-rank captures}``."""
-    per_rank = run_ranks(engine_rank, spec, runs, seed, world=world, timeout_s=1800.0, preload=DEEPSPEED_MODULES)
+    per_rank = run_ranks(
+        engine_rank, spec, runs, seed, Inputs(inputs).value, world=world, timeout_s=1800.0, preload=DEEPSPEED_MODULES
+    )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
@@ -387,29 +141,42 @@ def run(
     tps: tuple[int, ...] = (2, 4),
     runs: tuple[EngineRun, ...] | None = None,
     world_size: int = 4,
+    inputs: Inputs | str = Inputs.ROUNDING,
 ) -> WrappersVerdict:
-    """The whole audit: every run at each TP size (``world_size`` ranks, EP2) on ``world``; the verdict + table."""
+    """The whole audit: every run at each TP size (``world_size`` ranks, EP2) on ``world``, one launch per TP size;
+    the findings and power checks (`simdist.cases.deepspeed_wrappers_checks`), the verdict and its table.
+
+    ``ok`` is true only when every applicable finding holds and every applicable power check shows power."""
     import deepspeed
 
     start = time.perf_counter()
-    results, layouts = [], []
+    inputs = Inputs(inputs)
+    results, layouts, judged, power = [], [], [], []
     sites: dict[str, list[str]] = {}
     for tp in tps:
         spec = ParallelSpec(world_size, tp=tp, ep=2)
         layouts.append(spec.describe())
         chosen = runs if runs is not None else audit_runs(tp)
-        real = run_real(spec, chosen, world)
-        results += [judge_run(spec, r, real[r]) for r in chosen]
+        real = run_real(spec, chosen, world, inputs=inputs)
         for r in chosen:
+            result = judge_run(spec, r, real[r], inputs=inputs)
+            again = judge_run(spec, r, real[r], inputs=inputs, engine_norm=True) if checks.fixed_run(r) else None
+            results.append(result)
+            judged.append((spec, r, result, again))
             found = sites.setdefault(r.wrapper, [])
             found += [s for s in _sites(real[r][0]) if s not in found]
-    ok = all(
-        (not r.error or any(e in r.error for e in EXPECTED_UNSUPPORTED))
-        and all(row.effect == "bitwise" for row in r.rows if row.boundary.startswith("BF16 local"))
-        for r in results
-    )
+        target = next((r for r in chosen if checks.fixed_run(r) and not real[r][0].error), None)
+        if target is not None:
+            power += checks.power_checks(spec, target, real[target], inputs=inputs)
+    found_claims = checks.findings(judged, EXPECTED_UNSUPPORTED)
+    holds = all(f.holds for f in found_claims if f.applies)
+    used = [c for c in power if c.applies]
+    ok = holds and bool(used) and all(c.shown for c in used)
     verdict = WrappersVerdict(ok, "", deepspeed.__version__, world, layouts, time.perf_counter() - start, results)
     verdict.narrowing_sites = sites
+    verdict.inputs, verdict.findings, verdict.power_checks = describe_inputs(inputs), found_claims, power
+    verdict.findings_hold = holds
+    verdict.explanations = {"fixed_run_masters": checks.EPILOGUE_MASTERS}
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -432,17 +199,6 @@ def _cell(row: Row | None) -> str:
     if row.effect == "bitwise":
         return f"= ({row.compared})"
     return f"{row.effect} {row.differing}/{row.compared}, {row.max_error_over_terms:.1e}"
-
-
-def _sites(capture: EngineCapture) -> list[str]:
-    """The audit's floating-point sites of one rank as ``file:line function: op kind dtypes``."""
-    out = []
-    for s in capture.narrowing:
-        if s["kind"] == "collective" and s["dtypes"] not in ("fp32", "bf16", "fp16", "fp64"):
-            continue  # object broadcasts (int64, uint8)
-        where = s["where"].split("site-packages/")[-1]
-        out.append(f"{where} {s['function']}: {s['op']} {s['kind']} {s['dtypes']}")
-    return list(dict.fromkeys(out))  # sites differing only in their context read the same
 
 
 def table(v: WrappersVerdict) -> str:
@@ -489,13 +245,33 @@ def summarize(v: WrappersVerdict) -> str:
     for wrapper, found in v.narrowing_sites.items():
         lines.append(f"  narrowing sites and collectives found by simdist.audit in the {wrapper} rank processes:")
         lines += [f"    {site}" for site in found]
+    lines.append(f"inputs: {v.inputs}")
+    for f in v.findings:
+        state = "holds" if f.holds else "FAILS"
+        lines.append(f"finding {f.name}: {state if f.applies else 'not applicable'} ({f.detail})")
+    for key, text in v.explanations.items():
+        lines.append(f"explanation {key}: {text}")
+    for c in v.power_checks:
+        if not c.applies:
+            lines.append(f"power check {c.name} ({c.layout}): not applicable ({c.what}: no change there)")
+        else:
+            shown = "shows power" if c.shown else "NO POWER: the case cannot see this error"
+            lines.append(
+                f"power check {c.name} ({c.layout}): {shown} ({c.differing}/{c.compared} elements differ from "
+                f"{c.against})"
+            )
     lines.append(f"audit time: {v.seconds:.0f} s")
-    lines.append("verdict: " + ("every run captured, inputs bitwise" if v.ok else "FAILED (see above)"))
+    if v.ok:
+        lines.append("verdict: every finding holds; every applicable power check shows power")
+    elif v.findings_hold:
+        lines.append("verdict: NOT OK: the findings hold, but a power check shows no power (see above)")
+    else:
+        lines.append("verdict: NOT OK: a finding fails (see above)")
     return "\n".join(lines)
 
 
 def run_small(world: World = "gloo") -> WrappersVerdict:
-    """The default suite's case: BF16_Optimizer, GAS 1, one step, TP2/EP2 on 2 ranks (the fewest processes)."""
+    """A small case (slow tests): `SMALL_RUNS`, TP2/EP2 on 2 ranks (the fewest processes); ok as the full run's."""
     return run(world, tps=(2,), runs=SMALL_RUNS, world_size=2)
 
 
