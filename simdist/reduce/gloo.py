@@ -373,6 +373,16 @@ class Gloo(ReductionModel):
                 return out
         return self._reduced(tensors, op, "all_reduce", for_reduce=False)
 
+    def reduce_into(self, tensors: Sequence[torch.Tensor], op: ReduceOp, outs: Sequence[torch.Tensor]) -> bool:
+        """`reduce`'s result written into each of ``outs`` (an in-place all-reduce's writes: ``outs`` may be
+        members), in one pass of the native kernel; False where it does not apply (nothing written: call
+        `reduce`). The same bits as `reduce` (tests/unit/test_native_fold.py)."""
+        if (op is ReduceOp.SUM or op is ReduceOp.PRODUCT) and native.available() and len(tensors):
+            first = tensors[0]
+            plan = ring_plan(len(tensors), first.numel(), first.element_size(), self.max_segment_bytes)
+            return native.fold_to(plan, tensors, outs, op is ReduceOp.PRODUCT)
+        return False
+
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """What ``dist.reduce`` leaves on group rank ``root``: the ring of gloo's ``reduce``, whatever the root.
 
