@@ -142,6 +142,25 @@ def test_reduce_into_writes_the_eager_bits_into_the_targets_in_place(case, segme
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [3, 4])
+def test_reduce_into_folds_chunks_of_several_blocks(dtype, n):
+    """Chunks longer than the kernel's 1024-element block (each block folded and written at its own elements):
+    values 40 binades apart, so any element read from another block or member changes the bits, NaNs and
+    infinities past the first block."""
+    numel = 9000 + n  # gloo's chunks: about numel / n elements, several blocks each
+    gen = torch.Generator().manual_seed(n)
+    scale = 2.0 ** torch.randint(-20, 20, (n, numel), generator=gen)
+    xs = [row.to(dtype) for row in torch.randn(n, numel, generator=gen) * scale]
+    xs[0][2500], xs[1][5000], xs[n - 1][5000], xs[1][7777] = float("nan"), float("inf"), -float("inf"), -float("nan")
+    expected = eager(lambda: Gloo().reduce([x.clone() for x in xs], ReduceOp.SUM))
+    ys = [x.clone() for x in xs]
+    assert Gloo().reduce_into(ys, ReduceOp.SUM, ys)
+    for y in ys:
+        assert_same_bits(y, expected)
+
+
+@needs_kernel
 def test_reduce_into_refuses_outs_it_cannot_write_in_one_pass():
     """An out overlapping a member partly (or another out), not contiguous, or of another dtype or size: False,
     nothing written (the caller then reduces and copies)."""
