@@ -378,6 +378,19 @@ class _NoArithmetic(Gloo):
         return tensors[0]
 
 
+def c10d_layer(numel: int, iters: int) -> list[float]:
+    """Seconds per ``dist.all_reduce`` on torch's ``fake`` backend (world 4, this thread, no communication, no
+    arithmetic): c10d's own Python layer and dispatch, which every backend's ``dist.all_reduce`` pays."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    x = _input(numel)
+    dist.init_process_group("fake", rank=0, world_size=SPEC.world_size, store=FakeStore())
+    try:
+        return _laps(lambda: dist.all_reduce(x), iters, 1)
+    finally:
+        dist.destroy_process_group()
+
+
 def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, float]:
     """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
     the machine hits every part alike: the plain fold, the model + writes (``floor``), SimWorld's and the
@@ -393,6 +406,7 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
             x.copy_(xs[0])
 
     steps = {
+        "c10d": lambda: c10d_layer(numel, iters),
         "fold": lambda: floor(numel, iters, 1, plain=True),
         "floor": lambda: floor(numel, iters, 1),
         "sim": lambda: world.run(timed_loop, numel, iters, 1)[0],
@@ -470,6 +484,9 @@ def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str
         ("backend dist.all_reduce", us["backend"], us["backend"] / least, "<= 2x"),
         ("  isolation swaps", isolation, isolation / least, ""),
         ("  c10d Python + backend per-call path", backend_rest, backend_rest / least, ""),
+        ("  of which c10d's own layer, 4 calls (fake backend)", 4 * us["c10d"], 4 * us["c10d"] / least, ""),
+        ("backend floor: thread floor + c10d's layer x 4", least + 4 * us["c10d"], 1 + 4 * us["c10d"] / least, ""),
+        ("backend / backend floor", us["backend"], us["backend"] / (least + 4 * us["c10d"]), ""),
     ]
 
 
