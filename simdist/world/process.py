@@ -191,30 +191,56 @@ class ProcessTransport:
         if any(c.signature != calls[0].signature for c in calls):
             lines = "\n  ".join(c.describe() for c in calls)
             raise CollectiveMismatchError(f"collective on {pg.label} does not match:\n  {lines}")
-        if len(prints) == 1:  # one tensor (every all_reduce): its bytes as they are, no copy
-            payload = prints[0][0]
-        else:
-            payload = torch.cat([p for p, _ in prints]) if prints else torch.empty(0, dtype=torch.uint8)
         source = rooted_source(call.signature, pg.ranks)
+        wanted: list[bool] | None = None  # which of the root's tensors this rank receives (None: all)
         if source is None:
-            blobs: list[torch.Tensor | None] = list(self._exchange_bytes(payload))
+            blobs: list[torch.Tensor | None] = list(self._exchange_bytes(_joined(prints)))
+        elif call.signature[0] == "scatter":  # each member receives its own entries of the root's lists only
+            entry_of = _entries(metas[source][4])
+            wanted = [entry == self.group_rank for entry in entry_of]
+            blobs = [None] * len(calls)
+            blobs[source] = self._scatter_entries(prints, metas[source][3], entry_of, source)
         else:  # only the root's tensors are read: they alone travel, once, instead of every member's padded copy
             blobs = [None] * len(calls)
+            payload = _joined(prints) if self.group_rank == source else torch.empty(0, dtype=torch.uint8)
             blobs[source] = self._broadcast_bytes(payload, _nbytes(metas[source][3]), source)
         for i, (c, blob) in enumerate(zip(calls, blobs, strict=True)):
             if i == self.group_rank:
                 calls[i] = call
                 continue
             tensors, offset = [], 0
-            for m in metas[i][3]:
+            for j, m in enumerate(metas[i][3]):
                 nbytes = _nbytes([m])
-                if blob is None:  # a member whose data this rank never reads: its layout only (checks read it)
+                if blob is None or (wanted is not None and not wanted[j]):
+                    # data this rank never reads (another member's, another rank's scatter entry): its layout
+                    # only, which the checks read
                     tensors.append(torch.empty_strided(m[0], m[1], dtype=m[2], device="meta"))
-                else:
-                    tensors.append(_from_footprint(_aligned(blob[offset : offset + nbytes], m[2]), m))
+                    continue
+                tensors.append(_from_footprint(_aligned(blob[offset : offset + nbytes], m[2]), m))
                 offset += nbytes
             c.inputs = _rebuild(metas[i][4], tensors)
         complete(calls, [self.group_rank])
+
+    def _scatter_entries(self, prints: list, metas: list, entry_of: list[int], source: int) -> torch.Tensor | None:
+        """A scatter's bytes: the root sends each member the footprints of that member's entries (one message);
+        every other member returns what it received (None on the root, which reads its own tensors). So a
+        non-root holds its own entries only, not the root's whole lists (P=8, 25 MB objects: each rank had
+        received all 8)."""
+        me = self.group_rank
+        if me == source:
+            for r in range(self.group_size):
+                parts = [prints[j][0] for j, entry in enumerate(entry_of) if entry == r]
+                if r == me or not parts:
+                    continue
+                data = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+                if data.numel():
+                    self.inner.send([data], r, SCATTER_TAG).wait()
+            return None
+        nbytes = _nbytes([m for m, entry in zip(metas, entry_of, strict=True) if entry == me])
+        data = self._scratch(nbytes)
+        if nbytes:
+            self.inner.recv([data], source, SCATTER_TAG).wait()
+        return data
 
     def _broadcast_bytes(self, payload: torch.Tensor, nbytes: int, source: int) -> torch.Tensor:
         """Member ``source``'s ``nbytes`` bytes on every member (its own ``payload`` there)."""
@@ -247,6 +273,25 @@ def rooted_source(signature: tuple, ranks: tuple[int, ...]) -> int | None:
         return None
     source = next(str(d) for d in signature if str(d).startswith("src="))
     return ranks.index(int(source.removeprefix("src=")))
+
+
+def _joined(prints: list) -> torch.Tensor:
+    """The footprints' bytes end to end; one tensor's (every all_reduce) as they are, without a copy."""
+    if len(prints) == 1:
+        return prints[0][0]
+    return torch.cat([p for p, _ in prints]) if prints else torch.empty(0, dtype=torch.uint8)
+
+
+SCATTER_TAG = 0x5D157
+"""The tag of a scatter's messages on the inner group (`ProcessTransport._scatter_entries`), apart from the small
+tags programs use for their own point-to-point messages, which share the inner group."""
+
+
+def _entries(skeleton) -> list[int]:
+    """For each tensor of a scatter's inputs (lists of entries, `_skeleton`'s form), in flattened order: its
+    index in its list, the group rank it goes to."""
+    _, lists = skeleton
+    return [i for _, entries in lists for i in range(len(entries))]
 
 
 def _nbytes(metas: list) -> int:
