@@ -1,7 +1,11 @@
 """Microseconds per all_reduce on a 4-rank group: SimWorld, the simdist backend, torch's threaded group,
 LocalTensor, real gloo processes and the floor.
 
-    python bench/collectives.py [--quick] [--no-gloo] [--cpu-clock]
+    python bench/collectives.py [--quick] [--no-gloo] [--cpu-clock] [--per-call]
+
+``--per-call`` prints only issue 34's tables (`per_call_tables`): SimWorld's and the backend's all_reduce of
+1024 fp32 against the thread floor (handoffs + model + writes) with the split above it, c10d's own layer (the
+``fake`` backend) and the backend's floor, and a 64 MiB-per-rank all_reduce against the memory-bandwidth floor.
 
 All three run the same reduction (the `Gloo` model's order, fp32 SUM) on
 4 ranks, in one run of this script:
