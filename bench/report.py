@@ -78,7 +78,7 @@ def _progress(message: str) -> None:
 
 
 def frameworks_table(gloo: bool, full: bool) -> dict:
-    steps, repeats = (6, 5) if full else (3, 3)
+    steps, repeats = (10, 7) if full else (6, 5)
     rows = frameworks.measure(list(frameworks.PROGRAMS), steps, repeats, gloo, progress=_progress)
     columns, body = frameworks.table(rows, steps)
     return _table(
