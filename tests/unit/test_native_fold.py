@@ -161,6 +161,22 @@ def test_reduce_into_folds_chunks_of_several_blocks(dtype, n):
 
 
 @needs_kernel
+@given(members(max_n=6, max_numel=60), st.sampled_from(SEGMENTS), st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT]))
+def test_reduce_scatter_of_listed_members_gives_the_stacked_eager_bits(case, segment, op):
+    """`Gloo.reduce_scatter` of a list (folded in place, no stacked copy) against the eager path on the stacked
+    members; a size the group does not divide still raises."""
+    _, xs = case
+    model = Gloo(max_segment_bytes=segment)
+    n, numel = len(xs), xs[0].numel()
+    if numel % n:
+        with pytest.raises(ValueError):
+            model.reduce_scatter(xs, op)
+        return
+    expected = eager(lambda: model.reduce_scatter(torch.stack(xs), op))
+    assert_same_bits(model.reduce_scatter(xs, op), expected)
+
+
+@needs_kernel
 def test_reduce_into_refuses_outs_it_cannot_write_in_one_pass():
     """An out overlapping a member partly (or another out), not contiguous, or of another dtype or size: False,
     nothing written (the caller then reduces and copies)."""
