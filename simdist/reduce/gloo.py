@@ -473,14 +473,15 @@ class Gloo(ReductionModel):
         if not isinstance(tensors, torch.Tensor):
             tensors = [t if t.is_contiguous() else t.clone() for t in tensors]
             n = len(tensors)
-            if (op is ReduceOp.SUM or op is ReduceOp.PRODUCT) and n and tensors[0].numel() % n == 0:
+            if op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG) and n and tensors[0].numel() % n == 0:
                 # the members as they are, not stacked into a copy first (FSDP2's gradient buffers: a copy of
-                # every member's full gradient per call); the kernel's plan and bits are the stacked call's
+                # every member's full gradient per call); the kernel's plan and bits are the stacked call's, and
+                # AVG is that SUM divided in the dtype, as `reduce` does (FSDP2 on torch 2.13 reduces with AVG)
                 first = tensors[0]
                 plan = ring_plan(n, first.numel(), first.element_size(), self.max_segment_bytes)
                 out = native.fold(plan, tensors, op is ReduceOp.PRODUCT, flat=True)
                 if out is not None:
-                    return out.reshape(n, -1)
+                    return (out.div_(n) if op is ReduceOp.AVG else out).reshape(n, -1)
         if isinstance(tensors, torch.Tensor) or all(t.is_contiguous() for t in tensors):
             return super().reduce_scatter(tensors, op)
         n = len(tensors)

@@ -161,7 +161,11 @@ def test_reduce_into_folds_chunks_of_several_blocks(dtype, n):
 
 
 @needs_kernel
-@given(members(max_n=6, max_numel=60), st.sampled_from(SEGMENTS), st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT]))
+@given(
+    members(max_n=6, max_numel=60),
+    st.sampled_from(SEGMENTS),
+    st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG]),
+)
 def test_reduce_scatter_of_listed_members_gives_the_stacked_eager_bits(case, segment, op):
     """`Gloo.reduce_scatter` of a list (folded in place, no stacked copy) against the eager path on the stacked
     members; a size the group does not divide still raises."""
