@@ -1,7 +1,11 @@
 """Microseconds per all_reduce on a 4-rank group: SimWorld, the simdist backend, torch's threaded group,
 LocalTensor, real gloo processes and the floor.
 
-    python bench/collectives.py [--quick] [--no-gloo] [--cpu-clock]
+    python bench/collectives.py [--quick] [--no-gloo] [--cpu-clock] [--per-call]
+
+``--per-call`` prints only issue 34's tables (`per_call_tables`): SimWorld's and the backend's all_reduce of
+1024 fp32 against the thread floor (handoffs + model + writes) with the split above it, c10d's own layer (the
+``fake`` backend) and the backend's floor, and a 64 MiB-per-rank all_reduce against the memory-bandwidth floor.
 
 All three run the same reduction (the `Gloo` model's order, fp32 SUM) on
 4 ranks, in one run of this script:
@@ -430,6 +434,19 @@ class _NoArithmetic(Gloo):
         return tensors[0]
 
 
+def c10d_layer(numel: int, iters: int) -> list[float]:
+    """Seconds per ``dist.all_reduce`` on torch's ``fake`` backend (world 4, this thread, no communication, no
+    arithmetic): c10d's own Python layer and dispatch, which every backend's ``dist.all_reduce`` pays."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    x = _input(numel)
+    dist.init_process_group("fake", rank=0, world_size=SPEC.world_size, store=FakeStore())
+    try:
+        return _laps(lambda: dist.all_reduce(x), iters, 1)
+    finally:
+        dist.destroy_process_group()
+
+
 def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, float]:
     """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
     the machine hits every part alike: the plain fold, the model + writes (``floor``), SimWorld's and the
@@ -445,6 +462,7 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
             x.copy_(xs[0])
 
     steps = {
+        "c10d": lambda: c10d_layer(numel, iters),
         "fold": lambda: floor(numel, iters, 1, plain=True),
         "floor": lambda: floor(numel, iters, 1),
         "sim": lambda: world.run(timed_loop, numel, iters, 1)[0],
@@ -514,12 +532,103 @@ def split_rows(us: dict[str, float]) -> None:
     print(f"least on OS threads (handoffs + model + writes): {least:.2f}x fold (target for SimWorld, backend: <= 3x)")
 
 
+def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str]]:
+    """Issue 34's per-call targets against the thread floor (the 4 handoffs + the model + the writes, each measured
+    alone in the same run as the front ends, `front_end_parts`): (name, us, ratio to the floor, target) for
+    SimWorld and the backend, and the split of each above the floor (engine/checks/Python, isolation swaps,
+    c10d's layer)."""
+    least = us["ring"] + us["model"] + us["writes"]
+    isolation = us["iso"] - us["bare"]
+    sim_rest = us["sim"] - least
+    backend_rest = us["backend"] - us["sim"] - isolation
+    return [
+        ("thread floor: 4 handoffs + model + writes", least, 1.0, ""),
+        ("  4 handoffs", us["ring"], us["ring"] / least, ""),
+        ("  model", us["model"], us["model"] / least, ""),
+        ("  writes", us["writes"], us["writes"] / least, ""),
+        ("SimWorld all_reduce", us["sim"], us["sim"] / least, "<= 1.3x"),
+        ("  SimWorld above the floor: engine, checks, Python", sim_rest, sim_rest / least, ""),
+        ("backend dist.all_reduce", us["backend"], us["backend"] / least, "<= 2x"),
+        ("  isolation swaps", isolation, isolation / least, ""),
+        ("  c10d Python + backend per-call path", backend_rest, backend_rest / least, ""),
+        ("  of which c10d's own layer, 4 calls (fake backend)", 4 * us["c10d"], 4 * us["c10d"] / least, ""),
+        ("backend floor: thread floor + c10d's layer x 4", least + 4 * us["c10d"], 1 + 4 * us["c10d"] / least, ""),
+        ("backend / backend floor", us["backend"], us["backend"] / (least + 4 * us["c10d"]), ""),
+    ]
+
+
+BIG = 64 * 2**20 // 4
+"""Elements of fp32 per rank in the bandwidth table: 64 MiB."""
+
+
+def bandwidth_us(repeats: int, numel: int = BIG) -> dict[str, float]:
+    """Microseconds per all_reduce of ``numel`` fp32 per rank on 4 ranks (SimWorld, the backend) and the
+    memory-bandwidth floor: one read of each rank's input and one write of each rank's output, as 4 copies of
+    ``numel`` elements into 4 other tensors or 4 in-place passes do it (the floor is the faster: a copy into
+    other memory also reads the destination's lines before writing them). Interleaved, medians; inputs zeros
+    (see the module docstring)."""
+    n = SPEC.world_size
+    sources = [_input(numel) for _ in range(n)]
+    targets = [_input(numel) for _ in range(n)]
+    world = SimWorld(SPEC, reduction=Gloo())
+
+    def copies() -> None:
+        for src, dst in zip(sources, targets, strict=True):
+            dst.copy_(src)
+
+    def in_place() -> None:  # read and write each tensor once, in place (no read-for-ownership of other lines)
+        for src in sources:
+            src.mul_(1.0)
+
+    steps = {
+        "copies": lambda: _laps(copies, 2, 1),
+        "in_place": lambda: _laps(in_place, 2, 1),
+        "sim": lambda: world.run(timed_loop, numel, 2, 1)[0],
+        "backend": lambda: simdist.spawn(dist_loop, n, numel, 2, 1)[0],
+    }
+    for step in steps.values():  # warm: the first call pages the buffers in
+        step()
+    laps: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            laps[name] += step()
+    us = {k: statistics.median(v) * 1e6 for k, v in laps.items()}
+    us["floor"] = min(us["copies"], us["in_place"])
+    return us
+
+
+def per_call_tables(iters: int, repeats: int) -> dict[str, object]:
+    """Item 3 of issue 34 in one run: the per-call ratios to the thread floor (1024 fp32) and the 64 MiB ratios to
+    the memory-bandwidth floor; printed, and returned for `bench/targets.py`."""
+    world = SimWorld(SPEC, reduction=Gloo())
+    us = front_end_parts(world, iters, repeats)
+    rows = thread_floor_rows(us)
+    print("\n1024 fp32 on 4 ranks against the thread floor (us, each part alone, interleaved in one run)")
+    for name, value, ratio, target in rows:
+        print(f"{name:>52} {value:>8.1f} {ratio:>6.2f}x {target}")
+    big = bandwidth_us(max(3, repeats // 2))
+    print("\n64 MiB fp32 per rank, 4 ranks, against one read of each input + one write of each output (ms)")
+    big_rows = [
+        ("  4 copies of 64 MiB into 4 other tensors", big["copies"], big["copies"] / big["floor"], ""),
+        ("  4 in-place passes over 64 MiB (x.mul_(1))", big["in_place"], big["in_place"] / big["floor"], ""),
+        ("bandwidth floor: the faster of the two", big["floor"], 1.0, ""),
+        ("SimWorld all_reduce", big["sim"], big["sim"] / big["floor"], "<= 1.5x"),
+        ("backend dist.all_reduce", big["backend"], big["backend"] / big["floor"], "<= 1.5x"),
+    ]
+    for name, value, ratio, target in big_rows:
+        print(f"{name:>52} {value / 1000:>8.1f} {ratio:>6.2f}x {target}")
+    return {"thread_floor": rows, "bandwidth": big_rows, "us": us, "big_us": big}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier figures)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-gloo", action="store_true", help="only the in-process table (no gloo processes)")
     parser.add_argument("--json", metavar="PATH", help="also write the tables as bench/report.py's schema")
+    parser.add_argument(
+        "--per-call", action="store_true", help="only issue 34's per-call and bandwidth tables (in-process)"
+    )
     parser.add_argument(
         "--cpu-clock",
         action="store_true",
@@ -529,6 +638,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     started_on = machine()
     torch.set_num_threads(1)  # as on the rank threads and in the gloo processes: the floor is not run on 2 CPUs
+    if args.per_call:
+        CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
+        per_call_tables(_iterations(1024, args.quick), args.repeats)
+        return
     if args.no_gloo:
         CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
         backend_table(_iterations(1024, args.quick), args.repeats)

@@ -231,10 +231,46 @@ static int fold_item(const int64_t *plan, int code, const char *const *members, 
     return 0;
 }
 
+/* INTO: fold each block of the plan into a scratch block (in L1), then copy it into every out at the same elements.
+   A block reads the members only at its own elements, so an out may be a member (never a partial overlap: the
+   caller checks). Only for the FOLD path without bail: it cannot stop midway with some outs written. */
+static void fold_into_outs(const int64_t *plan, int code, const char *const *members, const char **shifted,
+                           char *const *outs, int64_t nout, int64_t size) {
+    const int64_t n = plan[0], numel = plan[1], length = plan[2], period = plan[3];
+    union { uint64_t align; char bytes[BLOCK * 8]; } scratch;
+    const block_fn block = fold_block;
+    for (int64_t lo = 0, chunk = 0; lo < numel; lo += length, chunk++) {
+        const int64_t end = numel - lo < length ? numel : lo + length, p = chunk % period;
+        for (int64_t b = lo; b < end; b += BLOCK) {
+            const int64_t len = end - b < BLOCK ? end - b : BLOCK;
+            for (int64_t r = 0; r < n; r++) shifted[r] = members[r] + b * size;
+            block(plan, code, p, shifted, scratch.bytes, 0, len);
+            for (int64_t o = 0; o < nout; o++) memcpy(outs[o] + b * size, scratch.bytes, (size_t)(len * size));
+        }
+    }
+}
+
+/* every out either is a member or overlaps no member and no other out (ranges of nbytes each) */
+static int outs_separate(const char *const *members, int64_t n, char *const *outs, int64_t nout, int64_t nbytes) {
+    for (int64_t o = 0; o < nout; o++) {
+        for (int64_t r = 0; r < n; r++) {
+            const char *a = outs[o], *m = members[r];
+            if (a != m && (a < m ? m - a : a - m) < nbytes) return 0;
+        }
+        for (int64_t q = 0; q < o; q++) {
+            const char *a = outs[o], *m = outs[q];
+            if (a == m || (a < m ? m - a : a - m) < nbytes) return 0;
+        }
+    }
+    return 1;
+}
+
 /* -- the Python entry point: fold(plan, code, members, out, mode) -> bool ---------------------------------- */
 
 #define COPIES 1 /* stacked members: every member row of out receives the result */
 #define FLAT 2   /* listed members: contiguous tensors of any shape, read in memory order */
+#define INTO 4   /* listed members, out a sequence of tensors: the result written into each of them, block by block
+                    (an in-place all-reduce: one read of each member, one write of each out) */
 
 #define MAX_DIMS 64
 
@@ -329,7 +365,7 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     long code = PyLong_AsLong(args[1]);
     long mode = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    const int copies = (mode & COPIES) != 0, flat = (mode & FLAT) != 0;
+    const int copies = (mode & COPIES) != 0, flat = (mode & FLAT) != 0, into = (mode & INTO) != 0;
     if (code < 0 || code > 15 || plan_len < 5 || plan_len != 5 + plan[0] + plan[3] - 1 || plan[1] <= 0)
         Py_RETURN_FALSE;
     const int64_t n = plan[0], numel = plan[1], period = plan[3], size = SIZES[(code & 7) >> 1];
@@ -345,7 +381,24 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
         PyObject **items = PySequence_Fast_ITEMS(seq);
         PyObject *dtype = NULL, *shape = NULL;
-        int ok = count == n && !copies && pointer_of(args[3], &out) == 0;
+        PyObject *outs_seq = NULL;
+        Py_ssize_t nout = 0;
+        char *stack_outs[64];
+        char **outs = stack_outs;
+        int ok = count == n && !copies;
+        if (ok && into) {
+            /* the FOLD path without bail only (see fold_into_outs) */
+            ok = (code & BAIL) == 0 && !(plan[2] < SHORT && period > 1)
+                 && (PyList_Check(args[3]) || PyTuple_Check(args[3]));
+            if (ok) {
+                outs_seq = args[3];
+                nout = PySequence_Fast_GET_SIZE(outs_seq);
+                outs = nout <= 64 ? stack_outs : PyMem_Malloc((size_t)nout * sizeof(char *));
+                ok = outs != NULL;
+            }
+        } else if (ok) {
+            ok = pointer_of(args[3], &out) == 0;
+        }
         for (Py_ssize_t r = 0; ok && r < count; r++) {
             PyObject *t = items[r], *t_dtype = PyObject_GetAttr(t, s_dtype), *t_shape = PyObject_GetAttr(t, s_shape);
             ok = t_dtype != NULL && t_shape != NULL && flag_of(PyObject_GetAttr(t, s_is_cpu)) == 1
@@ -365,13 +418,37 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             Py_XDECREF(t_dtype);
             Py_XDECREF(t_shape);
         }
+        /* INTO: every out a contiguous CPU tensor of the members' dtype and element count */
+        for (Py_ssize_t o = 0; ok && into && o < nout; o++) {
+            PyObject *t = PySequence_Fast_ITEMS(outs_seq)[o];
+            PyObject *t_dtype = PyObject_GetAttr(t, s_dtype);
+            int64_t dims[MAX_DIMS], total = 1;
+            int ndim = ints_of(PyObject_GetAttr(t, s_shape), dims);
+            for (int d = 0; d < ndim; d++) total *= dims[d];
+            ok = t_dtype != NULL && t_dtype == dtype && ndim >= 0 && total == numel
+                 && flag_of(PyObject_GetAttr(t, s_is_cpu)) == 1
+                 && flag_of(PyObject_CallMethodNoArgs(t, s_is_contiguous)) == 1 && pointer_of(t, &outs[o]) == 0;
+            Py_XDECREF(t_dtype);
+        }
         Py_XDECREF(dtype);
         Py_XDECREF(shape);
-        if (ok) {
+        if (ok && into) {
+            const char *stack_shifted[64];
+            const char **shifted = n <= 64 ? stack_shifted : PyMem_Malloc((size_t)n * sizeof(char *));
+            ok = shifted != NULL && outs_separate(members, n, outs, nout, numel * size);
+            if (ok) {
+                Py_BEGIN_ALLOW_THREADS
+                fold_into_outs(plan, (int)code, members, shifted, outs, nout, size);
+                Py_END_ALLOW_THREADS
+                done = 1;
+            }
+            if (shifted != NULL && shifted != stack_shifted) PyMem_Free(shifted);
+        } else if (ok) {
             Py_BEGIN_ALLOW_THREADS
             done = !fold_item(plan, (int)code, members, out);
             Py_END_ALLOW_THREADS
         }
+        if (outs != stack_outs) PyMem_Free(outs);
     } else {
         /* one stacked [n, *batch, *member] tensor; out: contiguous [*batch, *member], or with copies a tensor of
            the members' shape whose every member row receives the result (its member dimensions contiguous) */

@@ -373,6 +373,16 @@ class Gloo(ReductionModel):
                 return out
         return self._reduced(tensors, op, "all_reduce", for_reduce=False)
 
+    def reduce_into(self, tensors: Sequence[torch.Tensor], op: ReduceOp, outs: Sequence[torch.Tensor]) -> bool:
+        """`reduce`'s result written into each of ``outs`` (an in-place all-reduce's writes: ``outs`` may be
+        members), in one pass of the native kernel; False where it does not apply (nothing written: call
+        `reduce`). The same bits as `reduce` (tests/unit/test_native_fold.py)."""
+        if (op is ReduceOp.SUM or op is ReduceOp.PRODUCT) and native.available() and len(tensors):
+            first = tensors[0]
+            plan = ring_plan(len(tensors), first.numel(), first.element_size(), self.max_segment_bytes)
+            return native.fold_to(plan, tensors, outs, op is ReduceOp.PRODUCT)
+        return False
+
     def reduce_to(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """What ``dist.reduce`` leaves on group rank ``root``: the ring of gloo's ``reduce``, whatever the root.
 
@@ -462,6 +472,16 @@ class Gloo(ReductionModel):
         hands rank ``i`` chunk ``i`` of dim 0; flat ``[n, numel / n]`` blocks."""
         if not isinstance(tensors, torch.Tensor):
             tensors = [t if t.is_contiguous() else t.clone() for t in tensors]
+            n = len(tensors)
+            if op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG) and n and tensors[0].numel() % n == 0:
+                # the members as they are, not stacked into a copy first (FSDP2's gradient buffers: a copy of
+                # every member's full gradient per call); the kernel's plan and bits are the stacked call's, and
+                # AVG is that SUM divided in the dtype, as `reduce` does (FSDP2 on torch 2.13 reduces with AVG)
+                first = tensors[0]
+                plan = ring_plan(n, first.numel(), first.element_size(), self.max_segment_bytes)
+                out = native.fold(plan, tensors, op is ReduceOp.PRODUCT, flat=True)
+                if out is not None:
+                    return (out.div_(n) if op is ReduceOp.AVG else out).reshape(n, -1)
         if isinstance(tensors, torch.Tensor) or all(t.is_contiguous() for t in tensors):
             return super().reduce_scatter(tensors, op)
         n = len(tensors)

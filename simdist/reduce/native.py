@@ -85,6 +85,8 @@ FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract
 _CODES = {torch.float32: 0, torch.float64: 2, torch.bfloat16: 4, torch.float16: 6}
 """dtype -> the kernel's code (``+ 1`` for PRODUCT, ``+ _BAIL`` for torch's NaN bits)."""
 _BAIL = 8
+_INTO = 4
+"""Mode bit of the kernel: listed members, the result written into each tensor of a sequence (`fold_to`)."""
 
 STATUS = "not loaded"
 """Why the kernel is or is not in use: ``"loaded <path>"``, ``"disabled (SIMDIST_NATIVE=0)"``, or the failure."""
@@ -243,6 +245,24 @@ def fold(
         return None
     result = torch.empty_like(first, memory_format=torch.contiguous_format)
     return result if kernel.fold(_packed(plan), code + mode, members, result, 2 if flat else 0) else None
+
+
+def fold_to(
+    plan: FoldPlan, members: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], multiply: bool = False
+) -> bool:
+    """`fold` of listed ``members`` (contiguous, read in memory order, gloo's hop rule) written into each of
+    ``outs`` instead of a new tensor: an in-place all-reduce in one pass, one read of each member and one write
+    of each out, block by block (an out may be one of the members). False where the kernel does not apply
+    (nothing written; run `fold` or the eager path): no kernel, another dtype, an out not contiguous or of
+    another dtype or element count, an out partly overlapping a member or another out, or a plan of short
+    chunks (`fold`'s element-by-element path)."""
+    kernel = _KERNEL
+    if kernel is None or not _enabled or not plan.numel or not members:
+        return False
+    code = _CODES.get(members[0].dtype)
+    if code is None:
+        return False
+    return kernel.fold(plan.packed or _packed(plan), code + int(multiply), members, outs, _INTO | 2)
 
 
 def fold_into(plan: FoldPlan, members: torch.Tensor, out: torch.Tensor) -> bool:

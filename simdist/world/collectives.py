@@ -353,10 +353,15 @@ def all_reduce(m: Members, rank: int, frame: Any, tensors: Sequence[torch.Tensor
         refuse_gloo_dtypes("all_reduce", label, tensors)
     count = len(tensors)
 
+    into = getattr(model, "reduce_into", None) if op.reduce_op is not None else None
+
     def complete(calls: list[Call], targets: Sequence[int]) -> None:
         for k in range(count):
+            members = [c.inputs[k] for c in calls]
+            if into is not None and into(members, op.reduce_op, [members[i] for i in targets]):
+                continue  # one pass: each member read once, each target written once (the model's bits)
             try:
-                result = reduce_all(model, [c.inputs[k] for c in calls], op)
+                result = reduce_all(model, members, op)
             except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
                 written = getattr(exc, "written", None)
                 if written is not None:

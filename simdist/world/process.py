@@ -155,6 +155,31 @@ class ProcessTransport:
         self.inner._allgather_base(gathered, padded).wait()
         return [gathered[i * width : i * width + int(lengths[i])] for i in range(n)]
 
+    def _exchange_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``payload`` (bytes, lengths may differ), this rank's own as it is: one broadcast per
+        member into a slot of the kept buffer. Not an all-gather: gloo's all-gather allocates a temporary of the
+        gathered size on every call, which glibc then keeps (4 ranks gathering 4 MiB 60 times: 371 MB peak RSS
+        per rank against 259 MB with broadcasts, which write in place; bench/memory.py)."""
+        n, me = self.group_size, self.group_rank
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        lengths = torch.empty(n, dtype=torch.int64)
+        self.inner._allgather_base(lengths, length).wait()
+        sizes = lengths.tolist()
+        slots = [-(-size // 64) * 64 for size in sizes]  # each slot 64-byte aligned: every dtype views in place
+        gathered = self._scratch(sum(slots) - slots[me])
+        out, offset = [], 0
+        for r, size in enumerate(sizes):
+            if r == me:
+                data = payload.contiguous()
+            else:
+                data, offset = gathered[offset : offset + size], offset + slots[r]
+            if size:
+                options = dist.BroadcastOptions()
+                options.rootRank = r
+                self.inner.broadcast([data], options).wait()
+            out.append(data)
+        return out
+
     def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
         mine = _flatten(call.inputs)
         prints = [_footprint(t) for t in mine]
@@ -166,27 +191,56 @@ class ProcessTransport:
         if any(c.signature != calls[0].signature for c in calls):
             lines = "\n  ".join(c.describe() for c in calls)
             raise CollectiveMismatchError(f"collective on {pg.label} does not match:\n  {lines}")
-        payload = torch.cat([p for p, _ in prints]) if prints else torch.empty(0, dtype=torch.uint8)
         source = rooted_source(call.signature, pg.ranks)
+        wanted: list[bool] | None = None  # which of the root's tensors this rank receives (None: all)
         if source is None:
-            blobs: list[torch.Tensor | None] = list(self._gather_bytes(payload))
+            blobs: list[torch.Tensor | None] = list(self._exchange_bytes(_joined(prints)))
+        elif call.signature[0] == "scatter":  # each member receives its own entries of the root's lists only
+            entry_of = _entries(metas[source][4])
+            wanted = [entry == self.group_rank for entry in entry_of]
+            blobs = [None] * len(calls)
+            blobs[source] = self._scatter_entries(prints, metas[source][3], entry_of, source)
         else:  # only the root's tensors are read: they alone travel, once, instead of every member's padded copy
             blobs = [None] * len(calls)
+            payload = _joined(prints) if self.group_rank == source else torch.empty(0, dtype=torch.uint8)
             blobs[source] = self._broadcast_bytes(payload, _nbytes(metas[source][3]), source)
         for i, (c, blob) in enumerate(zip(calls, blobs, strict=True)):
             if i == self.group_rank:
                 calls[i] = call
                 continue
             tensors, offset = [], 0
-            for m in metas[i][3]:
+            for j, m in enumerate(metas[i][3]):
                 nbytes = _nbytes([m])
-                if blob is None:  # a member whose data this rank never reads: its layout only (checks read it)
+                if blob is None or (wanted is not None and not wanted[j]):
+                    # data this rank never reads (another member's, another rank's scatter entry): its layout
+                    # only, which the checks read
                     tensors.append(torch.empty_strided(m[0], m[1], dtype=m[2], device="meta"))
-                else:
-                    tensors.append(_from_footprint(_aligned(blob[offset : offset + nbytes], m[2]), m))
+                    continue
+                tensors.append(_from_footprint(_aligned(blob[offset : offset + nbytes], m[2]), m))
                 offset += nbytes
             c.inputs = _rebuild(metas[i][4], tensors)
         complete(calls, [self.group_rank])
+
+    def _scatter_entries(self, prints: list, metas: list, entry_of: list[int], source: int) -> torch.Tensor | None:
+        """A scatter's bytes: the root sends each member the footprints of that member's entries (one message);
+        every other member returns what it received (None on the root, which reads its own tensors). So a
+        non-root holds its own entries only, not the root's whole lists (P=8, 25 MB objects: each rank had
+        received all 8)."""
+        me = self.group_rank
+        if me == source:
+            for r in range(self.group_size):
+                parts = [prints[j][0] for j, entry in enumerate(entry_of) if entry == r]
+                if r == me or not parts:
+                    continue
+                data = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+                if data.numel():
+                    self.inner.send([data], r, SCATTER_TAG).wait()
+            return None
+        nbytes = _nbytes([m for m, entry in zip(metas, entry_of, strict=True) if entry == me])
+        data = self._scratch(nbytes)
+        if nbytes:
+            self.inner.recv([data], source, SCATTER_TAG).wait()
+        return data
 
     def _broadcast_bytes(self, payload: torch.Tensor, nbytes: int, source: int) -> torch.Tensor:
         """Member ``source``'s ``nbytes`` bytes on every member (its own ``payload`` there)."""
@@ -222,6 +276,25 @@ def rooted_source(signature: tuple, ranks: tuple[int, ...]) -> int | None:
         return None
     source = next(str(d) for d in signature if str(d).startswith("src="))
     return ranks.index(int(source.removeprefix("src=")))
+
+
+def _joined(prints: list) -> torch.Tensor:
+    """The footprints' bytes end to end; one tensor's (every all_reduce) as they are, without a copy."""
+    if len(prints) == 1:
+        return prints[0][0]
+    return torch.cat([p for p, _ in prints]) if prints else torch.empty(0, dtype=torch.uint8)
+
+
+SCATTER_TAG = 0x5D157
+"""The tag of a scatter's messages on the inner group (`ProcessTransport._scatter_entries`), apart from the small
+tags programs use for their own point-to-point messages, which share the inner group."""
+
+
+def _entries(skeleton) -> list[int]:
+    """For each tensor of a scatter's inputs (lists of entries, `_skeleton`'s form), in flattened order: its
+    index in its list, the group rank it goes to."""
+    _, lists = skeleton
+    return [i for _, entries in lists for i in range(len(entries))]
 
 
 def _nbytes(metas: list) -> int:

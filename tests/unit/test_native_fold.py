@@ -116,6 +116,93 @@ def test_the_kernel_runs_where_a_compiler_and_headers_exist():
     members(),
     st.sampled_from(SEGMENTS),
     st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT]),
+    st.sampled_from(VARIANTS),
+    st.data(),
+)
+def test_reduce_into_writes_the_eager_bits_into_the_targets_in_place(case, segment, op, variant, data):
+    """`Gloo.reduce_into` (the in-place all-reduce's one pass): each target, members included, gets the eager
+    path's bits; the members that are not targets keep theirs; where the kernel declines (short chunks, an
+    empty tensor) nothing is written."""
+    dtype, xs = case
+    model = Gloo(max_segment_bytes=segment)
+    expected = eager(lambda: model.reduce([x.clone() for x in xs], op))
+    targets = data.draw(st.lists(st.integers(0, len(xs) - 1), unique=True, max_size=len(xs)))
+    outside = data.draw(st.integers(0, 2))  # targets that are not members (process mode's buffers)
+    ys = [x.clone() for x in xs]
+    extra = [torch.full_like(xs[0], 7.0) for _ in range(outside)]
+    plan = model.plan(len(xs), xs[0].numel(), dtype)
+    with on_variant(variant):
+        applied = model.reduce_into(ys, op, [ys[i] for i in targets] + extra)
+    short = plan.length < 8 and plan.period > 1  # the kernel's element-by-element path: not covered
+    assert applied == (xs[0].numel() > 0 and not short)
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        assert_same_bits(y, expected if applied and i in targets else x)
+    for out in extra:
+        assert_same_bits(out, expected if applied else torch.full_like(xs[0], 7.0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [3, 4])
+def test_reduce_into_folds_chunks_of_several_blocks(dtype, n):
+    """Chunks longer than the kernel's 1024-element block (each block folded and written at its own elements):
+    values 40 binades apart, so any element read from another block or member changes the bits, NaNs and
+    infinities past the first block."""
+    numel = 9000 + n  # gloo's chunks: about numel / n elements, several blocks each
+    gen = torch.Generator().manual_seed(n)
+    scale = 2.0 ** torch.randint(-20, 20, (n, numel), generator=gen)
+    xs = [row.to(dtype) for row in torch.randn(n, numel, generator=gen) * scale]
+    xs[0][2500], xs[1][5000], xs[n - 1][5000], xs[1][7777] = float("nan"), float("inf"), -float("inf"), -float("nan")
+    expected = eager(lambda: Gloo().reduce([x.clone() for x in xs], ReduceOp.SUM))
+    ys = [x.clone() for x in xs]
+    assert Gloo().reduce_into(ys, ReduceOp.SUM, ys)
+    for y in ys:
+        assert_same_bits(y, expected)
+
+
+@needs_kernel
+@given(
+    members(max_n=6, max_numel=60),
+    st.sampled_from(SEGMENTS),
+    st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG]),
+)
+def test_reduce_scatter_of_listed_members_gives_the_stacked_eager_bits(case, segment, op):
+    """`Gloo.reduce_scatter` of a list (folded in place, no stacked copy) against the eager path on the stacked
+    members; a size the group does not divide still raises."""
+    _, xs = case
+    model = Gloo(max_segment_bytes=segment)
+    n, numel = len(xs), xs[0].numel()
+    if numel % n:
+        with pytest.raises(ValueError):
+            model.reduce_scatter(xs, op)
+        return
+    expected = eager(lambda: model.reduce_scatter(torch.stack(xs), op))
+    assert_same_bits(model.reduce_scatter(xs, op), expected)
+
+
+@needs_kernel
+def test_reduce_into_refuses_outs_it_cannot_write_in_one_pass():
+    """An out overlapping a member partly (or another out), not contiguous, or of another dtype or size: False,
+    nothing written (the caller then reduces and copies)."""
+    model = Gloo()
+    base = torch.arange(128.0)
+    before = base.clone()
+    assert not model.reduce_into([base[:64], base[64:]], ReduceOp.SUM, [base[32:96]])  # partial overlap
+    assert not model.reduce_into([base[:64], base[64:]], ReduceOp.SUM, [base[:64], base[:64]])  # the same out twice
+    assert torch.equal(base, before)
+    xs = [torch.ones(64), torch.ones(64)]
+    assert not model.reduce_into(xs, ReduceOp.SUM, [torch.zeros(128)[::2]])
+    assert not model.reduce_into(xs, ReduceOp.SUM, [torch.zeros(64, dtype=torch.float64)])
+    assert not model.reduce_into(xs, ReduceOp.SUM, [torch.zeros(65)])
+    assert not model.reduce_into(xs, ReduceOp.AVG, xs)  # AVG divides afterwards: reduce's path
+    assert model.reduce_into(xs, ReduceOp.SUM, xs) and torch.equal(xs[1], torch.full((64,), 2.0))
+
+
+@needs_kernel
+@given(
+    members(),
+    st.sampled_from(SEGMENTS),
+    st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT]),
     st.booleans(),
     st.sampled_from(VARIANTS),
 )
