@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from simdist.errors import UsageError
 from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
@@ -78,9 +79,9 @@ def run_ranks(
     `simdist.world.launch.spawn_processes`.
     """
     if world not in WORLDS:
-        raise ValueError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
+        raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
     if world == "threads":
-        raise ValueError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
+        raise UsageError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
     from simdist.world.runner import run
 
     where = "gloo" if world == "gloo" else "processes"

@@ -30,6 +30,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, NoReturn
 
+from simdist.errors import UsageError
+
 if TYPE_CHECKING:
     from simdist.world.spec import ParallelSpec
 
@@ -302,10 +304,10 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
-        raise ValueError("--policies needs at least one policy name")
+        raise UsageError("--policies needs at least one policy name")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"--policies {text}: {', '.join(map(repr, twice))} listed more than once (each runs once)")
+        raise UsageError(f"--policies {text}: {', '.join(map(repr, twice))} listed more than once (each runs once)")
     for name in names:
         get_policy(name)  # a ValueError names the valid policies
     return names
@@ -629,7 +631,7 @@ def _main(argv: list[str] | None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
         return _dispatch(args)
-    except ValueError as exc:  # bad input: BadInput, SizeError, an unknown policy, a broken layout, ...
+    except UsageError as exc:  # what the user can fix: BadInput, SizeError, an unknown policy, a broken layout, ...
         message = " ".join(str(exc).split("\n")[0].split())
         print(f"simdist: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
@@ -91,7 +92,7 @@ def study_model(
 ) -> list[FamilyRow]:
     """Run the study for catalogue model ``name`` (``params``: another parameter set, e.g. a small one in tests)."""
     if steps < 1 or seeds < 1:
-        raise ValueError(f"steps and seeds must be >= 1, got {steps} and {seeds}")
+        raise UsageError(f"steps and seeds must be >= 1, got {steps} and {seeds}")
     params = layer_params(get_shape(name)) if params is None else params
     seed_list = [seed + i for i in range(seeds)]
     stream = BatchedGradients(spec, params, seed_list)
