@@ -456,7 +456,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "nccl-premul-unfused",
         "NCCL's AVG pre-multiply is rounded before the first add instead of fused with it",
-        "simdist/reduce/nccl.py",
+        "simdist/reduce/nccl_arith.py",
         "return self.combine(x, received) if self.scale is None else fma_round(x, self.scale, received)",
         "return self.combine(x, received) if self.scale is None else self.combine(x * self.scale, received)",
         (NCCL,),

@@ -48,7 +48,8 @@ import torch
 from simdist.cli.limits import BASE_BYTES, Estimate, SizeError, check_memory, growth_estimate, human_bytes
 from simdist.reduce import ReductionModel
 from simdist.reduce.gloo import Gloo
-from simdist.reduce.nccl import Nccl, double_binary_trees
+from simdist.reduce.nccl import Nccl
+from simdist.reduce.nccl_schedule import double_binary_trees
 from simdist.studies.growth import GrowthConfig, run_growth
 from simdist.world.spec import ParallelSpec
 

@@ -192,5 +192,6 @@ def main(argv: list[str] | None = None) -> None:
     report.write(path, tables_out, machine_text=named)
     print(f"\nwrote {path} ({elapsed:.0f} s)")
 
+
 if __name__ == "__main__":
     main()

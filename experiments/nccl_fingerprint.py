@@ -68,15 +68,9 @@ import torch
 
 from simdist.numerics.floats import bits
 from simdist.reduce.base import ReduceOp
-from simdist.reduce.nccl import (
-    NCCL_VERSION,
-    VERSIONS,
-    Nccl,
-    TreeDown,
-    chain_tree,
-    double_binary_trees,
-    premul_scale,
-)
+from simdist.reduce.nccl import Nccl
+from simdist.reduce.nccl_arith import premul_scale
+from simdist.reduce.nccl_schedule import NCCL_VERSION, VERSIONS, TreeDown, chain_tree, double_binary_trees
 from simdist.testing.nccl_sim import (
     simulate_ring_allreduce,
     simulate_ring_reduce,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 from simdist import DISTRIBUTION
+from simdist.errors import UsageError
 
 EXTRAS: dict[str, str] = {
     "deepspeed": "deepspeed",
@@ -63,7 +64,7 @@ def _module_of(extra: str) -> str:
     try:
         return EXTRAS[extra]
     except KeyError:
-        raise ValueError(f"unknown extra {extra!r}; valid: {', '.join(EXTRAS)}") from None
+        raise UsageError(f"unknown extra {extra!r}; valid: {', '.join(EXTRAS)}") from None
 
 
 __all__ = ["EXTRAS", "importable", "install_hint", "installed", "missing_extras", "not_installed_reason"]

@@ -27,25 +27,15 @@ class SimdistWorld:
 
     ``reduction`` is what `simdist.spawn` takes (a name, a `ReductionModel`, a kind -> model table, ...);
     ``None`` leaves it to `simdist.spawn`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
-    ``model`` is its deprecated spelling. A call's own ``reduction=`` (or ``model=``) wins over the default.
+    A call's own ``reduction=`` wins over the default.
     ``timeout_s`` left unset is the launcher's one deadline, `simdist.world.options.DEFAULT_TIMEOUT_S`."""
 
-    def __init__(self, reduction: Any = None, timeout_s: Any = LAUNCHER_DEFAULT, *, model: Any = None) -> None:
-        if model is not None:
-            from simdist.world.options import check_one_reduction, warn_deprecated_spelling  # here: no torch at load
-
-            check_one_reduction(*(["reduction"] if reduction is not None else []), "model")
-            warn_deprecated_spelling("model")
-        self.reduction = model if reduction is None else reduction
+    def __init__(self, reduction: Any = None, timeout_s: Any = LAUNCHER_DEFAULT) -> None:
+        self.reduction = reduction
         self.timeout_s = timeout_s
 
-    @property
-    def model(self) -> Any:
-        """Deprecated name of `reduction`."""
-        return self.reduction
-
     def _defaults(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if self.reduction is not None and "reduction" not in kwargs and "model" not in kwargs:
+        if self.reduction is not None and "reduction" not in kwargs:
             kwargs["reduction"] = self.reduction
         if self.timeout_s is not LAUNCHER_DEFAULT:
             kwargs.setdefault("timeout_s", self.timeout_s)

@@ -11,6 +11,7 @@ import torch
 from simdist.attribution.arithmetic import op_names
 from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
 from simdist.attribution.run import Recorder, execute, local
+from simdist.errors import UsageError
 
 SiteSpec = int | str
 """A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
@@ -52,7 +53,7 @@ def _ranked(recorder) -> list:
     )
 
 
-class SiteNotFound(ValueError):
+class SiteNotFound(UsageError):
     """A ``--promote`` entry that names no site of the base run (bad input)."""
 
 
@@ -78,7 +79,7 @@ def check_spec(spec: object) -> SiteSpec:
 def check_count(value: object, name: str = "promote_top") -> int:
     """``value`` if it is a non-negative int, else ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise UsageError(f"{name} must be a non-negative integer, got {value!r}")
     return value
 
 

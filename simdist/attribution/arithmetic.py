@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from simdist.errors import UsageError
+
 SUMMING = frozenset(
     {
         "add",
@@ -98,11 +100,11 @@ def op_names(ops: str | Iterable[str] | None) -> frozenset[str]:
     else:
         chosen = [str(o).strip() for o in ops]
     if not chosen:
-        raise ValueError("ops: name at least one op, or 'all'")
+        raise UsageError("ops: name at least one op, or 'all'")
     unknown = sorted({o.removeprefix("aten.").rstrip("_") if not o.startswith("_") else o for o in chosen} - OPS)
     unknown = [o for o in unknown if o.rstrip("_") not in OPS]
     if unknown:
-        raise ValueError(f"ops: unknown op(s) {', '.join(unknown)}; known: all, {', '.join(sorted(OPS))}")
+        raise UsageError(f"ops: unknown op(s) {', '.join(unknown)}; known: all, {', '.join(sorted(OPS))}")
     names = set()
     for o in chosen:
         base = o.removeprefix("aten.").rstrip("_")

@@ -18,6 +18,7 @@ import sys
 import traceback
 
 from simdist.audit.cli import exit_status
+from simdist.errors import UsageError
 
 
 class ScriptExit(Exception):
@@ -29,7 +30,7 @@ class ScriptExit(Exception):
         self.message = message
 
 
-class TorchrunStyle(ValueError):
+class TorchrunStyle(UsageError):
     """A script that initialises the default group from torchrun's environment, run without ``--nproc``."""
 
 
@@ -38,19 +39,19 @@ def check_figure(path: str) -> None:
     from matplotlib.backend_bases import FigureCanvasBase
 
     if not path.strip():
-        raise ValueError("--figure: expected a file path, got an empty one")
+        raise UsageError("--figure: expected a file path, got an empty one")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
     if ext and ext not in formats:
         known = ", ".join(sorted(formats))
-        raise ValueError(f"--figure {path}: matplotlib writes no .{ext} files (use one of {known})")
+        raise UsageError(f"--figure {path}: matplotlib writes no .{ext} files (use one of {known})")
     if os.path.isdir(path):
-        raise ValueError(f"--figure {path}: is a directory")
+        raise UsageError(f"--figure {path}: is a directory")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise ValueError(f"--figure {path}: no such directory {directory}")
+        raise UsageError(f"--figure {path}: no such directory {directory}")
     if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"--figure {path}: not writable")
+        raise UsageError(f"--figure {path}: not writable")
 
 
 def _count(text: str) -> int:
@@ -183,12 +184,12 @@ def run_blame(args: argparse.Namespace) -> int:
 
     script = args.script
     if not os.path.isfile(script):
-        raise ValueError(f"no such script: {script!r}")
+        raise UsageError(f"no such script: {script!r}")
     if args.figure is not None:
         check_figure(args.figure)
     op_names(args.ops)  # an unknown op is bad input, before the run
     if args.processes and args.nproc is None:
-        raise ValueError("--processes runs the script on --nproc N rank processes: give --nproc")
+        raise UsageError("--processes runs the script on --nproc N rank processes: give --nproc")
     if args.nproc is not None and not args.processes:
         from simdist.attribution.processes import frameworks_of
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from simdist.errors import UsageError
+
 
 def spacing(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The distance between consecutive values of ``dtype`` at ``|exact|`` (FP64; subnormal spacing near 0)."""
@@ -128,7 +130,7 @@ class SiteErrors:
         """Add the record of the same site seen by another process (process mode: each rank records its own
         calls): calls, elements, non-finite counts and masses add up, the max figures are the larger."""
         if other.key != self.key:
-            raise ValueError(f"cannot merge site {other.key} into {self.key}")
+            raise UsageError(f"cannot merge site {other.key} into {self.key}")
         self.calls += other.calls
         self.ranks |= other.ranks
         self.groups |= other.groups

@@ -34,6 +34,7 @@ from simdist.attribution.api import blame_runs
 from simdist.attribution.measure import SiteErrors
 from simdist.attribution.report import BlameReport
 from simdist.attribution.run import Recorder, SiteKey, execute
+from simdist.errors import UsageError
 
 
 class ScriptExit(Exception):
@@ -77,7 +78,7 @@ def merge(records: Iterable[dict]) -> MergedRun:
             into = merged.state.setdefault(category, {})
             clash = set(into) & set(tensors)
             if clash:
-                raise ValueError(f"two ranks saved the same final-state tensor: {sorted(clash)[:3]}")
+                raise UsageError(f"two ranks saved the same final-state tensor: {sorted(clash)[:3]}")
             into.update(tensors)
     return merged
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from simdist.attribution.measure import SiteErrors
+from simdist.errors import UsageError
 from simdist.numerics.compare import difference
 
 
@@ -30,13 +31,13 @@ class Movement:
         """Compare same-named tensors (``other`` cast to ``base``'s dtype); a name missing on one side is an error."""
         if set(base) != set(other):
             missing = sorted(set(base) ^ set(other))
-            raise ValueError(f"the promoted run's final state has other tensors than the base run's: {missing[:4]}")
+            raise UsageError(f"the promoted run's final state has other tensors than the base run's: {missing[:4]}")
         moved = cls(tensors=len(base))
         err2 = ref2 = 0.0
         for name, b in base.items():
             o = other[name]
             if o.shape != b.shape:
-                raise ValueError(f"{name}: shape {tuple(o.shape)} in the promoted run, {tuple(b.shape)} in the base")
+                raise UsageError(f"{name}: shape {tuple(o.shape)} in the promoted run, {tuple(b.shape)} in the base")
             d = difference(o, b)
             moved.differing += d.differing > 0
             moved.max_relative = max(moved.max_relative, d.max_relative)
@@ -142,7 +143,7 @@ class BlameReport:
     def site(self, ident: int) -> SiteErrors:
         if not 1 <= ident <= len(self.sites):
             ids = f"ids 1-{len(self.sites)}" if self.sites else "no sites"
-            raise ValueError(f"site id {ident} is not in the table ({ids})")
+            raise UsageError(f"site id {ident} is not in the table ({ids})")
         return self.sites[ident - 1]
 
     def where(self, site: SiteErrors, base: str | None = None) -> str:

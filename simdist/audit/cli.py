@@ -10,6 +10,7 @@ import sys
 import traceback
 
 from simdist.audit.mode import Audit
+from simdist.errors import UsageError
 
 
 def _path(text: str) -> str:
@@ -87,7 +88,7 @@ def run_audit(args: argparse.Namespace) -> int:
     """
     script = args.script
     if not os.path.isfile(script):
-        raise ValueError(f"no such script: {script!r}")
+        raise UsageError(f"no such script: {script!r}")
     a = Audit(skip=tuple(args.skip), errors=not args.no_errors, threads=not args.main_thread_only)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args.script_args]

@@ -36,6 +36,7 @@ from simdist.audit.report import (
     dtype_name,
     narrows,
 )
+from simdist.errors import UsageError
 from simdist.world.engine import WRAPPER_FILES
 
 _AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -84,7 +85,7 @@ def _skip_prefix(entry: str) -> str:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.origin:
-        raise ValueError(f"skip entry {entry!r} is neither an importable module nor a path")
+        raise UsageError(f"skip entry {entry!r} is neither an importable module nor a path")
     if spec.submodule_search_locations:
         return os.path.dirname(os.path.abspath(spec.origin)) + os.sep
     return os.path.abspath(spec.origin)

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 
 from simdist.cases.base import Case, Verdict
+from simdist.errors import UsageError
 from simdist.extras import install_hint
 
 _MODULES: dict[str, str] = {
@@ -37,7 +38,7 @@ def _exists(name: str) -> bool:
 def get_case(name: str) -> Case:
     """The case called ``name``; ``ValueError`` listing the valid names otherwise."""
     if name not in _MODULES or not _exists(name):
-        raise ValueError(f"unknown case {name!r}; valid: {', '.join(case_names())}")
+        raise UsageError(f"unknown case {name!r}; valid: {', '.join(case_names())}")
     return importlib.import_module(_MODULES[name]).CASE
 
 
@@ -47,10 +48,10 @@ def run_case(name: str, **options) -> Verdict:
     case = get_case(name)
     world = options.get("world", "gloo")
     if world == "threads" and case.processes_because is not None:
-        raise ValueError(f"case {name!r} runs in processes only (world 'gloo' or 'simdist'): {case.processes_because}")
+        raise UsageError(f"case {name!r} runs in processes only (world 'gloo' or 'simdist'): {case.processes_because}")
     missing = case.missing()
     if missing:
-        raise ValueError(f"case {name!r} needs the {missing[0]} extra: {install_hint(missing[0])}")
+        raise UsageError(f"case {name!r} needs the {missing[0]} extra: {install_hint(missing[0])}")
     return case.run(**options)
 
 

@@ -1,4 +1,4 @@
-"""``simdist case list``, ``simdist case run NAME [--json] [--world gloo|simdist]`` and
+"""``simdist case list``, ``simdist case run NAME [--json] [--world gloo|simdist|threads] [--expect ok|not-ok]`` and
 ``simdist case export production DIR [--only NAME]`` (the upstream packages, `simdist.cases.upstream`).
 
 Kept here, beside the cases, so that the CLI module only adds the
@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 
 def add_case_subcommand(sub) -> None:
-    """Add ``case`` with its ``list`` and ``run`` actions to the CLI's subparsers."""
+    """Add ``case`` with its ``list``, ``run`` and ``export`` actions to the CLI's subparsers."""
     from simdist.cases.world import WORLDS
 
     case = sub.add_parser("case", help="run a real framework next to simdist's policies (simdist/cases)")

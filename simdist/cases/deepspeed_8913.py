@@ -48,6 +48,7 @@ from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.deepspeed_harness import CORRECTED, DsRun, Fix, RankCapture, deepspeed_rank
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.errors import UsageError
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
@@ -411,7 +412,7 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
     """
     unknown = [name for name in config.policies if name not in ENGINE_POLICIES]
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"--engine deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
             f"patched), not {', '.join(unknown)}"
         )
@@ -423,7 +424,7 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
     }
     for option, (got, value, why) in fixed.items():
         if got != value:
-            raise ValueError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
+            raise UsageError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
     runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name]) for name in config.policies)
     per_rank = run_ranks(
         deepspeed_rank, config.spec, runs, config.seed, str(config.inputs), world=world, preload=DEEPSPEED_MODULES

@@ -35,6 +35,7 @@ import torch
 
 from simdist.cases.base import Case
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.errors import UsageError
 from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.numerics.floats import bits
 from simdist.world.spec import ParallelSpec
@@ -343,7 +344,7 @@ def run(
     import deepspeed
 
     if mutation not in MUTATIONS:
-        raise ValueError(f"unknown mutation {mutation!r}; valid: {MUTATIONS}")
+        raise UsageError(f"unknown mutation {mutation!r}; valid: {MUTATIONS}")
     spec = ParallelSpec(4, tp=2, ep=2)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="simdist-ckpt-") as root:

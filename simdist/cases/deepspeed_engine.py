@@ -42,6 +42,7 @@ from typing import Any, Literal, cast
 import torch
 
 from simdist.cases.deepspeed_harness import mark_family
+from simdist.errors import UsageError
 from simdist.gradpath.families import Family
 
 Wrapper = Literal["bf16_optimizer", "zero1", "zero2", "zero3"]
@@ -426,7 +427,7 @@ def _apply_fix(engine, run: EngineRun) -> None:
     if run.wrapper == "bf16_optimizer":
         engine.optimizer._update_hp_grad = types.MethodType(staged_update_hp_grad, engine.optimizer)
         return
-    raise ValueError(f"no FP32-staging patch for {run.wrapper}")
+    raise UsageError(f"no FP32-staging patch for {run.wrapper}")
 
 
 def _steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: EngineCapture) -> None:

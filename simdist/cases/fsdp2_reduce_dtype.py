@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.world import World, run_ranks
+from simdist.errors import UsageError
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
 from simdist.gradpath.path import PathConfig, train_rank
@@ -71,7 +72,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.spec.tp != 1 or self.spec.ep != 1:
-            raise ValueError(f"fsdp2-reduce-dtype runs DP only (tp = ep = 1), got {self.spec.describe()}")
+            raise UsageError(f"fsdp2-reduce-dtype runs DP only (tp = ep = 1), got {self.spec.describe()}")
 
 
 @dataclass

@@ -46,6 +46,7 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.fsdp2_reduce_dtype import DTYPES, policy_for
+from simdist.errors import UsageError
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig, train_rank
@@ -77,7 +78,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if (self.spec.world_size, self.spec.tp) != (4, 2):
-            raise ValueError(f"fsdp2-reduce-dtype-tp runs a 2x2 (dp, tp) mesh, got {self.spec.describe()}")
+            raise UsageError(f"fsdp2-reduce-dtype-tp runs a 2x2 (dp, tp) mesh, got {self.spec.describe()}")
 
 
 @dataclass
@@ -124,7 +125,7 @@ def _tp_plan(plan: str) -> dict:
             "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Shard(1)),
         }
-    raise ValueError(f"unknown plan {plan!r}; valid: {', '.join(PLANS)}")
+    raise UsageError(f"unknown plan {plan!r}; valid: {', '.join(PLANS)}")
 
 
 def _seeded(shape: tuple[int, ...], *key: object) -> torch.Tensor:
@@ -214,7 +215,7 @@ def run_real(config: Config, world: str = "threads") -> list[dict[tuple[str, str
         from simdist.world.launch import spawn_procs
 
         return spawn_procs(fsdp_tp_rank, 4, config, backend=world, timeout_s=300)
-    raise ValueError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
+    raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
 
 
 # -- the simdist side ---------------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def family_of(placement: str) -> Family:
     if placement.startswith("Shard"):
         return Family.MODEL_PARALLEL
     if placement not in FAMILY_OF_ARRIVAL:
-        raise ValueError(f"no simdist family for a gradient arriving as {placement}")
+        raise UsageError(f"no simdist family for a gradient arriving as {placement}")
     return FAMILY_OF_ARRIVAL[placement]
 
 
@@ -248,7 +249,7 @@ def param_specs(runs: list[RealRun]) -> tuple[ParamSpec, ...]:
     for pname, shape in first.shapes.items():
         placements = {run.arrivals[(m, pname)].placement for run in runs for (m, n) in run.arrivals if n == pname}
         if len(placements) != 1:
-            raise ValueError(f"{pname}: arrival placements differ between ranks or micro-steps: {placements}")
+            raise UsageError(f"{pname}: arrival placements differ between ranks or micro-steps: {placements}")
         specs.append(ParamSpec(pname, family_of(placements.pop()), shape))
     return tuple(specs)
 

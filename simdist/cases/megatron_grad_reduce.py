@@ -47,6 +47,7 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.world import MEGATRON_MODULES, World, run_ranks
+from simdist.errors import UsageError
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker, apply_stage
@@ -226,7 +227,7 @@ def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]
     buffer), reduced with simdist's gloo model: the boundary as Megatron runs it when DP is the whole world."""
     spec = config.spec(layout)
     if spec.tp != 1 or spec.dp != spec.world_size:
-        raise ValueError("the flat-bucket boundary is modelled for DP-only layouts")
+        raise UsageError("the flat-bucket boundary is modelled for DP-only layouts")
     order = [p for p in reversed(PARAMS)]
     stages = policy.dp_stages("dp", spec.dp, policy.accumulate)
     at = next(i for i, stage in enumerate(stages) if stage.kind == "all_reduce")

@@ -1,16 +1,17 @@
-"""Where a case runs the real framework: real gloo processes now, the simdist backend when it exists.
+"""Where a case runs the real framework: real gloo processes, simdist's backend in processes, or threads.
 
 A case's rank program is an ordinary ``fn(comm, *args)`` that uses
 ``torch.distributed`` (and the framework) directly; `run_ranks` starts the
-ranks on the world that ``world`` names:
+ranks where ``world`` says:
 
 * ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real
-  gloo (`simdist.world.launch.spawn_gloo`). For the cases in this folder
-  real gloo already decides "real == transcription bitwise": every group they
-  reduce over has two members, and a two-member sum has one order.
+  gloo (`simdist.world.launch.spawn_gloo`): the real framework on the real backend, summing in gloo's own
+  order (which the transcription's reference must match for groups of more than two members).
 * ``"simdist"`` -- the simdist torch.distributed backend in process mode
   (each rank a process, gloo transport, collectives with simdist's gloo
   reduction model; `simdist.world.process`).
+* ``"threads"`` -- one thread per rank (`simdist.spawn`), for cases whose framework keeps no per-rank module
+  globals; `run_ranks` refuses it for the others.
 
 DeepSpeed needs processes, not threads: it keeps its process groups and its
 communication backend in module globals (``deepspeed.utils.groups``
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from simdist.errors import UsageError
 from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
@@ -78,9 +80,9 @@ def run_ranks(
     `simdist.world.launch.spawn_processes`.
     """
     if world not in WORLDS:
-        raise ValueError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
+        raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
     if world == "threads":
-        raise ValueError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
+        raise UsageError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
     from simdist.world.runner import run
 
     where = "gloo" if world == "gloo" else "processes"

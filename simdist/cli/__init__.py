@@ -31,6 +31,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, NoReturn
 
+from simdist.errors import UsageError
+
 if TYPE_CHECKING:
     from simdist.world.spec import ParallelSpec
 
@@ -303,10 +305,10 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
-        raise ValueError("--policies needs at least one policy name")
+        raise UsageError("--policies needs at least one policy name")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"--policies {text}: {', '.join(map(repr, twice))} listed more than once (each runs once)")
+        raise UsageError(f"--policies {text}: {', '.join(map(repr, twice))} listed more than once (each runs once)")
     for name in names:
         get_policy(name)  # a ValueError names the valid policies
     return names
@@ -527,7 +529,7 @@ def _repro_production(args: argparse.Namespace) -> int:
     }
     for option, (got, default) in unsupported.items():
         if got != default:
-            raise ValueError(
+            raise UsageError(
                 f"--shape {args.shape} runs the production study (the growth stream, gloo's order, the epilogue "
                 f"path, simdist's transcription): {option} {got} is not supported there (leave it at {default}; "
                 f"the real engine at production shapes is bench/production_engine.py)"
@@ -535,7 +537,7 @@ def _repro_production(args: argparse.Namespace) -> int:
     _load_policy_modules(args)
     policies = _policy_list(args.policies)
     if args.expect == "reproduced" and "bf16_writeback" not in policies:
-        raise ValueError("--expect reproduced needs bf16_writeback among --policies")
+        raise UsageError("--expect reproduced needs bf16_writeback among --policies")
     spec = ParallelSpec(args.world_size, tp=args.tp, ep=args.ep, etp=args.etp)
     text, rows = repro_production(
         args.shape,
@@ -684,7 +686,7 @@ def _main(argv: list[str] | None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
         return _dispatch(args)
-    except ValueError as exc:  # bad input: BadInput, SizeError, an unknown policy, a broken layout, ...
+    except UsageError as exc:  # what the user can fix: BadInput, SizeError, an unknown policy, a broken layout, ...
         message = " ".join(str(exc).split("\n")[0].split())
         print(f"simdist: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -14,10 +14,12 @@ import os
 import re
 from pathlib import Path
 
+from simdist.errors import UsageError
+
 _RANK_FILE = re.compile(r"rank(\d+)\.safetensors")
 
 
-class BadInput(ValueError):
+class BadInput(UsageError):
     """An unreadable, corrupt or missing input (or an unusable output path): one line naming the file."""
 
 

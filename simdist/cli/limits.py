@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from simdist.errors import UsageError
+
 BASE_BYTES = 400 * 2**20
 """The interpreter with torch, numpy and matplotlib imported (measured ~250-300 MB resident), rounded up."""
 
@@ -48,7 +50,7 @@ SEED_LIMIT = 2**63 - 1
 """``--seed`` must lie in ``[-SEED_LIMIT, SEED_LIMIT]`` (a 64-bit generator seed)."""
 
 
-class SizeError(ValueError):
+class SizeError(UsageError):
     """A size argument above its ceiling, or a run whose estimated memory does not fit (one line)."""
 
 

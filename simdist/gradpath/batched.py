@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import ParamSpec
 from simdist.gradpath.kernel import GradPath
 from simdist.gradpath.path import PathConfig, stochastic_generator
@@ -84,8 +85,7 @@ class BatchedOps:
     """`simdist.gradpath.kernel.Ops` for ``[batch, rank, ...]`` tensors of a `ParallelSpec`.
 
     ``reduction`` chooses the reduction model as `SimWorld`'s does (a name, a model, or a group kind -> model
-    table; default `simdist.world.options.DEFAULT_REDUCTION`); ``models`` (a kind -> model table) and
-    ``default_model`` (the rest) are its deprecated spellings. ``seeds`` are the per-batch-item seeds of
+    table; default `simdist.world.options.DEFAULT_REDUCTION`). ``seeds`` are the per-batch-item seeds of
     stochastic rounding (``PathConfig.seed`` of each run).
     """
 
@@ -93,14 +93,12 @@ class BatchedOps:
         self,
         spec: ParallelSpec,
         seeds: Sequence[int],
-        models: Mapping[str, ReductionModel] | None = None,
-        default_model: ReductionModel | None = None,
         *,
         reduction: ReductionChoice | None = None,
     ) -> None:
         self.spec, self.seeds = spec, list(seeds)
         self.batch: tuple[int, ...] = (len(self.seeds), spec.world_size)
-        self.models, self.default_model = reduction_table(reduction, models, default_model)
+        self.models, self.default_model = reduction_table(reduction)
         self._tables, self._tp_root = _group_tables(spec)
 
     def model_for(self, kind: str) -> ReductionModel:
@@ -211,9 +209,8 @@ class BatchedPath:
     ``initial`` gives each batch item's ``(rank, param) -> initial weight`` (one callable per item, e.g.
     `simdist.models.synthetic.InitialWeights` per seed), or is the flat ``[batch, rank, N]`` buffer
     (`initial_buffer`; it is copied); ``seeds`` are the items' ``PathConfig.seed``
-    (default: ``config.seed`` for every item). ``reduction`` (or its deprecated spellings ``models``,
-    ``default_model``) goes to `BatchedOps`. ``keep`` selects captures (default none);
-    ``norm`` computes the global gradient norm (always when ``config.max_norm > 0``).
+    (default: ``config.seed`` for every item). ``reduction`` goes to `BatchedOps`. ``keep`` selects captures
+    (default none); ``norm`` computes the global gradient norm (always when ``config.max_norm > 0``).
     """
 
     def __init__(
@@ -226,16 +223,14 @@ class BatchedPath:
         seeds: Sequence[int] | None = None,
         *,
         reduction: ReductionChoice | None = None,
-        models: Mapping[str, ReductionModel] | None = None,
-        default_model: ReductionModel | None = None,
         keep: frozenset[str] | None = frozenset(),
         norm: bool = False,
     ) -> None:
         seeds = [config.seed] * len(initial) if seeds is None else list(seeds)
         if len(seeds) != len(initial):
-            raise ValueError(f"{len(initial)} initial-weight sets but {len(seeds)} seeds")
+            raise UsageError(f"{len(initial)} initial-weight sets but {len(seeds)} seeds")
         self.spec, self.config = spec, config
-        self.ops = BatchedOps(spec, seeds, models, default_model, reduction=reduction)
+        self.ops = BatchedOps(spec, seeds, reduction=reduction)
         self.trace = BatchedTrace(keep)
         if isinstance(initial, torch.Tensor):
             lp = initial.to(policy.grad_dtype, copy=True)

@@ -15,6 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from simdist.errors import UsageError
 from simdist.gradpath.policy import Policy, register, registered
 
 ENTRY_POINT_GROUP = "simdist.policies"
@@ -77,7 +78,7 @@ def load_entry_point_policies() -> list[str]:
         try:
             found = _registered(ep.load())
         except Exception as exc:
-            raise ValueError(
+            raise UsageError(
                 f"policy entry point {ep.name!r} ({ep.value}) failed to load{_where(exc)}: {type(exc).__name__}: {exc}"
             ) from None
         dist = getattr(ep, "dist", None)
@@ -105,11 +106,11 @@ def load_policy_module(source: str) -> list[str]:
         if is_path:
             path = Path(source)
             if not path.is_file():
-                raise ValueError(f"--policy-module {source}: no such file")
+                raise UsageError(f"--policy-module {source}: no such file")
             name = f"simdist_user_policies.{path.stem}"
             spec = importlib.util.spec_from_file_location(name, path)
             if spec is None or spec.loader is None:
-                raise ValueError(f"--policy-module {source}: not a Python module")
+                raise UsageError(f"--policy-module {source}: not a Python module")
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             try:
@@ -123,7 +124,7 @@ def load_policy_module(source: str) -> list[str]:
             except (ImportError, ValueError):  # a parent package is missing, or the name is malformed
                 found = None
             if found is None:
-                raise ValueError(
+                raise UsageError(
                     f"--policy-module {source}: no module named {source!r} (give a dotted module "
                     "name on sys.path or a path to a .py file)"
                 )
@@ -131,16 +132,16 @@ def load_policy_module(source: str) -> list[str]:
     except ValueError as exc:
         if str(exc).startswith("--policy-module"):
             raise
-        raise ValueError(f"--policy-module {source}{_where(exc, source if is_path else None)}: {exc}") from None
+        raise UsageError(f"--policy-module {source}{_where(exc, source if is_path else None)}: {exc}") from None
     except (Exception, SystemExit) as exc:
-        raise ValueError(
+        raise UsageError(
             f"--policy-module {source} failed{_where(exc, source if is_path else None)}: {type(exc).__name__}: {exc}"
         ) from None
     now = registered()
     names = [n for n, p in now.items() if n not in before or p is not before[n]]
     names += [p.name for p in vars(module).values() if isinstance(p, Policy) and p.name in now and p.name not in names]
     if not names:
-        raise ValueError(
+        raise UsageError(
             f"--policy-module {source}: registered no policy (call "
             "simdist.gradpath.policy.register(Policy(...)) in the module)"
         )
@@ -163,7 +164,7 @@ def get_policy(name: str) -> Policy:
     try:
         return registered()[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(policy_names())}") from None
+        raise UsageError(f"unknown policy {name!r}; valid: {', '.join(policy_names())}") from None
 
 
 def policy_names() -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.optim.adam import adam
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import Correction, Family, ParamSpec
 from simdist.gradpath.policy import Policy, Stage
 from simdist.gradpath.probes import BOUNDARY
@@ -64,7 +65,7 @@ def coerce(enum_type: type[_E], value: object, what: str) -> _E:
         return enum_type(value)
     except ValueError:
         valid = ", ".join(repr(m.value) for m in enum_type)
-        raise ValueError(f"unknown {what} {value!r}; valid: {valid}") from None
+        raise UsageError(f"unknown {what} {value!r}; valid: {valid}") from None
 
 
 class Ops(Protocol):
@@ -138,7 +139,7 @@ class GradPath:
         start = 0
         for index, p in enumerate(params):
             if p.name in self.by_name:
-                raise ValueError(f"parameter {p.name!r} is listed twice")
+                raise UsageError(f"parameter {p.name!r} is listed twice")
             stop = start + math.prod(p.shape)
             slot = Slot(p, index, start, stop)
             self.slots.append(slot)
@@ -147,7 +148,7 @@ class GradPath:
         self.numel = start
         batch = tuple(lp.shape[:-1])
         if lp.shape[-1] != start:
-            raise ValueError(f"initial parameter buffer has {lp.shape[-1]} elements per rank, expected {start}")
+            raise UsageError(f"initial parameter buffer has {lp.shape[-1]} elements per rank, expected {start}")
         self.batch = batch
         self.lp = lp
         self.master = lp.to(policy.master)
@@ -200,17 +201,17 @@ class GradPath:
         """``_update_hp_grad`` for one parameter's local gradient (strict: dtype, shape, once per micro-step)."""
         slot = self.by_name.get(name)
         if slot is None:
-            raise ValueError(
+            raise UsageError(
                 f"a gradient was delivered for {name!r}, which is not a parameter of this run; "
                 f"parameters: {', '.join(self.by_name)}"
             )
         if slot.spec.frozen:
-            raise ValueError(f"a gradient was delivered for {name!r}, which is declared frozen")
+            raise UsageError(f"a gradient was delivered for {name!r}, which is declared frozen")
         if slot.delivered:
-            raise ValueError(f"the gradient of {name!r} was delivered twice on step {step}, micro-step {micro}")
+            raise UsageError(f"the gradient of {name!r} was delivered twice on step {step}, micro-step {micro}")
         expected = (*self.batch, *slot.spec.shape)
         if grad.dtype != self.policy.grad_dtype or tuple(grad.shape) != expected:
-            raise ValueError(
+            raise UsageError(
                 f"gradient of {name!r}: expected dtype {_dtype(self.policy.grad_dtype)} and shape {list(expected)}, "
                 f"got dtype {_dtype(grad.dtype)} and shape {list(grad.shape)}"
             )
@@ -226,7 +227,7 @@ class GradPath:
         """Check every trained parameter got its gradient; clear markers if they are cleared per micro-step."""
         missing = [s.spec.name for s in self.trained if not s.delivered]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"no gradient was delivered on step {step}, micro-step {micro} for {', '.join(map(repr, missing))}; "
                 "declare parameters without gradients frozen (ParamSpec(..., frozen=True))"
             )
@@ -392,12 +393,12 @@ def apply_stage(
         return value / stage.divisor
     if kind == "scale":
         return value * (1.0 / stage.divisor)
-    raise ValueError(f"unknown stage kind {kind!r}")
+    raise UsageError(f"unknown stage kind {kind!r}")
 
 
 def _needs(ops: Ops | None, stage: Stage) -> Ops:
     if ops is None:
-        raise ValueError(f"the stage {stage.label!r} meets the other ranks: apply_stage needs their ops")
+        raise UsageError(f"the stage {stage.label!r} meets the other ranks: apply_stage needs their ops")
     return ops
 
 

@@ -56,6 +56,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import ParamSpec
 from simdist.gradpath.kernel import GradPath, Marker, UpdatePath, adamw_step, coerce
 from simdist.gradpath.policy import Policy, predivide_factor
@@ -105,7 +106,7 @@ class PathConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.gas < 1:
-            raise ValueError(f"steps and gas must be >= 1, got steps={self.steps}, gas={self.gas}")
+            raise UsageError(f"steps and gas must be >= 1, got steps={self.steps}, gas={self.gas}")
         # strings are accepted and checked: a typo raises instead of running as the default
         object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
         object.__setattr__(self, "update_path", coerce(UpdatePath, self.update_path, "update_path"))

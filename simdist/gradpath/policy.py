@@ -27,6 +27,7 @@ from typing import Literal, get_args
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import Correction, Family
 from simdist.reduce import ReductionModel
 
@@ -126,16 +127,16 @@ class Policy:
         """Reject a field the path cannot run, in one line naming the field and its valid values (a ValueError:
         the CLI's bad input, exit 2) -- a string for a dtype, an integer dtype, an unknown choice."""
         if not isinstance(self.name, str) or not self.name or any(c == "," or c.isspace() for c in self.name):
-            raise ValueError(
+            raise UsageError(
                 f"Policy.name={self.name!r}: expected a non-empty string without commas or spaces "
                 "(--policies separates names by commas)"
             )
         if not isinstance(self.summary, str):
-            raise ValueError(f"Policy {self.name!r}: summary={self.summary!r} must be a string")
+            raise UsageError(f"Policy {self.name!r}: summary={self.summary!r} must be a string")
         if not (
             self.writeback is None or (isinstance(self.writeback, torch.dtype) and self.writeback.is_floating_point)
         ):
-            raise ValueError(
+            raise UsageError(
                 f"Policy {self.name!r}: writeback={self.writeback!r} is not a floating torch.dtype; valid: None or "
                 "one, e.g. torch.bfloat16, torch.float16, torch.float8_e4m3fn (a writeback is only a cast)"
             )
@@ -143,22 +144,22 @@ class Policy:
             value = getattr(self, field)
             if (value is None and field == "staging") or any(value is d for d in _SHORT):
                 continue
-            raise ValueError(
+            raise UsageError(
                 f"Policy {self.name!r}: {field}={value!r} is not a dtype the path computes in; valid: "
                 + ", ".join(f"torch.{str(d).removeprefix('torch.')}" for d in _SHORT)
                 + (" or None" if field == "staging" else "")
             )
         for field, choices in _CHOICES.items():
             if getattr(self, field) not in choices:
-                raise ValueError(
+                raise UsageError(
                     f"Policy {self.name!r}: {field}={getattr(self, field)!r}; valid: {', '.join(map(repr, choices))}"
                 )
         if not isinstance(self.expert_in_grad_dtype, bool):
-            raise ValueError(
+            raise UsageError(
                 f"Policy {self.name!r}: expert_in_grad_dtype={self.expert_in_grad_dtype!r}; valid: True, False"
             )
         if self.tp_model is not None and not isinstance(self.tp_model, ReductionModel):
-            raise ValueError(
+            raise UsageError(
                 f"Policy {self.name!r}: tp_model={self.tp_model!r} is not a ReductionModel "
                 "(simdist.reduce.make_model(name) builds one) or None"
             )
@@ -319,8 +320,8 @@ def register(policy: Policy) -> Policy:
     afresh) is a no-op; a different policy under a taken name is an error.
     """
     if not isinstance(policy, Policy):
-        raise ValueError(f"register() takes a Policy, got {type(policy).__name__}")
+        raise UsageError(f"register() takes a Policy, got {type(policy).__name__}")
     if policy.name in _REGISTRY and _REGISTRY[policy.name] != policy:
-        raise ValueError(f"a different policy is already registered as {policy.name!r}")
+        raise UsageError(f"a different policy is already registered as {policy.name!r}")
     _REGISTRY[policy.name] = policy
     return policy

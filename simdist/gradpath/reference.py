@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.probes import BOUNDARY, Capture, Trace
 from simdist.reduce import ReductionModel
@@ -168,7 +169,7 @@ class Oracle:
         if self.control.changes:
             fused = False  # the fused stage knows only the oracle's own rules
         if max_norm:
-            raise ValueError("the independent oracle does not clip: run it with max_norm = 0")
+            raise UsageError("the independent oracle does not clip: run it with max_norm = 0")
         self.spec, self.dtype, self.tp_model, self.dp_model = spec, dtype, tp_model, dp_model
         self.params = list(params)
         self.trained = [p for p in self.params if not p.frozen]

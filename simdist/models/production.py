@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import Family, ParamSpec
 
 SLICE_NOTE = (
@@ -164,7 +165,7 @@ CATALOGUE: dict[str, MoEShape] = {
 def get_shape(name: str) -> MoEShape:
     """The catalogue entry ``name``; ``ValueError`` listing the valid names otherwise."""
     if name not in CATALOGUE:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(CATALOGUE)}")
+        raise UsageError(f"unknown model {name!r}; valid: {', '.join(CATALOGUE)}")
     return CATALOGUE[name]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.numerics.floats import bits, ulp_distance
 
 
@@ -126,7 +127,7 @@ def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Te
     of the reduction that produced ``expected``.
     """
     if actual.shape != expected.shape:
-        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+        raise UsageError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     expected = expected.detach().cpu()
     given = actual.detach().cpu()
     actual = given.to(expected.dtype)
@@ -146,7 +147,7 @@ def difference(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Te
     term_relative = None
     if magnitude is not None:
         if magnitude.shape != expected.shape:
-            raise ValueError(f"magnitude shape {tuple(magnitude.shape)} is not {tuple(expected.shape)}")
+            raise UsageError(f"magnitude shape {tuple(magnitude.shape)} is not {tuple(expected.shape)}")
         m64 = magnitude.detach().cpu().double()
         scaled = (error / m64)[(m64 > 0) & torch.isfinite(m64)]
         term_relative = float(scaled.max()) if scaled.numel() else 0.0

@@ -15,6 +15,8 @@ from fractions import Fraction
 
 import torch
 
+from simdist.errors import UsageError
+
 _INT_OF_WIDTH = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
@@ -36,7 +38,7 @@ class FloatFormat:
 def float_format(dtype: torch.dtype) -> FloatFormat:
     """The `FloatFormat` of a torch floating dtype."""
     if not dtype.is_floating_point:
-        raise ValueError(f"{dtype} is not a floating dtype")
+        raise UsageError(f"{dtype} is not a floating dtype")
     info = torch.finfo(dtype)
     precision = 1 - round(math.log2(info.eps))
     return FloatFormat(dtype, precision, round(math.log2(info.tiny)), math.floor(math.log2(info.max)))
@@ -58,7 +60,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     point beside the bits.
     """
     if t.is_quantized:
-        raise ValueError(f"bits: {t.dtype} is quantized (its bits are not its values); use t.int_repr()")
+        raise UsageError(f"bits: {t.dtype} is quantized (its bits are not its values); use t.int_repr()")
     t = t.detach().resolve_conj().resolve_neg()
     if t.is_complex():
         return bits(torch.view_as_real(t))
@@ -73,7 +75,7 @@ def from_bits(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.view_as_complex(from_bits(raw, real).contiguous())
     width = torch.empty(0, dtype=dtype).element_size() * 8
     if raw.dtype != _INT_OF_WIDTH[width]:
-        raise ValueError(f"from_bits: {dtype} needs {_INT_OF_WIDTH[width]} bits, got {raw.dtype}")
+        raise UsageError(f"from_bits: {dtype} needs {_INT_OF_WIDTH[width]} bits, got {raw.dtype}")
     return raw.view(dtype)
 
 
@@ -105,7 +107,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     reported as ``2**63 - 1``.
     """
     if a.dtype != b.dtype or a.shape != b.shape:
-        raise ValueError(
+        raise UsageError(
             f"ulp_distance needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
         )
     a, b = a.detach().cpu(), b.detach().cpu()

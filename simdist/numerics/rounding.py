@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from simdist.errors import UsageError
+
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """Round fp32 ``x`` to bf16 up or down with probability proportional to the distance to each neighbour.
@@ -15,7 +17,7 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Gener
     round up to infinity, as stochastic rounding does in hardware.
     """
     if x.dtype != torch.float32 or dtype != torch.bfloat16:
-        raise ValueError(f"stochastic rounding is implemented for fp32 -> bf16, got {x.dtype} -> {dtype}")
+        raise UsageError(f"stochastic rounding is implemented for fp32 -> bf16, got {x.dtype} -> {dtype}")
     bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32)
     rounded = ((bits + noise) & ~0xFFFF).view(torch.float32)

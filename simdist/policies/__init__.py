@@ -10,7 +10,6 @@ These are real files inside the package (no symlink), so every checkout and ever
 from simdist.policies import (  # noqa: F401 - imported for their registrations
     bf16_only,
     bf16_writeback,
-    fp32_reference,
     fp32_staging,
     fsdp2_reduce_dtype,
     megatron_grad_reduce_fp32,

@@ -45,6 +45,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.reduce import native
 from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, Hops, fold
 
@@ -73,7 +74,7 @@ class ReduceOp(enum.Enum):
         try:
             return cls[name.upper()]
         except KeyError:
-            raise ValueError(f"unsupported reduce op {op!r}; valid: {', '.join(o.name for o in cls)}") from None
+            raise UsageError(f"unsupported reduce op {op!r}; valid: {', '.join(o.name for o in cls)}") from None
 
 
 class PerItemWarning(UserWarning):
@@ -131,7 +132,7 @@ class ReductionModel(ABC):
         """``index[j, e]``: the member whose value element ``e`` of an ``n``-member SUM adds at hop ``j``."""
         plan = self.plan(n, numel, dtype)
         if plan is None:
-            raise ValueError(f"the {self.name} reduction model's SUM is not a fold over the members")
+            raise UsageError(f"the {self.name} reduction model's SUM is not a fold over the members")
         return plan.index()
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
@@ -206,7 +207,7 @@ class ReductionModel(ABC):
         plan = self.plan(n, first.numel(), first.dtype)
         if plan is None:
             if multiply:
-                raise ValueError(f"the {self.name} reduction model does not model ReduceOp.PRODUCT")
+                raise UsageError(f"the {self.name} reduction model does not model ReduceOp.PRODUCT")
             raise NotImplementedError(f"{type(self).__name__} defines neither fold_plan nor {what.lower()}")
         if plan.is_uniform:
             return self.fold_hops_trimmed(plan, tensors, multiply)
@@ -227,7 +228,7 @@ class ReductionModel(ABC):
         """The reduced tensor for ``op`` over the per-rank ``tensors`` (stacked or a sequence)."""
         n = len(tensors)
         if n == 0:
-            raise ValueError("a reduction needs the tensors of at least one rank")
+            raise UsageError("a reduction needs the tensors of at least one rank")
         if op is ReduceOp.SUM:
             return self.sum(tensors)
         if op is ReduceOp.PRODUCT:
@@ -241,7 +242,7 @@ class ReductionModel(ABC):
                 stacked = as_stacked(tensors)
                 return self.sum(stacked * torch.tensor(1.0 / n, dtype=stacked.dtype, device=stacked.device))
             return self.sum(tensors) / n
-        raise ValueError(f"unsupported reduce op {op!r}")
+        raise UsageError(f"unsupported reduce op {op!r}")
 
     def reduce_scatter(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Per-rank output blocks, shape ``[n, numel / n]``: block ``i`` goes to group rank ``i``.
@@ -252,7 +253,7 @@ class ReductionModel(ABC):
         n = len(tensors)
         flat = as_stacked(tensors).reshape(n, -1)
         if flat.shape[1] % n:
-            raise ValueError(f"reduce_scatter needs numel divisible by the group size {n}, got {flat.shape[1]}")
+            raise UsageError(f"reduce_scatter needs numel divisible by the group size {n}, got {flat.shape[1]}")
         return self.reduce(flat, op).reshape(n, -1)
 
     def __repr__(self) -> str:

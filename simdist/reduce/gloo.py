@@ -119,6 +119,7 @@ from dataclasses import dataclass
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.reduce import native
 from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, may_hold_nan
 from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, fold
@@ -224,7 +225,7 @@ def memory_rows(tensors: Tensors) -> tuple[Rows, Callable[[torch.Tensor], torch.
             )
     layouts = {tuple(st for st, size in zip(t.stride(), t.shape, strict=True) if size > 1) for t in per_rank}
     if len(layouts) > 1:
-        raise ValueError(
+        raise UsageError(
             "gloo adds the ranks' tensors element by element in memory order, and these ranks' tensors have "
             f"different memory layouts (strides {[t.stride() for t in per_rank]}), so gloo would add "
             "different elements together. Give every rank the same layout."
@@ -337,9 +338,9 @@ class Gloo(ReductionModel):
 
     def __post_init__(self) -> None:
         if self.max_segment_bytes < 1:
-            raise ValueError(f"max_segment_bytes must be >= 1, got {self.max_segment_bytes}")
+            raise UsageError(f"max_segment_bytes must be >= 1, got {self.max_segment_bytes}")
         if self.avg != "postdiv":
-            raise ValueError("gloo's AVG is its SUM divided by the group size (avg='postdiv')")
+            raise UsageError("gloo's AVG is its SUM divided by the group size (avg='postdiv')")
 
     @property
     def name(self) -> str:
@@ -390,12 +391,12 @@ class Gloo(ReductionModel):
         cuts whole 1 MiB segments (`reduce_chunk_length`), so the fold order differs.
         """
         if not 0 <= root < len(tensors):
-            raise ValueError(f"root {root} is not a rank of a group of {len(tensors)}")
+            raise UsageError(f"root {root} is not a rank of a group of {len(tensors)}")
         return self._reduced(tensors, op, "reduce", for_reduce=True)
 
     def _reduced(self, tensors: Tensors, op: ReduceOp, what: str, for_reduce: bool) -> torch.Tensor:
         if len(tensors) == 0:
-            raise ValueError("a reduction needs the tensors of at least one rank")
+            raise UsageError("a reduction needs the tensors of at least one rank")
         dtype = tensors[0].dtype
         tensors, restore = _ring_view(tensors, op, what)
         rows, back = memory_rows(tensors)
@@ -487,7 +488,7 @@ class Gloo(ReductionModel):
         n = len(tensors)
         full = self.reduce(tensors, op)
         if full.shape[0] % n:
-            raise ValueError(f"reduce_scatter of a non-contiguous input needs dim 0 divisible by {n}, got {full.shape}")
+            raise UsageError(f"reduce_scatter of a non-contiguous input needs dim 0 divisible by {n}, got {full.shape}")
         return torch.stack([part.reshape(-1) for part in full.chunk(n, 0)])
 
     def reduce_scatter_list(
@@ -501,7 +502,7 @@ class Gloo(ReductionModel):
         """
         n = len(lists)
         if any(len(lst) != n for lst in lists):
-            raise ValueError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
+            raise UsageError(f"reduce_scatter needs a list of {n} tensors from each of the {n} members")
         return [self.reduce([lst[i] for lst in lists], op) for i in range(n)]
 
     def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:
@@ -591,7 +592,7 @@ class Gloo(ReductionModel):
             out = plan.output(hops)
             walked = _compare_walk(hops, op)
             return plan.trim(walked if out is None else out.copy_(walked), rows)
-        raise ValueError(f"unsupported reduce op {op!r}")
+        raise UsageError(f"unsupported reduce op {op!r}")
 
 
 def _ring_view(tensors: Tensors, op: ReduceOp, what: str) -> tuple[Tensors, Callable[[torch.Tensor], torch.Tensor]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.numerics.rounding import round_to
 from simdist.reduce.base import AvgMode, ReductionModel, Tensors, as_stacked
 from simdist.reduce.plan import FoldPlan, Hops, fold
@@ -108,7 +109,7 @@ class Ring(ReductionModel):
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+            raise UsageError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
     @property
     def name(self) -> str:
@@ -119,7 +120,7 @@ class Ring(ReductionModel):
         """Chunk ``c`` adds ``ring[(c + shift + j) mod n]`` at hop ``j``: chunks repeat with period ``n``."""
         ring = tuple(range(n)) if self.ring is None else tuple(self.ring)
         if sorted(ring) != list(range(n)):
-            raise ValueError(f"ring order {list(ring)} is not a permutation of the {n} group ranks")
+            raise UsageError(f"ring order {list(ring)} is not a permutation of the {n} group ranks")
         chunks = -(-numel // self.chunk_size)
         period = max(1, min(n, chunks))
         rows = tuple(ring[(self.shift + t) % n] for t in range(n + period - 1))

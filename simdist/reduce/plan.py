@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from simdist.errors import UsageError
+
 Hops = Sequence[torch.Tensor]
 """The values a fold combines, in hop order: hop 0 first."""
 
@@ -92,12 +94,12 @@ class FoldPlan:
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.period < 1 or self.length < 1:
-            raise ValueError(f"a fold plan needs n, period and length >= 1, got {self.n}, {self.period}, {self.length}")
+            raise UsageError(f"a fold plan needs n, period and length >= 1, got {self.n}, {self.period}, {self.length}")
         if len(self.rows) != self.n + self.period - 1:
-            raise ValueError(f"a fold plan of {self.n} members and period {self.period} needs "
+            raise UsageError(f"a fold plan of {self.n} members and period {self.period} needs "
                              f"{self.n + self.period - 1} rows, got {len(self.rows)}")  # fmt: skip
         if any(not 0 <= r < self.n for r in self.rows):
-            raise ValueError(f"fold plan rows {self.rows} name members outside 0..{self.n - 1}")
+            raise UsageError(f"fold plan rows {self.rows} name members outside 0..{self.n - 1}")
         cycle = self.period * self.length
         padded = -(-self.numel // cycle) * cycle
         spill = -(-(padded - self.numel) // self.numel) if self.numel else 0  # rows the last chunk reads past the end
@@ -134,17 +136,17 @@ class FoldPlan:
         if self.is_uniform:
             parts = members.unbind(0) if isinstance(members, torch.Tensor) else members
             if len(parts) != self.n:
-                raise ValueError(f"this plan folds {self.n} members, got {len(parts)}")
+                raise UsageError(f"this plan folds {self.n} members, got {len(parts)}")
             return [parts[r] for r in self._hop_rows]
         count = 1
         if not isinstance(members, torch.Tensor):
             shape = members[0].shape
             if len(members) != self.n or shape != (self.numel,) or any(t.shape != shape for t in members):
-                raise ValueError(f"this plan folds {self.n} 1-d members of {self.numel} elements, got shapes "
+                raise UsageError(f"this plan folds {self.n} 1-d members of {self.numel} elements, got shapes "
                                  f"{[tuple(t.shape) for t in members]}")  # fmt: skip
             buffer = torch.cat([members[r] for r in self._copied])
         elif members.shape[0] != self.n or members.shape[-1] != self.numel or members.dim() not in (2, 3):
-            raise ValueError(f"this plan folds [{self.n}, (count,) {self.numel}] members, got {tuple(members.shape)}")
+            raise UsageError(f"this plan folds [{self.n}, (count,) {self.numel}] members, got {tuple(members.shape)}")
         elif self.padded == self.numel and members.numel() // self.length <= ROW_GATHER_LIMIT:
             # whole chunks: gather them as rows of `length` into hop order (contiguous hops, faster adds)
             count = 1 if members.dim() == 2 else members.shape[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 
+from simdist.errors import UsageError
 from simdist.reduce.base import ReductionModel
 from simdist.reduce.gloo import Gloo
 from simdist.reduce.models import Ring, Sequential, Tree, Upcast
@@ -45,5 +46,5 @@ def make_model(name: str, **params) -> ReductionModel:
     """Build a reduction model by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``, ``nccl``)."""
     model = MODELS.get(name)
     if model is None:
-        raise ValueError(f"unknown reduction model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+        raise UsageError(f"unknown reduction model {name!r}; valid: {', '.join(MODEL_NAMES)}")
     return model(**params)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
+from simdist.errors import UsageError
 from simdist.gradpath.probes import BOUNDARY, Capture, Trace
 from simdist.numerics.compare import Comparison, Pair, compare
 
@@ -35,7 +36,7 @@ RUN_FIELDS: tuple[str, ...] = ("spec", "policy", "steps", "gas", "seed", "marker
 """Metadata that must agree for two dumps to describe the same run (where and how it ran may differ)."""
 
 
-class NotSameRun(ValueError):
+class NotSameRun(UsageError):
     """Two dumps do not describe the same run; the message is one line naming what differs."""
 
 
@@ -80,11 +81,11 @@ def load_dump(directory: str | Path) -> tuple[list[dict], list[dict[str, torch.T
     directory = Path(directory)
     files = sorted(directory.glob("rank*.safetensors"), key=lambda p: int(p.stem[4:]))
     if not files:
-        raise ValueError(f"{directory} holds no rank*.safetensors dump")
+        raise UsageError(f"{directory} holds no rank*.safetensors dump")
     metas = [read_metadata(p) for p in files]
     world = metas[0]["spec"]["world_size"]
     if [m["rank"] for m in metas] != list(range(world)):
-        raise ValueError(f"{directory} has ranks {[m['rank'] for m in metas]}, expected 0..{world - 1}")
+        raise UsageError(f"{directory} has ranks {[m['rank'] for m in metas]}, expected 0..{world - 1}")
     return metas, [load_file(str(p)) for p in files]
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
@@ -98,9 +99,9 @@ def study_model(
     paths' correction-once marker (the oracle corrects every micro-step: at ``gas >= 2`` with DeepSpeed's marker
     every policy also carries the marker defect)."""
     if steps < 1 or seeds < 1 or gas < 1:
-        raise ValueError(f"steps, seeds and gas must be >= 1, got {steps}, {seeds} and {gas}")
+        raise UsageError(f"steps, seeds and gas must be >= 1, got {steps}, {seeds} and {gas}")
     if not policies:
-        raise ValueError("policies: name at least one")
+        raise UsageError("policies: name at least one")
     params = layer_params(get_shape(name)) if params is None else params
     seed_list = [seed + i for i in range(seeds)]
     stream = BatchedGradients(spec, params, seed_list)
@@ -268,12 +269,12 @@ EXPECTATIONS = ("reproduced", "fixed")
 def meets(expect: str, rows: list[FamilyRow]) -> bool:
     """Whether the production rows show ``expect`` (`EXPECTATIONS`); ``ValueError`` when they cannot."""
     if expect not in EXPECTATIONS:
-        raise ValueError(f"--expect {expect}: expected one of {', '.join(EXPECTATIONS)}")
+        raise UsageError(f"--expect {expect}: expected one of {', '.join(EXPECTATIONS)}")
     if expect == "fixed":
         return all(r.differ == 0 for r in rows)
     shipped = [r for r in rows if r.policy == "bf16_writeback" and r.family == Family.ROUTER_GATE_REPLICATED.value]
     if not shipped:
-        raise ValueError("--expect reproduced needs bf16_writeback among --policies")
+        raise UsageError("--expect reproduced needs bf16_writeback among --policies")
     return all(r.differ > 0 for r in shipped)
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
@@ -412,7 +413,7 @@ def with_power(config: ReproConfig, verdict: Verdict, power: tuple[PowerCheck, .
 def meets(expect: str, reports: list[PolicyReport], verdict: Verdict) -> bool:
     """Whether the run's outcome is ``expect`` (`EXPECTATIONS`): what ``simdist repro --expect`` gates on."""
     if expect not in EXPECTATIONS:
-        raise ValueError(f"--expect {expect}: expected one of {', '.join(EXPECTATIONS)}")
+        raise UsageError(f"--expect {expect}: expected one of {', '.join(EXPECTATIONS)}")
     if expect == "reproduced":
         return verdict.reproduced and verdict.power_shown
     return all(r.bitwise_equal for report in reports for r in report.rows) and verdict.power_shown

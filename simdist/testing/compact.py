@@ -28,7 +28,7 @@ from simdist.gradpath.reference import oracle_traces, oracle_values
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import ReductionModel, Sequential
 from simdist.world.modelmap import as_model
-from simdist.world.options import DEFAULT_REDUCTION, check_one_reduction, warn_deprecated_spelling
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
@@ -62,14 +62,9 @@ def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.
     return initial_buffer(spec, params, [initial], torch.bfloat16)
 
 
-def _one_model(reduction: ReductionModel | None, model: ReductionModel | None) -> ReductionModel:
-    """The model from ``reduction=`` or its deprecated spelling ``model=`` (not both); `DEFAULT_REDUCTION` if
-    neither."""
-    if model is not None:
-        check_one_reduction(*(["reduction"] if reduction is not None else []), "model")
-        warn_deprecated_spelling("model", stacklevel=3)  # the line that called run_batched or run_oracle
-    chosen = reduction if reduction is not None else model
-    return chosen if chosen is not None else as_model(DEFAULT_REDUCTION)
+def _one_model(reduction: ReductionModel | None) -> ReductionModel:
+    """``reduction``, or `DEFAULT_REDUCTION` if none was given."""
+    return reduction if reduction is not None else as_model(DEFAULT_REDUCTION)
 
 
 def run_batched(
@@ -82,14 +77,13 @@ def run_batched(
     reduction: ReductionModel | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
     norm: bool = True,
-    model: ReductionModel | None = None,
     cases: int = 1,
 ) -> BatchedTrace:
     """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``reduction`` (default
-    `DEFAULT_REDUCTION`; ``model`` is its deprecated spelling). ``cases`` > 1 runs that many independent cases
+    `DEFAULT_REDUCTION`). ``cases`` > 1 runs that many independent cases
     as batch items (``grads.batch`` then gives ``[cases, rank, ...]``, as a
     `simdist.testing.case_batches.CaseBatch` does), every one from the same initial weights."""
-    reduction = _one_model(reduction, model)
+    reduction = _one_model(reduction)
     params = tuple(params)
     batch = getattr(grads, "batch", None)
     if batch is None:
@@ -141,11 +135,10 @@ def run_oracle(
     reduction: ReductionModel | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
     dtype: torch.dtype = torch.float32,
-    model: ReductionModel | None = None,
 ) -> list[Trace]:
     """Every rank's `Trace` of the independent oracle (`simdist.gradpath.reference`) on the compact workload,
-    every group reducing with ``reduction`` (default `DEFAULT_REDUCTION`; ``model`` is its deprecated spelling)."""
-    model = _one_model(reduction, model)
+    every group reducing with ``reduction`` (default `DEFAULT_REDUCTION`)."""
+    model = _one_model(reduction)
     return oracle_traces(
         spec,
         list(params),

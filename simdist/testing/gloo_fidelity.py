@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.reduce.gloo import GLOO_MAX_SEGMENT_BYTES
 
 UNSUPPORTED = (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -168,7 +169,7 @@ def _run_one(p: Probe, rank: int, world: int) -> list[torch.Tensor]:
     if p.kind == "monitored_barrier":
         dist.monitored_barrier()
         return []
-    raise ValueError(f"unknown probe kind {p.kind!r}")
+    raise UsageError(f"unknown probe kind {p.kind!r}")
 
 
 def run_probes(rank: int, probes: Sequence[Probe]) -> list[Seen]:

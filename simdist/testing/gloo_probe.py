@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.reduce.base import ReduceOp
 from simdist.reduce.gloo import Gloo
 
@@ -57,13 +58,13 @@ class Case:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+            raise UsageError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+            raise UsageError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout != "contiguous" and (
             self.kind not in ("all_reduce", "reduce_scatter_tensor") or self.inputs.dim() != 3
         ):
-            raise ValueError(
+            raise UsageError(
                 "layouts other than contiguous are probed with all_reduce and reduce_scatter_tensor on 2-d inputs"
             )
 
@@ -313,7 +314,7 @@ def corner_cases(world_size: int = 4) -> list[Case]:
     """The fixed corner set for ``world_size`` (>= 4) ranks: special values, every op and dtype, 1- to
     ``world_size``-rank groups given unsorted, reduce to every root, list and tensor reduce_scatter, layouts."""
     if world_size < 4:
-        raise ValueError(f"the corner set needs at least 4 ranks, got {world_size}")
+        raise UsageError(f"the corner set needs at least 4 ranks, got {world_size}")
     w = world_size
     groups = [None, (1, 2), (3, 0, 1), (2,)]  # the world, 2 ranks, 3 ranks given unsorted, 1 rank
     cases: list[Case] = []

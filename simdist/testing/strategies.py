@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
+from simdist.errors import UsageError
 from simdist.numerics.floats import float_format
 from simdist.testing.compact import PARAMS as COMPACT_PARAMS
 from simdist.world.spec import EpLayout, ParallelSpec
@@ -575,7 +576,7 @@ def check_modes_and_layouts(modes: Sequence[str], layouts: Sequence[str]) -> Non
     """Refuse value modes and peer layouts the gradient decoders do not know, naming the valid ones."""
     for name in modes:
         if name not in VALUE_MODES:
-            raise ValueError(f"unknown value mode {name!r}; valid: {', '.join(VALUE_MODES)}")
+            raise UsageError(f"unknown value mode {name!r}; valid: {', '.join(VALUE_MODES)}")
     for name in layouts:
         if name not in PEER_LAYOUTS:
-            raise ValueError(f"unknown peer layout {name!r}; valid: {', '.join(PEER_LAYOUTS)}")
+            raise UsageError(f"unknown peer layout {name!r}; valid: {', '.join(PEER_LAYOUTS)}")

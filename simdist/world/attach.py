@@ -33,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from simdist.errors import UsageError
 from simdist.world.backend import BACKEND_NAME
 
 __all__ = ["Attachment", "install"]
@@ -88,11 +89,11 @@ def _redirect_bound_init(original: Callable, serve: Callable, serving: _Serving)
 
 def _check_rank(att: Attachment, rank: Any, world_size: Any) -> None:
     if rank is not None and rank != -1 and rank != att.rank:
-        raise ValueError(
+        raise UsageError(
             f"init_process_group(rank={rank}) on simdist rank {att.rank}: a script's rank must be the launcher's"
         )
     if world_size is not None and world_size != -1 and world_size != att.world_size:
-        raise ValueError(
+        raise UsageError(
             f"init_process_group(world_size={world_size}) on simdist rank {att.rank} of a {att.world_size}-rank "
             "launch: the world sizes must agree"
         )
@@ -116,7 +117,7 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
         _check_rank(att, rank, world_size)
         if c10d.is_initialized():
             if att.initialised_by_script:
-                raise ValueError("trying to initialize the default process group twice!")
+                raise UsageError("trying to initialize the default process group twice!")
         else:
             att.reinits += 1
             att.reinit(att.reinits)  # the launcher's call of torch's function: served by torch's own

@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.reduce import ReduceOp
 from simdist.world.spec import GroupKind, ParallelSpec
 
@@ -41,7 +42,7 @@ class Group:
         try:
             return self.ranks.index(global_rank)
         except ValueError:
-            raise ValueError(f"rank {global_rank} is not in {self}") from None
+            raise UsageError(f"rank {global_rank} is not in {self}") from None
 
     def __str__(self) -> str:
         return f"{self.kind}{{{','.join(map(str, self.ranks))}}}"

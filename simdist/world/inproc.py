@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from simdist.errors import UsageError
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
@@ -355,7 +356,6 @@ def spawn(
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     one_cpu: bool = True,
     intra_op_threads: int | None = 1,
-    model: ModelChoice = _UNSET,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads with ``torch.distributed`` initialised.
@@ -366,15 +366,15 @@ def spawn(
 
     Returns the per-rank results in rank order. ``reduction`` chooses each group's
     reduction model (a name, a `Reduction` member, a model, a kind -> model mapping used with
-    ``spec``, or a callable; see `simdist.world.modelmap`; default gloo, ``model=`` is its older
-    spelling). ``timeout_s`` bounds the whole run (deadlocks between collectives are detected without
-    it; ``None``: no bound). ``one_cpu`` and ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`.
-    The default group is destroyed when ``fn`` returns. Each rank has its own
-    copy of torch's process-global state, starting as a fresh process's
+    ``spec``, or a callable; see `simdist.world.modelmap`; default gloo). ``model=`` is not simdist's keyword
+    (its removed spelling of ``reduction=``): like any other it goes to ``fn``. ``timeout_s`` bounds the whole
+    run (deadlocks between collectives are detected without it; ``None``: no bound). ``one_cpu`` and
+    ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`. The default group is destroyed when ``fn``
+    returns. Each rank has its own copy of torch's process-global state, starting as a fresh process's
     (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`.
     """
     return spawn_threads(
-        fn, world_size, args, kwargs, pick_reduction(reduction, model=model), spec, timeout_s, one_cpu, intra_op_threads
+        fn, world_size, args, kwargs, pick_reduction(reduction), spec, timeout_s, one_cpu, intra_op_threads
     )
 
 
@@ -471,7 +471,7 @@ def check_world_size(world_size: Any) -> int:
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
     world_size = operator.index(world_size)
     if not 1 <= world_size <= MAX_RANK_THREADS:
-        raise ValueError(
+        raise UsageError(
             f"world_size must be in [1, {MAX_RANK_THREADS}] (each rank is a thread of this process), got {world_size}"
         )
     return world_size

@@ -55,11 +55,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simdist.errors import UsageError
 from simdist.reduce import Reduction, ReductionModel
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.modelmap import as_model
-from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
+from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout
 from simdist.world.process import use_reduction
 from simdist.world.spec import ParallelSpec
 from simdist.world.torch_comm import TorchComm
@@ -92,7 +93,7 @@ def run_torchrun(
     """
     world = int(os.environ["WORLD_SIZE"])
     if world != spec.world_size:
-        raise ValueError(f"torchrun started {world} processes but the spec needs {spec.world_size} ({spec.describe()})")
+        raise UsageError(f"torchrun started {world} processes but the spec needs {spec.world_size} ({spec.describe()})")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -106,7 +107,7 @@ def run_torchrun(
 def _load_target(target: str) -> RankFn:
     module, _, name = target.partition(":")
     if not name:
-        raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+        raise UsageError(f"target must look like 'package.module:function', got {target!r}")
     return getattr(importlib.import_module(module), name)
 
 
@@ -297,7 +298,6 @@ def spawn_procs(
     backend: str = "gloo",
     reduction: Any = _UNSET,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    model: Any = _UNSET,
 ) -> list[Any]:
     """Run plain ``torch.distributed`` code ``fn(rank, *args)`` on ``world_size`` local processes.
 
@@ -305,12 +305,11 @@ def spawn_procs(
     ``where="processes"``), and the process-mode twin of `simdist.spawn`: each child initialises the
     default group with ``backend`` (``"gloo"`` for real gloo, ``"simdist"`` for
     the simdist backend in process mode, whose reduction model is ``reduction``
-    (``model=`` is its older spelling), default gloo; see `simdist.world.process`) and calls
+    default gloo; see `simdist.world.process`) and calls
     ``fn(rank, *args)``. Results come back in rank order; failures and
     timeouts are reported as by `spawn_gloo`.
     """
-    unset = reduction is _UNSET and model in (_UNSET, None)  # None was model='s default: process mode's own
-    chosen = None if unset else pick_reduction(reduction, model=model)
+    chosen = None if reduction is _UNSET else reduction  # None: process mode's own choice (SIMDIST_REDUCTION)
     return spawn_processes(fn, world_size, None, args, {}, timeout_s, backend, chosen, (), None)
 
 
@@ -338,7 +337,7 @@ def spawn_processes(
     timeout = check_timeout(timeout_s, none_ok=False)
     assert timeout is not None
     if backend not in ("gloo", "simdist"):
-        raise ValueError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
+        raise UsageError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
     model = _process_model(reduction, backend)
     began = time.time()
     ctx = _context(tuple(preload))
@@ -411,7 +410,7 @@ def _process_model(reduction: Any, backend: str) -> ReductionModel | None:
     model = None if reduction is None else as_model(reduction, "reduction")
     if backend == "gloo":
         if model is not None and model.name != Reduction.GLOO:  # the model's name, not its class
-            raise ValueError(
+            raise UsageError(
                 f"reduction={reduction!r} with real gloo: real gloo sums in its own order; a reduction model is "
                 "simulated with where='threads' or where='processes'"
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from simdist.errors import UsageError
 from simdist.reduce import MODEL_NAMES, ReductionModel, make_model
 from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
@@ -36,7 +37,7 @@ def as_model(model: str | ReductionModel, where: str = "model") -> ReductionMode
         return model
     if isinstance(model, str):
         if model not in MODEL_NAMES:
-            raise ValueError(f"{where}: unknown reduction model {model!r}; valid names: {', '.join(MODEL_NAMES)}")
+            raise UsageError(f"{where}: unknown reduction model {model!r}; valid names: {', '.join(MODEL_NAMES)}")
         return make_model(model)
     raise TypeError(
         f"{where} must be a model name ({', '.join(MODEL_NAMES)}) or a ReductionModel, got {type(model).__name__} "
@@ -47,10 +48,10 @@ def as_model(model: str | ReductionModel, where: str = "model") -> ReductionMode
 def _check_map(choice: Mapping, spec: ParallelSpec | None) -> None:
     for kind in choice:
         if not isinstance(kind, str) or kind not in MAP_KINDS:
-            raise ValueError(f"model map: unknown group kind {kind!r}; valid kinds: {', '.join(MAP_KINDS)}")
+            raise UsageError(f"model map: unknown group kind {kind!r}; valid kinds: {', '.join(MAP_KINDS)}")
     needs_spec = [kind for kind in choice if kind in GROUP_KINDS]
     if needs_spec and spec is None:
-        raise ValueError(
+        raise UsageError(
             f"model map: kind(s) {', '.join(needs_spec)} name groups of a ParallelSpec; pass spec= "
             "(without it only 'world', 'group' and 'default' can match)"
         )
@@ -61,7 +62,7 @@ class Chooser:
 
     def __init__(self, choice: ModelChoice, world_size: int, spec: ParallelSpec | None = None) -> None:
         if spec is not None and spec.world_size != world_size:
-            raise ValueError(f"spec {spec.describe()} has {spec.world_size} ranks, the run {world_size}")
+            raise UsageError(f"spec {spec.describe()} has {spec.world_size} ranks, the run {world_size}")
         self.world_size = world_size
         self.spec = spec
         self._kinds: dict[tuple[int, ...], str] = {}

@@ -17,18 +17,19 @@ and barriers go straight over the inner gloo group.
 
 The model is chosen per process: the model `use_reduction` installed in this process (the launcher
 `simdist.run` does, for a `ReductionModel` it was given), else the environment's ``SIMDIST_REDUCTION`` (a
-model name; ``SIMDIST_MODEL`` is its older spelling), else gloo. Hangs are bounded by the group's timeout.
+model name), else gloo; the removed spelling ``SIMDIST_MODEL`` is refused, not read. Hangs are bounded by the
+group's timeout.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from simdist.errors import UsageError
 from simdist.reduce import ReductionModel
 from simdist.world.backend import SimProcessGroup
 from simdist.world.engine import Call
@@ -37,8 +38,8 @@ from simdist.world.modelmap import as_model
 
 REDUCTION_ENV = "SIMDIST_REDUCTION"
 """The environment variable naming process mode's reduction model."""
-MODEL_ENV = "SIMDIST_MODEL"
-"""Its older spelling, read when `REDUCTION_ENV` is not set."""
+REMOVED_ENV = "SIMDIST_MODEL"
+"""`REDUCTION_ENV`'s spelling before 0.1.0: refused (a `UsageError`) rather than silently ignored."""
 
 
 class _Chosen:
@@ -59,14 +60,9 @@ def process_reduction() -> ReductionModel:
     """This process's reduction model (see the module docstring)."""
     if _Chosen.model is not None:
         return _Chosen.model
-    if not os.environ.get(REDUCTION_ENV) and os.environ.get(MODEL_ENV):
-        # FutureWarning, not DeprecationWarning: Python shows it to the person who set the variable (a
-        # DeprecationWarning raised here, outside __main__, is hidden by the default filters)
-        warnings.warn(
-            f"{MODEL_ENV} is a deprecated spelling of {REDUCTION_ENV}; set {REDUCTION_ENV}", FutureWarning, stacklevel=2
-        )
-    name = os.environ.get(REDUCTION_ENV) or os.environ.get(MODEL_ENV) or "gloo"
-    return as_model(name, REDUCTION_ENV if REDUCTION_ENV in os.environ else MODEL_ENV)
+    if os.environ.get(REMOVED_ENV):
+        raise UsageError(f"{REMOVED_ENV} was renamed {REDUCTION_ENV} (same values): set {REDUCTION_ENV} instead")
+    return as_model(os.environ.get(REDUCTION_ENV) or "gloo", REDUCTION_ENV)
 
 
 def _flatten(tree) -> list[torch.Tensor]:

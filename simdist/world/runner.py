@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from simdist.errors import UsageError
 from simdist.world.inproc import spawn_threads
 from simdist.world.launch import LaunchTimings, spawn_processes
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where, check_timeout, choose
@@ -85,7 +86,7 @@ def run(
     args, kwargs = _arguments(args, kwargs)
     if place == Where.THREADS:
         if preload or timings is not None:
-            raise ValueError("preload= and timings= are for process launches (where='processes' or 'gloo')")
+            raise UsageError("preload= and timings= are for process launches (where='processes' or 'gloo')")
         if hand == Api.COMM:
             assert spec is not None
             threads = SimWorld(
@@ -111,7 +112,7 @@ def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:
     if isinstance(world, bool) or not isinstance(world, int):
         raise TypeError(f"world must be a world size (int) or a ParallelSpec, got {type(world).__name__} {world!r}")
     if world < 1:
-        raise ValueError(f"world must be at least 1 rank, got {world}")
+        raise UsageError(f"world must be at least 1 rank, got {world}")
     return (ParallelSpec(world) if api == Api.COMM else None), world
 
 

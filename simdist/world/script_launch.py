@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from simdist.errors import UsageError
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME
@@ -57,9 +58,9 @@ def launch(
 ) -> int:
     """Run ``script args`` on ``nproc`` simdist rank processes; return the launch's exit status."""
     if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
     if not Path(script).is_file():
-        raise ValueError(f"script {script!r} is not a file")
+        raise UsageError(f"script {script!r} is not a file")
     as_model(reduction, "--reduction")  # a bad name is one line now, not N tracebacks later
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), REDUCTION_ENV: reduction})

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.reduce import ReduceOp, ReductionModel
 from simdist.world import collectives as cc
 from simdist.world.engine import Engine, observed
@@ -32,10 +33,8 @@ from simdist.world.options import (
     _UNSET,
     DEFAULT_REDUCTION,
     DEFAULT_TIMEOUT_S,
-    check_one_reduction,
     check_timeout,
     pick_reduction,
-    warn_deprecated_spelling,
 )
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 
@@ -94,7 +93,7 @@ class SimComm:
             return found
         resolved = self._world if group is None else group
         if self._rank not in resolved.ranks:
-            raise ValueError(f"rank {self._rank} called a collective on {resolved}, which it is not a member of")
+            raise UsageError(f"rank {self._rank} called a collective on {resolved}, which it is not a member of")
         if list(resolved.ranks) != sorted(resolved.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
             resolved = Group(resolved.kind, tuple(sorted(resolved.ranks)))
         found = self._members[group] = _Members(resolved, self._world_obj.model_for(resolved.kind))
@@ -190,8 +189,7 @@ class SimWorld:
     member or a model for every group, or a mapping from group kind (``tp``, ``dp``, ``ep``, ``etp``,
     ``edp``, ``pp``, ``world``) to one of those, kinds not named using its ``"default"`` entry. The default is
     `simdist.world.options.DEFAULT_REDUCTION` (gloo's order; it was a rank-order fold, `Sequential`, before
-    every launcher shared one default: pass ``reduction="sequential"`` for that). ``models`` (kind -> model)
-    and ``default_model`` are the older spellings, kept as deprecated aliases.
+    every launcher shared one default: pass ``reduction="sequential"`` for that).
 
     ``one_cpu`` (default on) pins the rank threads to one CPU. Ranks run in
     lockstep at every collective, so each collective hands the interpreter
@@ -208,16 +206,14 @@ class SimWorld:
     def __init__(
         self,
         spec: ParallelSpec,
-        models: Mapping[str, ReductionModel] | None = None,
-        default_model: ReductionModel | None = None,
+        *,
+        reduction: ReductionChoice = _UNSET,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         one_cpu: bool = True,
         intra_op_threads: int | None = 1,
-        *,
-        reduction: ReductionChoice = _UNSET,
     ) -> None:
         self.spec = spec
-        self.models, self.default_model = reduction_table(reduction, models, default_model)
+        self.models, self.default_model = reduction_table(reduction)
         self.timeout_s = check_timeout(timeout_s)
         self.one_cpu = one_cpu and hasattr(os, "sched_setaffinity")
         self.intra_op_threads = intra_op_threads
@@ -244,24 +240,11 @@ SIMWORLD_KINDS: tuple[str, ...] = (*GROUP_KINDS, GroupKind.WORLD, "default")
 """The keys of a `SimWorld` kind -> model table."""
 
 
-def reduction_table(
-    reduction: Any = None,
-    models: Mapping[str, ReductionModel] | None = None,
-    default_model: ReductionModel | None = None,
-) -> tuple[dict[str, ReductionModel], ReductionModel]:
-    """``({kind: model}, default model)`` from ``reduction=`` or its deprecated spellings ``models=`` (a kind ->
-    model table) and ``default_model=`` (the rest); ``TypeError`` if ``reduction=`` comes with either. Nothing
-    given (``None`` or unset) is `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched
-    engine (`simdist.gradpath.batched.BatchedOps`), so both read the keywords alike."""
-    if reduction is None:
-        reduction = _UNSET
-    older = [name for name, value in (("models", models), ("default_model", default_model)) if value is not None]
-    if reduction is not _UNSET:  # models= with default_model= is one (older) spelling
-        check_one_reduction("reduction", *older)
-    warn_deprecated_spelling(*older, stacklevel=3)  # the line that made the SimWorld or BatchedOps
-    if older:  # the deprecated spellings: a kind -> model table and a default
-        reduction = {**(models or {}), "default": default_model or as_model(DEFAULT_REDUCTION)}
-    per_kind = kind_models(pick_reduction(reduction))
+def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, ReductionModel], ReductionModel]:
+    """``({kind: model}, default model)`` from ``reduction=``; nothing given (``None`` or unset) is
+    `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched engine
+    (`simdist.gradpath.batched.BatchedOps`), so both read the keyword alike."""
+    per_kind = kind_models(pick_reduction(_UNSET if reduction is None else reduction))
     default = per_kind.pop("default")
     return per_kind, default
 
@@ -273,7 +256,7 @@ def kind_models(choice: ReductionChoice) -> dict[str, ReductionModel]:
     if isinstance(choice, Mapping):
         unknown = [k for k in choice if k not in SIMWORLD_KINDS]
         if unknown:
-            raise ValueError(f"reduction: unknown group kind(s) {unknown}; valid: {', '.join(SIMWORLD_KINDS)}")
+            raise UsageError(f"reduction: unknown group kind(s) {unknown}; valid: {', '.join(SIMWORLD_KINDS)}")
         table = {str(k): as_model(m, f"reduction[{k!r}]") for k, m in choice.items()}
         table.setdefault("default", as_model(DEFAULT_REDUCTION))
         return table

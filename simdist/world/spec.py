@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+from simdist.errors import UsageError
+
 
 class GroupKind(enum.StrEnum):
     """The kinds of process group. Members compare equal to their strings (``GroupKind.TP == "tp"``), so code
@@ -56,7 +58,7 @@ def _divisors(value: int) -> list[int]:
 
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -81,20 +83,20 @@ class ParallelSpec:
         for name in ("world_size", "tp", "ep", "etp", "pp"):
             _require_positive_int(name, getattr(self, name))
         if self.ep_layout not in EP_LAYOUTS:
-            raise ValueError(f"ep_layout={self.ep_layout!r} is unknown; valid: {', '.join(EP_LAYOUTS)}")
+            raise UsageError(f"ep_layout={self.ep_layout!r} is unknown; valid: {', '.join(EP_LAYOUTS)}")
         if self.world_size % self.pp:
-            raise ValueError(
+            raise UsageError(
                 f"pp={self.pp} must divide world_size={self.world_size}; valid pp values: {_divisors(self.world_size)}"
             )
         stage = self.world_size // self.pp
         if stage % self.tp:
-            raise ValueError(
+            raise UsageError(
                 f"tp={self.tp} must divide the stage size (world_size {self.world_size} / pp {self.pp} = {stage}) "
                 f"so that dp is an integer; valid tp values: {_divisors(stage)}"
             )
         if stage % (self.ep * self.etp):
             valid = [d for d in _divisors(stage) if d % self.etp == 0]
-            raise ValueError(
+            raise UsageError(
                 f"ep*etp={self.ep}*{self.etp}={self.ep * self.etp} must divide the stage size "
                 f"(world_size {self.world_size} / pp {self.pp} = {stage}) so that edp is an integer; "
                 f"valid ep*etp values: {valid}"
@@ -150,12 +152,12 @@ class ParallelSpec:
         try:
             return self._tables[kind]
         except KeyError:
-            raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}") from None
+            raise UsageError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}") from None
 
     def group_of(self, kind: str, rank: int) -> tuple[int, ...]:
         """The group of ``kind`` that holds global ``rank``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+            raise UsageError(f"rank {rank} is outside 0..{self.world_size - 1}")
         return next(g for g in self.groups(kind) if rank in g)
 
     def describe(self) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from simdist.errors import UsageError
 from simdist.reduce import ReduceOp
 from simdist.world.groups import Group, group_for, world_group
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
@@ -47,7 +48,7 @@ class TorchComm:
         if not dist.is_initialized():
             raise RuntimeError("TorchComm needs an initialised default process group (dist.init_process_group)")
         if dist.get_world_size() != spec.world_size:
-            raise ValueError(f"process group has {dist.get_world_size()} ranks but the spec needs {spec.world_size}")
+            raise UsageError(f"process group has {dist.get_world_size()} ranks but the spec needs {spec.world_size}")
         self.spec = spec
         self.backend = str(dist.get_backend())
         self._rank = dist.get_rank()
@@ -75,10 +76,10 @@ class TorchComm:
     def _resolve(self, group: Group | None) -> tuple[Group, dist.ProcessGroup]:
         group = group or world_group(self.spec)
         if self._rank not in group.ranks:
-            raise ValueError(f"rank {self._rank} called a collective on {group}, which it is not a member of")
+            raise UsageError(f"rank {self._rank} called a collective on {group}, which it is not a member of")
         pg = self._pgs.get(group.ranks)
         if pg is None:
-            raise ValueError(f"{group} is not a group of {self.spec.describe()}")
+            raise UsageError(f"{group} is not a group of {self.spec.describe()}")
         return group, pg
 
     # -- collectives -----------------------------------------------------------
@@ -143,7 +144,7 @@ class TorchComm:
         """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
         group, pg = self._resolve(group)
         if src not in group.ranks:
-            raise ValueError(f"broadcast source rank {src} is not in {group}")
+            raise UsageError(f"broadcast source rank {src} is not in {group}")
         dist.broadcast(tensor, src, group=pg)
 
     def barrier(self, group: Group | None = None) -> None:

@@ -23,17 +23,16 @@ from hypothesis import strategies as st
 
 from simdist.numerics.floats import bits, float_format, round_exact, unit_roundoff
 from simdist.reduce import ReduceOp, Sequential, make_model
-from simdist.reduce.nccl import (
+from simdist.reduce.nccl import Nccl
+from simdist.reduce.nccl_arith import fma_round, premul_scale
+from simdist.reduce.nccl_schedule import (
     DEFAULT_BUFFSIZE,
     PROTOCOLS,
     VERSIONS,
-    Nccl,
     btree,
     chain_tree,
     channel_parts,
     double_binary_trees,
-    fma_round,
-    premul_scale,
     ring_chunk_elements,
     ring_segments,
     task_channels,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import simdist
+from simdist.errors import UsageError
 from simdist.reduce import Gloo, Reduction, Ring, Sequential
 from simdist.world.launch import spawn_gloo, spawn_procs
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
@@ -82,9 +83,7 @@ def test_threads_dist_is_spawn_bit_for_bit_with_args_kwargs_and_every_reduction_
     assert len(ran) == N and same_bits(ran, old)
     assert same_bits(ran, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)  # default: gloo's order
     ring = [simdist.run(dist_sum, N, args=[64], reduction=choice) for choice in ("ring", Reduction.RING, Ring())]
-    with pytest.warns(DeprecationWarning, match=r"^model= is a deprecated spelling of reduction="):
-        assert all(same_bits(r, simdist.spawn(dist_sum, N, 64, model="ring")) for r in ring)
-    assert same_bits(simdist.spawn(dist_sum, N, 64, reduction="ring"), ring[0])
+    assert all(same_bits(r, simdist.spawn(dist_sum, N, 64, reduction="ring")) for r in ring)
     seq = simdist.run(dist_sum, SPEC, args=(64,), reduction={"world": "sequential", "default": "gloo"})
     assert same_bits(seq, [left_fold(64)] * N)
 
@@ -98,9 +97,8 @@ def test_threads_comm_is_simworld_bit_for_bit_and_simworld_now_defaults_to_gloo(
     assert same_bits([r[0] for r in seq], [left_fold(64, scale=2.0)] * N)
     tp4 = ParallelSpec(N, tp=N)  # a tp group of 4 members: its order shows (a 2-member sum has only one)
     mixed = simdist.run(comm_sums, tp4, api="comm", args=(64,), reduction={"tp": "sequential", "default": "ring"})
-    with pytest.warns(DeprecationWarning, match=r"^models= and default_model= is a deprecated spelling"):
-        older = SimWorld(tp4, models={"tp": Sequential()}, default_model=Ring())
-    assert same_bits(mixed, older.run(comm_sums, 64))
+    world = SimWorld(tp4, reduction={"tp": Sequential(), "default": Ring()})
+    assert same_bits(mixed, world.run(comm_sums, 64))
     assert same_bits([r[1] for r in mixed], [left_fold(64)] * N)  # tp: the fold
     assert same_bits([r[0] for r in mixed], simdist.run(dist_sum, N, args=(64,), reduction="ring"))  # world: ring
     flat = simdist.run(comm_sums, N, api="comm", args=(8,))  # a size is a flat spec: tp = dp = ... = 1
@@ -159,13 +157,24 @@ def test_a_bad_world_is_an_error(world, error, match):
         simdist.run(dist_sum, world, args=(4,))
 
 
-def test_the_reduction_is_given_once():
-    with pytest.raises(TypeError, match=r"give the reduction model once, as reduction= \(got reduction= and model=\)"):
-        simdist.spawn(dist_sum, N, 4, reduction="ring", model="ring")
-    with pytest.raises(TypeError, match=r"got reduction= and default_model="):
-        SimWorld(SPEC, default_model=Ring(), reduction="ring")
-    with pytest.raises(TypeError, match=r"\(got reduction=, models= and default_model=\)$"):
-        SimWorld(SPEC, models={}, default_model=Ring(), reduction="ring")
+def test_reduction_is_the_one_spelling_the_removed_ones_are_unknown_keywords(monkeypatch):
+    from simdist.world.process import process_reduction
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'default_model'"):
+        SimWorld(SPEC, default_model=Ring())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'models'"):
+        SimWorld(SPEC, models={"tp": Ring()})
+    with pytest.raises(TypeError):  # reduction is keyword-only: a positional table is not read as one
+        SimWorld(SPEC, {"tp": Ring()})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        spawn_procs(dist_sum, N, 4, backend="simdist", model="ring")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        simdist.run(dist_sum, N, args=(4,), model="ring")
+    with pytest.raises(TypeError, match=r"dist_sum\(\) got an unexpected keyword argument 'model'"):  # fn's keyword
+        simdist.spawn(dist_sum, N, 4, model="ring")
+    monkeypatch.setenv("SIMDIST_MODEL", "ring")
+    with pytest.raises(UsageError, match="SIMDIST_MODEL was renamed SIMDIST_REDUCTION"):
+        process_reduction()
     with pytest.raises(TypeError, match=r"reduction must be a model name"):
         SimWorld(SPEC, reduction=lambda ranks: Ring())
 
@@ -199,8 +208,7 @@ def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings
     assert same_bits(processes, simdist.spawn(dist_sum, N, 64, scale=0.5))  # process mode = threads, bitwise
     assert same_bits(processes, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)
     ring = simdist.run(dist_sum, N, where="processes", args=(64,), reduction=Ring(), preload=("json",))
-    with pytest.warns(DeprecationWarning, match=r"^model= is a deprecated spelling of reduction="):
-        older = spawn_procs(dist_sum, N, 64, backend="simdist", model="ring")
+    older = spawn_procs(dist_sum, N, 64, backend="simdist", reduction="ring")
     assert same_bits(ring, older)
     assert same_bits(ring, simdist.spawn(dist_sum, N, 64, reduction="ring"))
     real = simdist.run(summed_on, N, where="gloo", args=(64,))

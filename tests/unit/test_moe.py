@@ -56,7 +56,7 @@ def sharded_errors(spec, policy, steps=2, gas=1, seed=3, marker="per_micro_step"
     ],
     ids=["tp2ep2", "tp2ep2-gas2", "tp2ep2-lane-major", "tp4ep4", "tp1ep2", "8ranks-tp2ep4-gas2"],
 )
-@pytest.mark.parametrize("policy", [get_policy("fp32_reference"), FP64_ORACLE], ids=["fp32_reference", "fp64"])
+@pytest.mark.parametrize("policy", [get_policy("fp32_staging"), FP64_ORACLE], ids=["fp32_staging", "fp64"])
 def test_sharded_gradients_equal_the_unsharded_reference(spec, gas, policy):
     errors = sharded_errors(spec, policy, gas=gas)
     assert len(errors) == 13  # every parameter, every family
@@ -74,7 +74,7 @@ def test_sharded_gradients_equal_the_unsharded_reference(spec, gas, policy):
 )
 def test_a_wrong_correction_fails_the_check(monkeypatch, family, wrong):
     monkeypatch.setitem(families._CORRECTIONS, family, wrong)
-    errors = sharded_errors(SPEC, get_policy("fp32_reference"), steps=1)
+    errors = sharded_errors(SPEC, get_policy("fp32_staging"), steps=1)
     hit = [name for name, f in MoEGradients(SPEC).families.items() if f is family]
     assert min(errors[name] for name in hit) > 0.5, errors
     assert max(errors.values()) > TOLERANCE  # the check above would fail

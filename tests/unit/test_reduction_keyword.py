@@ -1,6 +1,6 @@
-"""One spelling of the reduction model: ``reduction=`` on the rank-batched engine and the pytest fixture, the
-older ``models=``/``default_model=``/``model=`` as aliases giving the same bits with a `DeprecationWarning` that
-names the caller's line, both at once a ``TypeError`` (one message), and one default
+"""One spelling of the reduction model: ``reduction=`` on the rank-batched engine, the compact workload and the
+pytest fixture; the spellings removed before 0.1.0 (``models=``, ``default_model=``, ``model=``,
+``SIMDIST_MODEL``) are unknown keywords (``TypeError``) or a refused variable; one default
 (`simdist.world.options.DEFAULT_REDUCTION`).
 
 The inputs are chosen so that gloo's order and the rank-order fold differ on them (checked here), so a keyword
@@ -9,7 +9,6 @@ that were silently dropped would show.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import pytest
@@ -30,17 +29,6 @@ from simdist.world.spec import ParallelSpec
 SPEC = ParallelSpec(8, tp=2, ep=2)
 
 
-@contextlib.contextmanager
-def deprecated(*names: str, here: bool = True):
-    """The block uses the deprecated spellings ``names``: one `DeprecationWarning` naming them, pointing at this
-    file (the caller's line) unless ``here`` is false (an old keyword passed on by simdist's own code)."""
-    spelled = " and ".join(f"{name}=" for name in names)
-    with pytest.warns(DeprecationWarning, match=f"^{spelled} is a deprecated spelling of reduction=") as record:
-        yield
-    if here:
-        assert {w.filename for w in record} == {__file__}
-
-
 def _values() -> torch.Tensor:
     """``[2, 8, 64]`` values spread over 60 binades: every order of summation rounds differently."""
     gen = torch.Generator().manual_seed(8)
@@ -54,33 +42,27 @@ def _reduce(ops: BatchedOps) -> torch.Tensor:
     return torch.stack([ops.all_reduce(x, kind) for kind in ("tp", "dp", "edp")])
 
 
-def test_batched_ops_reduction_and_its_old_spellings_give_the_same_bits():
+def test_batched_ops_reads_reduction_by_name_model_or_kind_table():
     by_name = _reduce(BatchedOps(SPEC, [0, 1], reduction="ring"))
     assert same_bits(by_name, _reduce(BatchedOps(SPEC, [0, 1], reduction=Ring())))
-    with deprecated("default_model"):
-        older = BatchedOps(SPEC, [0, 1], default_model=Ring())
-    assert same_bits(by_name, _reduce(older))
     mixed = _reduce(BatchedOps(SPEC, [0, 1], reduction={"dp": Ring(), "default": Sequential()}))
-    with deprecated("models", "default_model"):
-        older = BatchedOps(SPEC, [0, 1], models={"dp": Ring()}, default_model=Sequential())
-    assert same_bits(mixed, _reduce(older))
     # not vacuous: the models differ on these inputs, per kind as chosen
     sequential = _reduce(BatchedOps(SPEC, [0, 1], reduction=Sequential()))
     assert not same_bits(by_name[1], sequential[1])
     assert same_bits(mixed[1], by_name[1]) and same_bits(mixed[0], sequential[0])
 
 
-def test_batched_default_is_the_one_default_and_two_spellings_are_refused():
+def test_batched_default_is_the_one_default_and_the_removed_spellings_are_unknown():
     ops = BatchedOps(SPEC, [0, 1])
     assert DEFAULT_REDUCTION == "gloo" and type(ops.default_model) is Gloo and not ops.models
     assert same_bits(_reduce(ops), _reduce(BatchedOps(SPEC, [0, 1], reduction=Gloo())))
     assert not same_bits(_reduce(ops), _reduce(BatchedOps(SPEC, [0, 1], reduction=Sequential())))
-    with pytest.raises(TypeError, match=r"got reduction= and default_model="):
-        BatchedOps(SPEC, [0, 1], default_model=Ring(), reduction="ring")
-    with pytest.raises(TypeError, match=r"got reduction= and models="):
-        BatchedPath(
-            SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=1), [], [], models={}, reduction="ring"
-        )
+    with pytest.raises(TypeError, match="unexpected keyword argument 'default_model'"):
+        BatchedOps(SPEC, [0, 1], default_model=Ring())
+    with pytest.raises(TypeError):  # reduction is keyword-only: a positional kind table is not read as one
+        BatchedOps(SPEC, [0, 1], {"dp": Ring()})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'models'"):
+        BatchedPath(SPEC, DEFAULT_PARAMS, get_policy("bf16_writeback"), PathConfig(steps=1), [], [], models={})
 
 
 def test_batched_path_passes_reduction_to_its_ops():
@@ -96,8 +78,7 @@ def test_batched_path_passes_reduction_to_its_ops():
         return path.path.master
 
     ring = master(reduction="ring")
-    with deprecated("default_model", here=False):  # BatchedPath hands it to BatchedOps
-        assert same_bits(ring, master(default_model=Ring()))
+    assert same_bits(ring, master(reduction=Ring()))
     assert not same_bits(ring, master(reduction="sequential"))
 
 
@@ -110,18 +91,13 @@ def _rank_sum(rank: int) -> torch.Tensor:
 
 def test_the_fixture_takes_reduction_and_a_call_may_override_it():
     ring = torch.stack(SimdistWorld(reduction="ring").spawn(_rank_sum, 8))
-    with deprecated("model"):
-        older = SimdistWorld(model="ring")
-    assert same_bits(ring, torch.stack(older.spawn(_rank_sum, 8)))
-    assert older.model == "ring"
+    assert SimdistWorld(reduction="ring").reduction == "ring"
     gloo = torch.stack(SimdistWorld().spawn(_rank_sum, 8))
     assert not same_bits(ring, gloo)
     # a call's own keyword wins over the fixture's default (once a TypeError: the fixture added model=)
     assert same_bits(torch.stack(SimdistWorld(reduction="ring").spawn(_rank_sum, 8, reduction="gloo")), gloo)
-    with deprecated("model", here=False):  # SimdistWorld.spawn hands it to simdist.spawn
-        assert same_bits(torch.stack(SimdistWorld(reduction="gloo").spawn(_rank_sum, 8, model="ring")), ring)
-    with pytest.raises(TypeError, match=r"got reduction= and model="):
-        SimdistWorld(reduction="ring", model="gloo")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        SimdistWorld(model="ring")
 
 
 def test_the_fixture_leaves_the_deadline_to_the_launchers_one_default(monkeypatch):
@@ -142,7 +118,7 @@ def test_the_fixture_leaves_the_deadline_to_the_launchers_one_default(monkeypatc
     assert seen == [DEFAULT_TIMEOUT_S, 7.5, None]
 
 
-def test_the_compact_workload_takes_reduction_with_model_as_its_alias():
+def test_the_compact_workload_takes_reduction_and_no_other_spelling():
     from simdist.gradpath.probes import Capture
     from simdist.testing.compact import run_batched, run_oracle
 
@@ -166,29 +142,25 @@ def test_the_compact_workload_takes_reduction_with_model_as_its_alias():
         )
 
     ring = batched(reduction=Ring())
-    with deprecated("model", here=False):  # passed on by batched() and oracle() above
-        assert same_bits(ring, batched(model=Ring())) and same_bits(oracle(reduction=Ring()), oracle(model=Ring()))
+    assert not same_bits(oracle(reduction=Ring()), oracle(reduction=Sequential()))
     assert not same_bits(ring, batched(reduction=Sequential()))
     assert same_bits(batched(), batched(reduction=Gloo()))  # the one default
     assert same_bits(oracle(), oracle(reduction=Gloo()))
-    with pytest.raises(TypeError, match=r"got reduction= and model="):
-        run_batched(SPEC, policy, local, config, reduction=Ring(), model=Ring())
-    with pytest.raises(TypeError, match=r"got reduction= and model="):
-        run_oracle(SPEC, local, 1, 1, reduction=Ring(), model=Ring())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        run_batched(SPEC, policy, local, config, model=Ring())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        run_oracle(SPEC, local, 1, 1, model=Ring())
 
 
-def test_the_older_environment_variable_warns_and_the_new_one_wins(monkeypatch):
-    """``SIMDIST_MODEL`` (process mode, torchrun) still works, with a `FutureWarning` (shown by Python's default
-    filters, unlike a `DeprecationWarning` raised inside simdist); ``SIMDIST_REDUCTION`` wins, silently."""
-    import warnings
-
+def test_the_removed_environment_variable_is_refused_not_ignored(monkeypatch):
+    """``SIMDIST_MODEL`` (process mode, torchrun) was renamed ``SIMDIST_REDUCTION``: silently ignoring it would run
+    gloo's order where the user asked for another, so it is a `UsageError` naming the new variable."""
+    from simdist.errors import UsageError
     from simdist.world.process import process_reduction
 
-    monkeypatch.delenv("SIMDIST_REDUCTION", raising=False)
-    monkeypatch.setenv("SIMDIST_MODEL", "ring")
-    with pytest.warns(FutureWarning, match=r"^SIMDIST_MODEL is a deprecated spelling of SIMDIST_REDUCTION"):
-        assert type(process_reduction()) is Ring
+    monkeypatch.delenv("SIMDIST_MODEL", raising=False)
     monkeypatch.setenv("SIMDIST_REDUCTION", "sequential")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert type(process_reduction()) is Sequential
+    assert type(process_reduction()) is Sequential
+    monkeypatch.setenv("SIMDIST_MODEL", "ring")
+    with pytest.raises(UsageError, match=r"^SIMDIST_MODEL was renamed SIMDIST_REDUCTION"):
+        process_reduction()

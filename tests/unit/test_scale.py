@@ -24,7 +24,8 @@ from simdist.cli import main
 from simdist.cli.limits import SizeError
 from simdist.gradpath.batched import batched_sum
 from simdist.numerics.floats import bitwise_equal
-from simdist.reduce.nccl import Nccl, double_binary_trees
+from simdist.reduce.nccl import Nccl
+from simdist.reduce.nccl_schedule import double_binary_trees
 
 N = 512
 ROOT = Path(__file__).resolve().parents[2]

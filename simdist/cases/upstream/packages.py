@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from simdist.cases.upstream.patches import DEEPSPEED_VERSION, PATCHES, Patch, unified_diff
+from simdist.errors import UsageError
 from simdist.extras import install_hint
 
 REPRODUCERS = Path(__file__).resolve().parent.parent / "reproducers"
@@ -157,7 +158,7 @@ def deepspeed_root() -> Path:
     except ModuleNotFoundError:
         spec = None
     if spec is None or spec.origin is None:
-        raise ValueError(f"exporting the packages needs DeepSpeed: {install_hint('deepspeed')}")
+        raise UsageError(f"exporting the packages needs DeepSpeed: {install_hint('deepspeed')}")
     return Path(spec.origin).parent.parent
 
 
@@ -170,7 +171,7 @@ def export(directory: Path, names: list[str] | None = None, root: Path | None = 
     names = list(PACKAGES) if names is None else names
     unknown = [n for n in names if n not in PACKAGES]
     if unknown:
-        raise ValueError(f"unknown package {unknown[0]!r}; valid: {', '.join(PACKAGES)}")
+        raise UsageError(f"unknown package {unknown[0]!r}; valid: {', '.join(PACKAGES)}")
     root = deepspeed_root() if root is None else root
     diffs = {n: unified_diff(PACKAGES[n].patch, root) for n in names}  # all checked before anything is written
     written = []

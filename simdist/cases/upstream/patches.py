@@ -13,6 +13,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from simdist.errors import UsageError
+
 DEEPSPEED_VERSION = "0.19.8"
 
 
@@ -47,9 +49,9 @@ def patched_lines(patch: Patch, path: str, original: list[str]) -> list[str]:
     result = list(original)
     for edit in edits:
         if not 1 <= edit.first <= edit.last <= len(original):
-            raise ValueError(f"{patch.name}: {path} has {len(original)} lines, the edit needs {edit.first}-{edit.last}")
+            raise UsageError(f"{patch.name}: {path} has {len(original)} lines, the edit needs {edit.first}-{edit.last}")
         if _digest(original[edit.first - 1 : edit.last]) != edit.sha256:
-            raise ValueError(
+            raise UsageError(
                 f"{patch.name}: {path}:{edit.first}-{edit.last} is not DeepSpeed {DEEPSPEED_VERSION}'s text "
                 "(another version, or already patched)"
             )

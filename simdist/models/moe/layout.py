@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.world.spec import ParallelSpec
 
@@ -31,14 +32,14 @@ class MoEConfig:
     def validate(self, spec: ParallelSpec) -> None:
         """``ValueError`` naming the broken constraint when this block cannot be laid out on ``spec``."""
         if spec.pp != 1 or spec.etp != 1:
-            raise ValueError(f"the MoE block needs pp=1 and etp=1, got {spec.describe()}")
+            raise UsageError(f"the MoE block needs pp=1 and etp=1, got {spec.describe()}")
         if self.experts % spec.ep:
             valid = [d for d in range(1, self.experts + 1) if self.experts % d == 0]
-            raise ValueError(f"ep={spec.ep} must divide experts={self.experts}; valid ep values: {valid}")
+            raise UsageError(f"ep={spec.ep} must divide experts={self.experts}; valid ep values: {valid}")
         if self.tp_hidden % spec.tp:
-            raise ValueError(f"tp={spec.tp} must divide tp_hidden={self.tp_hidden}")
+            raise UsageError(f"tp={spec.tp} must divide tp_hidden={self.tp_hidden}")
         if not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"top_k={self.top_k} must be in 1..experts={self.experts}")
+            raise UsageError(f"top_k={self.top_k} must be in 1..experts={self.experts}")
 
 
 DEFAULT_CONFIG = MoEConfig()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, coerce
@@ -75,9 +76,9 @@ class GrowthConfig:
 
     def validate(self) -> None:
         if min(self.steps, self.seeds, self.gas, self.checkpoint_every, self.metrics_every) < 1:
-            raise ValueError("steps, seeds, gas, checkpoint_every and metrics_every must be >= 1")
+            raise UsageError("steps, seeds, gas, checkpoint_every and metrics_every must be >= 1")
         if self.metrics_dense < 0:
-            raise ValueError(f"metrics_dense must be >= 0, got {self.metrics_dense}")
+            raise UsageError(f"metrics_dense must be >= 0, got {self.metrics_dense}")
         for name in self.policies:
             get_policy(name)
         if self.model == GradientModel.MOE:
@@ -136,7 +137,7 @@ def run_growth(
     if config_path.exists():
         previous = json.loads(config_path.read_text())
         if previous != identity:
-            raise ValueError(f"{out} holds a different run ({config_path}); use --force or another --out")
+            raise UsageError(f"{out} holds a different run ({config_path}); use --force or another --out")
         if summary_path.exists():
             return json.loads(summary_path.read_text())
     write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
