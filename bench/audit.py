@@ -33,9 +33,9 @@ from pathlib import Path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from simdist.audit import audited
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

@@ -3,8 +3,9 @@
     python bench/properties.py [--examples 400] [--cases 8] [--layout tp2-ep2 | any] [--profile]
 
 Runs property (a) as ``tests/unit/test_gradpath_properties.py`` runs it (the same strategy and check, from
-`simdist.testing.case_batches` and `simdist.testing.compact`, on the rank-batched engine against the independent
-oracle) under the ci profile's settings (derandomized, no deadline) with ``--examples`` Hypothesis examples.
+`simdist.testing._internal.case_batches` and `simdist.testing._internal.compact`, on the rank-batched engine
+against the independent oracle) under the ci profile's settings (derandomized, no deadline) with ``--examples``
+Hypothesis examples.
 Each example holds ``--cases`` independent cases (fewer where the layout is large: `cases_per_example`), run as
 one batch through the engine and the oracle and each judged bit for bit; ``--cases 1`` is one case per example,
 as before. Prints both rates: cases of property (a) checked per second (the issue's figure: each case is one
@@ -30,8 +31,8 @@ from pathlib import Path
 
 from hypothesis import given, settings
 
-from simdist.testing.case_batches import oracle_case_batches
-from simdist.testing.compact import cases_depart_from_oracle, staging_departs_from_oracle
+from simdist.testing._internal.case_batches import oracle_case_batches
+from simdist.testing._internal.compact import cases_depart_from_oracle, staging_departs_from_oracle
 from simdist.testing.strategies import oracle_cases
 from simdist.world.spec import DEFAULT_SPEC
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.moe import MoEGradients
+from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.world.groups import Group, group_for
 from simdist.world.launch import spawn_gloo

@@ -17,9 +17,9 @@ import argparse
 import sys
 
 from simdist.audit import AuditReport, audited
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

@@ -1,9 +1,9 @@
 """gloo's corners, real vs simdist: per category and world size, silent differences and refusal mismatches.
 
 For each world size P, ONE spawn of P real gloo processes (127.0.0.1) runs the
-fidelity probes (`simdist.testing.gloo_fidelity`: complex reduce/reduce_scatter,
+fidelity probes (`simdist.testing._internal.gloo_fidelity`: complex reduce/reduce_scatter,
 scatter layouts, bool bytes, refusals, the dtype table, ``dist.reduce`` just
-above 2P MiB) and, for P >= 4, the ring corner set (`simdist.testing.gloo_probe`:
+above 2P MiB) and, for P >= 4, the ring corner set (`simdist.testing._internal.gloo_probe`:
 NaN payloads, signed zeros, every op and dtype, groups, roots, layouts); then
 the simdist backend runs the same program on threads (`simdist.spawn`) and in
 process mode (real processes, modelled arithmetic). A pair is (case, rank);
@@ -27,8 +27,8 @@ import sys
 import time
 
 import simdist
-from simdist.testing.gloo_fidelity import disagreements, fidelity_probes, run_cases_and_probes, tally
-from simdist.testing.gloo_probe import agree, corner_cases
+from simdist.testing._internal.gloo_fidelity import disagreements, fidelity_probes, run_cases_and_probes, tally
+from simdist.testing._internal.gloo_probe import agree, corner_cases
 from simdist.world.launch import spawn_procs
 
 

@@ -39,7 +39,7 @@ symmetric-memory kernels), ``NCCL_TUNER_PLUGIN=none``, ``NCCL_DEBUG=INFO``
 with ``NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING,ENV`` into ``OUT/logs-.../``.
 
 ``--dry-run`` runs the same cases, bookkeeping, log parsing and report on CPU
-with a stand-in for NCCL: `simdist.testing.nccl_sim`, a step-by-step
+with a stand-in for NCCL: `simdist.testing._internal.nccl_sim`, a step-by-step
 simulation of NCCL's kernels, on non-trivial rings and trees, whose init log
 is written in NCCL's format and parsed back. It checks this script and the
 model against the simulation; it says nothing about hardware.
@@ -71,7 +71,7 @@ from simdist.reduce.base import ReduceOp
 from simdist.reduce.nccl import Nccl
 from simdist.reduce.nccl_arith import premul_scale
 from simdist.reduce.nccl_schedule import NCCL_VERSION, VERSIONS, TreeDown, chain_tree, double_binary_trees
-from simdist.testing.nccl_sim import (
+from simdist.testing._internal.nccl_sim import (
     simulate_ring_allreduce,
     simulate_ring_reduce,
     simulate_ring_reduce_scatter,

@@ -50,8 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _restore_policy_registry():
     """A policy a test registers is gone after it: no test leaks a policy into later ones."""
-    from simdist.gradpath.catalogue import policy_names
     from simdist.gradpath.policy import registry_scope
+    from simdist.policies.catalogue import policy_names
 
     policy_names()  # load the catalogue first, so it is part of what is kept
     with registry_scope():

@@ -49,13 +49,13 @@ from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.deepspeed_harness import CORRECTED, DsRun, Fix, RankCapture, deepspeed_rank
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.errors import UsageError
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.floats import unit_roundoff
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec

@@ -35,11 +35,11 @@ from simdist.cases.deepspeed_8913 import Config as Config8913
 from simdist.cases.deepspeed_8913 import transcription
 from simdist.cases.deepspeed_harness import DsRun, RankCapture, deepspeed_rank
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.models.synthetic import Inputs, describe_inputs
+from simdist.policies.catalogue import get_policy
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-gas-marker"

@@ -85,7 +85,7 @@ def _correct(
     """The intended TP correction of one micro-step in FP32 (``peers`` in TP rank order); value and sum|terms|.
 
     The TP sum is gloo's all-reduce order (`GLOO`: the model of gloo's order found by experiment and pinned to
-    real gloo by ``simdist/testing/gloo_probe.py``): DeepSpeed all-reduces each parameter's FP32 copy over
+    real gloo by ``simdist/testing/_internal/gloo_probe.py``): DeepSpeed all-reduces each parameter's FP32 copy over
     the TP group on gloo, and for more than two members gloo's order is not rank order (the old rank-order loop
     differed from the real engine in 80/6400 elements at TP4 on rounding inputs, issue 30)."""
     correction = family.correction(tp)

@@ -36,13 +36,13 @@ from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.world import World, run_ranks
 from simdist.errors import UsageError
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

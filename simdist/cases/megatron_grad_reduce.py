@@ -48,7 +48,6 @@ from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.world import MEGATRON_MODULES, World, run_ranks
 from simdist.errors import UsageError
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker, apply_stage
 from simdist.gradpath.path import PathConfig, train_rank
@@ -56,6 +55,7 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import BOUNDARY, Trace
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

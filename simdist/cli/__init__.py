@@ -294,14 +294,14 @@ def _add_policy_module(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_policy_modules(args: argparse.Namespace) -> None:
-    from simdist.gradpath.catalogue import load_policy_module
+    from simdist.policies.catalogue import load_policy_module
 
     for source in args.policy_module:
         load_policy_module(source)
 
 
 def _policy_list(text: str) -> tuple[str, ...]:
-    from simdist.gradpath.catalogue import get_policy
+    from simdist.policies.catalogue import get_policy
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
@@ -592,8 +592,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _policies(args: argparse.Namespace) -> int:
-    from simdist.gradpath.catalogue import get_policy, policy_names, policy_origin
     from simdist.gradpath.families import Family
+    from simdist.policies.catalogue import get_policy, policy_names, policy_origin
 
     _load_policy_modules(args)
     for name in policy_names():

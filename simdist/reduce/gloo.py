@@ -97,7 +97,7 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
   fp32 and bf16: all-reduce and reduce_scatter_tensor equal to this model bit
   for bit (``tests/integration/test_gloo_model.py`` repeats this for 2, 3 and 4 ranks).
   fp16 (``k`` in ``[-8, 8]``) and fp64 matched too, for n = 3, 4, 5, 8.
-* corner cases (`simdist.testing.gloo_probe`, ``experiments/gloo_corners.py``,
+* corner cases (`simdist.testing._internal.gloo_probe`, ``experiments/gloo_corners.py``,
   ``tests/integration/test_gloo_corners.py``): NaN payloads (quiet and signalling, both
   signs), signed zeros and infinities at every rank position in fp32, bf16,
   fp16 and fp64 for SUM/PRODUCT/MAX/MIN/AVG on groups of 1 to 4 ranks (and of

@@ -5,7 +5,7 @@ Only integers live here: how many channels a call uses (`task_channels`), which 
 (`channel_parts`), the ring's chunk and segments (`ring_chunk_elements`, `ring_segments`) and the trees
 (`btree`, `dtree`, `chain_tree`, `double_binary_trees`, `check_tree`). Which values meet in which order, and
 with what rounding, is `simdist.reduce.nccl.Nccl`'s job; NCCL's kernels simulated step by step
-(`simdist.testing.nccl_sim`) check both.
+(`simdist.testing._internal.nccl_sim`) check both.
 
 How NCCL orders an all-reduce of ``N`` elements of ``e`` bytes on ``n`` ranks (steps 5-7, the operations,
 reduce_scatter/reduce and the layout, are in `simdist.reduce.nccl`):

@@ -26,13 +26,13 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.reference import Oracle
 from simdist.models.production import CATALOGUE, get_shape, layer_params
 from simdist.models.synthetic import InitialWeights
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, make_model
 from simdist.studies.growth.stream import BatchedGradients
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from simdist.errors import UsageError
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
@@ -34,6 +33,7 @@ from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.compare import Comparison, Pair, compare
 from simdist.numerics.floats import ulp_distance
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, ReductionModel, make_model
 from simdist.studies.power import PowerCheck, power_checks, shows_power
 from simdist.world.simworld import SimWorld

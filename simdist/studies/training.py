@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.models.moe import MoEConfig, MoEGradients
 from simdist.numerics.compare import Difference, difference
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import ReductionModel, make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

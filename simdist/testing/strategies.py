@@ -21,7 +21,7 @@ fixture of `simdist.pytest_plugin`; README, "Property-test your own distributed 
   rank-batched (`GradientBatch`) for `simdist.gradpath.batched.BatchedPath`;
 * `policies` -- registered precision policies;
 * `oracle_cases` -- property (a)'s cases: a layout, GAS, steps and a gradient batch for the compact workload
-  of `simdist.testing.compact`.
+  of `simdist.testing._internal.compact`.
 
 All values are built from sign, exponent and significand integers, so every
 drawn value is exactly representable in the requested dtype and shrinks
@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from simdist.errors import UsageError
 from simdist.numerics.floats import float_format
-from simdist.testing.compact import PARAMS as COMPACT_PARAMS
+from simdist.testing._internal.compact import PARAMS as COMPACT_PARAMS
 from simdist.world.spec import EpLayout, ParallelSpec
 
 __all__ = [
@@ -378,7 +378,7 @@ def policies() -> st.SearchStrategy:
     The names are read when the strategy is first drawn from, so policies
     registered after this call (for instance by a test module) are included.
     """
-    from simdist.gradpath.catalogue import get_policy, policy_names
+    from simdist.policies.catalogue import get_policy, policy_names
 
     return st.deferred(lambda: st.sampled_from(policy_names()).map(get_policy))
 
@@ -506,7 +506,7 @@ def _gradient_batches(draw, spec, params, steps, gas, modes, layouts) -> Gradien
 def decode_batch(spec, params, steps, gas, raw: bytes, choice: bytes, modes, layouts) -> GradientBatch:
     """The `GradientBatch` that `gradient_batches` makes of its two draws: ``raw`` (two bytes per value: every
     step, micro-step, rank and parameter element, big-endian) and ``choice`` (a mode byte, then a layout byte, per
-    step, micro-step and parameter). Torch operations; `simdist.testing.case_batches` decodes many at once."""
+    step, micro-step and parameter). Torch operations; `simdist.testing._internal.case_batches` decodes many at once."""
     shapes = tuple(tuple(p.shape) for p in params)
     param_of, position, first = _batch_plan(spec, shapes)
     ranks, numel, count = spec.world_size, int(param_of.numel()), len(shapes)

@@ -19,10 +19,10 @@ import simdist.gradpath.kernel
 import simdist.models.synthetic
 from simdist.audit import AuditReport, audit, audited, narrows, run_audit
 from simdist.audit import add_audit_subcommand as _add_audit
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
+from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.studies.repro import run
 from simdist.world.launch import spawn_gloo

@@ -1,7 +1,7 @@
 """c10d's corners (issue 32 item 3) as real gloo answers them, in threads and in process mode, bit for bit.
 
-One rank program (`simdist.testing.c10d_corners.corner_outcomes`) records every corner's outcome -- raw bytes of
-every tensor, sparse indices and values, futures' types and values, or the exception's type -- on real gloo
+One rank program (`simdist.testing._internal.c10d_corners.corner_outcomes`) records every corner's outcome --
+raw bytes of every tensor, sparse indices and values, futures' types and values, or the exception's type -- on real gloo
 processes and on simdist; the outcomes must be equal. P = 2 in the default suite, P up to 8 under slow.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import simdist
-from simdist.testing.c10d_corners import CORNERS, corner_outcomes, encode, short_scatter_object_list
+from simdist.testing._internal.c10d_corners import CORNERS, corner_outcomes, encode, short_scatter_object_list
 from simdist.world.launch import spawn_procs
 
 pytestmark = pytest.mark.gloo

@@ -1,6 +1,6 @@
 """gloo's corners against real gloo, bit for bit: one spawn of 4 real gloo processes runs every case.
 
-The cases (`simdist.testing.gloo_probe`) are the fixed corner set (NaN payloads
+The cases (`simdist.testing._internal.gloo_probe`) are the fixed corner set (NaN payloads
 and signed zeros in fp32/bf16/fp16/fp64 for SUM/PRODUCT/MAX/MIN/AVG on groups
 of 1 to 4 ranks given unsorted; integer and bool tensors with every op;
 refused ops; reduce to every root; list and tensor reduce_scatter; permuted
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import simdist
 from simdist.reduce.gloo import GLOO_MAX_SEGMENT_BYTES
-from simdist.testing.gloo_fidelity import (
+from simdist.testing._internal.gloo_fidelity import (
     Probe,
     disagreements,
     fidelity_probes,
@@ -27,7 +27,7 @@ from simdist.testing.gloo_fidelity import (
     run_probes,
     tally,
 )
-from simdist.testing.gloo_probe import (
+from simdist.testing._internal.gloo_probe import (
     KINDS,
     Case,
     bits,

@@ -16,7 +16,7 @@ import torch
 from simdist.numerics.floats import bits
 from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
 from simdist.reduce.gloo import Gloo, chunk_length, chunk_start_ranks
-from simdist.testing.gloo_probe import order_fingerprint
+from simdist.testing._internal.gloo_probe import order_fingerprint
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

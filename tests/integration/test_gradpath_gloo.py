@@ -2,10 +2,10 @@
 
 import pytest
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
+from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld

@@ -37,7 +37,7 @@ from simdist.reduce.nccl_schedule import (
     ring_segments,
     task_channels,
 )
-from simdist.testing.nccl_sim import (
+from simdist.testing._internal.nccl_sim import (
     simulate_ring_allreduce,
     simulate_ring_reduce,
     simulate_ring_reduce_scatter,

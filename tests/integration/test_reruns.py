@@ -21,9 +21,9 @@ import torch
 
 from simdist.cases import case_names, fsdp2_reduce_dtype, fsdp2_tp_mesh, run_case
 from simdist.cli import main as cli_main
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
 from simdist.studies.growth.run import GrowthConfig, run_growth
 from simdist.studies.repro import ReproConfig, run

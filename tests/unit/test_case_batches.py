@@ -1,6 +1,6 @@
-"""Property (a) several cases at a time (`simdist.testing.case_batches`, `simdist.testing.compact.run_cases`):
-each case is drawn as one `gradient_batches` draw is, each gets the bits it gets alone, and a departure in any
-one case is found and named."""
+"""Property (a) several cases at a time (`simdist.testing._internal.case_batches`,
+`simdist.testing._internal.compact.run_cases`): each case is drawn as one `gradient_batches` draw is, each
+gets the bits it gets alone, and a departure in any one case is found and named."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.reference import oracle_values
 from simdist.numerics.floats import bitwise_equal
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import Sequential
-from simdist.testing import compact
-from simdist.testing.case_batches import (
+from simdist.testing._internal import compact
+from simdist.testing._internal.case_batches import (
     BYTE_BUDGET,
     MAX_GAS,
     MAX_STEPS,
@@ -29,7 +29,14 @@ from simdist.testing.case_batches import (
     decode_cases,
     oracle_case_batches,
 )
-from simdist.testing.compact import OPTIMIZER_STAGES, PARAMS, cases_depart_from_oracle, initial, run_batched, run_cases
+from simdist.testing._internal.compact import (
+    OPTIMIZER_STAGES,
+    PARAMS,
+    cases_depart_from_oracle,
+    initial,
+    run_batched,
+    run_cases,
+)
 from simdist.testing.strategies import PEER_LAYOUTS, VALUE_MODES, decode_batch, parallel_specs
 from simdist.world.spec import ParallelSpec
 

@@ -1,4 +1,4 @@
-"""Property (a)'s check (`simdist.testing.compact.staging_departs_from_oracle`) reports a departure: its one
+"""Property (a)'s check (`simdist.testing._internal.compact.staging_departs_from_oracle`) reports a departure: its one
 byte comparison of every capture must not hide one, and it names the first differing capture."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import zlib
 
 import torch
 
-from simdist.gradpath.catalogue import get_policy
-from simdist.testing import compact
+from simdist.policies.catalogue import get_policy
+from simdist.testing._internal import compact
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.probes import BOUNDARY
 from simdist.models.synthetic import InitialWeights, SyntheticGradients
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

@@ -22,11 +22,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simdist.gradpath.batched import BatchedPath, batched_sum
-from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import same_bits
+from simdist.policies.catalogue import get_policy, policy_names
 from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
 from simdist.reduce.gloo import Gloo
 from simdist.studies.growth import BatchedGradients

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from simdist.gradpath.batched import BatchedPath
-from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.oracle import FP32_ORACLE
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.floats import bitwise_equal
+from simdist.policies.catalogue import get_policy, policy_names
 from simdist.reduce.gloo import Gloo
 from simdist.studies.growth import BatchedGradients
 from simdist.world.spec import ParallelSpec

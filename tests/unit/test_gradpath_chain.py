@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Family
+from simdist.policies.catalogue import get_policy, policy_names
 
 ROUTER = Family.ROUTER_GATE_REPLICATED
 

@@ -17,16 +17,16 @@ import torch
 from hypothesis import assume, find, given, settings
 from hypothesis import strategies as st
 
-from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Correction, Family, ParamSpec
 from simdist.gradpath.oracle import FP32_ORACLE, reference_reduced_gradients
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY, first_divergence
 from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
+from simdist.policies.catalogue import get_policy, policy_names
 from simdist.reduce import Ring, Sequential, Tree
 from simdist.reduce.gloo import Gloo
-from simdist.testing.case_batches import oracle_case_batches
-from simdist.testing.compact import (
+from simdist.testing._internal.case_batches import oracle_case_batches
+from simdist.testing._internal.compact import (
     OPTIMIZER_STAGES,
     PARAMS,
     ROUTER,
@@ -82,7 +82,7 @@ def test_fp32_staging_is_bitwise_equal_to_the_fp32_oracle(case):
     Any layout with 2-rank TP groups (world <= 8, any PP/EP/ETP), GAS 1..4 and
     any BF16 local gradients: hp buffers after every micro-step, DP-reduced
     gradients, FP32 masters and both Adam moments after every step. Each example
-    holds up to 8 independent gradient sets (`simdist.testing.case_batches`), every
+    holds up to 8 independent gradient sets (`simdist.testing._internal.case_batches`), every
     one judged by the oracle.
     """
     assert cases_depart_from_oracle(*case) is None

@@ -18,8 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
 ALLOWED_UPWARD = {
-    ("simdist.gradpath.catalogue", "simdist.policies"): "the catalogue loads the policies on first use (the "
-    "policies import gradpath.policy to register themselves)",
     ("simdist.studies.repro", "simdist.cases.deepspeed_8913"): "only `simdist repro 8913 --engine deepspeed` "
     "drives the real DeepSpeed case",
     ("simdist.cases.deepspeed_engine", "simdist.audit"): "the rank processes of the real engine run the audit "

@@ -22,7 +22,7 @@ from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import Sequential
 from simdist.reduce.gloo import Gloo
 from simdist.studies.repro import ReproConfig, reproduce
-from simdist.testing.compact import PARAMS, run_oracle
+from simdist.testing._internal.compact import PARAMS, run_oracle
 from simdist.testing.strategies import float_values
 from simdist.world.spec import ParallelSpec
 
@@ -186,7 +186,7 @@ def test_the_engine_run_of_the_oracle_precision_gives_the_independent_oracles_bi
     """`FP32_ORACLE` (a Policy the engine runs, used by engine tests) agrees with the independent oracle."""
     from simdist.gradpath.oracle import FP32_ORACLE
     from simdist.gradpath.path import PathConfig
-    from simdist.testing.compact import OPTIMIZER_STAGES, run_batched
+    from simdist.testing._internal.compact import OPTIMIZER_STAGES, run_batched
 
     spec = ParallelSpec(4, tp=2, ep=2)
 

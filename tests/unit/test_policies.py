@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name, register
 from simdist.gradpath.probes import Divergence
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
+from simdist.policies.catalogue import get_policy, policy_names
 from simdist.reduce import make_model
 from simdist.studies.repro import CORRECTION_MARKER, ReproConfig, findings, reproduce, run
 from simdist.world.simworld import SimWorld

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from simdist.gradpath.batched import BatchedOps, BatchedPath
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.path import PathConfig
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import same_bits
+from simdist.policies.catalogue import get_policy
 from simdist.pytest_plugin import SimdistWorld
 from simdist.reduce import Gloo, Ring, Sequential
 from simdist.studies.growth import BatchedGradients
@@ -120,7 +120,7 @@ def test_the_fixture_leaves_the_deadline_to_the_launchers_one_default(monkeypatc
 
 def test_the_compact_workload_takes_reduction_and_no_other_spelling():
     from simdist.gradpath.probes import Capture
-    from simdist.testing.compact import run_batched, run_oracle
+    from simdist.testing._internal.compact import run_batched, run_oracle
 
     def local(step, micro, rank, param):
         """BF16 gradients over 40 binades: DP sums of 4 round differently in different orders."""

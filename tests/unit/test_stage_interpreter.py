@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from simdist.gradpath.catalogue import get_policy, policy_names
 from simdist.gradpath.kernel import GradPath, apply_stage
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.policy import Stage
 from simdist.gradpath.probes import BOUNDARY
 from simdist.models.synthetic import DEFAULT_PARAMS
+from simdist.policies.catalogue import get_policy, policy_names
 from simdist.reduce import make_model
 
 

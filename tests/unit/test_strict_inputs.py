@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
 from simdist.studies.crosscheck import CrossCheck
 from simdist.studies.growth import GrowthConfig

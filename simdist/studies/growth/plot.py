@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.policy import dtype_name
+from simdist.policies.catalogue import get_policy
 from simdist.studies.growth.files import atomic_write
 from simdist.studies.growth.metrics import COLUMNS, MOE_COLUMNS, TENSORS, metric_steps
 

@@ -13,13 +13,13 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.kernel import Marker, coerce
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.reference import Oracle
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import Difference
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, make_model
 from simdist.studies.growth.files import atomic_write, write_text
 from simdist.studies.growth.metrics import (

@@ -1,6 +1,6 @@
 """What torch's gloo backend does around the ring, probed by category: a rank program and a comparison table.
 
-`simdist.testing.gloo_probe` pins the ring arithmetic; this module pins the
+`simdist.testing._internal.gloo_probe` pins the ring arithmetic; this module pins the
 dispatch around it, found against real gloo (torch 2.13): ``dist.reduce``
 above ``2 * n`` MiB (its own segment sizing), complex tensors in
 ``reduce``/``reduce_scatter_tensor``/list ``reduce_scatter``, ``scatter`` of
@@ -291,7 +291,7 @@ def tally(probes: Sequence[Probe], found: Sequence[Verdict], world: int) -> dict
 
 
 def run_cases_and_probes(rank: int, cases: Sequence, probes: Sequence[Probe]) -> tuple[list, list[Seen]]:
-    """`simdist.testing.gloo_probe.run_cases` then `run_probes` in one rank program (one spawn for both)."""
-    from simdist.testing.gloo_probe import run_cases
+    """`simdist.testing._internal.gloo_probe.run_cases` then `run_probes` in one rank program (one spawn for both)."""
+    from simdist.testing._internal.gloo_probe import run_cases
 
     return run_cases(rank, cases), run_probes(rank, probes)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from simdist.gradpath.batched import BatchedPath, BatchedTrace, initial_buffer
-from simdist.gradpath.catalogue import get_policy
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig
@@ -26,6 +25,7 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Trace
 from simdist.gradpath.reference import oracle_traces, oracle_values
 from simdist.numerics.floats import bitwise_equal
+from simdist.policies.catalogue import get_policy
 from simdist.reduce import ReductionModel, Sequential
 from simdist.world.modelmap import as_model
 from simdist.world.options import DEFAULT_REDUCTION
@@ -82,7 +82,7 @@ def run_batched(
     """``policy`` on ``spec``, every rank in one batch item, every group reducing with ``reduction`` (default
     `DEFAULT_REDUCTION`). ``cases`` > 1 runs that many independent cases
     as batch items (``grads.batch`` then gives ``[cases, rank, ...]``, as a
-    `simdist.testing.case_batches.CaseBatch` does), every one from the same initial weights."""
+    `simdist.testing._internal.case_batches.CaseBatch` does), every one from the same initial weights."""
     reduction = _one_model(reduction)
     params = tuple(params)
     batch = getattr(grads, "batch", None)
@@ -213,7 +213,7 @@ def first_departure(engine: dict, oracle: dict, one_case: bool = False) -> str |
 
 
 def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, dict]:
-    """Property (a)'s two runs of every case of ``grads`` (a `simdist.testing.case_batches.CaseBatch`): the
+    """Property (a)'s two runs of every case of ``grads`` (a `simdist.testing._internal.case_batches.CaseBatch`): the
     captures (`OPTIMIZER_STAGES`) of ``fp32_staging`` on the rank-batched engine, the cases as its batch items,
     and of the independent oracle (`simdist.gradpath.reference.oracle_values`), the cases as its leading batch
     dimension; both ``{(step, micro, param, stage): [case, rank, *shape]}``, every case from the compact
@@ -247,7 +247,8 @@ def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, di
 
 def cases_depart_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads) -> str | None:
     """Property (a) for several cases at once: where ``fp32_staging`` first differs from the independent FP32
-    oracle in any case of ``grads`` (a `simdist.testing.case_batches.CaseBatch`), or ``None`` if it never does.
+    oracle in any case of ``grads`` (a `simdist.testing._internal.case_batches.CaseBatch`), or ``None`` if it
+    never does.
 
     What `staging_departs_from_oracle` checks for one case, for every case (`run_cases`, `first_departure`).
     """

@@ -5,7 +5,7 @@ gradient sets for them (`CaseBatch`: ``[case, rank, *shape]`` per step, micro-st
 rank-batched engine (`simdist.gradpath.batched.BatchedPath`) runs the cases as its batch items and the
 independent oracle (`simdist.gradpath.reference`) takes them as its leading batch dimension, so the fixed cost
 of an example -- Hypothesis's own bookkeeping, building the engine and the optimizer, the Python of every
-stage -- is paid once for ``cases`` checks: `simdist.testing.compact.cases_depart_from_oracle` judges every
+stage -- is paid once for ``cases`` checks: `simdist.testing._internal.compact.cases_depart_from_oracle` judges every
 case against the oracle, bit for bit, and names the first case that departs.
 
 Each case is drawn and decoded exactly as `simdist.testing.strategies.gradient_batches` draws and decodes one
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from simdist.testing.compact import PARAMS as COMPACT_PARAMS
+from simdist.testing._internal.compact import PARAMS as COMPACT_PARAMS
 from simdist.testing.strategies import (
     BF16_SAFE_EXPONENT,
     PEER_LAYOUTS,
