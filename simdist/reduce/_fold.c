@@ -531,5 +531,15 @@ PyMODINIT_FUNC PyInit__simdist_fold(void) {
 #ifdef HAVE_AVX2
     if (avx2_supported()) fold_block = block_avx2;
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+#ifndef SIMDIST_FOLD_SOURCE
+#define SIMDIST_FOLD_SOURCE "unknown"
+#endif
+    /* the SHA-256 of this file as built (setup.py, simdist.reduce.native): a kernel built from another version
+       of the source is not loaded against this one's Python side */
+    if (m && PyModule_AddStringConstant(m, "SOURCE_SHA256", SIMDIST_FOLD_SOURCE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -119,6 +119,7 @@ def _build() -> ModuleType:
     flags = (*FLAGS, f"-I{include}", *(("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()))
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     source = SOURCE_FILE.read_text()
+    flags = (*flags, f'-DSIMDIST_FOLD_SOURCE="{source_sha256()}"')
     key = "\0".join((source, *flags, os.path.realpath(compiler), platform.machine(), suffix, sys.version))
     library = _cache_dir() / f"fold-{hashlib.sha256(key.encode()).hexdigest()[:20]}{suffix}"
     if not library.exists():
@@ -143,11 +144,20 @@ def _build() -> ModuleType:
     return module
 
 
+def source_sha256() -> str:
+    """The SHA-256 of ``_fold.c`` as it is now: what a loaded kernel must have been built from."""
+    return hashlib.sha256(SOURCE_FILE.read_bytes()).hexdigest()
+
+
 def _installed() -> ModuleType | None:
-    """The extension built at install (``simdist.reduce._simdist_fold``), or None where the install built none."""
+    """The extension built at install (``simdist.reduce._simdist_fold``), or None where the install built none
+    or built it from another version of ``_fold.c`` (an editable install after a pull: its functions may not be
+    the ones this module calls, so the kernel is built again on first use instead)."""
     try:
         module = importlib.import_module("simdist.reduce._simdist_fold")
     except ImportError:
+        return None
+    if getattr(module, "SOURCE_SHA256", None) != source_sha256():
         return None
     global STATUS
     STATUS = f"loaded {module.__file__} (built at install)"

@@ -12,8 +12,8 @@ import torch
 
 from simdist.cli import EXIT_CODES, main
 from simdist.cli.limits import LIMITS
-from simdist.gradpath import catalogue
 from simdist.gradpath.probes import Trace
+from simdist.policies import catalogue
 from simdist.studies.dumps import write_rank_dump
 
 

@@ -386,3 +386,20 @@ def test_the_switch_and_a_failed_build_leave_the_eager_path(monkeypatch):
             native._load(installed_first=False)
     finally:
         native.STATUS = status
+
+
+def test_a_kernel_built_from_another_fold_c_is_not_loaded(monkeypatch):
+    """An editable install keeps the extension it built; after the source changes (a pull), that build's functions
+    may not be the ones `native` calls. It carries the SHA-256 of the source it was built from, and a mismatch
+    sends `native` to the build-on-first-use path instead of loading it."""
+    import types
+
+    stale = types.SimpleNamespace(SOURCE_SHA256="0" * 64, __file__="stale.so")
+    current = types.SimpleNamespace(SOURCE_SHA256=native.source_sha256(), __file__="current.so")
+    for module, expected in ((stale, None), (current, current)):
+        monkeypatch.setattr(native.importlib, "import_module", lambda name, module=module: module)
+        assert native._installed() is expected
+    if native.available() and "built at install" in native.STATUS:  # the kernel loaded here is this source's
+        import simdist.reduce._simdist_fold as built
+
+        assert built.SOURCE_SHA256 == native.source_sha256()
