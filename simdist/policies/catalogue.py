@@ -14,6 +14,7 @@ import importlib.util
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 from simdist.errors import UsageError
 from simdist.gradpath.policy import Policy, register, registered
@@ -32,11 +33,13 @@ _catalogue_loaded = False
 def _load_catalogue() -> None:
     global _catalogue_loaded
     if not _catalogue_loaded:
-        before = set(registered())
-        import simdist.policies  # noqa: F401 - importing registers every policy module
+        import simdist.policies as built_in  # importing registers every policy module (this module's package)
 
-        for name in set(registered()) - before:
-            _ORIGINS.setdefault(name, BUILT_IN)
+        for module in vars(built_in).values():  # the built-in policies: those the package's own modules hold
+            if isinstance(module, ModuleType) and module.__name__.startswith(f"{built_in.__name__}."):
+                for value in vars(module).values():
+                    if isinstance(value, Policy):
+                        _ORIGINS.setdefault(value.name, BUILT_IN)
         _catalogue_loaded = True
         load_entry_point_policies()
 
