@@ -25,7 +25,6 @@ shared with other work, CPU-time ratios hold better than wall-clock ones (the lo
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import shutil
 import sys
@@ -43,18 +42,8 @@ import torch
 
 
 def machine() -> str:
-    """The host, CPU model, CPU count, torch version and load average, in one line."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{platform.node()}: {model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}; load average {load:.1f} at the start"
-    )
+    """`report.machine` (CPU, cores, OS, load at the start) with the Python and torch versions."""
+    return f"{report.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def _table(title: str, columns: list[str], rows: list[list], notes: str = "") -> dict:
