@@ -273,7 +273,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         (*GRADPATH, "tests/integration/test_cases_gas_marker.py"),
     ),
     # the engine's AdamW is torch's own functional adam (kernel.adamw_step); tests/unit/test_oracle.py judges it with
-    # the independent oracle (torch.optim.AdamW on FP32 masters, simdist.gradpath.reference)
+    # the independent oracle (torch.optim.AdamW on FP32 masters, simdist.gradpath.oracle)
     Mutation(
         "adamw-eps",
         "AdamW's epsilon is ten times too large",
@@ -490,7 +490,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "oracle-dp-before-tp",
         "the repro's independent oracle runs the TP correction after the DP reduction (DP-then-TP)",
-        "simdist/gradpath/reference.py",
+        "simdist/gradpath/oracle_step.py",
         "if self.control.dp_then_tp:",
         "if not self.control.dp_then_tp:",
         (POLICIES, VERDICTS),
@@ -499,7 +499,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "oracle-experts-over-dp",
         "the repro's independent oracle reduces routed experts over the dense DP group instead of EDP",
-        "simdist/gradpath/reference.py",
+        "simdist/gradpath/oracle_rules.py",
         'return "edp" if family is Family.EXPERT else "dp"',
         'return "dp"',
         (POLICIES, VERDICTS),
@@ -507,9 +507,9 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "oracle-bf16-tp-sum",
         "the repro's independent oracle sums over TP in BF16",
-        "simdist/gradpath/reference.py",
-        'value = self._group_sums(self.tp_model, "tp", value, p)',
-        'value = self._group_sums(self.tp_model, "tp", value.to(torch.bfloat16), p).to(self.dtype)',
+        "simdist/gradpath/oracle_step.py",
+        'value = group_sums(self.spec, self.tp_model, "tp", value, p.shape)',
+        'value = group_sums(self.spec, self.tp_model, "tp", value.to(torch.bfloat16), p.shape).to(self.dtype)',
         (POLICIES, VERDICTS),
     ),
     Mutation(

@@ -17,7 +17,7 @@ rank, from the same BF16 initial weights and the same tokens:
   from ``param.main_grad``, ``torch.optim.AdamW`` inside, main -> model BF16 copy), fed by an explicit FP32
   TP-then-DP per-parameter reducer written here (router and norms: FP32 TP all-reduce then ``/tp``; experts
   ``/tp``; then the FP32 DP all-reduce of each parameter on its own and ``* 1/dp``);
-* **simdist oracle**: `simdist.gradpath.reference.Oracle` (its own FP32 TP-then-DP reducer over simulated
+* **simdist oracle**: `simdist.gradpath.oracle.Oracle` (its own FP32 TP-then-DP reducer over simulated
   groups in gloo's order, ``torch.optim.AdamW`` over one flat master), fed every rank's local gradients from
   the same forward on its own BF16 weights.
 
@@ -97,7 +97,8 @@ def _rank(rank: int, args, results) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
     from simdist.gradpath.families import Family, ParamSpec
-    from simdist.gradpath.reference import AdamWSettings, Capture, Oracle
+    from simdist.gradpath.oracle import AdamWSettings, Oracle
+    from simdist.gradpath.probes import Capture
     from simdist.reduce import make_model
 
     shape = get_shape(args.model)

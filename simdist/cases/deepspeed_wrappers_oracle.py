@@ -22,7 +22,7 @@ import torch
 
 from simdist.cases.deepspeed_engine import BETAS, BOUNDARY_PASS, EPS, LR, WEIGHT_DECAY, EngineCapture, EngineRun
 from simdist.gradpath.families import Correction, Family
-from simdist.gradpath.reference import dp_kind
+from simdist.gradpath.oracle import dp_kind
 from simdist.models.synthetic import InitialWeights, Inputs, synthetic_gradients
 from simdist.numerics.floats import bits
 from simdist.reduce import make_model

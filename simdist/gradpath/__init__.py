@@ -1,4 +1,6 @@
-"""The BF16 gradient path: parameter families (`families`), precision policies as data (`policy`,
-`catalogue`), the stage logic written once (`kernel`) with its two adapters, per rank on a `Comm` (`path`:
-`train_rank`) and every rank at once (`batched`), the independent FP32/FP64 oracle that judges it (`reference`:
-no engine code), the oracle's precision as an engine policy (`oracle`) and captures (`probes`)."""
+"""The BF16 gradient path: parameter families (`families`), precision policies as data (`policy`), the stage logic
+written once (`kernel`) with its two adapters, per rank on a `Comm` (`path`: `train_rank`) and every rank at once
+(`batched`), and captures (`probes`); the independent FP32/FP64 oracle that judges it (`oracle`, over
+`oracle_rules`, `oracle_sums`, `oracle_step`, `oracle_runs`: no gradient-path code), and the oracle's precision
+as a policy the gradient path runs (`matched_policy`, for gradient-path tests). The catalogue of registered
+policies is `simdist.policies.catalogue`."""

@@ -1,4 +1,4 @@
-"""The rank-batched engine: every rank of a job, and a batch of independent runs, in one thread.
+"""The rank-batched gradient path: every rank of a job, and a batch of independent runs, in one thread.
 
 `BatchedOps` is the `simdist.gradpath.kernel.Ops` of tensors with leading
 ``[batch, rank]`` dimensions. A group collective gathers each group's members
@@ -48,7 +48,7 @@ def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, 
     Equal, bit for bit, to ``model.reduce`` of each reduction ``stacked[:, i]`` in turn. The model says how
     (`ReductionModel.sum_many`: its fold plan, applied to the whole batch with the per-element positions of
     one member; ``position_free`` orders on the stacked tensor as it is; or its own batched schedule); this
-    engine never looks at the model's class.
+    module never looks at the model's class.
     """
     return model.sum_many(stacked, shape)
 

@@ -4,8 +4,8 @@ Everything DeepSpeed's BF16_Optimizer does to a gradient between the backward
 pass and the master weights -- the micro-step TP correction guarded by the
 correction-once marker, accumulation into the high-precision buffer, the
 data-parallel reduction, the boundary, the global norm and clipping, AdamW --
-is here, once. What differs between execution engines is only how a value
-meets the other ranks, which `Ops` says:
+is here, once. What differs between its two adapters (per rank, rank-batched) is only how
+a value meets the other ranks, which `Ops` says:
 
 * `Ops.all_reduce` -- SUM over the rank's group of a kind (``tp``, ``dp``,
   ``edp``, ``ep``), optionally in a given `ReductionModel`'s order;
@@ -279,7 +279,7 @@ class GradPath:
     def boundary(self, step: int) -> None:
         """The accumulation boundary: clear markers, boundary correction, DP reduction, norm, clip, AdamW."""
         policy = self.policy
-        for slot in self.slots:  # the engine's folding pass at the boundary clears every set marker
+        for slot in self.slots:  # DeepSpeedEngine's folding pass at the boundary clears every set marker
             slot.marker = False
         for slot in self.trained:
             name, family = slot.spec.name, slot.spec.family

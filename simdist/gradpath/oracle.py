@@ -1,79 +1,85 @@
-"""The oracle's precision as a `Policy` run by the engine -- a test of the engine, not the oracle.
+"""The independent FP32/FP64 oracle: explicit TP-then-DP per-parameter reduction and a real ``torch.optim.AdamW``.
 
-The oracle that judges the engine is `simdist.gradpath.reference` (explicit
-TP-then-DP reduction in plain loops and a real ``torch.optim.AdamW``; it shares
-no code with the engine). What is here keeps the run's topology, correction
-rule, local gradients and DP normalisation, changes only precision -- the BF16
-local gradient staged into ``dtype``, every later stage in ``dtype``, the TP
-correction on every micro-step -- and runs through the same `GradPath` as every
-policy. Engine tests use it (rank-batched == per-rank, the MoE study's FP64
-ground truth), and ``tests/unit/test_oracle.py`` checks that its FP32 form gives the
-independent oracle's bits.
+This is the accepted numerical reference of the #8913 report ("an explicit FP32
+TP-then-DP/per-parameter reducer" next to a real optimizer), written so that it
+shares no code with the gradient path it judges (`simdist.gradpath.kernel`,
+`simdist.gradpath.policy`, `simdist.gradpath.path`, `simdist.gradpath.batched`):
+only the reduction models (`simdist.reduce`), the group tables
+(`ParallelSpec.groups`), the parameter list (`ParamSpec`) and the capture names
+(`simdist.gradpath.probes`) are shared (``tests/unit/test_import_graph.py``
+checks every import of the oracle's modules, lazy ones included).
 
-`reference_reduced_gradients` computes the data-parallel-reduced gradients
-directly, with explicit loops over groups and no rank program.
+Per optimizer step, for every parameter, in plain loops over ranks and groups:
+
+1. every micro-step, each rank's BF16 local gradient is staged into ``dtype``;
+   the TP correction of the parameter's family (`CORRECTIONS`, restated
+   from DeepSpeed's ``auto_ep_folding.py``, not read from
+   `simdist.gradpath.families`) runs on the staged values of each TP group --
+   the group's ``tp_model`` sum and/or ``/ tp`` -- on every micro-step, and
+   the result is added to the rank's ``dtype`` accumulation buffer;
+2. at the boundary, each DP group (the EDP group for routed experts) sums its
+   members' buffers in ``dp_model``'s order and scales by ``1 / dp`` (the
+   dense DP size, for experts too);
+3. the reduced gradient is the ``.grad`` of the ``dtype`` master weights
+   (every rank's and parameter's, in one flat tensor: AdamW is element-wise),
+   and ``torch.optim.AdamW`` -- the real optimizer class, with its own state
+   -- takes one step over them; the masters are rounded to BF16 (nearest
+   even) as the next step's parameters.
+
+Why the correction rule is restated rather than taken from the family table:
+an oracle that read `Family.correction` would share any error in that table
+with the gradient path, and the comparison could not see it; restated, a mutated table
+makes the gradient path and the oracle disagree (tested). A test also checks that the
+restated table equals DeepSpeed's own strategy names for the synthetic
+parameters (the ``deepspeed-8913`` case records them from the real code).
+
+Where every TP or DP group has two members, a group sum is one addition whatever the model's order, and
+`Oracle.step` (when nothing is captured) runs that stage for every parameter at once on one flat buffer
+(`FusedPairs`, a third of the per-parameter step's time in the growth study); a NaN in such a sum, whose
+payload does depend on the order, sends the stage back to the per-parameter loops. Tested equal, bit for bit.
+
+Power checks (`Control`, used by `simdist.studies.power`): the oracle can run with one deliberate error --
+DP before TP, experts over the dense DP group, a BF16 TP sum, the corrected value rounded to BF16 -- so that a
+verdict can show that its inputs would see that error; the default `Control()` changes nothing.
+
+Not modelled: global-norm clipping (``max_norm`` must be 0, which every study
+uses) and the correction-once marker (the oracle corrects every micro-step,
+the intended semantics). Values may carry leading batch dimensions
+(``[seed]`` in the growth study): every operation above is element-wise along
+them, and each reduction runs per batch item, so each item gets the bits it gets alone (tested).
+
+The oracle's modules, one concept each (import the names from here):
+
+* `oracle_rules` -- what it computes, restated: `CORRECTIONS`, `DEEPSPEED_STRATEGY`, `correction`, `dp_kind`,
+  the power checks' `Control`, `AdamWSettings`;
+* `oracle_sums` -- how it sums a group: `group_sums` per parameter in the model's order, `FusedPairs` for every
+  parameter at once where groups have two members;
+* `oracle_step` -- `Oracle`: the state of every rank and one optimizer step;
+* `oracle_runs` -- several steps' captures: `oracle_values`, `oracle_traces`.
 """
 
-from __future__ import annotations
+from simdist.gradpath.oracle_rules import (
+    CORRECTIONS,
+    DEEPSPEED_STRATEGY,
+    AdamWSettings,
+    Control,
+    correction,
+    dp_kind,
+)
+from simdist.gradpath.oracle_runs import Values, oracle_traces, oracle_values
+from simdist.gradpath.oracle_step import Captured, Key, Oracle
 
-import torch
-
-from simdist.gradpath.families import Family, ParamSpec
-from simdist.gradpath.policy import Policy, dtype_name
-from simdist.reduce import ReductionModel
-from simdist.world.spec import ParallelSpec
-
-
-def oracle_policy(dtype: torch.dtype = torch.float32) -> Policy:
-    """Every stage after the BF16 local gradient in ``dtype``; run it with ``marker="per_micro_step"``."""
-    return Policy(
-        name=f"oracle_{str(dtype).removeprefix('torch.')}",
-        summary=f"{dtype_name(dtype)} TP-then-DP per-parameter reducer",
-        staging=dtype,
-        writeback=None,
-        expert_in_grad_dtype=False,
-        accumulate=dtype,
-        dp_reduce=dtype,
-        master=dtype,
-        moments=dtype,
-    )
-
-
-FP32_ORACLE = oracle_policy(torch.float32)
-FP64_ORACLE = oracle_policy(torch.float64)
-
-
-def reference_reduced_gradients(
-    spec: ParallelSpec,
-    params: list[ParamSpec],
-    local_grads,
-    step: int,
-    gas: int,
-    *,
-    dtype: torch.dtype,
-    tp_model: ReductionModel,
-    dp_model: ReductionModel,
-) -> dict[tuple[int, str], torch.Tensor]:
-    """``{(rank, param): DP-reduced gradient}`` for one step, by explicit TP-then-DP reduction in ``dtype``."""
-    tp = spec.tp
-    result = {}
-    for p in params:
-        correction = p.family.correction(tp)
-        hp = {r: torch.zeros(p.shape, dtype=dtype) for r in range(spec.world_size)}
-        for micro in range(gas):
-            staged = {r: local_grads(step, micro, r, p).to(dtype) for r in range(spec.world_size)}
-            for group in spec.groups("tp"):
-                if correction.reduces:
-                    total = tp_model.reduce([staged[r] for r in group])
-                    corrected = {r: total for r in group}
-                else:
-                    corrected = {r: staged[r] for r in group}
-                for r in group:
-                    value = corrected[r] / tp if correction.divides else corrected[r]
-                    hp[r] += value
-        kind = "edp" if p.family is Family.EXPERT else "dp"
-        for group in spec.groups(kind):
-            reduced = dp_model.reduce([hp[r] for r in group]) * (1.0 / spec.dp)
-            for r in group:
-                result[(r, p.name)] = reduced
-    return result
+__all__ = [
+    "CORRECTIONS",
+    "DEEPSPEED_STRATEGY",
+    "AdamWSettings",
+    "Captured",
+    "Control",
+    "Key",
+    "Oracle",
+    "Values",
+    "correction",
+    "dp_kind",
+    "oracle_traces",
+    "oracle_values",
+]

@@ -11,8 +11,8 @@ Every micro-step, for every parameter (``_update_hp_grad``):
   2. accumulate into the high-precision buffer (``+=hp``);
   3. the local gradient is zeroed by the next backward prologue.
 
-At the gradient-accumulation boundary (``engine.allreduce_gradients``):
-  4. the engine's folding pass clears each set marker (for a parameter whose
+At the gradient-accumulation boundary (``DeepSpeedEngine.allreduce_gradients``):
+  4. DeepSpeedEngine's folding pass clears each set marker (for a parameter whose
      marker is not set it would correct ``lp.grad``, which BF16_Optimizer no
      longer reads);
   5. data-parallel reduction of the high-precision buffers: dense over the
@@ -31,7 +31,7 @@ skips a parameter whose marker is set and sets it after correcting. Who clears i
   ``clear_autoep_folding_gradient_corrected`` right after ``_update_hp_grad`` on every call, so
   every micro-step is corrected;
 * ``update_path="epilogue"`` (DeepSpeed's default: ``immediate_grad_update: bool = False``,
-  runtime/precision_config.py:51): ``update_hp_grads`` never clears it; only the engine's boundary
+  runtime/precision_config.py:51): ``update_hp_grads`` never clears it; only DeepSpeedEngine's boundary
   pass ``_reduce_autoep_folding_tp_replicated_gradients`` (engine.py:3099-3119) does, so with
   GAS >= 2 micro-steps 2..GAS are added to the buffer *uncorrected*.
 
@@ -94,7 +94,7 @@ class AdamW:
 
 @dataclass(frozen=True)
 class PathConfig:
-    """How many steps, micro-steps and which engine semantics a run uses."""
+    """How many steps, micro-steps, and which of DeepSpeed's semantics (marker, update path) a run uses."""
 
     steps: int = 3
     gas: int = 1

@@ -1,7 +1,7 @@
 """Power checks of the #8913 repro: controls that prove its inputs and layout can see what it asserts.
 
 A verdict "bitwise equal to the oracle" proves something only if a wrong oracle would not be bitwise equal
-too. Each `Control` here runs the independent oracle (`simdist.gradpath.reference`) with one deliberate error
+too. Each `Control` here runs the independent oracle (`simdist.gradpath.oracle`) with one deliberate error
 -- the TP correction after the DP reduction, experts reduced over the dense DP group, a BF16 TP sum, the
 corrected value rounded to BF16 (the #8913 writeback) -- on the run's own workload, layout and inputs, and
 compares its captures with the oracle's, bit for bit. A control *shows power* when some compared tensor
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from simdist.gradpath.oracle import Control
 from simdist.gradpath.probes import Capture, Trace
-from simdist.gradpath.reference import Control
 from simdist.numerics.floats import bitwise_equal
 from simdist.world.spec import ParallelSpec
 

@@ -3,7 +3,7 @@ next to the independent FP32 oracle, one MoE layer of each catalogue model, for 
 
 Shapes come from `simdist.models.production` (`layer_params`: routers and norms at full size). The training
 is the growth study's: `simdist.gradpath.batched.BatchedPath` (the gradient path batched over ``[seed,
-rank]``, bit-identical to `train_rank`) and the oracle `simdist.gradpath.reference.Oracle` (FP32
+rank]``, bit-identical to `train_rank`) and the oracle `simdist.gradpath.oracle.Oracle` (FP32
 TP-then-DP per-parameter reducer, TP correction every micro-step, ``torch.optim.AdamW``), fed the growth
 stream `BatchedGradients` (BF16, ``randn * 1e-3 * 2**k``, ``k`` in ``[-3, 3]``; norms identical on TP peers,
 routers each peer's own).
@@ -28,8 +28,8 @@ from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
+from simdist.gradpath.oracle import Oracle
 from simdist.gradpath.path import PathConfig
-from simdist.gradpath.reference import Oracle
 from simdist.models.production import CATALOGUE, get_shape, layer_params
 from simdist.models.synthetic import InitialWeights
 from simdist.policies.catalogue import get_policy

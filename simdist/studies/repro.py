@@ -25,10 +25,10 @@ import torch
 from simdist.errors import UsageError
 from simdist.gradpath.families import Family
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
+from simdist.gradpath.oracle import Control, oracle_traces
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Divergence, Trace, first_divergence, path_order
-from simdist.gradpath.reference import Control, oracle_traces
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.compare import Comparison, Pair, compare
@@ -51,7 +51,7 @@ COMPARED: tuple[Capture, ...] = (
 
 
 ORACLE_SUMMARY = (
-    "independent FP32 TP-then-DP per-parameter reducer (simdist.gradpath.reference), every group summed in the "
+    "independent FP32 TP-then-DP per-parameter reducer (simdist.gradpath.oracle), every group summed in the "
     "chosen reduction model's order (default: gloo's, as found by experiment and pinned to real gloo), TP "
     "correction on every micro-step, torch.optim.AdamW on FP32 masters"
 )
@@ -258,7 +258,7 @@ def run_oracle(
     control: Control | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> list[Trace]:
-    """The independent FP32 oracle (`simdist.gradpath.reference`) on the run's workload: every group sums in
+    """The independent FP32 oracle (`simdist.gradpath.oracle`) on the run's workload: every group sums in
     ``model``'s order, the TP correction runs on every micro-step, the step is ``torch.optim.AdamW``'s.
 
     ``magnitudes`` runs it on ``|local gradients|`` (synthetic model only), which gives ``sum|terms|``;

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
-from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.models.moe import MoEConfig, MoEGradients
@@ -168,7 +168,7 @@ def train(
     reduction: ReductionModel | str = "gloo",
     marker: str = "deepspeed",
     update_path: str = "epilogue",
-    oracle: Policy = FP32_ORACLE,
+    oracle: Policy = MATCHED_FP32,
     model: MoEConfig | None = None,
     lag: int = 2,
     progress: bool = False,

@@ -422,7 +422,7 @@ class GradientBatch:
         return self._batches[(step, micro)]
 
     def stacked(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        """``{param: [rank, *shape]}``: every rank's tensors at once (for `simdist.gradpath.reference`)."""
+        """``{param: [rank, *shape]}``: every rank's tensors at once (for `simdist.gradpath.oracle`)."""
         return {name: value[0] for name, value in self._batches[(step, micro)].items()}
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
 from simdist.cases import case_names, get_case
 from simdist.cases.deepspeed_8913 import CONTROLS, Config, judge, run_real, tp4_config
 from simdist.cases.world import DEEPSPEED_MODULES
-from simdist.gradpath.reference import DEEPSPEED_STRATEGY, correction
+from simdist.gradpath.oracle import DEEPSPEED_STRATEGY, correction
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
@@ -55,7 +55,7 @@ def test_deepspeed_family_strategies_are_simdists_corrections(verdict):
 
 
 def test_deepspeed_family_strategies_are_the_independent_oracles_rule(verdict):
-    """The oracle restates the folding rule (`simdist.gradpath.reference.CORRECTIONS`); the real code agrees."""
+    """The oracle restates the folding rule (`simdist.gradpath.oracle.CORRECTIONS`); the real code agrees."""
     restated = {p.name: DEEPSPEED_STRATEGY[correction(p.family, CONFIG.spec.tp)] for p in DEFAULT_PARAMS}
     assert verdict.strategies == restated
 

@@ -21,7 +21,7 @@ import torch
 
 from simdist.cases import case_names, fsdp2_reduce_dtype, fsdp2_tp_mesh, run_case
 from simdist.cli import main as cli_main
-from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
@@ -87,7 +87,7 @@ def _repro_fingerprint(gas: int) -> str:
     path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker=config.marker)
     oracle_path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker="per_micro_step")
     model = make_model(config.reduction)
-    traces = {"oracle": run(config.spec, FP32_ORACLE, oracle_path, model)}
+    traces = {"oracle": run(config.spec, MATCHED_FP32, oracle_path, model)}
     for name in config.policies:
         traces[name] = run(config.spec, get_policy(name), path, model)
     return fingerprint([out.getvalue(), traces])

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simdist.gradpath.kernel import Marker
+from simdist.gradpath.oracle import oracle_values
 from simdist.gradpath.path import PathConfig
-from simdist.gradpath.reference import oracle_values
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import Sequential

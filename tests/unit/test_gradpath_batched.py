@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simdist.gradpath.batched import BatchedPath, batched_sum
-from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import same_bits
@@ -45,7 +45,7 @@ SEEDS = (3, 11)
 
 def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", max_norm=0.0) -> int:
     """Run ``name`` both ways on ``spec`` with every group reducing in ``model_name``; count compared tensors."""
-    policy = FP32_ORACLE if name == "oracle" else get_policy(name)
+    policy = MATCHED_FP32 if name == "oracle" else get_policy(name)
     marker = "per_micro_step" if name == "oracle" else "deepspeed"
     model = make_model(model_name)
     stream = BatchedGradients(spec, DEFAULT_PARAMS, list(SEEDS))
@@ -128,7 +128,7 @@ def test_the_comparison_is_not_vacuous():
         path.run(stream.draw)
         return path.path.master
 
-    oracle = master(FP32_ORACLE, "per_micro_step")
+    oracle = master(MATCHED_FP32, "per_micro_step")
     assert not torch.equal(master(get_policy("bf16_writeback")), oracle)
     assert same_bits(master(get_policy("fp32_staging")), oracle)
 

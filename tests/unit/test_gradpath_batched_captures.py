@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from simdist.gradpath.batched import BatchedPath
-from simdist.gradpath.oracle import FP32_ORACLE
+from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
@@ -20,7 +20,7 @@ from simdist.world.spec import ParallelSpec
 @pytest.mark.parametrize("name", [*policy_names(), "oracle"])
 def test_capturing_nothing_changes_no_bit(name):
     spec, seeds = ParallelSpec(4, tp=2, ep=2), [0, 1]
-    policy = FP32_ORACLE if name == "oracle" else get_policy(name)
+    policy = MATCHED_FP32 if name == "oracle" else get_policy(name)
     config = PathConfig(steps=3, gas=2, marker="per_micro_step" if name == "oracle" else "deepspeed")
     stream = BatchedGradients(spec, DEFAULT_PARAMS, seeds)
     initial = [InitialWeights(spec, s) for s in seeds]

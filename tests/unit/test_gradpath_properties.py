@@ -18,12 +18,12 @@ from hypothesis import assume, find, given, settings
 from hypothesis import strategies as st
 
 from simdist.gradpath.families import Correction, Family, ParamSpec
-from simdist.gradpath.oracle import FP32_ORACLE, reference_reduced_gradients
+from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY, first_divergence
 from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
 from simdist.policies.catalogue import get_policy, policy_names
-from simdist.reduce import Ring, Sequential, Tree
+from simdist.reduce import ReductionModel, Ring, Sequential, Tree
 from simdist.reduce.gloo import Gloo
 from simdist.testing._internal.case_batches import oracle_case_batches
 from simdist.testing._internal.compact import (
@@ -115,7 +115,7 @@ def test_deepspeed_marker_leaves_micro_steps_after_the_first_uncorrected(case, n
     """
     spec, gas, grads = case
     traces = run(spec, get_policy(name), grads, PathConfig(steps=1, gas=gas, marker="deepspeed"))
-    oracle = run(spec, FP32_ORACLE, grads, PathConfig(steps=1, gas=gas, marker=PER_MICRO))
+    oracle = run(spec, MATCHED_FP32, grads, PathConfig(steps=1, gas=gas, marker=PER_MICRO))
     divergence = first_divergence(traces, oracle)
     router = divergence[ROUTER.name]
     assert router is not None and (router.step, router.micro, router.stage) == (0, 1, "hp"), router
@@ -147,7 +147,7 @@ def test_bf16_writeback_is_one_round_to_nearest_of_the_corrected_value(data):
     keep = frozenset({"corrected", "written_back"})
     config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
     writeback = run(spec, get_policy("bf16_writeback"), grads, config, keep)
-    oracle = run(spec, FP32_ORACLE, grads, config, keep)
+    oracle = run(spec, MATCHED_FP32, grads, config, keep)
     compared = 0
     for trace, reference in zip(writeback, oracle, strict=True):
         for param in PARAMS:
@@ -178,7 +178,7 @@ def router_hp_departs(peers) -> bool:
         traces = run(spec, policy, grads, config, frozenset({"hp"}), params=[param], norm=False)
         return [t.get(0, 0, "router", "hp") for t in traces]
 
-    return any(not bitwise_equal(a, b) for a, b in zip(hp(get_policy("bf16_writeback")), hp(FP32_ORACLE), strict=True))
+    return any(not bitwise_equal(a, b) for a, b in zip(hp(get_policy("bf16_writeback")), hp(MATCHED_FP32), strict=True))
 
 
 def test_hypothesis_finds_where_bf16_writeback_departs():
@@ -248,7 +248,7 @@ def test_every_policy_matches_the_oracle_when_the_tp_average_is_bf16_representab
     grads = data.draw(gradient_batches(spec, PARAMS, 1, 1, modes=modes, layouts=(layout,)))
     config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
     keep = frozenset({"hp", "corrected", "boundary_corrected"})
-    oracle = run(spec, FP32_ORACLE, grads, config, keep)
+    oracle = run(spec, MATCHED_FP32, grads, config, keep)
     for name in policy_names():
         policy = get_policy(name)
         traces = run(spec, policy, grads, config, keep)
@@ -353,7 +353,7 @@ def test_a_different_reduction_order_stays_within_the_summation_bound(spec, mode
     config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
     keep = frozenset({"corrected", "hp"})
     staging = run(spec, get_policy("fp32_staging"), grads, config, keep, model=model)
-    oracle = run(spec, FP32_ORACLE, grads, config, keep, model=oracle_model)
+    oracle = run(spec, MATCHED_FP32, grads, config, keep, model=oracle_model)
     u = Fraction(unit_roundoff(torch.float32))
     for param in PARAMS:
         correction = param.family.correction(spec.tp)
@@ -374,7 +374,45 @@ def test_a_different_reduction_order_stays_within_the_summation_bound(spec, mode
                         assert abs(Fraction(x) - Fraction(y)) <= 2 * e, (param.name, r, stage)
 
 
-# -- the engine against an independent transcription -----------------------------------------------------------------
+# -- the gradient path against an independent transcription ---------------------------------------------------------
+
+
+def reduced_by_loops(
+    spec: ParallelSpec,
+    params: list[ParamSpec],
+    local_grads,
+    step: int,
+    gas: int,
+    *,
+    dtype: torch.dtype,
+    tp_model: ReductionModel,
+    dp_model: ReductionModel,
+) -> dict[tuple[int, str], torch.Tensor]:
+    """``{(rank, param): DP-reduced gradient}`` for one step, by explicit TP-then-DP reduction in ``dtype``: loops
+    over the TP and DP groups, no rank program, no gradient-path code (the family table's correction rule aside)."""
+    tp = spec.tp
+    result = {}
+    for p in params:
+        correction = p.family.correction(tp)
+        hp = {r: torch.zeros(p.shape, dtype=dtype) for r in range(spec.world_size)}
+        for micro in range(gas):
+            staged = {r: local_grads(step, micro, r, p).to(dtype) for r in range(spec.world_size)}
+            for group in spec.groups("tp"):
+                if correction.reduces:
+                    total = tp_model.reduce([staged[r] for r in group])
+                    corrected = {r: total for r in group}
+                else:
+                    corrected = {r: staged[r] for r in group}
+                for r in group:
+                    value = corrected[r] / tp if correction.divides else corrected[r]
+                    hp[r] += value
+        kind = "edp" if p.family is Family.EXPERT else "dp"
+        for group in spec.groups(kind):
+            reduced = dp_model.reduce([hp[r] for r in group]) * (1.0 / spec.dp)
+            for r in group:
+                result[(r, p.name)] = reduced
+    return result
+
 
 REFERENCE_SPECS = [
     ParallelSpec(4, tp=2, ep=2),
@@ -386,17 +424,15 @@ REFERENCE_SPECS = [
 
 
 @given(st.sampled_from(REFERENCE_SPECS), st.sampled_from(MODELS), st.integers(1, 3), st.data())
-def test_engine_dp_reduced_gradients_equal_the_reference_transcription(spec, model, gas, data):
-    """fp32_staging's DP-reduced gradients (correction every micro-step) equal `reference_reduced_gradients`,
+def test_gradient_path_dp_reduced_gradients_equal_a_transcription_by_loops(spec, model, gas, data):
+    """fp32_staging's DP-reduced gradients (correction every micro-step) equal `reduced_by_loops`,
     which loops over the TP and DP groups explicitly with no rank program, bit for bit, for every step."""
     steps = 2
     grads = data.draw(gradient_batches(spec, PARAMS, steps, gas))
     config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
     traces = run(spec, get_policy("fp32_staging"), grads, config, frozenset({"dp_reduced"}), model=model)
     for step in range(steps):
-        expected = reference_reduced_gradients(
-            spec, PARAMS, grads, step, gas, dtype=torch.float32, tp_model=model, dp_model=model
-        )
+        expected = reduced_by_loops(spec, PARAMS, grads, step, gas, dtype=torch.float32, tp_model=model, dp_model=model)
         for (rank, name), value in expected.items():
             assert bitwise_equal(traces[rank].get(step, BOUNDARY, name, "dp_reduced"), value), (step, rank, name)
 

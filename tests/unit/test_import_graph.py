@@ -216,6 +216,55 @@ def test_private_names_are_imported_only_within_a_package():
     assert not crossing, f"private names imported from another package: {crossing}"
 
 
+ORACLE_MAY_SHARE = ("simdist.gradpath.families", "simdist.gradpath.probes")
+"""The gradient-path modules the oracle may import (the parameter list and the capture names): everything else in
+``simdist.gradpath`` is the code it judges (`kernel`, `policy`, `path`, `batched`, `matched_policy`)."""
+
+
+def oracle_modules(graph: dict[str, dict[str, bool]]) -> list[str]:
+    """The oracle's modules: ``simdist.gradpath.oracle`` and its ``oracle_*`` parts."""
+    return sorted(
+        m for m in graph if m.rsplit(".", 1)[-1].split("_")[0] == "oracle" and m.startswith("simdist.gradpath.")
+    )
+
+
+def judged_imports(graph: dict[str, dict[str, bool]]) -> dict[str, list[str]]:
+    """oracle module -> the judged gradient-path modules it reaches, directly or through other modules, lazy imports
+    included (a module below the gradient path cannot reach it back: the layers)."""
+    oracle = set(oracle_modules(graph))
+    out = {}
+    for start in oracle:
+        seen, todo = {start}, [start]
+        while todo:
+            for target in graph.get(todo.pop(), {}):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        judged = sorted(
+            m
+            for m in seen
+            if (m == "simdist.gradpath" or m.startswith("simdist.gradpath."))
+            and m not in oracle
+            and m not in ORACLE_MAY_SHARE
+        )
+        if judged:
+            out[start] = judged
+    return out
+
+
+def test_the_oracle_imports_nothing_it_judges():
+    """The independent oracle shares no code with the gradient path (docs/glossary.md, *oracle*)."""
+    graph = import_graph()
+    assert oracle_modules(graph) == [
+        "simdist.gradpath.oracle",
+        "simdist.gradpath.oracle_rules",
+        "simdist.gradpath.oracle_runs",
+        "simdist.gradpath.oracle_step",
+        "simdist.gradpath.oracle_sums",
+    ]
+    assert not judged_imports(graph), f"the oracle imports the gradient path it judges: {judged_imports(graph)}"
+
+
 def test_the_checks_see_what_they_must(tmp_path):
     """The checks themselves, on a small fake package: a lazy cycle, an upward import, a type-only import."""
     pkg = tmp_path / "simdist"

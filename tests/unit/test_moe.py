@@ -20,7 +20,7 @@ import torch
 
 from simdist.gradpath import families
 from simdist.gradpath.families import Correction, Family
-from simdist.gradpath.oracle import FP64_ORACLE
+from simdist.gradpath.matched_policy import MATCHED_FP64
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.moe import MoEConfig, MoEGradients, batch, gradient_errors, partition, replica_of
 from simdist.numerics.floats import bitwise_equal, unit_roundoff
@@ -56,7 +56,7 @@ def sharded_errors(spec, policy, steps=2, gas=1, seed=3, marker="per_micro_step"
     ],
     ids=["tp2ep2", "tp2ep2-gas2", "tp2ep2-lane-major", "tp4ep4", "tp1ep2", "8ranks-tp2ep4-gas2"],
 )
-@pytest.mark.parametrize("policy", [get_policy("fp32_staging"), FP64_ORACLE], ids=["fp32_staging", "fp64"])
+@pytest.mark.parametrize("policy", [get_policy("fp32_staging"), MATCHED_FP64], ids=["fp32_staging", "fp64"])
 def test_sharded_gradients_equal_the_unsharded_reference(spec, gas, policy):
     errors = sharded_errors(spec, policy, gas=gas)
     assert len(errors) == 13  # every parameter, every family

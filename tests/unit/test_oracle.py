@@ -1,4 +1,4 @@
-"""The independent oracle (`simdist.gradpath.reference`) and the engine's AdamW against the real optimizer.
+"""The independent oracle (`simdist.gradpath.oracle`) and the engine's AdamW against the real optimizer.
 
 The oracle shares no code with the engine it judges, so breaking the engine must change the #8913 verdict;
 the engine's AdamW must be torch.optim.AdamW bit for bit.
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from simdist.gradpath import kernel
 from simdist.gradpath.families import _CORRECTIONS, Correction, Family
+from simdist.gradpath.oracle import CORRECTIONS, Oracle, correction, dp_kind
 from simdist.gradpath.path import AdamW
 from simdist.gradpath.probes import BOUNDARY
-from simdist.gradpath.reference import CORRECTIONS, Oracle, correction, dp_kind
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import Sequential
@@ -183,8 +183,8 @@ def test_the_compact_oracle_sees_a_tp4_sum_rounded_to_bf16():
 
 
 def test_the_engine_run_of_the_oracle_precision_gives_the_independent_oracles_bits():
-    """`FP32_ORACLE` (a Policy the engine runs, used by engine tests) agrees with the independent oracle."""
-    from simdist.gradpath.oracle import FP32_ORACLE
+    """`MATCHED_FP32` (a Policy the engine runs, used by engine tests) agrees with the independent oracle."""
+    from simdist.gradpath.matched_policy import MATCHED_FP32
     from simdist.gradpath.path import PathConfig
     from simdist.testing._internal.compact import OPTIMIZER_STAGES, run_batched
 
@@ -197,7 +197,7 @@ def test_the_engine_run_of_the_oracle_precision_gives_the_independent_oracles_bi
         )
 
     config = PathConfig(steps=2, gas=2, marker="per_micro_step")
-    engine = run_batched(spec, FP32_ORACLE, local, config, keep=OPTIMIZER_STAGES, norm=False).rank_traces(0)
+    engine = run_batched(spec, MATCHED_FP32, local, config, keep=OPTIMIZER_STAGES, norm=False).rank_traces(0)
     oracle = run_oracle(spec, local, 2, 2, keep=OPTIMIZER_STAGES)
     for trace, reference in zip(engine, oracle, strict=True):
         assert trace.values.keys() == reference.values.keys()

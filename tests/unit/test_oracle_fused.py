@@ -1,5 +1,5 @@
-"""The oracle's fused step (every parameter's two-member group sums at once, `reference._FusedPairs`) gives the
-bits of its per-parameter step: masters, moments and BF16 parameters, every reduction model, NaN payloads,
+"""The oracle's fused step (every parameter's two-member group sums at once, `oracle_sums.FusedPairs`) gives
+the bits of its per-parameter step: masters, moments and BF16 parameters, every reduction model, NaN payloads,
 infinities, signed zeros and subnormals included, and the fused stages are really taken where they can be."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simdist.gradpath import reference
 from simdist.gradpath.families import Family, ParamSpec
-from simdist.gradpath.reference import Oracle
+from simdist.gradpath.oracle import Oracle
+from simdist.gradpath.oracle_sums import FusedPairs
 from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import MODEL_NAMES, make_model
@@ -67,7 +67,7 @@ def test_the_fused_step_gives_the_bits_of_the_per_parameter_step(name, spec, gas
     """Step 1 carries NaNs (the fused sums find them and hand the stage to the per-parameter path); steps 0 and 2
     do not, and are fused wherever the groups have two members (counted)."""
     taken = {"micro": 0, "boundary": 0}
-    micro_step, boundary = reference._FusedPairs.micro_step, reference._FusedPairs.boundary
+    micro_step, boundary = FusedPairs.micro_step, FusedPairs.boundary
 
     def counted_micro(self, *args):
         done = micro_step(self, *args)
@@ -79,8 +79,8 @@ def test_the_fused_step_gives_the_bits_of_the_per_parameter_step(name, spec, gas
         taken["boundary"] += out is not None
         return out
 
-    monkeypatch.setattr(reference._FusedPairs, "micro_step", counted_micro)
-    monkeypatch.setattr(reference._FusedPairs, "boundary", counted_boundary)
+    monkeypatch.setattr(FusedPairs, "micro_step", counted_micro)
+    monkeypatch.setattr(FusedPairs, "boundary", counted_boundary)
     model = make_model(name)
     params = (*DEFAULT_PARAMS, FROZEN)
     fused = _run(spec, params, model, True, gas, {1})

@@ -1,4 +1,4 @@
-"""The oracle's batched layouts (`simdist.gradpath.reference`): group sums of a seed batch give each item the bits
+"""The oracle's batched layouts (`simdist.gradpath.oracle`): group sums of a seed batch give each item the bits
 the model gives it alone (two-member groups summed for the whole batch at once, NaN payloads included), and one
 flat AdamW parameter gives each piece the bits of its own parameter."""
 
@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simdist.gradpath.families import Family, ParamSpec
-from simdist.gradpath.reference import Oracle, _reduce
+from simdist.gradpath.oracle_sums import group_sum, group_sums
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import MODEL_NAMES, make_model
 from simdist.world.spec import ParallelSpec
@@ -38,7 +37,7 @@ def _members(k: int, nan: bool) -> list[torch.Tensor]:
 def test_each_batch_item_gets_the_bits_it_gets_alone(name, k, nan):
     model = make_model(name)
     members = _members(k, nan)
-    together = _reduce(model, members, SHAPE)
+    together = group_sum(model, members, SHAPE)
     for i in range(members[0].shape[0]):
         assert bitwise_equal(together[i], model.reduce([m[i] for m in members])), (name, k, i)
 
@@ -69,15 +68,12 @@ def test_one_flat_adamw_parameter_gives_each_piece_the_bits_of_its_own_parameter
 @pytest.mark.parametrize("kind", ["tp", "dp"])
 @pytest.mark.parametrize("nan", [False, True])
 def test_two_member_groups_summed_together_give_each_group_its_own_bits(name, kind, nan):
-    """`Oracle._group_sums` sums every two-member group's pair at once (TP groups are blocks of the rank
+    """`oracle_sums.group_sums` sums every two-member group's pair at once (TP groups are blocks of the rank
     dimension, DP groups strided): each rank of each item gets its own group's sum, NaN payloads included."""
     model = make_model(name)
     spec = ParallelSpec(4, tp=2, ep=2)
-    p = ParamSpec("w", Family.DENSE, SHAPE)
-    initial = {(r, p.name): torch.zeros(6, *SHAPE, dtype=torch.bfloat16) for r in range(4)}
-    oracle = Oracle(spec, [p], initial, tp_model=model, dp_model=model)
     value = torch.stack(_members(4, nan), dim=1)  # [item, rank, *shape]
-    out = oracle._group_sums(model, kind, value, p)
+    out = group_sums(spec, model, kind, value, SHAPE)
     for group in spec.groups(kind):
         for i in range(value.shape[0]):
             alone = model.reduce([value[i, r] for r in group])

@@ -227,7 +227,7 @@ def test_growth_at_world_512_is_refused_with_its_estimate_when_it_cannot_fit(cap
 @pytest.mark.parametrize("reduction", ["gloo", "nccl"])
 def test_tp8_dp64_growth_matches_the_independent_oracle(tmp_path, reduction):
     """TP8 x DP64 (EP8) on 512 ranks, 3 steps, 2 seeds: ``fp32_staging`` run by the rank-batched engine holds
-    the independent oracle's bits (`simdist.gradpath.reference`: per-rank loops, a real ``torch.optim.AdamW``,
+    the independent oracle's bits (`simdist.gradpath.oracle`: per-rank loops, a real ``torch.optim.AdamW``,
     each reduction one ``model.reduce`` per group and seed) at every step, rank and seed; ``bf16_only`` does
     not (so the comparison can fail)."""
     from simdist.studies.growth import GrowthConfig, run_growth

@@ -15,7 +15,7 @@ import torch
 from simdist.cases.cli import run_case_command
 from simdist.cli import main
 from simdist.gradpath.families import Family
-from simdist.gradpath.reference import Control, oracle_traces
+from simdist.gradpath.oracle import Control, oracle_traces
 from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, SyntheticGradients, synthetic_gradients
 from simdist.studies import repro
 from simdist.studies.power import CONTROLS

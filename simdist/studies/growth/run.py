@@ -14,8 +14,8 @@ import torch
 from simdist.errors import UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.kernel import Marker, coerce
+from simdist.gradpath.oracle import Oracle
 from simdist.gradpath.path import PathConfig
-from simdist.gradpath.reference import Oracle
 from simdist.models import GradientModel
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import Difference
@@ -252,7 +252,7 @@ KINDS = ("master", "m", "v")
 
 
 class _OracleRun:
-    """The independent FP32 oracle (`simdist.gradpath.reference.Oracle`) batched over seeds, stepped like a
+    """The independent FP32 oracle (`simdist.gradpath.oracle.Oracle`) batched over seeds, stepped like a
     `BatchedPath`: ``run_step(draw)``, ``state()``, ``load(state, step)``."""
 
     def __init__(self, spec, params, initial, seeds: int, gas: int, model) -> None:

@@ -3,7 +3,7 @@
 One Hypothesis example of `oracle_case_batches` is a layout, a GAS, a step count and ``cases`` independent
 gradient sets for them (`CaseBatch`: ``[case, rank, *shape]`` per step, micro-step and parameter). The
 rank-batched engine (`simdist.gradpath.batched.BatchedPath`) runs the cases as its batch items and the
-independent oracle (`simdist.gradpath.reference`) takes them as its leading batch dimension, so the fixed cost
+independent oracle (`simdist.gradpath.oracle`) takes them as its leading batch dimension, so the fixed cost
 of an example -- Hypothesis's own bookkeeping, building the engine and the optimizer, the Python of every
 stage -- is paid once for ``cases`` checks: `simdist.testing._internal.compact.cases_depart_from_oracle` judges every
 case against the oracle, bit for bit, and names the first case that departs.
@@ -55,7 +55,7 @@ class CaseBatch:
     ``values[(step, micro, param)] = [case, rank, *shape]``.
 
     ``batch(step, micro)`` gives ``{param: [case, rank, *shape]}`` for `simdist.gradpath.batched.BatchedPath`
-    (the cases are its batch items); ``stacked`` gives the same for `simdist.gradpath.reference` (its leading
+    (the cases are its batch items); ``stacked`` gives the same for `simdist.gradpath.oracle` (its leading
     batch dimension); ``case(i)`` is case ``i`` alone as a `GradientBatch` (to rerun or report it).
     """
 

@@ -3,7 +3,7 @@
 What the gradient-path properties (``tests/unit/test_gradpath_properties.py``) and
 their benchmark (``bench/properties.py``) share: the parameters, replicated
 initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
-the independent FP32 oracle on the same workload (`run_oracle`, `simdist.gradpath.reference`), and property
+the independent FP32 oracle on the same workload (`run_oracle`, `simdist.gradpath.oracle`), and property
 (a) -- ``fp32_staging`` equals the FP32 oracle bit for bit -- as a function that returns where the two first
 differ (``None`` when they do not). Its Hypothesis strategy is
 `simdist.testing.strategies.oracle_cases`.
@@ -20,10 +20,10 @@ import torch
 from simdist.gradpath.batched import BatchedPath, BatchedTrace, initial_buffer
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
+from simdist.gradpath.oracle import oracle_traces, oracle_values
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Trace
-from simdist.gradpath.reference import oracle_traces, oracle_values
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import ReductionModel, Sequential
@@ -108,7 +108,7 @@ def run_batched(
 
 
 def _oracle_source(grads: Gradients):
-    """What `simdist.gradpath.reference` takes: the drawn batch itself (``stacked``: every rank at once), or the
+    """What `simdist.gradpath.oracle` takes: the drawn batch itself (``stacked``: every rank at once), or the
     ``(step, micro, rank, param)`` function."""
     if getattr(grads, "stacked", None) is not None:
         return grads
@@ -136,7 +136,7 @@ def run_oracle(
     params: tuple[ParamSpec, ...] = PARAMS,
     dtype: torch.dtype = torch.float32,
 ) -> list[Trace]:
-    """Every rank's `Trace` of the independent oracle (`simdist.gradpath.reference`) on the compact workload,
+    """Every rank's `Trace` of the independent oracle (`simdist.gradpath.oracle`) on the compact workload,
     every group reducing with ``reduction`` (default `DEFAULT_REDUCTION`)."""
     model = _one_model(reduction)
     return oracle_traces(
@@ -215,7 +215,7 @@ def first_departure(engine: dict, oracle: dict, one_case: bool = False) -> str |
 def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, dict]:
     """Property (a)'s two runs of every case of ``grads`` (a `simdist.testing._internal.case_batches.CaseBatch`): the
     captures (`OPTIMIZER_STAGES`) of ``fp32_staging`` on the rank-batched engine, the cases as its batch items,
-    and of the independent oracle (`simdist.gradpath.reference.oracle_values`), the cases as its leading batch
+    and of the independent oracle (`simdist.gradpath.oracle.oracle_values`), the cases as its leading batch
     dimension; both ``{(step, micro, param, stage): [case, rank, *shape]}``, every case from the compact
     workload's initial weights, the correction every micro-step, every group summing in rank order."""
     cases = grads.cases

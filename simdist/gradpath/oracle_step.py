@@ -1,0 +1,244 @@
+"""The oracle's state and its optimizer step for every rank (`Oracle`): BF16 parameters, ``dtype`` masters, the
+TP correction on every micro-step, the DP reduction at the boundary and a real ``torch.optim.AdamW``.
+
+Part of the independent oracle (`simdist.gradpath.oracle`, which states what it computes and why); it shares no
+code with the gradient path it judges. Its rules come from `oracle_rules`, its group sums from `oracle_sums`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from simdist.errors import UsageError
+from simdist.gradpath.families import Family, ParamSpec
+from simdist.gradpath.oracle_rules import AdamWSettings, Control, correction, dp_kind
+from simdist.gradpath.oracle_sums import FusedPairs, group_sums, stacked
+from simdist.gradpath.probes import BOUNDARY, Capture
+from simdist.reduce import ReductionModel
+from simdist.world.spec import ParallelSpec
+
+Key = tuple[int, str]
+"""``(rank, parameter name)``."""
+Captured = Callable[[int, int, str, str, torch.Tensor], None]
+"""``(step, micro, param, stage, value)``: ``value`` is every rank's, ``[*batch, rank, *shape]`` (the oracle's own
+tensor: copy what you keep); ``micro`` is `BOUNDARY` for the step's boundary."""
+
+
+class Oracle:
+    """The oracle's state for every rank: BF16 parameters, ``dtype`` masters and a ``torch.optim.AdamW``.
+
+    ``initial[(rank, name)]`` is a BF16 tensor ``[*batch, *shape]``. `step` runs one optimizer step from the
+    local gradients of its micro-steps. ``fused=False`` keeps every stage in the per-parameter loops (see
+    `FusedPairs`; tests compare the two).
+
+    Each parameter's tensors of every rank sit in one ``[*batch, rank, *shape]`` tensor (`stacked`): casts,
+    ``/ tp``, ``+=`` and every AdamW operation are element-wise, so they give each rank's elements the bits
+    they get in the rank's own tensor, and a group's reduction takes its members out of the rank dimension in
+    group-rank order. One tensor per parameter instead of one per rank and parameter keeps the number of torch
+    calls (the cost of small tensors) independent of the world size. The masters of every trained parameter
+    are one flat ``[*batch, rank, N]`` parameter of the real ``torch.optim.AdamW`` (`part` gives a parameter's
+    view): on CPU it runs its single-tensor step, whose every operation is element-wise, so each element gets
+    the bits it gets in its own parameter's tensor (``tests/unit/test_oracle_group_sums.py`` checks this layout
+    against one optimizer parameter per rank and parameter), and one tensor costs a fifth of five.
+    """
+
+    def __init__(
+        self,
+        spec: ParallelSpec,
+        params: Sequence[ParamSpec],
+        initial: dict[Key, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        tp_model: ReductionModel,
+        dp_model: ReductionModel,
+        adam=None,
+        max_norm: float = 0.0,
+        fused: bool = True,
+        control: Control | None = None,
+    ) -> None:
+        self.control = control or Control()
+        if self.control.changes:
+            fused = False  # the fused stage knows only the oracle's own rules
+        if max_norm:
+            raise UsageError("the independent oracle does not clip: run it with max_norm = 0")
+        self.spec, self.dtype, self.tp_model, self.dp_model = spec, dtype, tp_model, dp_model
+        self.params = list(params)
+        self.trained = [p for p in self.params if not p.frozen]
+        self.ranks = range(spec.world_size)
+        self.lp = {p.name: stacked([initial[(r, p.name)].detach() for r in self.ranks], p) for p in self.params}
+        self.spans: dict[str, tuple[int, int]] = {}
+        start = 0
+        for p in self.trained:
+            self.spans[p.name] = (start, start + math.prod(p.shape))
+            start += math.prod(p.shape)
+        # the masters of every trained parameter, flat: ``[*batch, rank, N]`` in parameter order (`part`)
+        masters = [self.lp[p.name].to(dtype).flatten(self.lp[p.name].dim() - len(p.shape)) for p in self.trained]
+        self.master = [torch.nn.Parameter(torch.cat(masters, dim=-1))] if masters else []
+        h = adam or AdamWSettings()
+        self.optimizer = torch.optim.AdamW(
+            self.master,
+            lr=h.lr,
+            betas=(h.beta1, h.beta2),
+            eps=h.eps,
+            weight_decay=h.weight_decay,
+        )
+        self._fused = FusedPairs(spec, self.trained, self.spans, start) if fused else None
+
+    def part(self, flat: torch.Tensor, p: ParamSpec) -> torch.Tensor:
+        """``p``'s ``[*batch, rank, *shape]`` view of a flat ``[*batch, rank, N]`` tensor of the masters' layout."""
+        start, stop = self.spans[p.name]
+        return flat[..., start:stop].view(*flat.shape[:-1], *p.shape)
+
+    def step(
+        self,
+        step: int,
+        gas: int,
+        local_grads: Callable[[int, Mapping[Key, torch.Tensor]], Mapping],
+        capture: Captured | None = None,
+    ) -> None:
+        """One optimizer step; ``local_grads(micro, lp)`` gives every rank's BF16 local gradient of every trained
+        parameter for that micro-step, computed from the current BF16 parameters ``lp`` (``lp[(rank, name)]``):
+        as ``{(rank, name): [*batch, *shape]}``, or as ``{name: [*batch, rank, *shape]}`` (every rank's at once).
+        ``capture`` sees every stage's ``[*batch, rank, *shape]`` value (`Captured`)."""
+        seen = capture or (lambda *args: None)
+        tp = self.spec.tp
+        # one flat ``dtype`` buffer in the masters' layout; each parameter's buffer is a view of it (`_Parts`)
+        hp_flat = torch.zeros(self.master[0].shape, dtype=self.dtype) if self.master else None
+        hp = _Parts(self, hp_flat)
+        fused = self._fused if capture is None and hp_flat is not None else None
+        for micro in range(gas):
+            grads = local_grads(micro, _PerRank(self.lp, self.params))
+            if fused is not None and hp_flat is not None and fused.micro_step(self, grads, hp_flat):
+                continue
+            for p in self.trained:
+                reduces, divides = correction(p.family, tp)
+                if self.control.dp_then_tp:
+                    reduces = divides = False  # corrected at the boundary, after the DP reduction
+                local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in self.ranks], p)
+                seen(step, micro, p.name, Capture.LOCAL, local)
+                value = local.to(self.dtype)
+                if reduces or divides:
+                    seen(step, micro, p.name, Capture.STAGED, value)
+                value = self._tp_correct(value, p, reduces, divides, step, micro, seen)
+                if (reduces or divides) and self.control.corrected_dtype is not None:
+                    value = value.to(self.control.corrected_dtype).to(self.dtype)
+                if reduces or divides:
+                    seen(step, micro, p.name, Capture.CORRECTED, value)
+                hp[p.name] += value
+                seen(step, micro, p.name, Capture.HP, hp[p.name])
+        grad = fused.boundary(self, hp_flat) if fused is not None and hp_flat is not None else None
+        if grad is None:
+            flat_grads: list[torch.Tensor] = []
+            for p in self.trained:
+                kind = dp_kind(p.family)
+                if p.family is Family.EXPERT and self.control.expert_dp is not None:
+                    kind = self.control.expert_dp
+                reduced = group_sums(self.spec, self.dp_model, kind, hp[p.name], p.shape, scale=1.0 / self.spec.dp)
+                if self.control.dp_then_tp:
+                    reduced = self._tp_correct(reduced, p, *correction(p.family, tp), step, BOUNDARY, seen)
+                seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
+                seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
+                flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+            grad = torch.cat(flat_grads, dim=-1) if flat_grads else None
+        if not self.master:
+            return
+        master = self.master[0]
+        master.grad = grad
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state = self.optimizer.state[master]
+        lp = master.detach().to(torch.bfloat16)
+        for p in self.trained:
+            self.lp[p.name] = self.part(lp, p)
+            if capture is None:  # nothing sees the views below: skip making them
+                continue
+            seen(step, BOUNDARY, p.name, Capture.MASTER, self.part(master.detach(), p))
+            seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))
+            seen(step, BOUNDARY, p.name, Capture.ADAM_V, self.part(state["exp_avg_sq"], p))
+            seen(step, BOUNDARY, p.name, Capture.PARAM, self.lp[p.name])
+
+    def _tp_correct(
+        self, value: torch.Tensor, p: ParamSpec, reduces: bool, divides: bool, step: int, micro: int, seen
+    ) -> torch.Tensor:
+        """The TP correction of ``p``'s family on ``value`` (the group's sum and/or ``/ tp``)."""
+        if reduces:
+            summed_dtype = self.control.tp_sum_dtype
+            if summed_dtype is None:
+                value = group_sums(self.spec, self.tp_model, "tp", value, p.shape)
+            else:
+                value = group_sums(self.spec, self.tp_model, "tp", value.to(summed_dtype), p.shape).to(self.dtype)
+            if divides:
+                seen(step, micro, p.name, Capture.TP_REDUCED, value)
+        if divides:
+            value = value / self.spec.tp
+        return value
+
+    # -- flat state, for the rank-batched growth study ------------------------------------------------------------
+
+    def flat(self, which: str) -> torch.Tensor:
+        """``master``, ``m``, ``v`` or ``lp`` of every trained parameter as ``[*batch, rank, N]`` (parameter order)."""
+        if which == "lp":
+            parts = [self.lp[p.name] for p in self.trained]
+            return torch.cat([t.flatten(t.dim() - len(p.shape)) for t, p in zip(parts, self.trained, strict=True)], -1)
+        master = self.master[0]
+        if which == "master":
+            return master.detach()
+        state = self.optimizer.state.get(master)
+        if not state:
+            return torch.zeros_like(master.detach())
+        return state["exp_avg" if which == "m" else "exp_avg_sq"]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Masters, moments and BF16 parameters as flat ``[*batch, rank, N]`` tensors (for checkpoints)."""
+        names = {"master": "master", "adam_m": "m", "adam_v": "v", "lp": "lp"}
+        return {key: self.flat(which) for key, which in names.items()}
+
+    def load(self, state: dict[str, torch.Tensor], steps_done: int) -> None:
+        """Restore `state` after ``steps_done`` optimizer steps (the optimizer's step counters included)."""
+        master = self.master[0]
+        with torch.no_grad():
+            master.copy_(state["master"])
+        lp = state["lp"].clone()
+        for p in self.trained:
+            self.lp[p.name] = self.part(lp, p)
+        if steps_done:
+            self.optimizer.state[master] = {
+                "step": torch.tensor(float(steps_done)),
+                "exp_avg": state["adam_m"].clone(),
+                "exp_avg_sq": state["adam_v"].clone(),
+            }
+
+
+class _Parts(dict):
+    """``{name: view}`` of each trained parameter's part of a flat buffer, each view made when first asked for
+    (the fused step never asks)."""
+
+    def __init__(self, oracle: Oracle, flat: torch.Tensor | None) -> None:
+        super().__init__()
+        self.oracle, self.flat = oracle, flat
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        assert self.flat is not None, "a parameter's buffer was asked for, but nothing is trained"
+        view = self[name] = self.oracle.part(self.flat, next(p for p in self.oracle.trained if p.name == name))
+        return view
+
+
+class _PerRank(Mapping):
+    """``lp[(rank, name)]``: one rank's ``[*batch, *shape]`` view of the stacked BF16 parameters."""
+
+    def __init__(self, lp: dict[str, torch.Tensor], params: Sequence[ParamSpec]) -> None:
+        self.lp, self.shapes = lp, {p.name: p.shape for p in params}
+
+    def __getitem__(self, key: Key) -> torch.Tensor:
+        rank, name = key
+        value = self.lp[name]
+        return value.select(value.dim() - len(self.shapes[name]) - 1, rank)
+
+    def __iter__(self):
+        return ((r, name) for name, value in self.lp.items() for r in range(value.shape[-len(self.shapes[name]) - 1]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
