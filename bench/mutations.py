@@ -318,7 +318,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-ring-start",
         "gloo's chunk c starts its walk at rank c instead of c-1",
-        "simdist/reduce/gloo.py",
+        "simdist/reduce/gloo_schedule.py",
         "tuple(t % n for t in range(n + chunks - 1))",
         "tuple((t + 1) % n for t in range(n + chunks - 1))",
         (*REDUCE, BATCHED),
@@ -326,7 +326,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-single-chunk-ascending",
         "with one chunk, gloo folds x[0] + ... + x[n-1] instead of x[n-1] + ... + x[0]",
-        "simdist/reduce/gloo.py",
+        "simdist/reduce/gloo_schedule.py",
         "descending=True)",
         "descending=chunks > 1)",
         (*REDUCE, BATCHED),
@@ -334,7 +334,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-chunking",
         "gloo cuts at least n segments instead of at least 2n",
-        "simdist/reduce/gloo.py",
+        "simdist/reduce/gloo_schedule.py",
         "segments = max(-(-numel // m), 2 * n)",
         "segments = max(-(-numel // m), n)",
         (*REDUCE, BATCHED),
@@ -342,7 +342,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-nan-operand-order",
         "gloo's fp32/fp64 NaN payload comes from the received partial before the local value",
-        "simdist/reduce/gloo.py",
+        "simdist/reduce/gloo_arith.py",
         "return torch.where(local.isnan(), lb | quiet, torch.where(acc.isnan(), ab | quiet, default))",
         "return torch.where(acc.isnan(), ab | quiet, torch.where(local.isnan(), lb | quiet, default))",
         REDUCE,
@@ -350,7 +350,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-nan-not-quieted",
         "gloo's NaN results keep a signalling NaN signalling",
-        "simdist/reduce/gloo.py",
+        "simdist/reduce/gloo_arith.py",
         "return torch.where(local.isnan(), lb | quiet, torch.where(acc.isnan(), ab | quiet, default))",
         "return torch.where(local.isnan(), lb, torch.where(acc.isnan(), ab, default))",
         REDUCE,
@@ -358,7 +358,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-max-nan",
         "gloo's MAX/MIN propagate NaN from either side (torch.maximum) instead of std::max's comparison",
-        "simdist/reduce/gloo.py",
+        "simdist/reduce/gloo_arith.py",
         "acc = torch.where(keep, acc, local)",
         "acc = torch.where(keep | acc.isnan(), acc, local)",
         REDUCE,

@@ -112,9 +112,8 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,203 +121,29 @@ import torch
 from simdist.errors import UsageError
 from simdist.reduce import native
 from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, may_hold_nan
-from simdist.reduce.plan import PLAN_CACHE_SIZE, FoldPlan, fold
+from simdist.reduce.gloo_arith import arith_walk, compare_walk
+from simdist.reduce.gloo_layout import Rows, memory_rows, ring_view
+from simdist.reduce.gloo_schedule import (
+    GLOO_MAX_SEGMENT_BYTES,
+    chunk_length,
+    chunk_start_ranks,
+    reduce_chunk_length,
+    reduce_segment_length,
+    ring_plan,
+)
+from simdist.reduce.plan import FoldPlan, fold
 
-GLOO_MAX_SEGMENT_BYTES = 1 << 20
-"""gloo's ``AllreduceOptions::kMaxSegmentSize``."""
-
-
-def chunk_length(numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> int:
-    """Elements per ring chunk of gloo's all-reduce (``L`` in the module docstring)."""
-    m = max(1, max_segment_bytes // element_size)
-    segments = max(-(-numel // m), 2 * n)
-    segments = -(-segments // n) * n
-    return (segments // n) * -(-numel // segments)
-
-
-def reduce_chunk_length(numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> int:
-    """Elements per ring chunk of gloo's ``reduce`` (``gloo/reduce.cc``), which sizes segments its own way.
-
-    ``reduce`` takes the segment as ``ceil(T / 2n)`` bytes (``T`` = the whole
-    buffer), capped at ``max_segment_bytes`` and rounded up to whole elements,
-    and only then counts segments; all-reduce first counts segments and then
-    spreads the elements evenly over them. Both agree up to ``2n`` full
-    segments (``2 * n * 1 MiB``); above it a reduce chunk is whole 1 MiB
-    segments and the last chunks are short or empty (n=3, 1,572,865 fp32:
-    chunks of 786,432, 786,432 and 1 element, where all-reduce cuts 524,289).
-    """
-    segment = reduce_segment_length(numel, n, element_size, max_segment_bytes)
-    if segment == 0:
-        return 0
-    segments = max(-(-numel // segment), 2 * n)
-    segments = -(-segments // n) * n
-    return (segments // n) * segment
-
-
-def reduce_segment_length(
-    numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
-) -> int:
-    """Elements per segment of gloo's ``reduce``: ``ceil(T / 2n)`` bytes, at most ``max_segment_bytes``,
-    rounded up to whole elements (``T`` = the buffer's bytes)."""
-    cap = element_size * (max_segment_bytes // element_size)
-    return -(-min(-(-numel * element_size // (2 * n)), cap) // element_size)
-
-
-def chunk_start_ranks(
-    numel: int, n: int, element_size: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
-) -> list[int]:
-    """For each non-empty chunk ``c``, the rank whose value the fold starts with (``c - 1 mod n``)."""
-    length = chunk_length(numel, n, element_size, max_segment_bytes)
-    return [(c - 1) % n for c in range(-(-numel // length))] if numel else []
-
-
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def ring_plan(n: int, numel: int, element_size: int, max_segment_bytes: int, for_reduce: bool = False) -> FoldPlan:
-    """gloo's walk as a `FoldPlan`: chunk ``c`` (of `chunk_length` elements; `reduce_chunk_length` with
-    ``for_reduce``) adds rank ``(c - 1 - j) mod n`` at hop ``j``, i.e. rows ``t mod n`` read from
-    ``h = n - 1`` down to ``0`` at window offset ``c``. One chunk: ``x[n-1] + ... + x[0]`` at every element."""
-    chunking = reduce_chunk_length if for_reduce else chunk_length
-    length = max(1, chunking(numel, n, element_size, max_segment_bytes))
-    chunks = max(1, -(-numel // length))
-    return FoldPlan(n, numel, length, chunks, tuple(t % n for t in range(n + chunks - 1)), descending=True)
-
-
-# -- how gloo reads the ranks' tensors ------------------------------------------------
-
-
-Rows = torch.Tensor | list[torch.Tensor]
-"""The ranks' flat elements in gloo's reading order: an ``[n, N]`` tensor, or ``n`` 1-d tensors (no copy)."""
-
-
-def memory_rows(tensors: Tensors) -> tuple[Rows, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each rank's elements in the order gloo reads them, and the map of a flat result back.
-
-    torch's gloo backend hands gloo ``numel`` elements from the tensor's data
-    pointer, whatever its strides. For a dense tensor (contiguous, or a
-    permutation of a contiguous one, e.g. ``x.t()``) that is its storage in
-    memory order, so chunks are cut in memory order; that is modelled, and the
-    result comes back with the tensor's strides. A stacked ``[n, *shape]``
-    tensor is the model's own packing: its rows are read in row-major order.
-
-    Refused with ``ValueError`` (real gloo does not refuse them, it computes
-    something else): a view with gaps or overlaps (``x[:, ::2]``), for which
-    gloo reduces memory outside the view and leaves part of the view alone;
-    and ranks whose dense tensors have different memory layouts, which gloo
-    would add element by element in memory, not by index.
-    """
-    if isinstance(tensors, torch.Tensor):
-        shape = tensors.shape[1:]
-        return tensors.reshape(tensors.shape[0], -1), lambda out: out.view(shape)
-    per_rank = list(tensors)
-    if all(t.is_contiguous() for t in per_rank):
-        shape = per_rank[0].shape
-        if len(shape) == 1:
-            return per_rank, _same
-        return [t.view(-1) for t in per_rank], lambda out: out.view(shape)
-    for t in per_rank:
-        if not _dense(t):
-            raise ValueError(
-                f"gloo reduces a tensor's numel ({t.numel()}) elements from its data pointer in memory order; "
-                f"this view (shape {tuple(t.shape)}, strides {t.stride()}) has gaps or overlaps, so real gloo "
-                "would reduce memory outside the view and leave part of the view unreduced. Pass a contiguous "
-                "tensor (x.contiguous()) and copy the result back."
-            )
-    layouts = {tuple(st for st, size in zip(t.stride(), t.shape, strict=True) if size > 1) for t in per_rank}
-    if len(layouts) > 1:
-        raise UsageError(
-            "gloo adds the ranks' tensors element by element in memory order, and these ranks' tensors have "
-            f"different memory layouts (strides {[t.stride() for t in per_rank]}), so gloo would add "
-            "different elements together. Give every rank the same layout."
-        )
-    like = per_rank[0]
-
-    def back(out: torch.Tensor) -> torch.Tensor:
-        result = torch.empty_strided(like.shape, like.stride(), dtype=out.dtype, device=out.device)
-        result.as_strided((like.numel(),), (1,), 0).copy_(out)
-        return result
-
-    return [t.as_strided((t.numel(),), (1,)) for t in per_rank], back
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill ``numel`` consecutive memory slots (a permutation of a contiguous tensor)."""
-    dims = sorted((stride, size) for stride, size in zip(t.stride(), t.shape, strict=True) if size > 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-# -- one hop of the ring: gloo's element-wise functions ----------------------------------------
-
-_INT_VIEW = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-}
-_QUIET_BIT = {torch.float64: 1 << 51, torch.float32: 1 << 22}
-_DEFAULT_NAN = {torch.float64: -(1 << 51), torch.float32: -(1 << 22)}  # x86's "real indefinite": -qNaN
-_BF16_NAN = 0x7FC0
-_FP16_QNAN = (0x7E00, 0xFE00 - (1 << 16))  # + and - quiet NaN, as int16
-
-
-def _nan_bits(local: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """The NaN gloo's ``sum``/``product`` leave where ``local (op) acc`` is NaN (bits, as the int view).
-
-    fp32/fp64: x86 returns the first operand's NaN, quieted (``local``, the
-    receiving rank's value), else the second's, else the default NaN.
-    bf16: c10's float -> bf16 rounding writes ``0x7FC0`` for every NaN.
-    fp16: c10's float -> fp16 conversion keeps the sign of that fp32 NaN and writes ``0x7E00``.
-    """
-    dtype = local.dtype
-    int_t = _INT_VIEW[dtype]
-    if dtype == torch.bfloat16:
-        return torch.full(local.shape, _BF16_NAN, dtype=int_t, device=local.device)
-    lb, ab = local.view(int_t), acc.view(int_t)
-    if dtype == torch.float16:
-        sign = torch.where(local.isnan(), lb < 0, torch.where(acc.isnan(), ab < 0, True))
-        return torch.where(sign, _FP16_QNAN[1], _FP16_QNAN[0]).to(int_t)
-    quiet, default = _QUIET_BIT[dtype], torch.tensor(_DEFAULT_NAN[dtype], dtype=int_t, device=local.device)
-    return torch.where(local.isnan(), lb | quiet, torch.where(acc.isnan(), ab | quiet, default))
-
-
-def _arith_walk(hops: Sequence[torch.Tensor], multiply: bool) -> torch.Tensor:
-    """``local + acc`` (or ``*``) at every hop, with gloo's NaN bits (see `_nan_bits`).
-
-    The values are IEEE sums/products whatever the operand order; only NaN
-    bits depend on it. NaN is absorbing, so the plain fold is exact except
-    where its result is NaN; those columns are walked again hop by hop.
-    """
-    acc = fold(hops, multiply)
-    if not may_hold_nan(acc):
-        return acc
-    cols = acc.isnan().nonzero().squeeze(1)
-    int_t = _INT_VIEW[acc.dtype]
-    walk = hops[0][cols]
-    for hop in hops[1:]:
-        local = hop[cols]
-        value = local * walk if multiply else local + walk
-        walk = torch.where(value.isnan(), _nan_bits(local, walk).view(acc.dtype), value)
-    acc.view(int_t)[cols] = walk.view(int_t)
-    return acc
-
-
-def _compare_walk(hops: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    """gloo's ``max``/``min`` (``std::max(local, acc)``): keep ``acc`` only if it compares greater (smaller).
-
-    A comparison with NaN is false, so the receiving rank's value wins: NaN
-    survives only if the last rank on the walk holds it or the walk's value
-    was NaN and nothing later beat it, and of ``+0``/``-0`` the later one stays.
-    Bits are copied, never rounded.
-    """
-    acc = hops[0]
-    for local in hops[1:]:
-        keep = acc > local if op is ReduceOp.MAX else acc < local
-        acc = torch.where(keep, acc, local)
-    return acc if len(hops) > 1 else acc.clone()
+__all__ = [
+    "GLOO_MAX_SEGMENT_BYTES",
+    "Gloo",
+    "Rows",
+    "chunk_length",
+    "chunk_start_ranks",
+    "memory_rows",
+    "reduce_chunk_length",
+    "reduce_segment_length",
+    "ring_plan",
+]
 
 
 @dataclass(frozen=True, repr=False)
@@ -363,7 +188,7 @@ class Gloo(ReductionModel):
         tensors that division raises torch's ``RuntimeError``, and so does this,
         with the SUM (which real gloo has written into the tensor by then) as
         the exception's ``written`` attribute. Complex and bool tensors are
-        reduced as gloo reduces them (`_ring_view`). Contiguous fp32/fp64/bf16/fp16 members on CPU go straight
+        reduced as gloo reduces them (`ring_view`). Contiguous fp32/fp64/bf16/fp16 members on CPU go straight
         to the native kernel (`simdist.reduce.native`) for SUM and PRODUCT: the same bits, read in memory order.
         """
         if (op is ReduceOp.SUM or op is ReduceOp.PRODUCT) and native.available() and len(tensors):
@@ -398,7 +223,7 @@ class Gloo(ReductionModel):
         if len(tensors) == 0:
             raise UsageError("a reduction needs the tensors of at least one rank")
         dtype = tensors[0].dtype
-        tensors, restore = _ring_view(tensors, op, what)
+        tensors, restore = ring_view(tensors, op, what)
         rows, back = memory_rows(tensors)
         n = len(rows)
         if op is ReduceOp.AVG:
@@ -430,7 +255,7 @@ class Gloo(ReductionModel):
         empty on every rank.
         """
         full = self.reduce_to(tensors, op, root)  # raises what gloo raises (integer AVG, complex MAX, ...)
-        tensors, restore = _ring_view(tensors, op, "reduce")
+        tensors, restore = ring_view(tensors, op, "reduce")
         if op is ReduceOp.AVG:  # div_ on the caller's tensor: a complex division for a complex tensor
             sums = self._buffers(tensors, ReduceOp.SUM, root)
             return [full if r == root else restore(b).div_(len(sums)) for r, b in enumerate(sums)]
@@ -446,7 +271,7 @@ class Gloo(ReductionModel):
         partials = [hops[0]]
         for local in hops[1:]:
             pair = [partials[-1], local]
-            partials.append(_compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else _arith_walk(
+            partials.append(compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else arith_walk(
                 pair, multiply=op is ReduceOp.PRODUCT))  # fmt: skip
         stacked = torch.stack(partials).view(n, chunks, -1)
         length = stacked.shape[2]
@@ -462,7 +287,7 @@ class Gloo(ReductionModel):
                 # the owner of chunk c = r + 1 sends the first ``extra`` finished segments on to rank r, which
                 # adds its own input to them (its buffer still holds its input there: it started that walk)
                 pair = [stacked[n - 1, c, : hi - lo], rows[r][lo:hi]]
-                own[lo:hi] = _compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else _arith_walk(
+                own[lo:hi] = compare_walk(pair, op) if op in (ReduceOp.MAX, ReduceOp.MIN) else arith_walk(
                     pair, multiply=op is ReduceOp.PRODUCT)  # fmt: skip
             out.append(back(own))
         return out
@@ -511,7 +336,7 @@ class Gloo(ReductionModel):
 
     def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
         """The plan's fold with gloo's NaN bits: the plain fold is exact except where its result is NaN
-        (`_arith_walk`); with 2 members the fold needs no plan (one operation, any order). The native kernel
+        (`arith_walk`); with 2 members the fold needs no plan (one operation, any order). The native kernel
         (`simdist.reduce.native`) computes the same bits in one loop where it applies."""
         out = native.fold(plan, members, multiply)
         if out is not None:
@@ -529,7 +354,7 @@ class Gloo(ReductionModel):
             flat = [h.reshape(-1) for h in hops]
         else:
             flat = [plan.trim(h.contiguous(), members).reshape(-1) for h in hops]
-        return _arith_walk(flat, multiply).view(out.shape)
+        return arith_walk(flat, multiply).view(out.shape)
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
         """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs); the
@@ -548,7 +373,7 @@ class Gloo(ReductionModel):
         if stacked.dtype != torch.bool and not stacked.is_complex():
             return super().sum_many(stacked, shape)
         shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)
-        viewed, restore = _ring_view(stacked, ReduceOp.SUM, "all_reduce")
+        viewed, restore = ring_view(stacked, ReduceOp.SUM, "all_reduce")
         assert isinstance(viewed, torch.Tensor)
         return restore(super().sum_many(viewed, shape + tuple(viewed.shape[stacked.dim() :])))
 
@@ -590,42 +415,6 @@ class Gloo(ReductionModel):
         if op is ReduceOp.MAX or op is ReduceOp.MIN:
             hops = plan.hops(rows)
             out = plan.output(hops)
-            walked = _compare_walk(hops, op)
+            walked = compare_walk(hops, op)
             return plan.trim(walked if out is None else out.copy_(walked), rows)
         raise UsageError(f"unsupported reduce op {op!r}")
-
-
-def _ring_view(tensors: Tensors, op: ReduceOp, what: str) -> tuple[Tensors, Callable[[torch.Tensor], torch.Tensor]]:
-    """The ranks' tensors as gloo's kernels see them, and the map of a result back to the callers' dtype.
-
-    Found against real gloo (torch 2.13):
-
-    * complex: torch's gloo backend reduces ``view_as_real`` (so chunks are cut
-      on the real view, ``2 * numel`` reals) for ``SUM`` and ``AVG``; other ops
-      raise ``RuntimeError`` ("reduce/all_reduce does not support ... on complex
-      tensors"), raised here with that type;
-    * bool: gloo adds, multiplies and compares the bytes (``uint8``), so a SUM
-      of three ``True`` leaves byte 3 in the bool tensor (``torch.equal`` hides it).
-    """
-    first = tensors[0]
-    if first.is_complex():
-        if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise RuntimeError(
-                f"{what} does not support {op.name} on complex tensors (torch's gloo backend raises RuntimeError)"
-            )
-        if isinstance(tensors, torch.Tensor):
-            return torch.view_as_real(tensors), torch.view_as_complex
-        return [torch.view_as_real(t) for t in tensors], torch.view_as_complex
-    if first.dtype == torch.bool:
-        if isinstance(tensors, torch.Tensor):
-            return tensors.view(torch.uint8), _as_bool
-        return [t.view(torch.uint8) for t in tensors], _as_bool
-    return tensors, _same
-
-
-def _as_bool(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.bool)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t

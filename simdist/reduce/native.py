@@ -5,7 +5,7 @@ per rank) the eager path (`Gloo.fold_hops_trimmed`: the plan's copy, the adds, a
 mostly torch's fixed cost per operation, 5-8x the plain fold. This kernel walks the plan in C, a block of
 elements at a time: the first hop's member copied, then each hop's member combined with the partial,
 ``local (op) acc``; a NaN is absorbing, so the elements whose fold ends NaN are walked again hop by hop with
-the NaN bits of `simdist.reduce.gloo._nan_bits` (the eager path's own strategy). It is a fast path only: the
+the NaN bits of `simdist.reduce.gloo_arith.nan_bits` (the eager path's own strategy). It is a fast path only: the
 eager path stays the reference, and ``tests/unit/test_native_fold.py`` compares the two bit for bit (NaN
 payloads included) on adversarial values.
 
