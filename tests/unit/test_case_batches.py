@@ -37,7 +37,8 @@ from simdist.testing._internal.compact import (
     run_batched,
     run_cases,
 )
-from simdist.testing.strategies import PEER_LAYOUTS, VALUE_MODES, decode_batch, parallel_specs
+from simdist.testing.strategies import PEER_LAYOUTS, VALUE_MODES, parallel_specs
+from simdist.testing.strategies.batches import decode_batch
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)

@@ -34,9 +34,9 @@ from simdist.testing.strategies import (
     PEER_LAYOUTS,
     VALUE_MODES,
     GradientBatch,
-    check_modes_and_layouts,
     parallel_specs,
 )
+from simdist.testing.strategies.batches import check_modes_and_layouts
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["BYTE_BUDGET", "CaseBatch", "case_batches", "cases_per_example", "decode_cases", "oracle_case_batches"]
