@@ -57,6 +57,7 @@ from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, des
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_model
+from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
@@ -144,20 +145,6 @@ class Verdict8913:
     """The findings alone (strategies agree, real == transcription bitwise on every path), before the power checks."""
 
 
-@dataclass
-class PowerCheck:
-    """One control of the case: a transcription with one deliberate error, against the real captures."""
-
-    name: str
-    what: str
-    applies: bool
-    shown: bool
-    against: str
-    """Which real run it is compared with (update path, GAS, shipped or patched)."""
-    differing: int = 0
-    compared: int = 0
-
-
 def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
     """Every run of ``config`` on real DeepSpeed, in one launch of ``world_size`` ranks."""
     runs = config.runs()
@@ -243,12 +230,14 @@ def power_checks(
     for name, (applies, policy, path, gas, fix, marker) in variants.items():
         against = f"{path} GAS {gas} {'as shipped' if fix == 'none' else 'patched'}"
         if not applies:
-            checks.append(PowerCheck(name, CONTROLS[name], False, False, "not applicable in this configuration"))
+            checks.append(PowerCheck(name, CONTROLS[name], applies=False))
             continue
         real_traces = [c.trace for c in real[DsRun(path, gas, config.steps, fix)]]
         match = match_traces(real_traces, transcription(config, policy, path, gas, marker))
         changed = match.compared - match.equal
-        checks.append(PowerCheck(name, CONTROLS[name], True, changed > 0, against, changed, match.compared))
+        checks.append(
+            PowerCheck(name, CONTROLS[name], True, changed > 0, changed, match.compared, against, unit="captures")
+        )
     return checks
 
 
@@ -324,8 +313,7 @@ def judge(
         r.real_vs_bf16_writeback.bitwise_equal and r.patched_vs_fp32_staging.bitwise_equal for r in results
     )
     checks = power_checks(config, real, writeback, staging)
-    used = [c for c in checks if c.applies]
-    ok = holds and bool(used) and all(c.shown for c in used)
+    ok = holds and shows_power(checks)
     verdict = Verdict8913(ok, "", first.deepspeed_version, world, spec.describe(), first.strategies, agree, results)
     verdict.inputs, verdict.power_checks, verdict.findings_hold = describe_inputs(config.inputs), checks, holds
     verdict.summary = summarize(verdict, writeback.name, staging.name)
@@ -360,13 +348,7 @@ def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
         if r.skipped_corrections:
             lines.append(f"  {label}: TP correction skipped (marker set): {'; '.join(r.skipped_corrections)}")
     lines.append(f"  inputs: {v.inputs}")
-    for c in v.power_checks:
-        if not c.applies:
-            lines.append(f"  power check {c.name}: not applicable ({c.what})")
-        else:
-            shown = "shows power" if c.shown else "NO POWER: the case cannot see this error"
-            counts = f"{c.differing}/{c.compared} captures differ from {c.against}"
-            lines.append(f"  power check {c.name}: {shown} ({counts})")
+    lines += [f"  power check {c.line}" for c in v.power_checks]
     if v.ok:
         lines.append("verdict: real == transcription bitwise on every path; every applicable power check shows power")
     elif v.findings_hold:

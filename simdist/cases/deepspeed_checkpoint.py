@@ -38,6 +38,7 @@ from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.errors import UsageError
 from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.numerics.floats import bits
+from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import ParallelSpec
 
 NAME = "deepspeed-checkpoint"
@@ -266,8 +267,8 @@ class CheckpointVerdict:
     """``scenario -> ranks: mapped params, unlinked fragments`` (`fragment_probe`)."""
     inputs: str = ""
     """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
-    power_checks: dict[str, bool] = field(default_factory=dict)
-    """``control -> shown`` (`fix_changes_state`); ``ok`` needs every one."""
+    power_checks: list[PowerCheck] = field(default_factory=list)
+    """`fix_changes_state`; ``ok`` needs every one."""
 
 
 def compare(per_rank: list[dict], got: str, want: str, group: str, comparison: str) -> Cell:
@@ -379,16 +380,27 @@ def run(
         probes=probes,
         inputs=describe_inputs(inputs),
     )
-    verdict.power_checks = {"fix_changes_state": fix_changes_state(verdict)}
-    verdict.ok = controls_bitwise(verdict) and same and all(verdict.power_checks.values())
+    verdict.power_checks = [fix_changes_state(verdict)]
+    verdict.ok = controls_bitwise(verdict) and same and shows_power(verdict.power_checks)
     verdict.summary = summarize(verdict)
     return verdict
 
 
-def fix_changes_state(v: CheckpointVerdict) -> bool:
+def fix_changes_state(v: CheckpointVerdict) -> PowerCheck:
     """Power check: the fix changes some compared state bit (``fix effect``), so the comparisons can see a change of
     the gradient path at all; inputs on which it changed nothing could not tell a lossy load from a good one."""
-    return any(c.differing for c in v.cells if c.comparison.startswith("fix effect"))
+    cells = [c for c in v.cells if c.comparison.startswith("fix effect")]
+    differing = sum(c.differing for c in cells)
+    return PowerCheck(
+        "fix_changes_state",
+        "the FP32-staging fix applied (no checkpoint)",
+        True,
+        differing > 0,
+        differing,
+        sum(c.compared for c in cells),
+        "the shipped run",
+        unit="elements",
+    )
 
 
 def controls_bitwise(v: CheckpointVerdict) -> bool:
@@ -423,8 +435,7 @@ def summarize(v: CheckpointVerdict) -> str:
         f"{n} step(s), save_checkpoint, a fresh engine load_checkpoint, {m} step(s)"
         + (f" [MUTATION: {v.mutation}]" if v.mutation else ""),
         table(v),
-        f"inputs: {v.inputs}; power check fix_changes_state: "
-        + ("shows power" if v.power_checks.get("fix_changes_state") else "NO POWER"),
+        f"inputs: {v.inputs}; " + "; ".join(f"power check {c.line}" for c in v.power_checks),
         "checkpoint files (shipped; the fixed run's have the same keys/dtypes/shapes: "
         + ("yes" if v.format_identical else "NO: " + "; ".join(v.format_differences[:10]))
         + "):",

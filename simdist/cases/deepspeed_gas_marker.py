@@ -40,6 +40,7 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.policies.catalogue import get_policy
+from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-gas-marker"
@@ -92,10 +93,10 @@ class MarkerVerdict:
     reproducer: str
     inputs: str = ""
     """The input distribution (`describe_inputs`)."""
-    power_checks: dict[str, bool] = field(default_factory=dict)
-    """``control -> shown``: ``marker_never_set`` (the per-micro-step transcription must differ from DeepSpeed
-    on the epilogue path: else the case could not see the marker) and ``writeback_removed`` (``bf16_writeback``
-    without its BF16 write-back must differ from DeepSpeed on both paths). ``ok`` needs both."""
+    power_checks: list[PowerCheck] = field(default_factory=list)
+    """``marker_never_set`` (the per-micro-step transcription must differ from DeepSpeed on the epilogue path:
+    else the case could not see the marker) and ``writeback_removed`` (``bf16_writeback`` without its BF16
+    write-back must differ from DeepSpeed on both paths). ``ok`` needs both."""
 
 
 def _norm_error(a: list[Trace], b: list[Trace], gas: int) -> list[ParamError]:
@@ -139,22 +140,42 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy |
     epilogue, hooks = paths
     later = list(range(1, config.gas))
     no_writeback = dataclasses.replace(policy, name="control_no_writeback", writeback=None)
-    power = {
-        "marker_never_set": not epilogue.real_vs_per_micro_step.bitwise_equal,
-        "writeback_removed": all(
-            not match_traces(
-                [c.trace for c in real[run]],
-                transcription(config.base(Marker.DEEPSPEED), no_writeback, run.update_path, config.gas),
-            ).bitwise_equal
-            for run in config.runs()
+    removed = [
+        match_traces(
+            [c.trace for c in real[run]],
+            transcription(config.base(Marker.DEEPSPEED), no_writeback, run.update_path, config.gas),
+        )
+        for run in config.runs()
+    ]
+    marker = epilogue.real_vs_per_micro_step
+    power = [
+        PowerCheck(
+            "marker_never_set",
+            "the transcription corrects every micro-step (the marker never set)",
+            True,
+            not marker.bitwise_equal,
+            marker.compared - marker.equal,
+            marker.compared,
+            f"DeepSpeed on the {epilogue.update_path} path",
+            unit="captures",
         ),
-    }
+        PowerCheck(
+            "writeback_removed",
+            "bf16_writeback without its BF16 write-back",
+            True,
+            all(not m.bitwise_equal for m in removed),
+            sum(m.compared - m.equal for m in removed),
+            sum(m.compared for m in removed),
+            "DeepSpeed on both paths",
+            unit="captures",
+        ),
+    ]
     ok = (
         all(p.real_vs_transcription.bitwise_equal for p in paths)
         and epilogue.skipped_micro_steps.get("router.weight") == later
         and not hooks.skipped_micro_steps
         and hooks.real_vs_per_micro_step.bitwise_equal
-        and all(power.values())
+        and shows_power(power)
     )
     verdict = MarkerVerdict(ok, "", config.gas, version, paths, str(REPRODUCER), describe_inputs(config.inputs), power)
     verdict.summary = summarize(verdict)
@@ -182,8 +203,7 @@ def summarize(v: MarkerVerdict) -> str:
         elif p.real_vs_per_micro_step.bitwise_equal:
             lines.append(f"  {p.update_path}: bitwise equal to the per-micro-step semantics")
     lines.append(f"  inputs: {v.inputs}")
-    for name, shown in v.power_checks.items():
-        lines.append(f"  power check {name}: {'shows power' if shown else 'NO POWER: the case cannot see this error'}")
+    lines += [f"  power check {c.line}" for c in v.power_checks]
     lines.append(f"standalone reproducer (torchrun --standalone --nproc-per-node 4): {v.reproducer}")
     lines.append(
         "verdict: "

@@ -45,6 +45,7 @@ from simdist.cases.deepspeed_wrappers_oracle import (
 )
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.models.synthetic import Inputs, describe_inputs
+from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import ParallelSpec
 
 NAME = "deepspeed-wrappers"
@@ -104,7 +105,7 @@ class WrappersVerdict:
     """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
     findings: list = field(default_factory=list)
     """The case's claims (`simdist.cases.deepspeed_wrappers_checks.findings`) and whether each held."""
-    power_checks: list = field(default_factory=list)
+    power_checks: list[PowerCheck] = field(default_factory=list)
     """The controls (`simdist.cases.deepspeed_wrappers_checks.CONTROLS`) against each layout's fixed run."""
     findings_hold: bool = False
     """Every applicable finding held (``ok`` also needs every applicable power check to show power)."""
@@ -170,8 +171,7 @@ def run(
             power += checks.power_checks(spec, target, real[target], inputs=inputs)
     found_claims = checks.findings(judged, EXPECTED_UNSUPPORTED)
     holds = all(f.holds for f in found_claims if f.applies)
-    used = [c for c in power if c.applies]
-    ok = holds and bool(used) and all(c.shown for c in used)
+    ok = holds and shows_power(power)
     verdict = WrappersVerdict(ok, "", deepspeed.__version__, world, layouts, time.perf_counter() - start, results)
     verdict.narrowing_sites = sites
     verdict.inputs, verdict.findings, verdict.power_checks = describe_inputs(inputs), found_claims, power
@@ -251,15 +251,7 @@ def summarize(v: WrappersVerdict) -> str:
         lines.append(f"finding {f.name}: {state if f.applies else 'not applicable'} ({f.detail})")
     for key, text in v.explanations.items():
         lines.append(f"explanation {key}: {text}")
-    for c in v.power_checks:
-        if not c.applies:
-            lines.append(f"power check {c.name} ({c.layout}): not applicable ({c.what}: no change there)")
-        else:
-            shown = "shows power" if c.shown else "NO POWER: the case cannot see this error"
-            lines.append(
-                f"power check {c.name} ({c.layout}): {shown} ({c.differing}/{c.compared} elements differ from "
-                f"{c.against})"
-            )
+    lines += [f"power check {c.line}" for c in v.power_checks]
     lines.append(f"audit time: {v.seconds:.0f} s")
     if v.ok:
         lines.append("verdict: every finding holds; every applicable power check shows power")

@@ -34,6 +34,7 @@ import torch
 from simdist.cases.deepspeed_engine import EngineRun
 from simdist.cases.deepspeed_wrappers_oracle import OracleControl, RunResult, judge_run
 from simdist.models.synthetic import Inputs
+from simdist.studies.power import PowerCheck
 from simdist.world.spec import ParallelSpec
 
 GRADIENT_ROWS = (
@@ -215,20 +216,6 @@ def control_applies(name: str, spec: ParallelSpec) -> bool:
     return spec.tp > 1
 
 
-@dataclass
-class PowerCheck:
-    """One control against one real run: whether it changed the compared elements."""
-
-    name: str
-    what: str
-    layout: str
-    applies: bool
-    shown: bool
-    against: str = ""
-    differing: int = 0
-    compared: int = 0
-
-
 def power_checks(
     spec: ParallelSpec, run: EngineRun, captures: list, seed: int = 0, inputs: Inputs | str = Inputs.ROUNDING
 ) -> list[PowerCheck]:
@@ -238,10 +225,12 @@ def power_checks(
     rows = GRADIENT_ROWS + STEP_ROWS
     for name, (control, what) in CONTROLS.items():
         if not control_applies(name, spec):
-            checks.append(PowerCheck(name, what, spec.describe(), False, False, "not applicable in this layout"))
+            checks.append(PowerCheck(name, what, applies=False, layout=spec.describe()))
             continue
         result = judge_run(spec, run, captures, seed, inputs, control, engine_norm=True)
         changed = _differing(result, rows)
         total = sum(row.compared for row in result.rows if row.boundary in rows)
-        checks.append(PowerCheck(name, what, spec.describe(), True, changed > 0, run.label, changed, total))
+        checks.append(
+            PowerCheck(name, what, True, changed > 0, changed, total, run.label, spec.describe(), unit="elements")
+        )
     return checks

@@ -1,19 +1,23 @@
-"""Power checks of the #8913 repro: controls that prove its inputs and layout can see what it asserts.
+"""Power checks: the one `PowerCheck` record and its one line (`power_line`), and the #8913 repro's controls.
 
 A verdict "bitwise equal to the oracle" proves something only if a wrong oracle would not be bitwise equal
-too. Each `Control` here runs the independent oracle (`simdist.gradpath.oracle`) with one deliberate error
--- the TP correction after the DP reduction, experts reduced over the dense DP group, a BF16 TP sum, the
-corrected value rounded to BF16 (the #8913 writeback) -- on the run's own workload, layout and inputs, and
-compares its captures with the oracle's, bit for bit. A control *shows power* when some compared tensor
-differs. One that cannot change anything in the run's layout (experts over DP where the DP and EDP groups
-are the same groups, a TP control at TP 1) is reported as not applicable: the verdict does not cover it.
+too. A power check runs a control -- the same comparison with one deliberate error -- and records whether it
+changed the compared bits (`PowerCheck`): it *shows power* when it did. One that cannot change anything in the
+run's layout or configuration is reported as not applicable: the verdict does not cover it. Every verdict that
+has power checks (the repro here, the DeepSpeed cases in `simdist.cases`) records them as `PowerCheck` values,
+prints them with `power_line` and counts them with `shows_power`.
 
-The controls are oracle runs only (no engine run): a few tenths of a second each on the default layout.
+The repro's controls (`CONTROLS`): each runs the independent oracle (`simdist.gradpath.oracle`) with one
+deliberate error -- the TP correction after the DP reduction, experts reduced over the dense DP group, a BF16
+TP sum, the corrected value rounded to BF16 (the #8913 writeback) -- on the run's own workload, layout and
+inputs, and compares its captures with the oracle's, bit for bit (`power_checks`). Experts over DP does not
+apply where the DP and EDP groups are the same groups, the TP controls not at TP 1. They are oracle runs only
+(no gradient-path run): a few tenths of a second each on the default layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,23 +41,45 @@ CONTROLS: dict[str, tuple[Control, str]] = {
 
 @dataclass(frozen=True)
 class PowerCheck:
-    """One control: whether it applies to the layout, and whether it changed the compared bits."""
+    """One power check: a control (one deliberate error) and whether it changed the compared bits.
+
+    ``what`` says what the control breaks; ``applies`` is false where it cannot change anything in this layout
+    or configuration (then it is reported and not counted); ``shown``: it changed the compared bits, as the
+    check defines it. ``differing`` of ``compared`` items (``unit``) differ, ``0/0`` where the check counts
+    nothing; ``against`` names what the control is compared with, ``layout`` the layout it ran on (verdicts
+    that run several), both optional.
+    """
 
     name: str
     what: str
     applies: bool
-    shown: bool
-    differing: int
-    """Compared tensors (rank, parameter, capture, step, micro-step) whose bits the control changed."""
-    compared: int
+    shown: bool = False
+    differing: int = 0
+    """Compared items (tensors, captures, elements: ``unit``) whose bits the control changed."""
+    compared: int = 0
+    against: str = ""
+    layout: str = ""
+    unit: str = "compared tensors"
 
     @property
     def line(self) -> str:
-        if not self.applies:
-            return f"{self.name}: not applicable in this layout ({self.what}: no change here, not covered)"
-        if self.shown:
-            return f"{self.name}: shows power ({self.differing}/{self.compared} compared tensors flip)"
-        return f"{self.name}: NO POWER: {self.what}, yet every compared tensor keeps its bits"
+        """`power_line` of this check."""
+        return power_line(self)
+
+
+def power_line(check: PowerCheck) -> str:
+    """One line for a power check: ``name (layout): shows power (d/c <unit> differ from <against>)``,
+    ``... NO POWER: <what>, yet ...`` or ``... not applicable (...)``; the one format every verdict prints."""
+    head = check.name + (f" ({check.layout})" if check.layout else "")
+    if not check.applies:
+        return f"{head}: not applicable ({check.what}: no change here, not covered)"
+    counts = ""
+    if check.compared:
+        against = f" from {check.against}" if check.against else ""
+        counts = f" ({check.differing}/{check.compared} {check.unit} differ{against})"
+    if check.shown:
+        return f"{head}: shows power{counts}"
+    return f"{head}: NO POWER: {check.what}, yet the compared bits do not change{counts}"
 
 
 def applies(name: str, spec: ParallelSpec) -> bool:
@@ -84,14 +110,14 @@ def power_checks(
     checks = []
     for name, (control, what) in CONTROLS.items():
         if not applies(name, spec):
-            checks.append(PowerCheck(name, what, False, False, 0, 0))
+            checks.append(PowerCheck(name, what, applies=False))
             continue
         changed, total = differing(oracle, run_control(control), stages)
         checks.append(PowerCheck(name, what, True, changed > 0, changed, total))
     return tuple(checks)
 
 
-def shows_power(checks: tuple[PowerCheck, ...]) -> bool:
+def shows_power(checks: Sequence[PowerCheck]) -> bool:
     """Every applicable control changed the compared bits (and at least one applied)."""
     used = [c for c in checks if c.applies]
     return bool(used) and all(c.shown for c in used)

@@ -7,18 +7,20 @@ inputs round, the default layout separates every group kind, each control of the
 and the same mistakes made in the oracle or the engine turn the verdict to "NOT reproduced".
 """
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import simdist
 from simdist.cases.cli import run_case_command
 from simdist.cli import main
 from simdist.gradpath.families import Family
 from simdist.gradpath.oracle import Control, oracle_traces
 from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, SyntheticGradients, synthetic_gradients
 from simdist.studies import repro
-from simdist.studies.power import CONTROLS
+from simdist.studies.power import CONTROLS, PowerCheck, power_line, shows_power
 from simdist.studies.repro import REPRO_SPEC, ReproConfig, meets, reproduce
 from simdist.world.spec import ParallelSpec
 
@@ -159,3 +161,32 @@ def test_the_exact_reference_is_the_correctly_rounded_sum_and_the_oracle_is_with
     distance = {e.name: e for e in verdict.exact}
     assert distance["oracle"].max_ulp == distance["fp32_staging"].max_ulp
     assert 0 < distance["oracle"].max_ulp <= 16 < distance["bf16_writeback"].max_ulp
+
+
+# -- one power check: one record, one line, one count, for the repro and every case -----------------------------------
+
+
+def test_a_power_check_prints_one_line_and_counts_only_where_it_applies():
+    shown = PowerCheck("swap", "the order swapped", True, True, 3, 10, "the real run", "TP2", unit="captures")
+    assert shown.line == power_line(shown) == "swap (TP2): shows power (3/10 captures differ from the real run)"
+    blind = PowerCheck("swap", "the order swapped", True, False, 0, 10)
+    assert blind.line == (
+        "swap: NO POWER: the order swapped, yet the compared bits do not change (0/10 compared tensors differ)"
+    )
+    skipped = PowerCheck("swap", "the order swapped", applies=False)
+    assert skipped.line == "swap: not applicable (the order swapped: no change here, not covered)"
+    assert shows_power([shown, skipped]) and not shows_power([shown, blind]) and not shows_power([skipped])
+    assert not shows_power([])
+
+
+def test_every_verdict_records_its_power_checks_with_the_one_class():
+    """No module of the package but `simdist.studies.power` defines a power-check record or prints NO POWER."""
+    package = Path(simdist.__file__).parent
+    power = package / "studies" / "power.py"
+    for path in package.rglob("*.py"):
+        if path != power:
+            text = path.read_text(encoding="utf-8")
+            assert "class PowerCheck" not in text and '"NO POWER' not in text, path
+    for module in ("deepspeed_8913", "deepspeed_wrappers", "deepspeed_gas_marker", "deepspeed_checkpoint"):
+        source = (package / "cases" / f"{module}.py").read_text(encoding="utf-8")
+        assert "from simdist.studies.power import PowerCheck" in source, module
