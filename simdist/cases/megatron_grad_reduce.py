@@ -18,11 +18,12 @@ sum), ``dense`` (identical on TP peers) and ``model_parallel`` -> no TP reductio
 
 Two shims: megatron-core allocates its gradient buffers on ``torch.cuda.current_device()``, which
 raises ``AssertionError: Torch not compiled with CUDA enabled`` on a CPU-only torch; each rank process
-makes that function answer ``"cpu"``. megatron-core 0.19.2 (``param_and_grad_buffer.py``) also calls
-``torch.cuda.current_stream()`` in ``start_grad_sync`` to wait on CUDA-graph events (none here); it answers
-``torch.cpu.current_stream()``, whose waits are no-ops. Megatron's arithmetic is untouched. Megatron keeps its process
-groups in module globals (``megatron.core.parallel_state``), so the ranks are processes (``gloo`` or the
-simdist backend in process mode), one world per process.
+makes that function answer ``"cpu"``. megatron-core 0.19.2 (``param_and_grad_buffer.py``; the ``megatron`` extra
+allows it on Python >= 3.12, and pins 0.16.1, which does not, below) also calls ``torch.cuda.current_stream()`` in
+``start_grad_sync`` to wait on CUDA-graph events (none here); it answers ``torch.cpu.current_stream()``, whose
+waits are no-ops. Megatron's arithmetic is untouched. Megatron keeps its process groups in module globals
+(``megatron.core.parallel_state``), so the ranks are processes (``gloo`` or the simdist backend in process mode),
+one world per process.
 
 Where the chains claim equality: every parameter on DP2 and TP2 x DP2 -- the micro-step accumulation and
 the boundary, where the policy, like Megatron, runs the TP correction *after* the DP reduction

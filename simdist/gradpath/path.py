@@ -41,10 +41,10 @@ oracles and the intended semantics do.
 The stage logic is written once, in `simdist.gradpath.kernel.GradPath`; `train_rank` is its per-rank
 adapter (`CommOps`: collectives on the rank's process groups) and `simdist.gradpath.batched.BatchedPath`
 its rank-batched one. Inputs are strict: ``marker`` and ``update_path`` are `Marker` / `UpdatePath`
-values (or their strings; anything else raises ``ValueError`` listing the valid ones); a delivered
-gradient must have the parameter's dtype (``policy.grad_dtype``) and shape, be delivered once per
-micro-step, and every parameter not declared frozen (``ParamSpec(..., frozen=True)``) must get one on
-every micro-step -- else ``ValueError`` naming the parameter, what was expected and what was got.
+values (or their strings; anything else raises `simdist.errors.UsageError`, a ``ValueError``, listing the
+valid ones); a delivered gradient must have the parameter's dtype (``policy.grad_dtype``) and shape, be
+delivered once per micro-step, and every parameter not declared frozen (``ParamSpec(..., frozen=True)``) must
+get one on every micro-step -- else `UsageError` naming the parameter, what was expected and what was got.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ printed (tested: a run captures exactly the stages its chain names)::
         bf16 -> fp32 -> all_reduce[tp] -> /2 -> +=hp
         | boundary: fp32 -> all_reduce[dp] -> *1/dp -> adamw(fp32)
 
-Policies register themselves by name (`register`); the modules in
-``policies/`` are the catalogue. A new policy is one `Policy(...)` call.
+Policies register themselves by name (`register`); the modules of `simdist.policies` are the catalogue
+(`simdist.policies.catalogue` finds them by name). A new policy is one `Policy(...)` call.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The catalogue of precision policies: one small module each, registered by name on import.
+"""The catalogue of precision policies: one small module each (with its variants: `bf16_writeback` also registers
+``bf16_writeback_bf16_comm``), registered by name on import.
 
 To add a policy, write a module here that calls `simdist.gradpath.policy.register` with
 a `simdist.gradpath.policy.Policy` and import it below; no other module changes. (Policies of your

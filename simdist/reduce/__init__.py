@@ -3,9 +3,11 @@
 `plan` holds `FoldPlan`, an order precomputed once and applied as one copy, one strided view and the adds;
 `base` defines `ReduceOp` and the `ReductionModel` interface (a model's order is its plan; its capabilities
 are attributes); `models` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
-gloo backend found by experiment; `nccl` NCCL's order from its source; `registry` builds a model by name
-(`Reduction`: each name with its class). Adding a model is one `ReductionModel` subclass and one
-`Reduction` member; nothing else names its class.
+gloo backend found by experiment (its schedule, one hop's arithmetic and which elements it reads:
+`gloo_schedule`, `gloo_arith`, `gloo_layout`); `nccl` NCCL's order from its source (likewise
+`nccl_schedule`, `nccl_arith`, `nccl_layout`); `native` an optional C kernel that applies fold plans with the
+same bits; `registry` builds a model by name (`Reduction`: each name with its class). Adding a model is one
+`ReductionModel` subclass and one `Reduction` member; nothing else names its class.
 """
 
 from simdist.reduce.base import AvgMode, PerItemWarning, ReduceOp, ReductionModel, Tensors, as_stacked

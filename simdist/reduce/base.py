@@ -24,13 +24,14 @@ Operations (`ReduceOp`):
 * ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates (a model may
   override this: `simdist.reduce.gloo.Gloo` folds with gloo's comparison).
 
-A model says what its order is, so that every front end and the rank-batched engine
+A model says what its order is, so that every front end and the rank-batched gradient path
 (`ReductionModel.sum_many`) run it vectorised without knowing its class: a rank fold returns its
 `simdist.reduce.plan.FoldPlan` from `ReductionModel.fold_plan` and gets `sum`, `product` and `sum_many`
 from it; an order that is not a fold but the same at every element (a tree over the ranks) sets
 ``position_free = True``; anything else overrides `ReductionModel.sum_many`. A subclass that overrides
 ``sum`` or ``reduce`` without one of these is not batched with its parent's plan (it would no longer
-describe the order): the batched engine then reduces it one item at a time and warns once (`PerItemWarning`).
+describe the order): the rank-batched gradient path then reduces it one item at a time and warns once
+(`PerItemWarning`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class ReduceOp(enum.Enum):
 
 class PerItemWarning(UserWarning):
     """A reduction model declares no order (`ReductionModel.fold_plan`, ``position_free``, ``sum_many``): the
-    rank-batched engine reduces its items one at a time."""
+    rank-batched gradient path reduces its items one at a time."""
 
 
 _ORDER_DECLARATIONS = ("fold_plan", "position_free", "sum_many")
@@ -98,7 +99,7 @@ class ReductionModel(ABC):
 
     position_free: bool = False
     """Whether `sum` adds the members in the same order at every element and so reduces a stacked
-    ``[n, *batch, *shape]`` tensor item by item in one call (the rank-batched engine relies on it)."""
+    ``[n, *batch, *shape]`` tensor item by item in one call (the rank-batched gradient path relies on it)."""
 
     _declared: ClassVar[bool] = True
     _warned: ClassVar[set[type]] = set()

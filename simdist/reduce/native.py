@@ -1,6 +1,6 @@
 """An optional C kernel for fold plans: a `FoldPlan` applied with gloo's hop rule in one loop, same bits.
 
-Why: at the sizes the rank-batched engine and the front ends reduce (a few hundred to a few thousand elements
+Why: at the sizes the rank-batched gradient path and the front ends reduce (a few hundred to a few thousand elements
 per rank) the eager path (`Gloo.fold_hops_trimmed`: the plan's copy, the adds, a NaN screen, the trim) is
 mostly torch's fixed cost per operation, 5-8x the plain fold. This kernel walks the plan in C, a block of
 elements at a time: the first hop's member copied, then each hop's member combined with the partial,
@@ -29,7 +29,7 @@ give, so the kernel declines any reduction with a NaN result and the eager path 
 
 What it covers: `FoldPlan`s of SUM and PRODUCT on CPU tensors of those four dtypes, given as a list of ``n``
 contiguous members of one shape, or one stacked ``[n, *batch, *member]`` tensor whose member dimensions are
-contiguous (the batch dimensions may have any strides: the rank-batched engine's group views), optionally
+contiguous (the batch dimensions may have any strides: the rank-batched gradient path's group views), optionally
 writing the result into every member row of an output view (`ReductionModel.sum_many_into`). Everything else
 (other dtypes, ops, devices, layouts, empty tensors, members that require grad: the eager path's result
 would carry autograd history) returns None and the caller runs the eager path.

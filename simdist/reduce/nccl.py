@@ -274,7 +274,7 @@ class Nccl(ReductionModel):
 
         Each batch item gets the bits `reduce` gives it alone (row-major members of ``prod(shape)`` elements):
         the schedule (channels, chunks, rings, trees) is that of one member, and every operation is element-wise
-        along the batch dimension, so the rank-batched engine runs no per-item loop.
+        along the batch dimension, so the rank-batched gradient path runs no per-item loop.
         """
         n = stacked.shape[0]
         shape = tuple(stacked.shape[2:]) if shape is None else tuple(shape)

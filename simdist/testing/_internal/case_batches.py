@@ -2,15 +2,15 @@
 
 One Hypothesis example of `oracle_case_batches` is a layout, a GAS, a step count and ``cases`` independent
 gradient sets for them (`CaseBatch`: ``[case, rank, *shape]`` per step, micro-step and parameter). The
-rank-batched engine (`simdist.gradpath.batched.BatchedPath`) runs the cases as its batch items and the
+rank-batched gradient path (`simdist.gradpath.batched.BatchedPath`) runs the cases as its batch items and the
 independent oracle (`simdist.gradpath.oracle`) takes them as its leading batch dimension, so the fixed cost
-of an example -- Hypothesis's own bookkeeping, building the engine and the optimizer, the Python of every
+of an example -- Hypothesis's own bookkeeping, building the gradient path and the optimizer, the Python of every
 stage -- is paid once for ``cases`` checks: `simdist.testing._internal.compact.cases_depart_from_oracle` judges every
 case against the oracle, bit for bit, and names the first case that departs.
 
 Each case is drawn and decoded exactly as `simdist.testing.strategies.gradient_batches` draws and decodes one
 (the same `VALUE_MODES` and `PEER_LAYOUTS` from the same bytes; ``tests/unit/test_case_batches.py`` checks
-`decode_cases` against `simdist.testing.strategies.decode_batch` bit for bit), only with numpy over every case
+`decode_cases` against `simdist.testing.strategies.batches.decode_batch` bit for bit), only with numpy over every case
 at once, and with two draws per example instead of two per case.
 
 How many cases an example holds: ``cases`` (default 8), fewer where the drawn bytes of ``cases`` cases at the

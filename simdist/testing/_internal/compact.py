@@ -214,7 +214,7 @@ def first_departure(engine: dict, oracle: dict, one_case: bool = False) -> str |
 
 def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, dict]:
     """Property (a)'s two runs of every case of ``grads`` (a `simdist.testing._internal.case_batches.CaseBatch`): the
-    captures (`OPTIMIZER_STAGES`) of ``fp32_staging`` on the rank-batched engine, the cases as its batch items,
+    captures (`OPTIMIZER_STAGES`) of ``fp32_staging`` on the rank-batched gradient path, the cases as its batch items,
     and of the independent oracle (`simdist.gradpath.oracle.oracle_values`), the cases as its leading batch
     dimension; both ``{(step, micro, param, stage): [case, rank, *shape]}``, every case from the compact
     workload's initial weights, the correction every micro-step, every group summing in rank order."""
