@@ -1,4 +1,5 @@
-"""Gradient sources: the seeded synthetic stream (`synthetic`) and the folded MoE block (`moe`)."""
+"""Gradient sources: the seeded synthetic stream (`synthetic`) and the folded MoE block (`moe`), chosen by
+`GradientModel`; and the shapes of real MoE models, as data (`production`: the production study's parameters)."""
 
 from __future__ import annotations
 
