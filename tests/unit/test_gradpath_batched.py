@@ -39,14 +39,14 @@ LAYOUTS = {
     "tp2-on-8-dp4": ParallelSpec(8, tp=2, ep=2),
     "tp4-on-8": ParallelSpec(8, tp=4, ep=2),
 }
-POLICIES = [*policy_names(), "oracle"]
+POLICIES = [*policy_names(), "matched_fp32"]
 SEEDS = (3, 11)
 
 
 def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", max_norm=0.0) -> int:
     """Run ``name`` both ways on ``spec`` with every group reducing in ``model_name``; count compared tensors."""
-    policy = MATCHED_FP32 if name == "oracle" else get_policy(name)
-    marker = "per_micro_step" if name == "oracle" else "deepspeed"
+    policy = MATCHED_FP32 if name == "matched_fp32" else get_policy(name)
+    marker = "per_micro_step" if name == "matched_fp32" else "deepspeed"
     model = make_model(model_name)
     stream = BatchedGradients(spec, DEFAULT_PARAMS, list(SEEDS))
     configs = [

@@ -17,11 +17,11 @@ from simdist.studies.growth import BatchedGradients
 from simdist.world.spec import ParallelSpec
 
 
-@pytest.mark.parametrize("name", [*policy_names(), "oracle"])
+@pytest.mark.parametrize("name", [*policy_names(), "matched_fp32"])
 def test_capturing_nothing_changes_no_bit(name):
     spec, seeds = ParallelSpec(4, tp=2, ep=2), [0, 1]
-    policy = MATCHED_FP32 if name == "oracle" else get_policy(name)
-    config = PathConfig(steps=3, gas=2, marker="per_micro_step" if name == "oracle" else "deepspeed")
+    policy = MATCHED_FP32 if name == "matched_fp32" else get_policy(name)
+    config = PathConfig(steps=3, gas=2, marker="per_micro_step" if name == "matched_fp32" else "deepspeed")
     stream = BatchedGradients(spec, DEFAULT_PARAMS, seeds)
     initial = [InitialWeights(spec, s) for s in seeds]
     runs = {
