@@ -20,6 +20,7 @@ A promoted rerun is another launch with the promoted site keys handed to every r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import runpy
@@ -116,19 +117,13 @@ def run_processes(
     from simdist.world.launch import spawn_processes
 
     plan = (script, list(argv), sorted(promote), sorted(ops), stdout_to_stderr)
-    saved = None
-    if stdout_to_stderr:  # a forkserver started now prints its imports' log lines on the descriptor it inherits
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    try:
+    from simdist.cases.stdout import stdout_to_stderr as guard
+
+    # a forkserver started now prints its imports' log lines on the descriptor it inherits
+    with guard() if stdout_to_stderr else contextlib.nullcontext():
         records = spawn_processes(
             _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", frameworks_of(script)
         )
-    finally:
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
     for record in records:
         if record.get("exit"):
             raise ScriptExit(*record["exit"])
@@ -159,7 +154,7 @@ def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: lis
     """One rank process: run the script blamed as ``python script.py argv`` would run it (``__main__``, its
     ``sys.argv``, its folder first on ``sys.path``; its ``init_process_group`` attaches to the rank's simdist
     group); this rank's record (`merge`)."""
-    from simdist.audit.cli import exit_status
+    from simdist.cli.script import exit_status
 
     recorder = Recorder(promote=[tuple(k) for k in promote], ops=frozenset(ops))
     recorder.rank = rank

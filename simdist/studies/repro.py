@@ -36,6 +36,7 @@ from simdist.numerics.floats import ulp_distance
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, ReductionModel, make_model
 from simdist.studies.power import PowerCheck, power_checks, shows_power
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -55,6 +56,7 @@ ORACLE_SUMMARY = (
     "chosen reduction model's order (default: gloo's, as found by experiment and pinned to real gloo), TP "
     "correction on every micro-step, torch.optim.AdamW on FP32 masters"
 )
+"""How the report names its oracle."""
 
 REPRO_SPEC = ParallelSpec(8, tp=4, ep=2)
 """The repro's default layout: TP4/DP2/EP2/ETP1/EDP4 on 8 ranks, where the TP, DP, EP and EDP groups all differ
@@ -63,36 +65,66 @@ REPRO_SPEC = ParallelSpec(8, tp=4, ep=2)
 EXPECTATIONS = ("reproduced", "fixed")
 """``--expect`` values: ``reproduced`` -- the #8913 writeback finding shows; ``fixed`` -- every policy run is
 bitwise equal to the oracle in every compared tensor. Either also needs every applicable power check to show."""
-"""How the report names its oracle."""
 
 
-class Engine(enum.StrEnum):
-    """Which code computes the policies' gradients."""
+class Code(enum.StrEnum):
+    """Which code runs the policies' gradient path (``simdist repro --code``)."""
 
     TRANSCRIBED = "transcribed"
-    """simdist's gradient path (`simdist.gradpath`)."""
+    """simdist's transcription of it (`simdist.gradpath`)."""
     DEEPSPEED = "deepspeed"
     """DeepSpeed's real BF16_Optimizer (`simdist.cases.deepspeed_8913.repro_traces`; local and hp gradients only)."""
 
 
 @dataclass(frozen=True)
 class ReproConfig:
-    """What to run: layout, steps, GAS, seed, policies, marker semantics, reduction model and engine.
+    """What to run: layout, steps, GAS, seed, policies, marker semantics, reduction, gradient source and code.
 
-    The choices accept their enum members or their string values; an unknown value raises ``ValueError``.
+    The configuration tree of ``simdist repro``: each field's ``metadata`` is its option's help, and the command
+    line's options and defaults are generated from these fields (`simdist.cli.options`). The choices accept
+    their enum members or their string values; an unknown value raises ``ValueError``.
     """
 
-    spec: ParallelSpec = REPRO_SPEC
-    steps: int = 3
-    gas: int = 1
-    seed: int = 0
-    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging")
-    marker: Marker = Marker.DEEPSPEED
-    reduction: Reduction = Reduction.GLOO
-    update_path: UpdatePath = UpdatePath.EPILOGUE
-    model: GradientModel = GradientModel.SYNTHETIC
-    engine: Engine = Engine.TRANSCRIBED
-    inputs: Inputs = Inputs.ROUNDING
+    spec: ParallelSpec = field(default=REPRO_SPEC, metadata={"etp": True})
+    steps: int = field(default=3, metadata={"help": "optimizer steps", "minimum": 1})
+    gas: int = field(default=1, metadata={"help": "gradient-accumulation micro-steps per step", "minimum": 1})
+    seed: int = field(default=0, metadata={"help": "seed of the local gradients and the initial weights"})
+    policies: tuple[str, ...] = field(
+        default=("bf16_writeback", "fp32_staging"), metadata={"help": "comma-separated policy names"}
+    )
+    marker: Marker = field(
+        default=Marker.DEEPSPEED,
+        metadata={
+            "help": "when the correction-once marker is cleared: as DeepSpeed 0.19.8 does on the chosen update "
+            "path, or every micro-step"
+        },
+    )
+    reduction: Reduction = field(
+        default=DEFAULT_REDUCTION,
+        metadata={"help": "reduction of every group (the launchers' one default: gloo's order)", "skip": ("upcast",)},
+    )
+    update_path: UpdatePath = field(
+        default=UpdatePath.EPILOGUE,
+        metadata={"help": "when _update_hp_grad runs: after backward or from gradient hooks (immediate_grad_update)"},
+    )
+    source: GradientModel = field(
+        default=GradientModel.SYNTHETIC,
+        metadata={"help": "where the local gradients come from: seeded synthetic ones or the folded MoE block"},
+    )
+    code: Code = field(
+        default=Code.TRANSCRIBED,
+        metadata={
+            "help": "which code runs the gradient path: simdist's transcription, or DeepSpeed's real BF16_Optimizer "
+            "on 4 gloo processes (bf16_writeback = as shipped, fp32_staging = with the #8913 fix; gradients only)"
+        },
+    )
+    inputs: Inputs = field(
+        default=Inputs.ROUNDING,
+        metadata={
+            "help": "distribution of the synthetic local gradients: rounding (31 binades, per-rank magnitudes: sums "
+            "round, so order, group and dtype show) or narrow (the old 7 binades, whose sums are mostly exact)"
+        },
+    )
     """The synthetic gradients' distribution (`Inputs`; ``narrow`` is the old one, whose sums are mostly exact)."""
 
     def __post_init__(self) -> None:
@@ -101,8 +133,8 @@ class ReproConfig:
             ("marker", Marker),
             ("reduction", Reduction),
             ("update_path", UpdatePath),
-            ("model", GradientModel),
-            ("engine", Engine),
+            ("source", GradientModel),
+            ("code", Code),
         ):
             object.__setattr__(self, name, coerce(kind, getattr(self, name), name.replace("_", " ")))
         object.__setattr__(self, "policies", tuple(self.policies))
@@ -265,7 +297,7 @@ def run_oracle(
     ``control`` runs it with one deliberate error (a power check); ``dtype`` is its staging, accumulation,
     reduction and master dtype (``float64``: the exact reference of `exact_distances`).
     """
-    params, initial, grads = workload(config.model, config.spec, config.seed, config.gas, config.inputs)
+    params, initial, grads = workload(config.source, config.spec, config.seed, config.gas, config.inputs)
     return oracle_traces(
         config.spec,
         list(params),
@@ -332,18 +364,18 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     oracle = run_oracle(config, model)
     done("oracle")
     magnitudes = None
-    if config.model == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
+    if config.source == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
         magnitudes = run_oracle(config, model, magnitudes=True)
         done("|terms|")
-    families = {p.name: p.family for p in workload(config.model, spec, config.seed, config.gas, config.inputs)[0]}
+    families = {p.name: p.family for p in workload(config.source, spec, config.seed, config.gas, config.inputs)[0]}
     reports = []
     kept: dict[str, list[Trace]] = {}
-    real = _engine_traces(config)
+    real = _real_traces(config)
     for policy in policies:
         traces = (
             real[policy.name]
             if real
-            else run(spec, policy, path, model, training_model=config.model, inputs=config.inputs)
+            else run(spec, policy, path, model, training_model=config.source, inputs=config.inputs)
         )
         kept[policy.name] = traces
         rows = compare_with_oracle(traces, oracle, magnitudes)
@@ -363,7 +395,7 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     verdict = findings(config, reports, families)
     power: tuple[PowerCheck, ...] = ()
     exact: tuple[ExactDistance, ...] = ()
-    if config.model == GradientModel.SYNTHETIC:
+    if config.source == GradientModel.SYNTHETIC:
         power = power_checks(spec, oracle, lambda control: run_oracle(config, model, control=control), POWER_STAGES)
         exact = exact_distances(run_oracle(config, model, dtype=torch.float64), {"oracle": oracle, **kept})
         done("power checks")
@@ -398,8 +430,8 @@ at the boundary leaves the micro-steps' hp buffers uncorrected) and show power t
 def with_power(config: ReproConfig, verdict: Verdict, power: tuple[PowerCheck, ...]) -> Verdict:
     """``verdict`` with its input distribution and power checks, one line each after the findings."""
     shown = shows_power(power)
-    if config.model != GradientModel.SYNTHETIC:
-        inputs = f"the {config.model} model's own gradients"
+    if config.source != GradientModel.SYNTHETIC:
+        inputs = f"the {config.source} model's own gradients"
         lines = ["power checks: not run (they need the synthetic workload)"]
     else:
         inputs = describe_inputs(config.inputs)
@@ -419,9 +451,9 @@ def meets(expect: str, reports: list[PolicyReport], verdict: Verdict) -> bool:
     return all(r.bitwise_equal for report in reports for r in report.rows) and verdict.power_shown
 
 
-def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
-    """The policies' traces from a real framework (``{}`` for the transcribed engine)."""
-    if config.engine == Engine.TRANSCRIBED:
+def _real_traces(config: ReproConfig) -> dict[str, list[Trace]]:
+    """The policies' traces from a real framework (``{}`` for the transcribed code)."""
+    if config.code == Code.TRANSCRIBED:
         return {}
     from simdist.cases.deepspeed_8913 import repro_traces
 
@@ -431,7 +463,7 @@ def _engine_traces(config: ReproConfig) -> dict[str, list[Trace]]:
 def run_count(config: ReproConfig) -> int:
     """How many runs `reproduce` makes (its ``progress`` calls): the oracle, the |terms| run, the policies, the
     power checks (one call for all)."""
-    return 1 + 2 * (config.model == GradientModel.SYNTHETIC) + len(config.policies)
+    return 1 + 2 * (config.source == GradientModel.SYNTHETIC) + len(config.policies)
 
 
 def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:
@@ -471,7 +503,7 @@ def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict
 
 
 def model_verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict:
-    """The #8913 verdict on a model that computes its gradients from the weights (``--model moe``).
+    """The #8913 verdict on a model that computes its gradients from the weights (``--source moe``).
 
     There a difference in one weight changes every later gradient, so the
     synthetic criterion (only router tensors differ) cannot hold past the
@@ -538,10 +570,10 @@ def findings(config: ReproConfig, reports: list[PolicyReport], families: dict[st
     """
     marker = marker_finding(config, reports)
     if marker.shown:
-        writeback = writeback_beside_marker(reports, families, config.model != GradientModel.SYNTHETIC)
+        writeback = writeback_beside_marker(reports, families, config.source != GradientModel.SYNTHETIC)
     else:
         alone = (
-            verdict(reports, families) if config.model == GradientModel.SYNTHETIC else model_verdict(reports, families)
+            verdict(reports, families) if config.source == GradientModel.SYNTHETIC else model_verdict(reports, families)
         )
         writeback = Finding(WRITEBACK, alone.reproduced, alone.line)
     shown = (writeback, marker) if marker.applies else (writeback,)
@@ -644,7 +676,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
         f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}, "
         f"inputs {config.inputs}"
-        + ("" if config.engine == Engine.TRANSCRIBED else f", engine {config.engine} (real code, gradients only)"),
+        + ("" if config.code == Code.TRANSCRIBED else f", code {config.code} (real code, gradients only)"),
         f"oracle: {ORACLE_SUMMARY}",
     ]
     for report in reports:
