@@ -133,19 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="simdist", description=DESCRIPTION)
     parser.add_argument("--version", action=_Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    helps = dict(COMMANDS)
     epilogs = {"repro": EXIT_CODES + EXPECT_CODES, "audit": audit.EPILOG, "blame": blame.EPILOG}
     descriptions = {"audit": audit.DESCRIPTION, "blame": blame.DESCRIPTION}
-    for name, config in _configs(configs).items():
-        command = sub.add_parser(
-            name, help=helps[name], epilog=epilogs.get(name), description=descriptions.get(name, helps[name])
-        )
+    commands = _configs(configs)
+    for name, text in COMMANDS:
+        command = sub.add_parser(name, help=text, epilog=epilogs.get(name), description=descriptions.get(name, text))
         if name == "case":
             actions = command.add_subparsers(dest="case_action", required=True, parser_class=_Parser)
-            for action, (text, action_config) in CASE_ACTIONS.items():
-                add_options(actions.add_parser(action, help=text, description=text), getattr(configs, action_config))
+            for action, (action_text, action_config) in CASE_ACTIONS.items():
+                parser_of_action = actions.add_parser(action, help=action_text, description=action_text)
+                add_options(parser_of_action, getattr(configs, action_config))
         else:
-            add_options(command, config)
+            add_options(command, commands[name])
     return parser
 
 
@@ -160,8 +159,8 @@ CASE_ACTIONS = {
 """``simdist case ACTION``: each action's help and configuration class (in `simdist.cli.configs`)."""
 
 
-def _configs(configs) -> dict[str, type | None]:
-    """Each command's configuration class, in `COMMANDS` order (``case``: its actions have one each)."""
+def _configs(configs) -> dict[str, type]:
+    """Each command's configuration class (``case`` has none: each of its `CASE_ACTIONS` has one)."""
     return {
         "repro": configs.ReproCommand,
         "policies": configs.PoliciesCommand,
@@ -170,7 +169,6 @@ def _configs(configs) -> dict[str, type | None]:
         "blame": configs.BlameCommand,
         "run": configs.RunCommand,
         "growth": configs.GrowthCommand,
-        "case": None,
         "doctor": configs.DoctorCommand,
     }
 

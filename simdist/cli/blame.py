@@ -153,9 +153,11 @@ def run_blame(command: BlameCommand) -> int:
             if processes:
                 from simdist.attribution.processes import blame_processes
 
+                assert command.nproc is not None  # --processes without --nproc was refused above
+
                 report = blame_processes(
                     script, list(command.script_args), command.nproc, promote=command.promote,
-                    promote_top=command.promote_top, ops=command.ops,
+                    promote_top=command.promote_top, ops=command.ops, stdout_to_stderr=command.json,
                 )  # fmt: skip
             else:
                 target = _script_target(script, command.script_args, command.nproc)
