@@ -172,7 +172,7 @@ def transcription(
 ) -> list[Trace]:
     """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order): the synthetic
     workload `simdist.studies.repro.run` trains (written here so that this module does not import the study
-    that loads it for ``--engine deepspeed``)."""
+    that loads it for ``--code deepspeed``)."""
     path = PathConfig(
         steps=config.steps,
         gas=gas,
@@ -401,7 +401,7 @@ CASE = Case(
 
 
 ENGINE_POLICIES: dict[str, Fix] = {"bf16_writeback": "none", "fp32_staging": "fp32_staging"}
-"""What ``simdist repro 8913 --engine deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
+"""What ``simdist repro 8913 --code deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
 
 
 def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
