@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from simdist.cases.world import World
 from simdist.reduce import Reduction
 from simdist.studies.growth import GrowthConfig
 from simdist.studies.repro import EXPECTATIONS, ReproConfig
@@ -205,16 +206,12 @@ class BlameCommand:
     )
 
 
-Where = Literal["gloo", "simdist", "threads"]
-"""Where a case runs its ranks (`simdist.cases.world.WORLDS`, in that order)."""
-
-
 @dataclass(frozen=True)
 class CaseRunCommand:
     """``simdist case run NAME``."""
 
     name: str = field(default="", metadata={"positional": True, "help": "a case name (see: simdist case list)"})
-    where: Where = field(
+    where: World = field(
         default="gloo",
         metadata={
             "help": "real gloo processes, the simdist backend in process mode, or simdist threads (cases whose "

@@ -13,6 +13,7 @@ from typing import Literal
 import pytest
 
 from simdist import cli
+from simdist.cases.world import WORLDS, World
 from simdist.cli import configs
 from simdist.cli.options import add_options, choices, from_args, option_defaults
 from simdist.reduce import Reduction
@@ -232,13 +233,7 @@ def test_a_field_name_used_twice_and_a_true_flag_are_refused():
 def test_choices_are_the_enum_values():
     assert choices(Reduction) == [m.value for m in Reduction]
     assert choices(Reduction, skip=("upcast",)) == [m.value for m in Reduction if m != Reduction.UPCAST]
-    assert choices(configs.Where) == ["gloo", "simdist", "threads"]
-
-
-def test_where_lists_the_cases_places():
-    from simdist.cases.world import WORLDS
-
-    assert choices(configs.Where) == list(WORLDS)
+    assert choices(World) == list(WORLDS) == ["gloo", "simdist", "threads"]
 
 
 def test_the_script_runner_sets_and_restores_argv_and_path(tmp_path):
