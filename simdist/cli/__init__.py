@@ -24,7 +24,7 @@ tolerance (``compare``), the case's verdict is not ok (``case run``) or the verd
 ``--expect`` names (``repro``, ``case run``; `EXPECT_CODES`), 2 bad input. Bad input
 -- an unknown policy, an invalid layout, a size above its limit, a missing, unreadable or
 corrupt file -- prints one line naming the file or option and what is wrong, never a
-traceback, and writes nothing. ``audit`` exits with the audited script's own status. An
+traceback, and writes nothing. ``audit`` and ``blame`` exit with the script's own status. An
 unexpected exception (a bug) prints its traceback and exits 3.
 """
 
