@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from simdist.cli.configs import BlameCommand
-from simdist.cli.script import as_main, check_script, exit_status, run_main
+from simdist.cli.script import ScriptExit, as_main, check_script, exit_status, run_main
 from simdist.errors import UsageError
 
 EPILOG = (
@@ -29,15 +29,6 @@ DESCRIPTION = (
     "mass. --promote reruns the script with a site exact and reports how far the final parameters, optimizer "
     "state and loss move. Options go before SCRIPT."
 )
-
-
-class ScriptExit(Exception):
-    """The script exited with a non-zero status (``sys.exit``)."""
-
-    def __init__(self, status: int, message: str | None) -> None:
-        super().__init__(message or f"exit status {status}")
-        self.status = status
-        self.message = message
 
 
 class TorchrunStyle(UsageError):
@@ -125,7 +116,6 @@ def run_blame(command: BlameCommand) -> int:
     """Run ``command.script`` blamed and print the report; returns the script's exit status."""
     from simdist.attribution.api import SiteNotFound, blame_target
     from simdist.attribution.arithmetic import op_names
-    from simdist.attribution.processes import ScriptExit as RankScriptExit
     from simdist.cases.stdout import stdout_to_stderr
     from simdist.world.launch import RankFailure
 
@@ -166,10 +156,6 @@ def run_blame(command: BlameCommand) -> int:
                 report.figure().savefig(command.figure, dpi=100)
             if command.json:
                 print(report.to_json(), file=out)
-    except RankScriptExit as exc:
-        if exc.message is not None:
-            print(exc.message, file=sys.stderr)
-        return exc.status
     except RankFailure as exc:  # a rank raised: its traceback, named by rank
         print(exc, file=sys.stderr)
         return 1

@@ -2,8 +2,8 @@
 
 `as_main` sets what Python sets for a script (``sys.argv``, the script's folder first on ``sys.path``) and
 restores it afterwards; `run_main` runs the file as ``__main__``; `exit_status` is what Python makes of
-``sys.exit(code)``. ``simdist audit`` and ``simdist blame`` (its thread mode and, in each rank,
-`simdist.attribution.processes`) run scripts through these.
+``sys.exit(code)``, and `ScriptExit` carries a non-zero one out of a run. ``simdist audit`` and ``simdist
+blame`` (its thread mode and, in each rank, `simdist.attribution.processes`) run scripts through these.
 """
 
 from __future__ import annotations
@@ -15,6 +15,15 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from simdist.errors import UsageError
+
+
+class ScriptExit(Exception):
+    """The script exited with a non-zero status (``sys.exit``): in this process or on a rank process."""
+
+    def __init__(self, status: int, message: str | None) -> None:
+        super().__init__(message or f"exit status {status}")
+        self.status = status
+        self.message = message
 
 
 def check_script(script: str) -> None:
