@@ -112,7 +112,6 @@ What the audit cannot see
   corrupt them); those flags only steer ``torch.compile``.
 """
 
-from simdist.audit.cli import add_audit_subcommand, run_audit
 from simdist.audit.mode import Audit, audit
 from simdist.audit.ranks import AuditedComm, audited
 from simdist.audit.report import AuditReport, Record, SiteSummary, dtype_name, narrows
@@ -123,10 +122,8 @@ __all__ = [
     "AuditedComm",
     "Record",
     "SiteSummary",
-    "add_audit_subcommand",
     "audit",
     "audited",
     "dtype_name",
     "narrows",
-    "run_audit",
 ]

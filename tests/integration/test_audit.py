@@ -3,7 +3,6 @@ of one real gradient-path step, and the audit inside autograd, SimWorld rank thr
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import threading
@@ -17,8 +16,11 @@ from hypothesis import strategies as st
 import simdist
 import simdist.gradpath.kernel
 import simdist.models.synthetic
-from simdist.audit import AuditReport, audit, audited, narrows, run_audit
-from simdist.audit import add_audit_subcommand as _add_audit
+from simdist.audit import AuditReport, audit, audited, narrows
+from simdist.cli import build_parser
+from simdist.cli.audit import run_audit
+from simdist.cli.configs import AuditCommand
+from simdist.cli.options import from_args
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
@@ -343,10 +345,8 @@ sys.exit(3 if "--fail" in sys.argv else 0)
 """
 
 
-def _cli(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="simdist")
-    _add_audit(parser.add_subparsers(dest="command"))
-    return parser.parse_args(argv)
+def _cli(argv: list[str]) -> AuditCommand:
+    return from_args(AuditCommand, build_parser().parse_args(argv))
 
 
 def test_cli_runs_a_script_and_prints_its_sites(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Why fsdp2-reduce-dtype refuses ``--world threads`` (`SPY_IS_A_MODULE_GLOBAL`), checked by experiment: its rank
+"""Why fsdp2-reduce-dtype refuses ``--where threads`` (`SPY_IS_A_MODULE_GLOBAL`), checked by experiment: its rank
 program on `simdist.spawn` threads gives FSDP2's gradients bitwise as in process mode (FSDP2 keeps no per-rank
 module globals), but the divide-factor spy it installs in a module is shared by the threads, so each rank's
 record is wrong. Slow: four processes plus four threads of real FSDP2."""

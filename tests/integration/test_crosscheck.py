@@ -174,7 +174,7 @@ def test_compare_says_in_one_line_when_dumps_are_not_the_same_run(dumps, tmp_pat
 
 
 def test_repro_on_the_moe_model_reproduces_8913(capsys):
-    assert main(["repro", "8913", "--model", "moe"]) == 0
+    assert main(["repro", "8913", "--source", "moe"]) == 0
     last = capsys.readouterr().out.rstrip().splitlines()[-1]
     assert last.startswith("verdict: #8913 REPRODUCED on the MoE model")
     assert "at the BF16 writeback on step 0 for router.weight" in last
