@@ -80,7 +80,6 @@ from simdist.reduce.gloo import Gloo
 from simdist.world.baton import Batons
 from simdist.world.engine import Call, Engine
 from simdist.world.isolation import RankIsolation
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -661,7 +660,9 @@ def main(argv: list[str] | None = None) -> None:
             laps["sim"] += world.run(timed_loop, numel, iters, 1)[0]
         floor_us, barrier_us, sim_us = (statistics.median(laps[k]) * 1e6 for k in ("floor", "barrier", "sim"))
         gloo_iters = max(10, iters // 10)
-        gloo_laps = spawn_gloo(timed_loop, SPEC, numel, gloo_iters, args.repeats, timeout_s=600)[0]
+        gloo_laps = simdist.run(
+            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, args.repeats), timeout_s=600
+        )[0]
         gloo_us = statistics.median(gloo_laps) * 1e6
         rows.append((numel, floor_us, barrier_us, sim_us, gloo_us))
     print(f"all_reduce fp32 SUM on 4 ranks, gloo order; torch {torch.__version__}, {torch.get_num_threads()} threads")

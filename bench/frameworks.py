@@ -44,7 +44,6 @@ from torch import nn
 
 import simdist
 from simdist.world.inproc import _clear_mesh_caches
-from simdist.world.launch import spawn_procs
 
 WORLD = 4
 WIDTH, BLOCKS, BATCH = 256, 4, 32
@@ -226,7 +225,7 @@ def measure(programs: list[str], steps: int, repeats: int, gloo: bool, width: in
             row.threads.append(threads_lap(program, steps, width))
             progress(f"  {program}: repeat {r + 1}/{repeats}")
         if gloo:
-            per_rank = spawn_procs(rank_laps, WORLD, program, steps, repeats, width, timeout_s=900)
+            per_rank = simdist.run(rank_laps, WORLD, where="gloo", args=(program, steps, repeats, width), timeout_s=900)
             # wall: the slowest rank's lap; CPU: all ranks' CPU in the lap
             row.gloo = [
                 (max(rank[i][0] for rank in per_rank), sum(rank[i][1] for rank in per_rank)) for i in range(repeats)

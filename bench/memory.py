@@ -2,7 +2,7 @@
 
     python bench/memory.py [--ranks 4] [--calls 60] [--object-mb 25] [--p8]
 
-Two rank programs, each run on ``--ranks`` processes launched the same way (`simdist.world.launch.spawn_procs`,
+Two rank programs, each run on ``--ranks`` processes launched the same way (``simdist.run(where="gloo"|"processes")``,
 one intra-op thread), once on real gloo and once on the ``simdist`` backend in process mode:
 
 * ``all_reduce``      -- ``--calls`` in-place ``dist.all_reduce`` of a 4 MiB fp32 tensor;
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from simdist.world.launch import spawn_procs
+import simdist
 
 
 def _status_kb(field: str) -> int:
@@ -68,7 +68,8 @@ def memory_rank(rank: int, case: str, calls: int, object_mb: int) -> dict[str, f
 
 def run_case(case: str, ranks: int, backend: str, calls: int, object_mb: int) -> list[dict[str, float]]:
     """Per-rank figures of ``case`` on ``ranks`` fresh processes of ``backend`` ("gloo" or "simdist")."""
-    return spawn_procs(memory_rank, ranks, case, calls, object_mb, backend=backend, timeout_s=600)
+    where = "gloo" if backend == "gloo" else "processes"
+    return simdist.run(memory_rank, ranks, where=where, args=(case, calls, object_mb), timeout_s=600)
 
 
 def measure(

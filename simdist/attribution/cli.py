@@ -180,7 +180,7 @@ def run_blame(args: argparse.Namespace) -> int:
     from simdist.attribution.api import SiteNotFound, blame_target
     from simdist.attribution.arithmetic import op_names
     from simdist.attribution.processes import ScriptExit as RankScriptExit
-    from simdist.world.launch import RankFailure
+    from simdist.world.supervise import RankFailure
 
     script = args.script
     if not os.path.isfile(script):

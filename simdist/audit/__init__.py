@@ -106,7 +106,7 @@ What the audit cannot see
 * Code compiled with ``torch.compile`` (fused Triton/C++ kernels); custom ops
   and subclasses below the mode; integer <-> float conversions and complex
   dtypes; ops in threads that did not enter an audit (see above), and in
-  other processes (``spawn_gloo`` children need their own audit).
+  other processes (``simdist.run(where="gloo")`` children need their own audit).
 * The audit pushes and pops its mode on the thread-local stack without touching
   ``TorchDispatchMode``'s process-global flags (interleaved rank threads would
   corrupt them); those flags only steer ``torch.compile``.

@@ -212,9 +212,10 @@ def run_real(config: Config, world: str = "threads") -> list[dict[tuple[str, str
 
         return simdist.spawn(fsdp_tp_rank, 4, config, reduction="gloo", timeout_s=300)
     if world in ("simdist", "gloo"):
-        from simdist.world.launch import spawn_procs
+        from simdist.world.runner import run
 
-        return spawn_procs(fsdp_tp_rank, 4, config, backend=world, timeout_s=300)
+        where = "gloo" if world == "gloo" else "processes"
+        return run(fsdp_tp_rank, 4, where=where, args=(config,), timeout_s=300)
     raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
 
 

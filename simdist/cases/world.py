@@ -5,7 +5,7 @@ A case's rank program is an ordinary ``fn(comm, *args)`` that uses
 ranks where ``world`` says:
 
 * ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real
-  gloo (`simdist.world.launch.spawn_gloo`): the real framework on the real backend, summing in gloo's own
+  gloo (``simdist.run(where="gloo")``): the real framework on the real backend, summing in gloo's own
   order (which the transcription's reference must match for groups of more than two members).
 * ``"simdist"`` -- the simdist torch.distributed backend in process mode
   (each rank a process, gloo transport, collectives with simdist's gloo
@@ -31,7 +31,7 @@ from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
 if TYPE_CHECKING:
-    from simdist.world.launch import LaunchTimings
+    from simdist.world.process_launch import LaunchTimings
 
 World = Literal["gloo", "simdist", "threads"]
 WORLDS: tuple[str, ...] = ("gloo", "simdist", "threads")
@@ -77,7 +77,7 @@ def run_ranks(
     ``simdist.run(fn, spec, api="comm", where=...)`` with the cases' names for ``where`` (``gloo``, and
     ``simdist`` for process mode). ``threads`` is refused with ``processes_because``, the case's reason for
     needing processes. ``preload`` (`DEEPSPEED_MODULES`, `MEGATRON_MODULES`) and ``timings`` as for
-    `simdist.world.launch.spawn_processes`.
+    `simdist.world.runner.run`.
     """
     if world not in WORLDS:
         raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")

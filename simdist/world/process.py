@@ -1,4 +1,4 @@
-"""Process mode: the ``simdist`` backend in real processes (torchrun, `simdist.world.launch.spawn_procs`).
+"""Process mode: the ``simdist`` backend in real processes (torchrun, ``simdist.run(where="processes")``).
 
     torchrun --nproc-per-node 4 train.py      # train.py: import simdist; dist.init_process_group("simdist")
     SIMDIST_REDUCTION=ring torchrun ...       # another reduction model (default: gloo)

@@ -18,14 +18,14 @@ function is handed (`Api`: ``dist`` -- its rank, with the default ``torch.distri
 the launcher's keywords, as in ``torch.multiprocessing.spawn``: ``args=`` and ``kwargs=``. ``reduction=``
 (`simdist.world.options`) and ``timeout_s=`` have one default each, whatever ``where`` and ``api``.
 
-The older launchers are this function with fixed ``where``/``api``, on the same code path:
+``simdist.spawn`` and ``SimWorld(spec).run`` are this function with fixed ``where``/``api``, on the same code path:
 
 =============================  ========================================================
 ``simdist.spawn``              ``run(fn, n, where="threads", api="dist")`` (`inproc.spawn_threads`)
 ``SimWorld(spec).run``         ``run(fn, spec, where="threads", api="comm")``
-``spawn_procs(backend=...)``   ``run(fn, n, where="gloo"|"processes", api="dist")`` (`launch.spawn_processes`)
-``spawn_gloo(backend=...)``    ``run(fn, spec, where="gloo"|"processes", api="comm")``
 =============================  ========================================================
+
+Process launches (``where="processes"`` or ``"gloo"``) are `simdist.world.process_launch.spawn_processes`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any
 
 from simdist.errors import UsageError
 from simdist.world.inproc import spawn_threads
-from simdist.world.launch import LaunchTimings, spawn_processes
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where, check_timeout, choose
+from simdist.world.process_launch import LaunchTimings, spawn_processes
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -66,12 +66,14 @@ def run(
     `ReductionModel` for every group; in threads also a mapping from group kind to one of those (with a
     ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> ReductionModel``
     (`simdist.world.modelmap`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
-    bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank.
+    bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank
+    (in processes as `simdist.world.supervise.RankFailure`, with the rank's traceback).
 
     Processes only: ``fn``, its arguments and results must be picklable (``fn`` a top-level function);
     ``preload`` names modules every rank imports (a framework such as ``deepspeed``), imported once in the
-    forkserver the ranks are forked from (on the environment's path: Python 3.11's forkserver ignores this
-    process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
+    forkserver the ranks are forked from, a server kept per preload set, so the ranks carry no framework another
+    launch preloaded (`simdist.world.forkservers`; on the environment's path: Python 3.11's forkserver ignores
+    this process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
     ``timings`` (a list) receives the launch's `LaunchTimings`.
     Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
 

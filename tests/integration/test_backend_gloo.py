@@ -17,7 +17,7 @@ from backend_programs import suite, tp_mlp
 
 import simdist
 from simdist.numerics.floats import bits
-from simdist.world.launch import RankFailure, spawn_procs
+from simdist.world.supervise import RankFailure
 
 pytestmark = pytest.mark.gloo
 
@@ -50,7 +50,7 @@ def _assert_same(a: list[dict], b: list[dict], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def real_gloo() -> list[dict]:
-    return spawn_procs(suite, N, backend="gloo", timeout_s=300)
+    return simdist.run(suite, N, where="gloo", timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def _program(results: list[dict], name: str) -> list[dict]:
 
 
 def test_tp_mlp_threads_processes_and_real_gloo_agree_bitwise(real_gloo, threads):
-    processes = spawn_procs(tp_mlp, N, backend="simdist")
+    processes = simdist.run(tp_mlp, N, where="processes")
     _assert_same(_program(threads, "tp_mlp"), processes, "simdist process mode")
     _assert_same(_program(threads, "tp_mlp"), _program(real_gloo, "tp_mlp"), "real gloo")
 
@@ -92,7 +92,7 @@ def test_seed_per_rank_same_seed_init_settings_and_broadcast_equal_real_gloo(rea
 
 @pytest.mark.slow
 def test_process_mode_runs_every_program_with_the_threads_bits(threads):
-    processes = spawn_procs(suite, N, backend="simdist", timeout_s=300)
+    processes = simdist.run(suite, N, where="processes", timeout_s=300)
     for name in threads[0]:
         _assert_same(_program(processes, name), _program(threads, name), f"{name}: process mode vs threads")
 
@@ -107,4 +107,4 @@ def _mismatch(rank):
 @pytest.mark.slow
 def test_process_mode_reports_a_mismatch_with_every_site():
     with pytest.raises(RankFailure, match=r"rank 1: all_reduce\(.*shape=\(3,\)"):
-        spawn_procs(_mismatch, 2, backend="simdist", timeout_s=60)
+        simdist.run(_mismatch, 2, where="processes", timeout_s=60)

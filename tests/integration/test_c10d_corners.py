@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 import simdist
 from simdist.testing._internal.c10d_corners import CORNERS, corner_outcomes, encode, short_scatter_object_list
-from simdist.world.launch import spawn_procs
 
 pytestmark = pytest.mark.gloo
 
@@ -30,7 +29,7 @@ def differences(real: list[dict], seen: list[dict]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def real_p2() -> list[dict]:
-    return spawn_procs(corner_outcomes, 2, backend="gloo", timeout_s=240)
+    return simdist.run(corner_outcomes, 2, where="gloo", timeout_s=240)
 
 
 def test_real_gloos_answers_are_the_ones_the_corners_are_about(real_p2):
@@ -66,17 +65,17 @@ def test_rank_threads_answer_every_corner_as_real_gloo(real_p2):
 
 
 def test_process_mode_answers_every_corner_as_real_gloo(real_p2):
-    found = differences(real_p2, spawn_procs(corner_outcomes, 2, backend="simdist", timeout_s=240))
+    found = differences(real_p2, simdist.run(corner_outcomes, 2, where="processes", timeout_s=240))
     assert not found, "\n".join(found)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4, 5, 8])
 def test_every_corner_as_real_gloo_at_larger_worlds(world):
-    real = spawn_procs(corner_outcomes, world, backend="gloo", timeout_s=600)
+    real = simdist.run(corner_outcomes, world, where="gloo", timeout_s=600)
     for mode, seen in (
         ("threads", simdist.spawn(corner_outcomes, world)),
-        ("process", spawn_procs(corner_outcomes, world, backend="simdist", timeout_s=600)),
+        ("process", simdist.run(corner_outcomes, world, where="processes", timeout_s=600)),
     ):
         found = differences(real, seen)
         assert not found, mode + ":\n" + "\n".join(found)
@@ -95,8 +94,8 @@ def test_a_short_scatter_object_list_is_gloos_runtime_error_in_threads():
 
 @pytest.mark.slow
 def test_a_short_scatter_object_list_raises_as_on_gloo_in_process_mode():
-    real = spawn_procs(short_scatter_object_list, 2, backend="gloo", timeout_s=120)
-    seen = spawn_procs(short_scatter_object_list, 2, backend="simdist", timeout_s=120)
+    real = simdist.run(short_scatter_object_list, 2, where="gloo", timeout_s=120)
+    seen = simdist.run(short_scatter_object_list, 2, where="processes", timeout_s=120)
     assert real[0] == seen[0] == ("RuntimeError", True)  # the root: gloo's type
     assert real[1][1] and seen[1][1]  # the peer: the group's timeout, a RuntimeError on both
 

@@ -30,7 +30,6 @@ import simdist
 from simdist.numerics.floats import bits
 from simdist.world import inproc
 from simdist.world.isolation import SETTINGS, SharedGlobalStateError
-from simdist.world.launch import spawn_procs
 
 N = 4
 RERUNS = 3
@@ -88,8 +87,8 @@ def test_seed_per_rank_same_seed_init_settings_and_broadcast_are_identical_in_ev
 @pytest.mark.gloo
 def test_every_idiom_threads_process_mode_and_real_gloo_agree_bitwise():
     """Seeds, init, DDP+dropout, TP+FSDP2 on 37 rows, loss_parallel, broadcast, pipelining, monitored_barrier, ZeRO."""
-    gloo = spawn_procs(programs.suite, N, backend="gloo", timeout_s=600)
-    processes = spawn_procs(programs.suite, N, backend="simdist", timeout_s=600)
+    gloo = simdist.run(programs.suite, N, where="gloo", timeout_s=600)
+    processes = simdist.run(programs.suite, N, where="processes", timeout_s=600)
     threads = _threads_reruns(programs.suite)
     assert _assert_same(processes, gloo, "process mode vs real gloo") >= 180
     assert _assert_same(threads, gloo, "threads vs real gloo") >= 180

@@ -23,7 +23,6 @@ from numpy.random import rand as rand_taken_before_the_spawn
 import simdist
 from simdist.numerics.floats import bits
 from simdist.world.isolation import SharedGlobalStateError
-from simdist.world.launch import spawn_procs
 
 FIELDS = ("order", "picks", "perm", "ints", "values")
 
@@ -117,8 +116,8 @@ def test_numpys_bit_generator_switches_are_refused_on_rank_threads():
 @pytest.mark.gloo
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_seeded_data_threads_process_mode_and_real_gloo_agree_bitwise(n):
-    gloo = spawn_procs(programs.seeded_data, n, backend="gloo", timeout_s=300)
-    processes = spawn_procs(programs.seeded_data, n, backend="simdist", timeout_s=300)
+    gloo = simdist.run(programs.seeded_data, n, where="gloo", timeout_s=300)
+    processes = simdist.run(programs.seeded_data, n, where="processes", timeout_s=300)
     threads = simdist.spawn(programs.seeded_data, n)
     for rank in range(n):
         assert _same(processes[rank], gloo[rank], (*FIELDS, "total")), rank

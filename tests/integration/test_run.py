@@ -17,10 +17,10 @@ import torch.distributed as dist
 import simdist
 from simdist.errors import UsageError
 from simdist.reduce import Gloo, Reduction, Ring, Sequential
-from simdist.world.launch import spawn_gloo, spawn_procs
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
+from simdist.world.supervise import RankFailure
 
 N = 4
 SPEC = ParallelSpec(N, tp=2, ep=2)
@@ -108,12 +108,12 @@ def test_threads_comm_is_simworld_bit_for_bit_and_simworld_now_defaults_to_gloo(
 def test_one_default_reduction_and_timeout_across_the_launchers():
     import inspect
 
-    from simdist.world import inproc, launch
+    from simdist.world import inproc
 
     assert DEFAULT_REDUCTION == "gloo" and DEFAULT_TIMEOUT_S == 300.0
     assert SimWorld(SPEC).timeout_s == DEFAULT_TIMEOUT_S
     assert isinstance(SimWorld(SPEC).default_model, Gloo)
-    for fn in (simdist.run, inproc.spawn, launch.spawn_procs, launch.spawn_gloo):
+    for fn in (simdist.run, inproc.spawn):
         assert inspect.signature(fn).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S, fn
 
 
@@ -167,7 +167,7 @@ def test_reduction_is_the_one_spelling_the_removed_ones_are_unknown_keywords(mon
     with pytest.raises(TypeError):  # reduction is keyword-only: a positional table is not read as one
         SimWorld(SPEC, {"tp": Ring()})
     with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
-        spawn_procs(dist_sum, N, 4, backend="simdist", model="ring")
+        simdist.run(dist_sum, N, where="processes", args=(4,), model="ring")
     with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
         simdist.run(dist_sum, N, args=(4,), model="ring")
     with pytest.raises(TypeError, match=r"dist_sum\(\) got an unexpected keyword argument 'model'"):  # fn's keyword
@@ -202,21 +202,21 @@ def test_the_package_exports_its_public_names():
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings():
+def test_processes_and_gloo_match_threads_bit_for_bit_and_report_timings():
     timings: list = []
     processes = simdist.run(dist_sum, N, where="processes", args=(64,), kwargs={"scale": 0.5}, timings=timings)
     assert same_bits(processes, simdist.spawn(dist_sum, N, 64, scale=0.5))  # process mode = threads, bitwise
     assert same_bits(processes, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)
     ring = simdist.run(dist_sum, N, where="processes", args=(64,), reduction=Ring(), preload=("json",))
-    older = spawn_procs(dist_sum, N, 64, backend="simdist", reduction="ring")
-    assert same_bits(ring, older)
+    named = simdist.run(dist_sum, N, where="processes", args=(64,), reduction="ring")
+    assert same_bits(ring, named)
     assert same_bits(ring, simdist.spawn(dist_sum, N, 64, reduction="ring"))
     real = simdist.run(summed_on, N, where="gloo", args=(64,))
     assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo model (which gives the same bits)
-    assert same_bits([t for _, t in real], spawn_procs(dist_sum, N, 64, backend="gloo"))
+    assert same_bits([t for _, t in real], simdist.run(dist_sum, N, where="gloo", args=(64,)))
     assert {name for name, _ in simdist.run(summed_on, 2, where="processes", args=(4,))} == {"simdist"}
     comm = simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,), timings=timings)
-    assert same_bits(comm, spawn_gloo(comm_sums, SPEC, 64, backend="simdist"))
+    assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,)))
     assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", args=(64,)))
     assert len(timings) == 2 and all(t.world_size == N and t.total > 0 for t in timings)
     assert all(min(t.server, t.start, t.imports, t.rendezvous, t.work, t.finish) >= 0 for t in timings)
@@ -347,7 +347,7 @@ def test_rooted_collectives_send_the_roots_tensors_only_and_match_gloo():
         assert g_t.stride() == p_t.stride() and torch.equal(
             g_t.contiguous().view(torch.int32), p_t.contiguous().view(torch.int32)
         )
-    with pytest.raises(simdist.world.launch.RankFailure, match=r"broadcast on world.*memory order"):
+    with pytest.raises(RankFailure, match=r"broadcast on world.*memory order"):
         simdist.run(_gappy_broadcast, 2, api="dist", where="processes")
 
 
