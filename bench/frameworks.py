@@ -14,7 +14,7 @@ and each runs in four worlds, in one run of this script, interleaved per repeat:
 
 * floor    -- the 4 ranks one after another on this thread, each on torch's ``fake`` backend (collectives do
               no communication and no arithmetic): the ranks' own compute, framework code included;
-* threads  -- ``simdist.spawn``: 4 rank threads, the ``simdist`` backend, gloo's reduction order;
+* threads  -- ``simdist.run``: 4 rank threads, the ``simdist`` backend, gloo's reduction order;
 * gloo     -- 4 real gloo processes on 127.0.0.1 (``--no-gloo`` leaves them out; timed inside the ranks).
 
 The figure is CPU seconds per step of the whole world (all ranks): this process's CPU time for the floor and
@@ -197,7 +197,7 @@ def floor_lap(program: str, steps: int, width: int = WIDTH) -> tuple[float, floa
 
 def threads_lap(program: str, steps: int, width: int = WIDTH) -> tuple[float, float]:
     """One lap on 4 simdist rank threads: rank 0's (wall, process CPU) of the timed steps."""
-    return simdist.spawn(rank_laps, WORLD, program, steps, 1, width, reduction="gloo", timeout_s=600)[0][0]
+    return simdist.run(rank_laps, WORLD, args=(program, steps, 1, width), reduction="gloo", timeout_s=600)[0][0]
 
 
 @dataclass
@@ -291,7 +291,7 @@ def profile(program: str, steps: int, width: int = WIDTH, top: int = 30) -> str:
             prof.disable()
             profiles.append(prof)
 
-    simdist.spawn(profiled, WORLD, reduction="gloo", timeout_s=600)
+    simdist.run(profiled, WORLD, reduction="gloo", timeout_s=600)
     stream = io.StringIO()
     stats = pstats.Stats(profiles[0], stream=stream)
     for extra in profiles[1:]:

@@ -5,7 +5,7 @@ fidelity probes (`simdist.testing._internal.gloo_fidelity`: complex reduce/reduc
 scatter layouts, bool bytes, refusals, the dtype table, ``dist.reduce`` just
 above 2P MiB) and, for P >= 4, the ring corner set (`simdist.testing._internal.gloo_probe`:
 NaN payloads, signed zeros, every op and dtype, groups, roots, layouts); then
-the simdist backend runs the same program on threads (`simdist.spawn`) and in
+the simdist backend runs the same program on threads (`simdist.run`) and in
 process mode (real processes, modelled arithmetic). A pair is (case, rank);
 outputs are compared as storage bytes::
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         real = simdist.run(run_cases_and_probes, world, where="gloo", args=(cases, probes), timeout_s=900)
         spent = time.perf_counter() - start
-        modes = {"threads": simdist.spawn(run_cases_and_probes, world, cases, probes, timeout_s=900)}
+        modes = {"threads": simdist.run(run_cases_and_probes, world, args=(cases, probes), timeout_s=900)}
         if not ns.no_process:
             modes["process"] = simdist.run(
                 run_cases_and_probes, world, where="processes", args=(cases, probes), timeout_s=900

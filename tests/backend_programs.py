@@ -2,7 +2,7 @@
 
 Nothing here knows simdist: each function is ``fn(rank, *args)`` and calls only
 ``torch.distributed`` (and DTensor/FSDP2), so the same function runs on
-`simdist.spawn` (threads), on `simdist.run(..., where="processes")` (process
+`simdist.run` (threads), on `simdist.run(..., where="processes")` (process
 mode) and on `simdist.run(..., where="gloo")` (real gloo). Importable by
 spawned children because pytest puts tests/ on ``sys.path`` (tests/conftest.py).
 """

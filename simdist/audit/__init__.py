@@ -23,7 +23,7 @@ the current thread dispatches and records
   reduce (a SimWorld `ReductionModel` may add up wider: see the group's model);
   without a wrapper, the collectives of SimWorld's own `SimComm`
   (``comm.all_reduce``) and of the ``simdist`` torch.distributed backend
-  (``dist.all_reduce`` in `simdist.spawn` ranks: its Python process groups
+  (``dist.all_reduce`` in `simdist.run` ranks: its Python process groups
   never reach the dispatcher) are recorded too (`simdist.audit.world_hooks`).
 
 "Narrower" means the output dtype cannot hold every value of the input dtype:

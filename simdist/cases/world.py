@@ -10,7 +10,7 @@ ranks where ``world`` says:
 * ``"simdist"`` -- the simdist torch.distributed backend in process mode
   (each rank a process, gloo transport, collectives with simdist's gloo
   reduction model; `simdist.world.process`).
-* ``"threads"`` -- one thread per rank (`simdist.spawn`), for cases whose framework keeps no per-rank module
+* ``"threads"`` -- one thread per rank (`simdist.run`), for cases whose framework keeps no per-rank module
   globals; `run_ranks` refuses it for the others.
 
 DeepSpeed needs processes, not threads: it keeps its process groups and its
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 World = Literal["gloo", "simdist", "threads"]
 WORLDS: tuple[str, ...] = ("gloo", "simdist", "threads")
-"""``threads`` (`simdist.spawn`, one thread per rank) is for cases whose framework keeps no per-rank module
+"""``threads`` (`simdist.run`, one thread per rank) is for cases whose framework keeps no per-rank module
 globals (FSDP2, DTensor) and which set none themselves; `run_ranks` refuses it."""
 
 

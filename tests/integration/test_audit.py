@@ -394,7 +394,7 @@ def backend_rank(rank):
 
 
 SimWorld(ParallelSpec(2, tp=2, ep=1), reduction=make_model("upcast")).run(sim_rank)  # sums in FP32
-simdist.spawn(backend_rank, 2)
+simdist.run(backend_rank, 2)
 code = sys.argv[1] if sys.argv[1:] else None
 sys.exit(int(code) if code and code.isdigit() else code)
 """

@@ -3,7 +3,7 @@
 The programs (tests/backend_programs.py) know nothing of simdist. ONE spawn of
 4 real gloo processes runs all of them (`suite`: the TP-MLP, DTensor on a 2x2
 mesh, FSDP2 mixed precision, the coverage program with every op) and ONE
-`simdist.spawn` runs the same on threads; each test compares one program's
+`simdist.run` runs the same on threads; each test compares one program's
 results. Process start-up dominates a real-gloo run, so sharing it keeps these
 checks in the default suite. Process mode (the simdist backend in real
 processes) runs the TP-MLP by default and the whole suite when slow tests run.
@@ -55,7 +55,7 @@ def real_gloo() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def threads() -> list[dict]:
-    return simdist.spawn(suite, N, timeout_s=300)
+    return simdist.run(suite, N, timeout_s=300)
 
 
 def _program(results: list[dict], name: str) -> list[dict]:

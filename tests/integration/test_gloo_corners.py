@@ -149,7 +149,7 @@ def test_the_gloo_model_gives_real_gloos_bits_or_errors_in_every_corner(corners)
 
 def test_the_simdist_backend_gives_real_gloos_bits_or_errors_in_every_corner(corners):
     cases, real = corners
-    failures = _failures(compare(cases, real, simdist.spawn(run_cases, WORLD, cases)))
+    failures = _failures(compare(cases, real, simdist.run(run_cases, WORLD, args=(cases,))))
     assert not failures, "\n".join(failures)
 
 
@@ -209,7 +209,7 @@ def test_larger_worlds_and_segmented_lengths_with_special_values(world):
 def test_every_fidelity_category_equals_real_gloo_in_storage_bytes(spawned):
     """Complex reduce/reduce_scatter, scatter layouts, bool bytes, refusals and the dtype table (threads)."""
     _, _, probes, real = spawned
-    found = disagreements(probes, real, simdist.spawn(run_probes, WORLD, probes))
+    found = disagreements(probes, real, simdist.run(run_probes, WORLD, args=(probes,)))
     counts = tally(probes, found, WORLD)
     assert set(counts) >= {"complex", "scatter layout", "bool bytes", "refusals", "dtype table"}
     assert not found, "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}: {v.real} | {v.simulated}" for v in found)
@@ -240,7 +240,7 @@ def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mod
     probes = [p for p in fidelity_probes(world, big=True)] + drawn_big_reduces(world)
     real = simdist.run(run_probes, world, where="gloo", args=(probes,), timeout_s=600)
     for mode, seen in (
-        ("threads", simdist.spawn(run_probes, world, probes)),
+        ("threads", simdist.run(run_probes, world, args=(probes,))),
         ("process", simdist.run(run_probes, world, where="processes", args=(probes,), timeout_s=600)),
     ):
         found = disagreements(probes, real, seen)
