@@ -26,6 +26,7 @@ Process launches (``where="processes"`` or ``"gloo"``) are `simdist.world.proces
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -120,8 +121,9 @@ def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:
     """The run's spec (made flat from a size for ``api="comm"``) and its size."""
     if isinstance(world, ParallelSpec):
         return world, world.world_size
-    if isinstance(world, bool) or not isinstance(world, int):
+    if isinstance(world, bool) or not hasattr(type(world), "__index__"):  # numpy's integers are world sizes too
         raise TypeError(f"world must be a world size (int) or a ParallelSpec, got {type(world).__name__} {world!r}")
+    world = operator.index(world)
     if world < 1:
         raise UsageError(f"world must be at least 1 rank, got {world}")
     return (ParallelSpec(world) if api == Api.COMM else None), world
