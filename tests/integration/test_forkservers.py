@@ -8,6 +8,7 @@ clock or by memory figures.
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
@@ -17,7 +18,7 @@ import pytest
 
 import simdist
 from simdist.extras import installed, not_installed_reason
-from simdist.world.forkservers import FREEZE, SERVER_PRELOAD, server_modules
+from simdist.world.forkservers import FREEZE, SERVER_PRELOAD, rank_context, server_modules
 
 
 def modules_and_server(rank: int, names: tuple[str, ...]) -> tuple[dict[str, bool], int]:
@@ -30,6 +31,26 @@ def test_a_servers_modules_are_torch_the_launchs_preload_and_the_freezer_last():
     assert server_modules(("json", "torch", FREEZE, "__main__", "json")) == (*SERVER_PRELOAD, "json", FREEZE)
 
 
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
+def test_each_preload_set_has_its_own_kept_server_and_the_stdlibs_is_given_back():
+    """In this process only (a server starts at its first fork, and nothing forks here): the server a launch's
+    processes would be forked from, by the stdlib's module-level lookups that its process starts make."""
+    stdlib = multiprocessing.forkserver
+    own = stdlib._forkserver  # type: ignore[attr-defined]
+    chosen = []
+    for preload in (("launch_probe",), (), ("launch_probe",), ("json", "launch_probe")):
+        with rank_context(preload) as ctx:
+            assert ctx.get_start_method() == "forkserver"
+            server = stdlib._forkserver  # type: ignore[attr-defined]
+            assert stdlib.connect_to_new_process.__self__ is server and server is not own
+            assert server._preload_modules == list(server_modules(preload))  # exactly: nothing another launch had
+            chosen.append(server)
+        assert stdlib._forkserver is own and stdlib.connect_to_new_process.__self__ is own  # type: ignore[attr-defined]
+    probe, plain, again, both = chosen
+    assert again is probe and len({id(probe), id(plain), id(both)}) == 3
+
+
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_a_plain_launch_after_a_preloading_one_forks_ranks_without_that_module(monkeypatch):
     """``launch_probe`` stands in for a framework (it imports nothing). Python 3.11's forkserver imports its
