@@ -9,11 +9,12 @@ launch.
 
 Python keeps one forkserver per process and can only add modules to it by restarting it, so a plain launch after
 a DeepSpeed one would fork ranks that carry DeepSpeed (its memory, its import-time side effects). Here each
-distinct preload set gets a server of its own, kept for the next launch that asks for the same set: a rank has
-exactly `SERVER_PRELOAD`, the launch's ``preload`` and `FREEZE` imported. At most `MAX_SERVERS` are kept (the
-least recently used is stopped). During a launch's process starts the stdlib's module-level server is swapped for
-the chosen one (`rank_context`) and put back afterwards, so code of the caller that uses the ``forkserver`` start
-method itself keeps its own server. Where ``forkserver`` does not exist, ranks start with ``spawn``.
+distinct preload set gets a server of its own, kept for the next launch that asks for the same set: a rank starts
+with what `SERVER_PRELOAD`, its launch's ``preload`` and `FREEZE` import, and nothing another launch preloaded.
+At most `MAX_SERVERS` are kept (the least recently used is stopped). During a launch's process starts the stdlib's
+module-level server is swapped for the chosen one (`rank_context`) and put back afterwards, so code of the caller
+that uses the ``forkserver`` start method itself keeps its own server. Where ``forkserver`` does not exist, ranks
+start with ``spawn``.
 """
 
 from __future__ import annotations
@@ -82,10 +83,3 @@ def rank_context(preload: tuple[str, ...] = ()) -> Iterator[ForkServerContext | 
         finally:
             for name, value in saved.items():
                 setattr(stdlib_forkserver, name, value)
-
-
-def stop_all() -> None:
-    """Stop every kept server (the next launch starts a fresh one)."""
-    with _lock:
-        while _servers:
-            _servers.popitem()[1]._stop()  # type: ignore[attr-defined]

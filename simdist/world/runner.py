@@ -18,10 +18,10 @@ function is handed (`Api`: ``dist`` -- its rank, with the default ``torch.distri
 the launcher's keywords, as in ``torch.multiprocessing.spawn``: ``args=`` and ``kwargs=``. ``reduction=``
 (`simdist.world.options`) and ``timeout_s=`` have one default each, whatever ``where`` and ``api``.
 
-``SimWorld(spec).run`` is this function with ``where="threads"``, ``api="comm"``, on the same code path. APIs that
-take the rank function's keywords and the launcher's in one ``**kwargs`` (`simdist.blame`, the pytest fixture
-``simdist_world``) part them with `split_keywords` and call this function.
-Process launches (``where="processes"`` or ``"gloo"``) are `simdist.world.process_launch.spawn_processes`.
+``SimWorld(spec).run`` is this function with ``where="threads"``, ``api="comm"``, on the same code path. APIs
+that take the rank function's keywords and the launcher's in one ``**kwargs`` (`simdist.blame`, the pytest
+fixture ``simdist_world``) part them with `split_keywords` and call this function. Process launches
+(``where="processes"`` or ``"gloo"``) are `simdist.world.process_launch.spawn_processes`.
 """
 
 from __future__ import annotations
