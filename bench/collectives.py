@@ -24,7 +24,7 @@ A second table compares, for 1024 fp32 elements, the ways to run
 * fold     -- the plain rank-order fold ``((x0 + x1) + x2) + x3`` plus the
               writes (the cheapest possible in-place all_reduce, not gloo's order);
 * floor, SimWorld -- as above;
-* backend  -- unmodified ``dist.all_reduce`` on `simdist.spawn` (the
+* backend  -- unmodified ``dist.all_reduce`` on `simdist.run` (the
               ``simdist`` backend; gloo's order, bit for bit);
 * threaded -- torch's own threaded process group (its summation order, not
               gloo's);
@@ -35,7 +35,7 @@ Under it, where SimWorld's and the backend's microseconds go, each part timed
 alone in the same run: the model, the writes, the 4 handoffs between rank
 threads (a bare ring of the engine's wake-ups, `simdist.world.baton`), the rest
 of SimWorld (engine, checks, Python, and the model running slower among four
-threads than alone), the isolation swaps of `simdist.spawn` (a bare engine
+threads than alone), the isolation swaps of `simdist.run` (a bare engine
 barrier with and without `RankIsolation`) and the rest of the backend (c10d's
 Python layer, the backend's per-call path); and the least any front end on OS
 threads can take: handoffs + model + writes. Both rests are then split once
@@ -80,7 +80,6 @@ from simdist.reduce.gloo import Gloo
 from simdist.world.baton import Batons
 from simdist.world.engine import Call, Engine
 from simdist.world.isolation import RankIsolation
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -391,7 +390,7 @@ def _ring_rank(batons: Batons, r: int, n: int, cpu: int | None, iters: int, laps
 
 
 class _NoSwitch:
-    """An engine switch that swaps nothing: the serial schedule of `simdist.spawn` without its isolation."""
+    """An engine switch that swaps nothing: the serial schedule of `simdist.run` without its isolation."""
 
     def suspend(self, rank: int) -> None:
         pass
@@ -401,7 +400,7 @@ class _NoSwitch:
 
 
 def engine_barriers(iters: int, isolate: bool) -> list[float]:
-    """Seconds per 4-rank barrier on the bare engine in `simdist.spawn`'s serial schedule, with its per-rank
+    """Seconds per 4-rank barrier on the bare engine in `simdist.run`'s serial schedule, with its per-rank
     isolation (`RankIsolation`: each rank's generator and settings swapped at every handoff) or without."""
     n = SPEC.world_size
     isolation = RankIsolation(n) if isolate else None
@@ -466,16 +465,16 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
         "fold": lambda: floor(numel, iters, 1, plain=True),
         "floor": lambda: floor(numel, iters, 1),
         "sim": lambda: world.run(timed_loop, numel, iters, 1)[0],
-        "backend": lambda: simdist.spawn(dist_loop, n, numel, iters, 1)[0],
+        "backend": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1))[0],
         "model": lambda: _laps(lambda: model.reduce(xs), iters, 1),
         "writes": lambda: _laps(writes, iters, 1),
         "ring": lambda: baton_ring(iters, 1),
         "iso": lambda: engine_barriers(iters, True),
         "bare": lambda: engine_barriers(iters, False),
         "simbar": lambda: world.run(timed_loop, numel, iters, 1, True)[0],
-        "bbar": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, True)[0],
+        "bbar": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1, True))[0],
         "sim0": lambda: bare_world.run(timed_loop, numel, iters, 1)[0],
-        "backend0": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, reduction=_NoArithmetic())[0],
+        "backend0": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1), reduction=_NoArithmetic())[0],
     }
     laps: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
@@ -584,7 +583,7 @@ def bandwidth_us(repeats: int, numel: int = BIG) -> dict[str, float]:
         "copies": lambda: _laps(copies, 2, 1),
         "in_place": lambda: _laps(in_place, 2, 1),
         "sim": lambda: world.run(timed_loop, numel, 2, 1)[0],
-        "backend": lambda: simdist.spawn(dist_loop, n, numel, 2, 1)[0],
+        "backend": lambda: simdist.run(dist_loop, n, args=(numel, 2, 1))[0],
     }
     for step in steps.values():  # warm: the first call pages the buffers in
         step()
@@ -661,7 +660,9 @@ def main(argv: list[str] | None = None) -> None:
             laps["sim"] += world.run(timed_loop, numel, iters, 1)[0]
         floor_us, barrier_us, sim_us = (statistics.median(laps[k]) * 1e6 for k in ("floor", "barrier", "sim"))
         gloo_iters = max(10, iters // 10)
-        gloo_laps = spawn_gloo(timed_loop, SPEC, numel, gloo_iters, args.repeats, timeout_s=600)[0]
+        gloo_laps = simdist.run(
+            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, args.repeats), timeout_s=600
+        )[0]
         gloo_us = statistics.median(gloo_laps) * 1e6
         rows.append((numel, floor_us, barrier_us, sim_us, gloo_us))
     print(f"all_reduce fp32 SUM on 4 ranks, gloo order; torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -2,7 +2,7 @@
 
     simdist blame --nproc 4 --processes train.py      # DeepSpeed, Megatron: module-global groups per process
 
-`run_processes` starts ``N`` rank processes (`simdist.world.launch.spawn_processes`: forked from a server that
+`run_processes` starts ``N`` rank processes (``simdist.run(where="processes")``: forked from a server that
 has torch and the script's frameworks imported, each with the default group already a ``simdist`` group in
 process mode, `simdist.world.process`, that the script's own ``init_process_group`` attaches to), each running
 the script as ``python script.py args`` would (`_blame_rank`) under a `simdist.attribution.run.Recorder`
@@ -77,7 +77,7 @@ def merge(records: Iterable[dict]) -> MergedRun:
 
 def frameworks_of(script: str) -> tuple[str, ...]:
     """The framework modules ``script`` imports (DeepSpeed's, Megatron-Core's), for the forkserver to preload:
-    their imports cost seconds per rank otherwise (`simdist.world.launch._context`)."""
+    their imports cost seconds per rank otherwise (`simdist.world.forkservers`)."""
     from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
     from simdist.extras import installed
 
@@ -101,19 +101,25 @@ def run_processes(
     """Run ``script argv`` blamed on ``nproc`` simdist rank processes (gloo's reduction model); the ranks'
     merged records.
 
-    The ranks are `simdist.world.launch.spawn_processes`'s (forked from a server with torch and the script's
+    The ranks are ``simdist.run(where="processes")``'s (forked from a server with torch and the script's
     frameworks imported); ``stdout_to_stderr``: the ranks' standard output (file descriptor 1) goes to standard
     error (``--json``: stdout is the report's); a rank that raises stops the launch with
-    `simdist.world.launch.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
-    from simdist.world.launch import spawn_processes
+    `simdist.world.supervise.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
+    from simdist.world.runner import run
 
     plan = (script, list(argv), sorted(promote), sorted(ops), stdout_to_stderr)
     from simdist.cases.stdout import stdout_to_stderr as guard
 
     # a forkserver started now prints its imports' log lines on the descriptor it inherits
     with guard() if stdout_to_stderr else contextlib.nullcontext():
-        records = spawn_processes(
-            _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", frameworks_of(script)
+        records = run(
+            _blame_rank,
+            nproc,
+            where="processes",
+            args=plan,
+            reduction="gloo",
+            timeout_s=timeout_s,
+            preload=frameworks_of(script),
         )
     for record in records:
         if record.get("exit"):

@@ -1,7 +1,7 @@
 """Collectives of simdist's own worlds, recorded by whichever audit is active on the calling rank thread.
 
 SimWorld's `SimComm` and the ``simdist`` torch.distributed backend (`SimProcessGroup`, what
-``dist.all_reduce`` reaches inside `simdist.spawn` and under torchrun) compute their collectives in Python:
+``dist.all_reduce`` reaches inside `simdist.run` and under torchrun) compute their collectives in Python:
 nothing reaches torch's dispatcher, so a dispatch mode alone never sees them. While at least one `Audit`
 is active, `install` subscribes `observe` to the engine's observer list
 (`simdist.world.engine.Engine.observers`), which both front ends tell before every collective: the observer

@@ -6,7 +6,7 @@ and warns on import already ("Setting accelerator to CPU"), so swapping
 ``sys.stdout`` or re-pointing handlers after the fact misses lines. Pointing
 file descriptor 1 at stderr catches every writer: Python objects bound to
 fd 1, C extensions, and child processes started inside the block (they
-inherit the descriptors; the ranks of `simdist.world.launch.spawn_gloo` come
+inherit the descriptors; the ranks of ``simdist.run(where="gloo")`` come
 from a forkserver, which is why the rank programs call this too). ``sys.stdout`` is pointed at stderr as well,
 so that prints reach stderr when ``sys.stdout`` is not fd 1 (replaced by a caller). It is the one such guard:
 ``simdist repro --json``, ``case run --json``, ``audit --json`` and ``blame --json`` all use it.

@@ -4,9 +4,9 @@ A case's rank program is an ordinary ``fn(comm, *args)`` that uses ``torch.distr
 directly; `run_ranks` runs it on every rank with ``simdist.run(fn, spec, api="comm", where=...)``. The cases'
 names for where the ranks live (`WORLDS`; ``simdist case run --where``):
 
-* ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real gloo (``where="gloo"``): the real
-  framework on the real backend, summing in gloo's own order (which the transcription's reference must match
-  for groups of more than two members).
+* ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real gloo
+  (``simdist.run(where="gloo")``): the real framework on the real backend, summing in gloo's own order
+  (which the transcription's reference must match for groups of more than two members).
 * ``"simdist"`` -- the simdist torch.distributed backend in process mode (``where="processes"``: each rank a
   process, collectives summed by simdist in the launchers' default reduction, gloo's order;
   `simdist.world.process`).
@@ -31,7 +31,7 @@ from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
 if TYPE_CHECKING:
-    from simdist.world.launch import LaunchTimings
+    from simdist.world.process_launch import LaunchTimings
 
 World = Literal["gloo", "simdist", "threads"]
 WORLDS: tuple[str, ...] = get_args(World)
@@ -78,7 +78,7 @@ def run_ranks(
     ``simdist.run(fn, spec, api="comm", where=...)`` with the cases' names for ``where`` (``gloo``, and
     ``simdist`` for process mode). ``threads`` is refused with ``processes_because``, the case's reason for
     needing processes. ``preload`` (`DEEPSPEED_MODULES`, `MEGATRON_MODULES`) and ``timings`` as for
-    `simdist.world.launch.spawn_processes`.
+    `simdist.world.runner.run`.
     """
     if world not in WORLDS:
         raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")

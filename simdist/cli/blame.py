@@ -1,6 +1,6 @@
 """``simdist blame [options] SCRIPT [ARGS...]``: rank a script's call sites by rounding error, promote some.
 
-The script either starts its ranks itself with `simdist.spawn` (as ``experiments/blame_8913.py`` does), or
+The script either starts its ranks itself with `simdist.run` (as ``experiments/blame_8913.py`` does), or
 is a ``torchrun``-style script run on ``--nproc N`` rank threads: its ``__main__`` runs once per rank with the
 default group already initialised (its own ``dist.init_process_group`` and ``destroy_process_group`` calls
 are then no-ops; ranks come from ``dist.get_rank()``, not from environment variables, which the threads
@@ -92,7 +92,7 @@ def _script_target(script: str, argv: tuple[str, ...], nproc: int | None):
                     dist.init_process_group = init_outside_ranks
                     run_script()
                     return
-                from simdist.world.inproc import spawn
+                from simdist.world.runner import run
 
                 def init_process_group(*args, **kwargs):
                     if not dist.is_initialized():
@@ -105,7 +105,7 @@ def _script_target(script: str, argv: tuple[str, ...], nproc: int | None):
                     return None
 
                 dist.init_process_group, dist.destroy_process_group = init_process_group, destroy_process_group
-                spawn(rank_main, nproc)
+                run(rank_main, nproc)
         finally:
             dist.init_process_group, dist.destroy_process_group = saved_init, saved_destroy
 
@@ -117,7 +117,7 @@ def run_blame(command: BlameCommand) -> int:
     from simdist.attribution.api import SiteNotFound, blame_target
     from simdist.attribution.arithmetic import op_names
     from simdist.cases.stdout import stdout_to_stderr
-    from simdist.world.launch import RankFailure
+    from simdist.world.supervise import RankFailure
 
     script = command.script
     check_script(script)

@@ -2,7 +2,7 @@
 rendezvous engine with its observer list (`engine`) and its errors (`errors`), every collective's checks and
 completion written once (`collectives`), and the two front ends over them: SimWorld's `Comm` (`simworld`) and
 the ``torch.distributed`` backend ``simdist`` (`backend`; registered by `plugin`; which group uses which
-reduction model: `modelmap`; in-process `inproc.spawn` with per-rank process-global state `isolation` and
+reduction model: `modelmap`; in-process `inproc.spawn_threads` with per-rank process-global state `isolation` and
 gloo's name-based decisions `gloo_names`; `process` mode). Real torch.distributed process groups as a `Comm`
 (`torch_comm`) and the launchers: the one launcher `simdist.run` (`runner`, with the options every launcher
 shares in `options`: where, api, ``reduction=`` and its one default, the deadline) over the thread launchers

@@ -14,7 +14,7 @@ members' calls (in group-rank order) and writes the outputs of the members in
 ``targets``. This module maps c10d's methods and options onto those functions;
 a *transport* brings the calls together:
 
-* in-process (`simdist.world.inproc.spawn`): one thread per rank, the
+* in-process (`simdist.world.inproc.spawn_threads`): one thread per rank, the
   rendezvous `simdist.world.engine.Engine`; the last member to arrive runs
   ``complete`` for every member;
 * process mode (`simdist.world.process`): real processes; each rank gathers

@@ -2,7 +2,7 @@
 
 One engine serves both front ends: `simdist.world.simworld.SimComm` (rank
 programs written against `Comm`) and the ``torch.distributed`` backend of
-`simdist.world.backend` (unmodified code on `simdist.spawn`). Each front end
+`simdist.world.backend` (unmodified code on `simdist.run`). Each front end
 describes a collective as a `Call` per rank and a ``complete`` function; the
 engine matches the calls and runs ``complete`` once, on the last member to
 arrive, over the calls in group-rank order. Results therefore depend only on

@@ -1,4 +1,4 @@
-"""In-process mode: `spawn` runs unmodified ``torch.distributed`` code on one thread per rank.
+"""In-process mode: `spawn_threads` runs unmodified ``torch.distributed`` code on one thread per rank.
 
     import torch, torch.distributed as dist, simdist
 
@@ -7,7 +7,7 @@
         dist.all_reduce(t)                 # summed in gloo's ring order, bit for bit
         return t
 
-    results = simdist.spawn(step, 4)       # [rank 0's t, ..., rank 3's t]
+    results = simdist.run(step, 4)         # [rank 0's t, ..., rank 3's t]
 
 Inside ``fn`` the default process group is initialised with the ``simdist``
 backend, so ``dist.get_rank()``, ``new_group``, ``new_subgroups``,
@@ -19,10 +19,10 @@ rank stops every rank quickly and names each rank's call site.
 
 How ``torch.distributed``'s state is kept per rank thread: c10d keeps its
 groups in the module-level ``_world`` object and in a C++ name registry.
-While a `spawn` runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
+While a thread launch runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
 thread sees its own groups; other threads see the original world), and c10d's
 thread-isolation mode makes the C++ registry per thread. Both are restored
-when the `spawn` returns (spawns run one at a time). Code that keeps its own module-level
+when the launch returns (thread launches run one at a time). Code that keeps its own module-level
 process-group state (DeepSpeed's ``deepspeed.utils.groups``) shares it between
 the rank threads; run such code in process mode (`simdist.world.process`).
 
@@ -33,7 +33,7 @@ per rank: each rank's DeviceMeshes carry a rank token where torch's own
 threaded test backend puts the thread id (so the redistribution and sharding
 caches keyed on meshes never hand one rank's plan to another), and DTensor's
 custom-op table (``loss_parallel`` edits it) is one dict per rank thread.
-A spawn restores every global it touches (``sys.excepthook``, which c10d
+A thread launch restores every global it touches (``sys.excepthook``, which c10d
 wraps on every ``init_process_group``, included).
 """
 
@@ -58,7 +58,7 @@ from simdist.world.engine import Call, Engine
 from simdist.world.frameworks import install as refuse_frameworks
 from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
-from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
+from simdist.world.options import check_timeout
 from simdist.world.spec import ParallelSpec
 
 
@@ -246,7 +246,7 @@ class _Context:
 
 
 def current() -> _Context | None:
-    """The in-process context of the calling thread (``None`` outside `spawn`'s rank threads)."""
+    """The in-process context of the calling thread (``None`` outside `spawn_threads`'s rank threads)."""
     return getattr(_Context.local, "ctx", None)
 
 
@@ -341,41 +341,10 @@ class ThreadTransport:
 
 
 def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str):
-    """The backend's group for a rank thread of `spawn`."""
+    """The backend's group for a rank thread of `spawn_threads`."""
     kind, model = ctx.chooser(ranks)
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
     return SimProcessGroup(group_rank, group_size, ranks, name, label, model, ThreadTransport(ctx.engine))
-
-
-def spawn(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    reduction: ModelChoice = _UNSET,
-    spec: ParallelSpec | None = None,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    one_cpu: bool = True,
-    intra_op_threads: int | None = 1,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads with ``torch.distributed`` initialised.
-
-    The older name of ``simdist.run(fn, spec or world_size, where="threads", api="dist", args=args,
-    kwargs=kwargs)``: the same run, with this function's own keywords mixed into ``fn``'s (so ``fn`` cannot
-    take a keyword named like one of them; `simdist.run` keeps them apart).
-
-    Returns the per-rank results in rank order. ``reduction`` chooses each group's
-    reduction model (a name, a `Reduction` member, a model, a kind -> model mapping used with
-    ``spec``, or a callable; see `simdist.world.modelmap`; default gloo). ``model=`` is not simdist's keyword
-    (its removed spelling of ``reduction=``): like any other it goes to ``fn``. ``timeout_s`` bounds the whole
-    run (deadlocks between collectives are detected without it; ``None``: no bound). ``one_cpu`` and
-    ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`. The default group is destroyed when ``fn``
-    returns. Each rank has its own copy of torch's process-global state, starting as a fresh process's
-    (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`.
-    """
-    return spawn_threads(
-        fn, world_size, args, kwargs, pick_reduction(reduction), spec, timeout_s, one_cpu, intra_op_threads
-    )
 
 
 def spawn_threads(
@@ -390,12 +359,14 @@ def spawn_threads(
     intra_op_threads: int | None,
     report_backend: bool = False,
 ) -> list[Any]:
-    """The thread launcher behind `spawn` and ``simdist.run(where="threads", api="dist")``: ``fn(rank, *args,
-    **kwargs)`` on ``world_size`` rank threads (arguments checked here, once for both)."""
+    """The thread launcher behind ``simdist.run(where="threads", api="dist")``: ``fn(rank, *args, **kwargs)`` on
+    ``world_size`` rank threads (`simdist.world.runner.run` documents the arguments). The default group is
+    destroyed when ``fn`` returns; each rank has its own copy of torch's process-global state, starting as a
+    fresh process's (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`."""
     world_size = check_world_size(world_size)
     timeout_s = check_timeout(timeout_s)
     if current() is not None:
-        raise RuntimeError("simdist.spawn called from a rank thread of another spawn (spawns run one at a time)")
+        raise RuntimeError("simdist.run called from a rank thread of another thread launch (they run one at a time)")
     with _spawn_lock:  # process-global state is swapped per rank: one spawn at a time
         return _spawn(
             fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
@@ -411,7 +382,7 @@ def _spawn(
     # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
     isolation = RankIsolation(world_size, _current_rank)
-    engine = Engine(world_size, label="simdist.spawn", switch=isolation)
+    engine = Engine(world_size, label="simdist.run", switch=isolation)
     store = dist.HashStore()
     stores: dict[int, dist.Store] = {}  # the stores of scripts' re-inits after their destroy_process_group
     saved = _process_globals()
@@ -458,7 +429,7 @@ def _spawn(
 
 
 MAX_RANK_THREADS = 512
-"""The most rank threads `spawn` starts (the CLI's ``--world-size`` ceiling, `simdist.cli.limits.LIMITS`)."""
+"""The most rank threads `spawn_threads` starts (the CLI's ``--world-size`` ceiling, `simdist.cli.limits.LIMITS`)."""
 
 
 class RankExitError(RuntimeError):

@@ -1,10 +1,10 @@
-"""Process-global state made per rank for `simdist.spawn`'s rank threads, or refused.
+"""Process-global state made per rank for `simdist.run`'s rank threads, or refused.
 
 A rank of a real job is a process: its default random generator, default
 dtype, deterministic-algorithms flags and the other settings below are its
 own. Rank threads share one process, so `RankIsolation` keeps one copy of
 each per rank and swaps them in and out at every baton handoff of the
-`simdist.world.engine.Engine`: rank threads of `simdist.spawn` run one at a
+`simdist.world.engine.Engine`: rank threads of `simdist.run` run one at a
 time (the engine starts them one after another and wakes a rank only when the
 running one blocks in a collective or a receive, or returns), so the global
 state always holds the running rank's values.

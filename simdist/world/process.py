@@ -1,4 +1,4 @@
-"""Process mode: the ``simdist`` backend in real processes (torchrun, `simdist.world.launch.spawn_procs`).
+"""Process mode: the ``simdist`` backend in real processes (torchrun, ``simdist.run(where="processes")``).
 
     torchrun --nproc-per-node 4 train.py      # train.py: import simdist; dist.init_process_group("simdist")
     SIMDIST_REDUCTION=ring torchrun ...       # another reduction model (default: gloo)
@@ -10,7 +10,7 @@ dtypes, split sizes, source line) and checks that they match, raising
 then it all-gathers the members' input tensors (their memory footprint, so
 strided inputs reach the model with their strides) and runs the same
 ``complete`` as in-process mode for this rank alone. The arithmetic is
-therefore the reduction model's, bit for bit the same as `simdist.spawn`, and
+therefore the reduction model's, bit for bit the same as `simdist.run`, and
 module-global framework state (DeepSpeed's ``groups``, Megatron's
 ``parallel_state``) lives in each process as usual. Point-to-point messages
 and barriers go straight over the inner gloo group.

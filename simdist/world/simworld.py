@@ -6,7 +6,7 @@ on each with a `SimComm`, and returns the per-rank results in rank order.
 `SimComm` is a thin adapter: each of its collectives is the one written in
 `simdist.world.collectives` (a `Call` plus a ``complete`` function), handed to
 the rendezvous `simdist.world.engine.Engine`, exactly as the
-``torch.distributed`` backend (`simdist.world.backend`, `simdist.spawn`) does:
+``torch.distributed`` backend (`simdist.world.backend`, `simdist.run`) does:
 same checks (gloo's rules where the group's model has ``gloo_rules``), same
 completion, same bits. The engine's docstring says how
 calls are matched, how results stay independent of thread arrival order, and
@@ -262,6 +262,6 @@ def kind_models(choice: ReductionChoice) -> dict[str, ReductionModel]:
         return table
     raise TypeError(
         "reduction must be a model name, a Reduction member, a ReductionModel or a mapping from group kind to one "
-        f"of those (SimWorld has no per-rank-tuple callable: use simdist.spawn), got {type(choice).__name__} "
+        f"of those (SimWorld has no per-rank-tuple callable: use simdist.run), got {type(choice).__name__} "
         f"{choice!r}"
     )

@@ -9,11 +9,8 @@ from simdist.extras import installed, not_installed_reason
 if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
-from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.cli import main
 from simdist.studies.repro import ReproConfig, reproduce
-
-FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 
 
 @pytest.mark.parametrize("option,value", [("marker", "per_micro_step"), ("source", "moe"), ("reduction", "tree")])

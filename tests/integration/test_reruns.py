@@ -4,7 +4,7 @@ simdist promises "the same bits as the real run"; a result that changes from one
 that promise, and a rerun that differs is the cheapest symptom of shared state between rank threads (torch's
 global RNG, DTensor caches) or of an order that depends on thread scheduling. Each check fingerprints every
 tensor of a run (dtype, shape and raw bytes, NaN payloads included) and every other value it returns, and
-compares the fingerprints of several reruns in one process (the threads world: `SimWorld` and `simdist.spawn`
+compares the fingerprints of several reruns in one process (the threads world: `SimWorld` and `simdist.run`
 run their ranks as threads). 20 reruns and the process world are slow tests.
 """
 

@@ -2,7 +2,7 @@
 
 Each collective is written once (`simdist.world.collectives`) and used by `SimComm` and the ``simdist``
 torch.distributed backend. The references here share no code with it: a rank-order fold written out with plain
-``+`` (what `Sequential` promises), and for gloo's order the backend's own result on `simdist.spawn`
+``+`` (what `Sequential` promises), and for gloo's order the backend's own result on `simdist.run`
 (the two front ends must agree bit for bit).
 """
 
@@ -81,7 +81,7 @@ def test_simcomm_reduce_on_gloo_equals_the_backends_dist_reduce_on_every_rank():
     # every member's tensor afterwards (gloo leaves partial sums on the non-roots), bit for bit
     for dst in (0, 3):
         comm = SimWorld(SPEC, reduction=Gloo()).run(_world_reduce, dst)
-        backend = simdist.spawn(_dist_reduce, 4, dst, reduction="gloo")
+        backend = simdist.run(_dist_reduce, 4, args=(dst,), reduction="gloo")
         assert all(same_bits(a, b) for a, b in zip(comm, backend, strict=True))
         assert not same_bits(comm[(dst + 1) % 4], _inputs((dst + 1) % 4, 1, 40)[0])  # partial sums were written
 
@@ -116,7 +116,7 @@ def _dist_reduce_scatter(rank: int):
 
 def test_simcomm_list_reduce_scatter_on_gloo_equals_the_backends():
     comm = SimWorld(SPEC, reduction=Gloo()).run(_comm_reduce_scatter, "world")
-    backend = simdist.spawn(_dist_reduce_scatter, 4, reduction="gloo")
+    backend = simdist.run(_dist_reduce_scatter, 4, reduction="gloo")
     assert all(same_bits(c[1], b) for c, b in zip(comm, backend, strict=True))
 
 
@@ -197,7 +197,7 @@ def test_the_engines_observers_see_every_collective_of_both_front_ends():
         SimWorld(SPEC, reduction=Gloo()).run(_every_comm_collective)
         comm_seen = list(seen)
         seen.clear()
-        simdist.spawn(_every_dist_collective, 4, reduction="gloo")
+        simdist.run(_every_dist_collective, 4, reduction="gloo")
         dist_seen = list(seen)
     finally:
         Engine.unsubscribe(observer)
