@@ -86,16 +86,23 @@ _NAMED: dict[str, Op] = {}
 
 
 def resolve_op(op: Any) -> Op:
-    """The `Op` of a ``dist.ReduceOp`` (or its ``RedOpType``)."""
-    kind = getattr(op, "op", op)
-    key = int(kind)  # hashing the enum itself costs several times more, on every collective
-    found = _OPS.get(key)
+    """The `Op` of a ``dist.ReduceOp`` (or its ``RedOpType``).
+
+    The hot path is one ``hash``: c10d's ``ReduceOp`` and ``RedOpType`` hash to the op type's number (torch's
+    bindings; reading ``op.op`` and converting it costs three times more, on every collective). An op is filed
+    under its hash only where that equals its type's number, and ``PREMUL_SUM`` (a factor per call) never is.
+    """
+    found = _OPS.get(hash(op))
     if found is not None:
         return found
+    kind = getattr(op, "op", op)
+    key = int(kind)
     name = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
     if name == "PREMUL_SUM":
         return Op(name, getattr(op, "factor", None))
-    found = _OPS[key] = Op(name)
+    found = Op(name)
+    if hash(op) == key:
+        _OPS[key] = found
     return found
 
 

@@ -257,3 +257,24 @@ def test_a_policys_own_tp_order_runs_on_a_gloo_world():
         expected = Ring(chunk_size=1).reduce([results[r][0].view(3, 4) for r in ranks])
         for r in ranks:
             assert same_bits(results[r][1], expected)
+
+
+def test_resolve_op_names_every_c10d_op_however_given_and_keeps_each_premul_sums_factor():
+    """`resolve_op`'s one-hash fast path: each op type, given as c10d's ``ReduceOp`` object or its ``RedOpType``,
+    first and repeated calls alike, resolves to its own name; ``PREMUL_SUM`` is resolved afresh per call (its
+    factor is the call's), even after other factors."""
+    from torch.distributed.distributed_c10d import ReduceOp as C10dOp
+
+    from simdist.world.collectives import resolve_op
+
+    names = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+    for _ in range(2):
+        for name in names:
+            kind = getattr(C10dOp, name)  # a RedOpType
+            for given in (kind, C10dOp(kind)):
+                op = resolve_op(given)
+                assert op.name == name and op.shown == f"op={name}", (name, given)
+    for factor in (0.5, 2.0, 0.5):
+        op = resolve_op(dist._make_nccl_premul_sum(factor))
+        assert op.name == "PREMUL_SUM" and op.factor == factor and op.shown == f"op=PREMUL_SUM({factor})"
+        assert resolve_op(C10dOp(C10dOp.SUM)).name == "SUM"
