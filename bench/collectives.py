@@ -422,7 +422,7 @@ def engine_barriers(iters: int, isolate: bool) -> list[float]:
             isolation.restore()
 
 
-def _nothing(calls: list) -> None:
+def _nothing(calls: list, targets) -> None:
     """A barrier's completion."""
 
 

@@ -235,12 +235,16 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op = cc.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if len(tensors) == 1 and not (tensor := tensors[0]).is_sparse:
+            # dist.all_reduce, the hot path: checks cached per (op, shape, dtype), the tensor untracked here
+            call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensor.data, op)
+            if Engine.observers:
+                self._go(call, complete)
+            else:
+                self.transport.collective(self, call, complete)
+            return self._finished(opts, tensors)
         if tensors and tensors[0].is_sparse:
             return self._sparse_allreduce(tensors, op)
-        if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
-            call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
-            self._go(call, complete)
-            return self._finished(opts, tensors)
         return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
     def _sparse_allreduce(self, tensors, op: cc.Op) -> DoneWork:

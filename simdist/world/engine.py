@@ -377,10 +377,12 @@ class Engine:
         self,
         call: Call,
         members: tuple[int, ...],
-        complete: Callable[[list[Call]], None],
+        complete: Callable[[list[Call], Sequence[int]], None],
         key: Hashable | None = None,
     ) -> None:
-        """Enter a collective of the global ranks ``members``; the last to arrive runs ``complete``.
+        """Enter a collective of the global ranks ``members``; the last to arrive runs ``complete(calls,
+        targets)``: the calls in ``members`` order, and every member's position as a target (it writes each
+        member's outputs).
 
         ``key`` identifies the group's call sequence (default: ``members``).
         """
@@ -409,7 +411,7 @@ class Engine:
             if len(pending.calls) == len(members):
                 del self.pending[pkey]
                 try:
-                    complete([pending.calls[r] for r in members])
+                    complete([pending.calls[r] for r in members], range(len(members)))
                 except Exception as exc:
                     pending.error = exc
                 except BaseException as exc:

@@ -318,8 +318,7 @@ class ThreadTransport:
         self.engine = engine
 
     def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
-        n = len(pg.ranks)
-        self.engine.collective(call, pg.ranks, lambda calls: complete(calls, range(n)), key=pg.key)
+        self.engine.collective(call, pg.ranks, complete, key=pg.key)
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)

@@ -102,17 +102,11 @@ class SimComm:
     def _run(self, members: _Members, prepared: cc.Prepared) -> None:
         """The one funnel of every collective: the engine's observers are told, then the engine runs it."""
         call, complete = prepared
-        engine, ranks, targets = self._engine, members.ranks, range(members.size)
+        engine, ranks = self._engine, members.ranks
         if Engine.observers:
-            observed(
-                call,
-                complete,
-                "comm",
-                lambda: members.kind,
-                lambda c: engine.collective(call, ranks, lambda calls: c(calls, targets)),
-            )
+            observed(call, complete, "comm", lambda: members.kind, lambda c: engine.collective(call, ranks, c))
             return
-        engine.collective(call, ranks, lambda calls: complete(calls, targets))
+        engine.collective(call, ranks, complete)
 
     # -- collectives ---------------------------------------------------------
 
