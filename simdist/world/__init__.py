@@ -1,5 +1,5 @@
 """Where ranks live: the parallel layout (`spec`), group handles and the `Comm` protocol (`groups`), the
-rendezvous engine with its observer list (`engine`) and its errors (`errors`), every collective's checks and
+rendezvous with its observer list (`rendezvous`) and its errors (`errors`), every collective's checks and
 completion written once (`collectives`), and the two front ends over them: SimWorld's `Comm` (`simworld`) and
 the ``torch.distributed`` backend ``simdist`` (`backend`; registered by `plugin`; which group uses which
 reduction model: `modelmap`; in-process `inproc.spawn` with per-rank process-global state `isolation` and

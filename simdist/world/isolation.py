@@ -4,8 +4,8 @@ A rank of a real job is a process: its default random generator, default
 dtype, deterministic-algorithms flags and the other settings below are its
 own. Rank threads share one process, so `RankIsolation` keeps one copy of
 each per rank and swaps them in and out at every baton handoff of the
-`simdist.world.engine.Engine`: rank threads of `simdist.spawn` run one at a
-time (the engine starts them one after another and wakes a rank only when the
+`simdist.world.rendezvous.Rendezvous`: rank threads of `simdist.spawn` run one at a
+time (the rendezvous starts them one after another and wakes a rank only when the
 running one blocks in a collective or a receive, or returns), so the global
 state always holds the running rank's values.
 
@@ -15,7 +15,7 @@ reads every setting (one C-level loop into a tuple); the rank taking it
 installs its generator state and sets only the settings that differ from what
 the process holds (one tuple comparison when none do). torch offers no cheap
 "unchanged" check for the generator, so its state is copied at every handoff
-(about 4 us a handoff on a bare engine, about 10 us between a real program's
+(about 4 us a handoff on a bare rendezvous, about 10 us between a real program's
 calls, on the 2-vCPU machine; bench/collectives.py prints it).
 
 What a rank starts with is what a fresh process has (found by experiment with

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from simdist.errors import UsageError
 from simdist.reduce import ReductionModel
 from simdist.world.backend import SimProcessGroup
-from simdist.world.engine import Call
+from simdist.world.calls import Call
 from simdist.world.errors import CollectiveMismatchError
 from simdist.world.modelmap import as_model
 
@@ -267,7 +267,7 @@ ROOTED = ("broadcast", "scatter")
 def rooted_source(signature: tuple, ranks: tuple[int, ...]) -> int | None:
     """The group index of the member whose tensors a `ROOTED` collective reads; None for every other one.
 
-    The root is the signature's ``src=<global rank>`` (`simdist.world.collectives.broadcast`, ``scatter``)."""
+    The root is the signature's ``src=<global rank>`` (`simdist.world.data_movement.broadcast`, ``scatter``)."""
     if signature[0] not in ROOTED:
         return None
     source = next(str(d) for d in signature if str(d).startswith("src="))

@@ -1,9 +1,9 @@
-"""One collective front end: SimComm's reduce and list reduce_scatter, and the engine's observer list.
+"""One collective front end: SimComm's reduce and list reduce_scatter, and the observer list of both front ends.
 
-Each collective is written once (`simdist.world.collectives`) and used by `SimComm` and the ``simdist``
-torch.distributed backend. The references here share no code with it: a rank-order fold written out with plain
-``+`` (what `Sequential` promises), and for gloo's order the backend's own result on `simdist.spawn`
-(the two front ends must agree bit for bit).
+Each collective is written once (`simdist.world.reductions`, `simdist.world.data_movement`) and used by `SimComm`
+and the ``simdist`` torch.distributed backend. The references here share no code with it: a rank-order fold
+written out with plain ``+`` (what `Sequential` promises), and for gloo's order the backend's own result on
+`simdist.spawn` (the two front ends must agree bit for bit).
 """
 
 import torch
@@ -13,7 +13,7 @@ import simdist
 from simdist.numerics.compare import same_bits
 from simdist.reduce import ReduceOp, Sequential
 from simdist.reduce.gloo import Gloo
-from simdist.world.engine import Engine
+from simdist.world.observers import Observers
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -192,7 +192,7 @@ def test_the_engines_observers_see_every_collective_of_both_front_ends():
         seen.append((event.front, event.call.rank, event.call.signature[0], event.group))
         return lambda: after.append(event.call.rank)
 
-    Engine.subscribe(observer)
+    Observers.subscribe(observer)
     try:
         SimWorld(SPEC, reduction=Gloo()).run(_every_comm_collective)
         comm_seen = list(seen)
@@ -200,8 +200,8 @@ def test_the_engines_observers_see_every_collective_of_both_front_ends():
         simdist.spawn(_every_dist_collective, 4, reduction="gloo")
         dist_seen = list(seen)
     finally:
-        Engine.unsubscribe(observer)
-    assert observer not in Engine.observers
+        Observers.unsubscribe(observer)
+    assert observer not in Observers.subscribed
     for rank in range(4):
         mine = [(front, op) for front, r, op, _ in comm_seen if r == rank]
         assert mine == [("comm", op) for op in COMM_OPS], rank
@@ -229,11 +229,11 @@ def test_an_observer_may_wrap_the_completion():
         comm.all_reduce(x)
         return x
 
-    Engine.subscribe(observer)
+    Observers.subscribe(observer)
     try:
         results = SimWorld(SPEC, reduction=Sequential()).run(fn)
     finally:
-        Engine.unsubscribe(observer)
+        Observers.unsubscribe(observer)
     assert calls == ["all_reduce"]  # the completion runs once, on the last member to arrive
     assert all(torch.equal(r, torch.full((3,), 6.0)) for r in results)
 
@@ -265,7 +265,7 @@ def test_resolve_op_names_every_c10d_op_however_given_and_keeps_each_premul_sums
     factor is the call's), even after other factors."""
     from torch.distributed.distributed_c10d import ReduceOp as C10dOp
 
-    from simdist.world.collectives import resolve_op
+    from simdist.world.reduce_ops import resolve_op
 
     names = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
     for _ in range(2):
