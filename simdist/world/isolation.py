@@ -4,19 +4,20 @@ A rank of a real job is a process: its default random generator, default
 dtype, deterministic-algorithms flags and the other settings below are its
 own. Rank threads share one process, so `RankIsolation` keeps one copy of
 each per rank and swaps them in and out at every baton handoff of the
-`simdist.world.rendezvous.Rendezvous`: rank threads of `simdist.spawn` run one at a
-time (the rendezvous starts them one after another and wakes a rank only when the
-running one blocks in a collective or a receive, or returns), so the global
-state always holds the running rank's values.
+`simdist.world.rendezvous.Rendezvous`: rank threads of `simdist.spawn` run one
+at a time (the rendezvous starts them one after another and wakes a rank only
+when the running one blocks in a collective or a receive, or returns), so the
+global state always holds the running rank's values.
 
 A swap is the cost of that guarantee, paid at every handoff (four per 4-rank
 collective): the rank giving the baton away saves the generator's state and
-reads every setting (one C-level loop into a tuple); the rank taking it
-installs its generator state and sets only the settings that differ from what
-the process holds (one tuple comparison when none do). torch offers no cheap
-"unchanged" check for the generator, so its state is copied at every handoff
-(about 4 us a handoff on a bare rendezvous, about 10 us between a real program's
-calls, on the 2-vCPU machine; bench/collectives.py prints it).
+reads every setting (`read_settings`: one tuple of direct C calls); the rank
+taking it installs its generator state and sets only the settings that differ
+from what the process holds (one tuple comparison when none do). torch offers
+no cheap "unchanged" check for the generator or the settings, so both are read
+at every handoff: about 1.9 us a handoff on a bare rendezvous (``get_state``
+0.8 us, the settings 0.6 us, ``set_state`` 0.2 us; 2-vCPU machine, loaded;
+``bench/collectives.py --per-call`` prints the swaps of one collective).
 
 What a rank starts with is what a fresh process has (found by experiment with
 torch 2.13 on CPU, each value checked against a new interpreter by
