@@ -167,7 +167,6 @@ class SimProcessGroup(dist.ProcessGroup):
         self.label = label
         self.model = model
         self.transport = transport
-        self.key = (name, ranks)  # the group's call sequence in the rendezvous
         self.global_rank = ranks[rank]
         self.gloo_rules = model.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
         self.checked: dict = {}  # reductions.all_reduce_one's checks, per (op, shape, dtype)

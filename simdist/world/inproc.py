@@ -315,11 +315,12 @@ class SendWork(DoneWork):
 class ThreadTransport:
     """Calls of rank threads meet in the shared `Rendezvous`; the last to arrive completes for all."""
 
-    def __init__(self, rendezvous: Rendezvous) -> None:
+    def __init__(self, rendezvous: Rendezvous, key: int) -> None:
         self.rendezvous = rendezvous
+        self.key = key  # the group's call sequence: `Rendezvous.intern` of (name, ranks)
 
     def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
-        self.rendezvous.collective(call, pg.ranks, complete, key=pg.key)
+        self.rendezvous.collective(call, pg.ranks, complete, self.key)
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)
@@ -344,7 +345,8 @@ def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[i
     """The backend's group for a rank thread of `spawn`."""
     kind, model = ctx.chooser(ranks)
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
-    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, ThreadTransport(ctx.rendezvous))
+    transport = ThreadTransport(ctx.rendezvous, ctx.rendezvous.intern((name, ranks)))
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, transport)
 
 
 def spawn(

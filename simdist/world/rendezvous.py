@@ -134,6 +134,7 @@ class Rendezvous:
         self.switch = switch  # suspend(rank)/resume(rank) at every handoff; ranks start one at a time
         self.lock = threading.Lock()
         self.batons = Batons(world_size)  # each rank sleeps on its own semaphore: one wake-up per handoff
+        self.keys: dict[Hashable, int] = {}  # a group's call-sequence key -> its number (`intern`)
         self.sequence: dict[tuple[int, Hashable], int] = {}
         self.pending: dict[tuple[Hashable, int], _Pending] = {}
         self.waiting: dict[int, _Pending | _Recv | _Send] = {}
@@ -188,8 +189,10 @@ class Rendezvous:
 
     def block(self, rank: int, wait: _Pending | _Recv | _Send) -> None:
         """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
-        self.waiting[rank] = wait
-        self.check_progress()
+        waiting = self.waiting
+        waiting[rank] = wait
+        if self.finished or len(waiting) == self.world_size:  # `check_progress`'s cases (most blocks have neither)
+            self.check_progress()
         if self.switch is not None and self.error is None:
             self.switch.suspend(rank)
         following = self.ready.popleft() if self.ready else None
@@ -214,6 +217,12 @@ class Rendezvous:
         self.ready.append(rank)
 
     # -- collectives ----------------------------------------------------------
+
+    def intern(self, key: Hashable) -> int:
+        """A small number standing for ``key`` in this rendezvous (the same for equal keys): a front end passes it
+        as `collective`'s ``key``, so the per-call tables hash an int, not a nested tuple."""
+        with self.lock:
+            return self.keys.setdefault(key, len(self.keys))
 
     def collective(
         self,
@@ -260,9 +269,11 @@ class Rendezvous:
                     add_rank_note(exc, rank, self.label)
                     self.fail(exc)
                     raise Aborted from exc
-                for member in members:
+                waiting, ready = self.waiting, self.ready
+                for member in members:  # `release` of each other member, inline: this runs on every collective
                     if member != rank:
-                        self.release(member)
+                        del waiting[member]
+                        ready.append(member)
                 if pending.error is not None:
                     raise pending.error
                 self.lock.release()

@@ -47,9 +47,9 @@ class _Members:
     """SimComm's view of one `Group` for the collectives (a `simdist.world.calls.Members`), built once per group
     and communicator."""
 
-    __slots__ = ("checked", "gloo_rules", "group", "kind", "label", "model", "ranks", "size")
+    __slots__ = ("checked", "gloo_rules", "group", "key", "kind", "label", "model", "ranks", "size")
 
-    def __init__(self, group: Group, model: ReductionModel) -> None:
+    def __init__(self, group: Group, model: ReductionModel, key: int) -> None:
         self.group = group
         self.kind = group.kind
         self.label = str(group)
@@ -57,7 +57,8 @@ class _Members:
         self.gloo_rules = model.gloo_rules
         self.ranks = group.ranks
         self.size = len(group.ranks)
-        self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
+        self.key = key  # the call sequence on the rendezvous: `Rendezvous.intern` of the ranks
+        self.checked: dict = {}  # reductions.all_reduce_one's checks, per (op, shape, dtype)
 
 
 class SimComm:
@@ -101,18 +102,19 @@ class SimComm:
             raise UsageError(f"rank {self._rank} called a collective on {resolved}, which it is not a member of")
         if list(resolved.ranks) != sorted(resolved.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
             resolved = Group(resolved.kind, tuple(sorted(resolved.ranks)))
-        found = self._members[group] = _Members(resolved, self._world_obj.model_for(resolved.kind))
+        model = self._world_obj.model_for(resolved.kind)
+        found = self._members[group] = _Members(resolved, model, self._rendezvous.intern(resolved.ranks))
         return found
 
     def _run(self, members: _Members, prepared: Prepared) -> None:
         """The one funnel of every collective: the observers (`simdist.world.observers`) are told, then the
         rendezvous runs it."""
         call, complete = prepared
-        rendezvous, ranks = self._rendezvous, members.ranks
+        rendezvous, ranks, key = self._rendezvous, members.ranks, members.key
         if Observers.subscribed:
-            observed(call, complete, "comm", lambda: members.kind, lambda c: rendezvous.collective(call, ranks, c))
+            observed(call, complete, "comm", lambda: members.kind, lambda c: rendezvous.collective(call, ranks, c, key))
             return
-        rendezvous.collective(call, ranks, complete)
+        rendezvous.collective(call, ranks, complete, key)
 
     # -- collectives ---------------------------------------------------------
 
