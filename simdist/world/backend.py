@@ -34,9 +34,9 @@ gloo (torch 2.13, 4 processes), applies where the group's model has
 * ``PREMUL_SUM`` raises ``RuntimeError`` on gloo; ``BAND``/``BOR``/``BXOR``
   on a floating tensor raise ``RuntimeError`` (at the call, on every rank).
 
-Every collective passes `SimProcessGroup._run`, which tells the observers
-(`simdist.world.observers.observed`: the audit, blame) before the
-transport runs it.
+Every collective tells the observers (`simdist.world.observers.observed`: the
+audit, blame) before the transport runs it, in `SimProcessGroup._go` (most
+through `_run`; ``allreduce``'s one-tensor path tests for observers itself).
 """
 
 from __future__ import annotations

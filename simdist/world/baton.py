@@ -1,6 +1,6 @@
 """How a rank thread sleeps until the rendezvous hands it the baton, and how it is woken: one semaphore per rank.
 
-the rendezvous (`simdist.world.rendezvous.Rendezvous`) runs one rank thread at
+The rendezvous (`simdist.world.rendezvous.Rendezvous`) runs one rank thread at
 a time: the running rank wakes the next and goes to sleep. That wake-up is
 most of a collective's cost on rank threads, so it uses the cheapest primitive
 found by experiment (tests/unit/test_baton.py checks the semantics; bench/collectives.py

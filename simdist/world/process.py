@@ -7,9 +7,11 @@ Each ``simdist`` group owns an inner gloo group over the same store. A
 collective first all-gathers every member's call description (op, shapes,
 dtypes, split sizes, source line) and checks that they match, raising
 `CollectiveMismatchError` with every member's call site on every rank if not;
-then it all-gathers the members' input tensors (their memory footprint, so
-strided inputs reach the model with their strides) and runs the same
-``complete`` as in-process mode for this rank alone. The arithmetic is
+then the members' input tensors travel as bytes (their memory footprint, so
+strided inputs reach the model with their strides): one broadcast per member
+into a kept buffer; for a broadcast only the root's, for a scatter each
+member's own entries from the root (one message each). Each rank then runs the
+same ``complete`` as in-process mode for itself alone. The arithmetic is
 therefore the reduction model's, bit for bit the same as `simdist.spawn`, and
 module-global framework state (DeepSpeed's ``groups``, Megatron's
 ``parallel_state``) lives in each process as usual. Point-to-point messages
