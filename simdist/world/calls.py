@@ -7,6 +7,11 @@ simdist's world layer, torch and the wrappers torch's functions are decorated
 with (`is_internal`; the audit and blame skip the same frames). A rank stuck
 past a run's deadline is shown by `rank_whereabouts`: its own innermost line
 and the frame it waits in.
+
+The shapes every collective function shares are here too: `Members` (what a
+collective needs of its group), `Complete` (its completion over every
+member's call) and `Prepared` (the pair a collective function returns), and
+`meta` (tensors' shapes and dtypes as signature details).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""torch's gloo backend's rules, found by experiment against real gloo (torch 2.13), for groups with ``gloo_rules``.
+"""torch's gloo backend's rules, found by experiment against real gloo (torch 2.13).
 
-What it refuses at the call (`GLOO_DTYPES`, layouts, the list reduce_scatter's
-and scatter's shapes) and how it moves memory: a tensor's ``numel`` elements
-from its data pointer (`memory_order`; the reduction model's own
-`simdist.reduce.gloo.memory_rows` is the rule `refuse_layouts` applies), and a
-bool result's bytes kept (`write_bytes`).
+On groups whose model has ``gloo_rules``: what gloo refuses at the call
+(`GLOO_DTYPES`, layouts, the list reduce_scatter's and scatter's shapes) and
+how it sends a scatter entry, its ``numel`` elements from its data pointer
+(`memory_order`; the reduction model's own `simdist.reduce.gloo.memory_rows` is
+the rule `refuse_layouts` applies). On every group: a bool result keeps its
+bytes, as gloo writes it (`write_bytes`, the reductions' one write).
 """
 
 from __future__ import annotations

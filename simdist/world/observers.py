@@ -1,9 +1,9 @@
 """Who sees every collective of both front ends: `Observers` (the audit and blame subscribe) and `observed`.
 
-Each front end's one funnel (`simdist.world.simworld.SimComm._run`,
-`simdist.world.backend.SimProcessGroup._run`) calls `observed` before the
-collective runs, in thread and process mode alike; with nobody subscribed
-that is one attribute test. Observers are an explicit list: nothing swaps
+Each front end calls `observed` before a collective runs
+(`simdist.world.simworld.SimComm._run`, `simdist.world.backend.SimProcessGroup._go`),
+in thread and process mode alike; with nobody subscribed that is one attribute
+test. Observers are an explicit list: nothing swaps
 methods at run time.
 """
 
