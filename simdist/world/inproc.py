@@ -14,7 +14,7 @@ backend, so ``dist.get_rank()``, ``new_group``, ``new_subgroups``,
 ``init_device_mesh``, DTensor, FSDP2's ``fully_shard`` and the functional
 collectives work as under torchrun. Collectives are computed by the reduction
 model chosen for the group (`simdist.world.modelmap`), on the rendezvous
-`simdist.world.engine.Engine`; a mismatch, a deadlock or an exception on any
+`simdist.world.rendezvous.Rendezvous`; a mismatch, a deadlock or an exception on any
 rank stops every rank quickly and names each rank's call site.
 
 How ``torch.distributed``'s state is kept per rank thread: c10d keeps its
@@ -54,11 +54,12 @@ from simdist.errors import UsageError
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
-from simdist.world.engine import Call, Engine
+from simdist.world.calls import Call
 from simdist.world.frameworks import install as refuse_frameworks
 from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
 from simdist.world.options import check_timeout
+from simdist.world.rendezvous import Rendezvous
 from simdist.world.spec import ParallelSpec
 
 
@@ -232,13 +233,13 @@ def _uninstall() -> None:
 
 
 class _Context:
-    """What the backend's group factory needs on a rank thread: the engine, the rank, the model chooser."""
+    """What the backend's group factory needs on a rank thread: the rendezvous, the rank, the model chooser."""
 
     local = threading.local()
     tokens = itertools.count(1)
 
-    def __init__(self, engine: Engine, rank: int, chooser: Chooser) -> None:
-        self.engine = engine
+    def __init__(self, rendezvous: Rendezvous, rank: int, chooser: Chooser) -> None:
+        self.rendezvous = rendezvous
         self.rank = rank
         self.chooser = chooser
         self.token = next(self.tokens)  # unique per rank of every spawn (a thread id can be reused)
@@ -264,14 +265,14 @@ def _current_rank() -> int | None:
 class RecvWork(dist.Work):
     """A posted receive; ``wait()`` blocks (deadlock-checked) until the message is there."""
 
-    def __init__(self, engine: Engine, recv, tensor: torch.Tensor) -> None:
+    def __init__(self, rendezvous: Rendezvous, recv, tensor: torch.Tensor) -> None:
         super().__init__()
-        self._engine = engine
+        self._rendezvous = rendezvous
         self._recv = recv
         self._tensor = tensor
 
     def wait(self, timeout=None) -> bool:
-        self._engine.wait_recv(self._recv)
+        self._rendezvous.wait_recv(self._recv)
         return True
 
     def is_completed(self) -> bool:
@@ -298,13 +299,13 @@ class SendWork(DoneWork):
     """A send; ``wait()`` blocks (deadlock-checked) until the peer's receive has taken the message, as gloo's
     send does, so blocking sends received in another order are a reported deadlock, not an answer."""
 
-    def __init__(self, engine: Engine, sent, tensor: torch.Tensor) -> None:
+    def __init__(self, rendezvous: Rendezvous, sent, tensor: torch.Tensor) -> None:
         super().__init__([tensor])
-        self._engine = engine
+        self._rendezvous = rendezvous
         self._sent = sent
 
     def wait(self, timeout=None) -> bool:
-        self._engine.wait_send(self._sent)
+        self._rendezvous.wait_send(self._sent)
         return True
 
     def is_completed(self) -> bool:
@@ -312,39 +313,40 @@ class SendWork(DoneWork):
 
 
 class ThreadTransport:
-    """Calls of rank threads meet in the shared `Engine`; the last to arrive completes for all."""
+    """Calls of rank threads meet in the shared `Rendezvous`; the last to arrive completes for all."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, rendezvous: Rendezvous, key: int) -> None:
+        self.rendezvous = rendezvous
+        self.key = key  # the group's call sequence: `Rendezvous.intern` of (name, ranks)
 
     def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
-        n = len(pg.ranks)
-        self.engine.collective(call, pg.ranks, lambda calls: complete(calls, range(n)), key=pg.key)
+        self.rendezvous.collective(call, pg.ranks, complete, self.key)
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)
         any_key = (pg.group_name, pg.ranks, dst, tag)  # where an any-source receive of ``dst`` waits
-        return SendWork(self.engine, self.engine.send(call, channel, tensor, pg.ranks[dst], any_key), tensor)
+        return SendWork(self.rendezvous, self.rendezvous.send(call, channel, tensor, pg.ranks[dst], any_key), tensor)
 
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, src, pg.rank(), tag)
         # the message is written into a detached alias, as gloo writes from C++: no autograd record, no version bump
-        posted = self.engine.post_recv(call, channel, pg.ranks[src], tensor.data)
-        return RecvWork(self.engine, posted, tensor)
+        posted = self.rendezvous.post_recv(call, channel, pg.ranks[src], tensor.data)
+        return RecvWork(self.rendezvous, posted, tensor)
 
     def recv_any(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, tag: int) -> dist.Work:
-        """A receive from any other member: the earliest sent message (`Engine.post_recv_any`)."""
+        """A receive from any other member: the earliest sent message (`Rendezvous.post_recv_any`)."""
         me = pg.rank()
         channels = [(pg.group_name, pg.ranks, src, me, tag) for src in range(len(pg.ranks)) if src != me]
-        posted = self.engine.post_recv_any(call, channels, (pg.group_name, pg.ranks, me, tag), tensor.data)
-        return RecvWork(self.engine, posted, tensor)
+        posted = self.rendezvous.post_recv_any(call, channels, (pg.group_name, pg.ranks, me, tag), tensor.data)
+        return RecvWork(self.rendezvous, posted, tensor)
 
 
 def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str):
     """The backend's group for a rank thread of `spawn_threads`."""
     kind, model = ctx.chooser(ranks)
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
-    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, ThreadTransport(ctx.engine))
+    transport = ThreadTransport(ctx.rendezvous, ctx.rendezvous.intern((name, ranks)))
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, transport)
 
 
 def spawn_threads(
@@ -382,7 +384,7 @@ def _spawn(
     # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
     isolation = RankIsolation(world_size, _current_rank)
-    engine = Engine(world_size, label="simdist.run", switch=isolation)
+    rendezvous = Rendezvous(world_size, label="simdist.run", switch=isolation)
     store = dist.HashStore()
     stores: dict[int, dist.Store] = {}  # the stores of scripts' re-inits after their destroy_process_group
     saved = _process_globals()
@@ -390,7 +392,7 @@ def _spawn(
     init = c10d.init_process_group  # the original: the launcher's own init is not the script's
 
     def body(rank: int) -> Any:
-        ctx = _Context.local.ctx = _Context(engine, rank, chooser)
+        ctx = _Context.local.ctx = _Context(rendezvous, rank, chooser)
         world.enter_rank()
         try:
             init(BACKEND_NAME, rank=rank, world_size=world_size, store=store)
@@ -405,7 +407,7 @@ def _spawn(
                 ended = f"rank {rank} called sys.exit({exc.code!r}); its process would have ended"
                 raise RankExitError(ended) from None
             finally:
-                if engine.error is None and dist.is_initialized():  # the script may have destroyed it
+                if rendezvous.error is None and dist.is_initialized():  # the script may have destroyed it
                     dist.destroy_process_group()
         finally:
             world.leave_rank()
@@ -415,7 +417,7 @@ def _spawn(
     undo_frameworks = refuse_frameworks(_current_rank)
     try:
         isolation.start()
-        results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
+        results = rendezvous.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
     except BaseException:
         isolation.restore()  # the caller's generator and settings, also when a rank failed
         raise

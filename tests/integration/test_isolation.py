@@ -29,7 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 import simdist
 from simdist.numerics.floats import bits
 from simdist.world import inproc
-from simdist.world.isolation import SETTINGS, SharedGlobalStateError
+from simdist.world.isolation import SETTINGS, SharedGlobalStateError, read_settings
 
 N = 4
 RERUNS = 3
@@ -161,6 +161,21 @@ def test_settings_are_process_global_by_experiment():
         t.join()
         try:
             assert get() == other, name
+        finally:
+            set_(original)
+
+
+def test_read_settings_reads_each_setting_of_the_table():
+    """`read_settings` (the handoff's written-out reader) returns what `SETTINGS`' getters return, in its order,
+    with each setting changed alone: a slot that reads another setting, or none, shows here."""
+    for position, (name, (get, set_, _)) in enumerate(SETTINGS.items()):
+        before = read_settings()
+        original = get()
+        set_(_other(name, original))
+        try:
+            after = read_settings()
+            assert after == tuple(g() for g, _, _ in SETTINGS.values()), name
+            assert [i for i in range(len(after)) if after[i] != before[i]] == [position], name
         finally:
             set_(original)
 
