@@ -1,9 +1,9 @@
 """#8913 at production shapes on DeepSpeed's real ``BF16_Optimizer``: shipped vs fixed vs an FP32 oracle, trained.
 
-    python bench/production_engine.py [--models NAME,...] [--tp 2] [--world 4] [--gas 1] [--steps 3]
+    python bench/production_engine.py [--models NAME,...] [--tp 2] [--world-size 4] [--gas 1] [--steps 3]
                                       [--tokens 4096] [--expert-rows 2] [--port 29531] [--json FILE]
 
-What runs (one launch of ``--world`` gloo processes on 127.0.0.1 per model; AutoEP+AutoTP folding with
+What runs (one launch of ``--world-size`` gloo processes on 127.0.0.1 per model; AutoEP+AutoTP folding with
 DeepSpeed's own ``build_folding_spec`` and group constructors, ``ep = 2``, ``etp = 1``): one MoE layer of a
 catalogue model (`simdist.models.production`) -- the router ``[experts, hidden]`` (and GPT-OSS's router bias)
 and every RMSNorm weight of the layer **at full size**, and this rank's routed experts **sliced** to
@@ -315,13 +315,13 @@ def deepspeed_micro_step(c: dict, shape: MoEShape, stand_ins, setup, x, probes, 
 
 def _rank(rank: int, args, model: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     torch.set_num_threads(1)
     from deepspeed.utils import safe_get_full_fp32_param
 
     from simdist.gradpath.families import Family
 
-    spec = ParallelSpec(args.world, tp=args.tp, ep=EP)
+    spec = ParallelSpec(args.world_size, tp=args.tp, ep=EP)
     shape = get_shape(model)
     setup = setup_ranks(rank, spec, shape)
     tp_group, dp_group, edp_group = setup.tp_group, setup.dp_group, setup.edp_group
@@ -389,7 +389,7 @@ def _rank(rank: int, args, model: str, results) -> None:
             {
                 "model": model,
                 "tp": args.tp,
-                "world": args.world,
+                "world": args.world_size,
                 "gas": args.gas,
                 "steps": args.steps,
                 "tokens": args.tokens,
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(CATALOGUE), help="comma-separated catalogue names")
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--gas", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per DP rank per micro-batch")
@@ -481,17 +481,17 @@ def main(argv: list[str] | None = None) -> None:
     models = [m for m in args.models.split(",") if m]
     for m in models:
         get_shape(m)
-    ParallelSpec(args.world, tp=args.tp, ep=EP)  # a clear error for a layout that does not fit
+    ParallelSpec(args.world_size, tp=args.tp, ep=EP)  # a clear error for a layout that does not fit
     if args.tokens % args.tp:
         parser.error(f"--tokens {args.tokens} must split evenly over --tp {args.tp}")
     results = mp.Manager().list()
     for i, model in enumerate(models):
-        print(f"[{model}] launching {args.world} gloo processes", file=sys.stderr, flush=True)
+        print(f"[{model}] launching {args.world_size} gloo processes", file=sys.stderr, flush=True)
         run = argparse.Namespace(**{**vars(args), "port": args.port + i})
-        mp.spawn(_rank, args=(run, model, results), nprocs=args.world)
+        mp.spawn(_rank, args=(run, model, results), nprocs=args.world_size)
     results = list(results)
     print(
-        f"# #8913 on DeepSpeed's real BF16_Optimizer: TP{args.tp}/EP{EP}/ETP1 on {args.world} gloo processes, "
+        f"# #8913 on DeepSpeed's real BF16_Optimizer: TP{args.tp}/EP{EP}/ETP1 on {args.world_size} gloo processes, "
         f"GAS {args.gas}, {args.steps} steps, {args.tokens} tokens per DP rank per micro-batch, experts sliced to "
         f"{args.expert_rows} FFN rows; oracle TP correction: {args.marker}"
     )

@@ -2,7 +2,7 @@
 
     python bench/startup.py --case deepspeed      # DeepSpeed #8913's real run (4 ranks, one launch)
     python bench/startup.py --case megatron       # Megatron-Core's DP2 and TP2 x DP2 runs (two launches)
-    python bench/startup.py --case megatron --world simdist --repeats 2
+    python bench/startup.py --case megatron --where simdist --repeats 2
 
 Each case's real run is launched three ways, in this order: ``before`` (the launcher as it was: the forkserver
 preloads torch only and every rank imports the framework itself), ``freeze`` (the server also freezes its
@@ -52,7 +52,7 @@ def _megatron(world: str, preload: tuple[str, ...], timings: list) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", choices=("deepspeed", "megatron"), required=True)
-    parser.add_argument("--world", choices=("gloo", "simdist"), default="gloo")
+    parser.add_argument("--where", choices=("gloo", "simdist"), default="gloo")
     parser.add_argument("--repeats", type=int, default=1, help="launches per way after the first (default 1)")
     ns = parser.parse_args(argv)
     from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(ns.repeats + 1):
             timings: list = []
             began = time.perf_counter()
-            body(ns.world, preload, timings)
+            body(ns.where, preload, timings)
             wall = time.perf_counter() - began
             totals.setdefault(way, []).append(wall)
             for t in timings:

@@ -4,11 +4,11 @@ The same rank program (`simdist.studies.crosscheck.train_and_dump`) runs in ever
 and writes ``OUT/<policy>/rank{r}.safetensors``; compare two dumps with
 ``simdist compare DUMP_A DUMP_B``::
 
-    python experiments/crosscheck.py --world sim --out dumps/sim                   # SimWorld, gloo order
-    python experiments/crosscheck.py --world gloo --out dumps/gloo                 # 4 local gloo processes
-    torchrun --nproc-per-node 4 experiments/crosscheck.py --world torch --backend gloo --out dumps/gloo
-    torchrun --nproc-per-node 4 experiments/crosscheck.py --world torch --backend nccl --device cuda --out dumps/nccl
-    python experiments/crosscheck.py --world sim --device cuda --reduction sequential --out dumps/sim-cuda
+    python experiments/crosscheck.py --where sim --out dumps/sim                   # SimWorld, gloo order
+    python experiments/crosscheck.py --where gloo --out dumps/gloo                 # 4 local gloo processes
+    torchrun --nproc-per-node 4 experiments/crosscheck.py --where torch --backend gloo --out dumps/gloo
+    torchrun --nproc-per-node 4 experiments/crosscheck.py --where torch --backend nccl --device cuda --out dumps/nccl
+    python experiments/crosscheck.py --where sim --device cuda --reduction sequential --out dumps/sim-cuda
     simdist compare dumps/sim/bf16_writeback dumps/gloo/bf16_writeback
 """
 
@@ -29,7 +29,7 @@ from simdist.world.spec import EP_LAYOUTS, ParallelSpec
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="experiments/crosscheck.py", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--world",
+        "--where",
         choices=("sim", "gloo", "torch"),
         default="sim",
         help="sim: SimWorld; gloo: spawn 4 local gloo processes; torch: this process is a torchrun rank",
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.use_deterministic_algorithms(True, warn_only=True)
-    world_size = int(os.environ.get("WORLD_SIZE", ns.world_size)) if ns.world == "torch" else ns.world_size
+    world_size = int(os.environ.get("WORLD_SIZE", ns.world_size)) if ns.where == "torch" else ns.world_size
     check = CrossCheck(
         spec=ParallelSpec(world_size, tp=ns.tp, ep=ns.ep, ep_layout=ns.ep_layout),
         steps=ns.steps,
@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         model=MoEConfig(tokens=ns.tokens),
     )
     spec = check.spec
-    if ns.world == "sim":
+    if ns.where == "sim":
         from simdist.reduce import make_model
         from simdist.world.simworld import SimWorld
 
         model = make_model(ns.reduction)
         where = {"world": "sim", "backend": "simworld", "reduction": model.name}
         written = SimWorld(spec, reduction=model).run(train_and_dump, check, ns.out, where)[0]
-    elif ns.world == "gloo":
+    elif ns.where == "gloo":
         where = {"world": "gloo", "backend": "gloo", "reduction": "gloo"}
         written = simdist.run(
             train_and_dump, spec, api="comm", where="gloo", args=(check, ns.out, where), timeout_s=600

@@ -79,7 +79,7 @@ def test_nccl_and_cuda_simworld_dumps_are_bitwise_equal(tmp_path):
             "--nproc-per-node",
             "4",
             script,
-            "--world",
+            "--where",
             "torch",
             "--backend",
             "nccl",
@@ -96,7 +96,7 @@ def test_nccl_and_cuda_simworld_dumps_are_bitwise_equal(tmp_path):
         [
             sys.executable,
             script,
-            "--world",
+            "--where",
             "sim",
             "--device",
             "cuda",
@@ -121,8 +121,8 @@ def dumps(tmp_path_factory) -> Path:
     spec = importlib.util.spec_from_file_location("crosscheck", ROOT / "experiments" / "crosscheck.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(["--world", "sim", "--steps", "1", "--out", str(out / "a")]) == 0
-    assert script.main(["--world", "sim", "--steps", "1", "--reduction", "sequential", "--out", str(out / "b")]) == 0
+    assert script.main(["--where", "sim", "--steps", "1", "--out", str(out / "a")]) == 0
+    assert script.main(["--where", "sim", "--steps", "1", "--reduction", "sequential", "--out", str(out / "b")]) == 0
     return out
 
 

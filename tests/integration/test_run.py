@@ -194,7 +194,7 @@ def test_the_package_exports_its_public_names():
         assert getattr(simdist, name) is not None
     assert simdist.run.__module__ == "simdist.world.runner" and simdist.Where is Where and simdist.Api is Api
     with pytest.raises(AttributeError, match="no attribute 'spawn'"):  # the one launcher is simdist.run
-        simdist.spawn  # noqa: B018
+        simdist.spawn  # noqa: B018 (retired)
 
 
 # -- processes: one launch costs seconds (torch in a forkserver), so these are slow ---------------------------

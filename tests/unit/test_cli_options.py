@@ -114,14 +114,14 @@ def test_every_option_is_set_from_the_command_line():
 @pytest.mark.parametrize(
     ("argv", "old"),
     [
-        (["repro", "8913", "--model", "moe"], "--model"),
-        (["repro", "8913", "--engine", "deepspeed"], "--engine"),
-        (["growth", "--out", "o", "--model", "moe"], "--model"),
-        (["case", "run", "x", "--world", "threads"], "--world"),
+        (["repro", "8913", "--model", "moe"], "--model"),  # retired
+        (["repro", "8913", "--engine", "deepspeed"], "--engine"),  # retired
+        (["growth", "--out", "o", "--model", "moe"], "--model"),  # retired
+        (["case", "run", "x", "--world", "threads"], "--world"),  # retired
     ],
 )
 def test_the_old_spellings_are_argparse_errors(capsys, argv, old):
-    """The glossary's words only: no alias keeps ``--model``, ``--engine`` or the cases' ``--world``."""
+    """The glossary's words only: the retired ``--model``, ``--engine`` and cases' ``--world`` have no alias."""
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and old in err and err.count("\n") == 1
