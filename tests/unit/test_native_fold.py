@@ -403,4 +403,4 @@ def test_a_kernel_built_from_another_fold_c_is_not_loaded(monkeypatch):
         monkeypatch.setattr(native.importlib, "import_module", lambda name, module=module: module)
         assert native._installed() is expected
     if native._KERNEL is not None:  # the kernel loaded here, installed or built on first use, is this source's
-        assert native._KERNEL.SOURCE_SHA256 == native.source_sha256()
+        assert native.source_sha256() == native._KERNEL.SOURCE_SHA256
