@@ -24,7 +24,7 @@ A second table compares, for 1024 fp32 elements, the ways to run
 * fold     -- the plain rank-order fold ``((x0 + x1) + x2) + x3`` plus the
               writes (the cheapest possible in-place all_reduce, not gloo's order);
 * floor, SimWorld -- as above;
-* backend  -- unmodified ``dist.all_reduce`` on `simdist.spawn` (the
+* backend  -- unmodified ``dist.all_reduce`` on `simdist.run` (the
               ``simdist`` backend; gloo's order, bit for bit);
 * threaded -- torch's own threaded process group (its summation order, not
               gloo's);
@@ -33,20 +33,20 @@ A second table compares, for 1024 fp32 elements, the ways to run
 
 Under it, where SimWorld's and the backend's microseconds go, each part timed
 alone in the same run: the model, the writes, the 4 handoffs between rank
-threads (a bare ring of the engine's wake-ups, `simdist.world.baton`), the rest
-of SimWorld (engine, checks, Python, and the model running slower among four
-threads than alone), the isolation swaps of `simdist.spawn` (a bare engine
+threads (a bare ring of the rendezvous' wake-ups, `simdist.world.baton`), the rest
+of SimWorld (rendezvous, checks, Python, and the model running slower among four
+threads than alone), the isolation swaps of `simdist.run` (a bare rendezvous
 barrier with and without `RankIsolation`) and the rest of the backend (c10d's
 Python layer, the backend's per-call path); and the least any front end on OS
 threads can take: handoffs + model + writes. Both rests are then split once
 more by running SimWorld and the backend on a model that does no arithmetic
-(`_NoArithmetic`): what is left is the front end's own engine, checks and
+(`_NoArithmetic`): what is left is the front end's own rendezvous, checks and
 Python, and SimWorld's rest minus it is the model running slower inside the
 front end than alone (partly so on one thread too: the 4 ranks' calls driven
 from one thread cost about 20 us more with the model than the model alone plus
 the same calls on the no-arithmetic model; more among the rank threads).
 
-A third table times the rank-batched engine's all_reduce (`simdist.gradpath.batched.BatchedOps`: the 4
+A third table times the rank-batched gradient path's all_reduce (`simdist.gradpath.batched.BatchedOps`: the 4
 ranks are one ``[batch, 4, 1024]`` tensor, the group is a view, gloo's order applied as a per-element plan)
 against the plain rank-order fold ``((x0 + x1) + x2) + x3`` of the same four tensors (issue target <= 2x),
 for one run and for a growth ensemble of 8 seeds. A fourth table times every registered reduction model
@@ -78,9 +78,9 @@ import torch.distributed as dist
 import simdist
 from simdist.reduce.gloo import Gloo
 from simdist.world.baton import Batons
-from simdist.world.engine import Call, Engine
+from simdist.world.calls import Call
 from simdist.world.isolation import RankIsolation
-from simdist.world.launch import spawn_gloo
+from simdist.world.rendezvous import Rendezvous
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -276,16 +276,16 @@ def model_table(iters: int, repeats: int) -> None:
 
 
 def batched_table(iters: int, repeats: int) -> None:
-    """The rank-batched engine's all_reduce of 1024 fp32 elements on 4 ranks vs the plain rank-order fold, for one
-    run and for a growth ensemble of 8 seeds (``[8, 4, 1024]``: the per-call cost is shared by the batch),
+    """The rank-batched gradient path's all_reduce of 1024 fp32 elements on 4 ranks vs the plain rank-order fold, for
+    one run and for a growth ensemble of 8 seeds (``[8, 4, 1024]``: the per-call cost is shared by the batch),
     interleaved in one run."""
     from simdist.gradpath.batched import BatchedOps
 
     numel, n = 1024, SPEC.world_size
-    print(f"\n{numel} fp32 elements, 4 ranks, rank-batched engine (us per all_reduce of the whole batch)")
+    print(f"\n{numel} fp32 elements, 4 ranks, rank-batched gradient path (us per all_reduce of the whole batch)")
     print(f"{'batch':>5} {'plain fold':>10} {'batched':>8}   {'batched/fold':>12}")
     table = Table(
-        f"Rank-batched engine, all_reduce of {numel} fp32 elements on 4 ranks, per batch",
+        f"Rank-batched rendezvous, all_reduce of {numel} fp32 elements on 4 ranks, per batch",
         ["batch", "plain fold us", "rank-batched us", "rank-batched / fold"],
         notes=f"The 4 ranks as one `[batch, 4, {numel}]` tensor, gloo's order (checked bit for bit against the "
         f"gloo model first); medians of {repeats} interleaved repeats, {_clock_name()}. Target: <= 2x the fold.",
@@ -359,7 +359,7 @@ def backend_table(iters: int, repeats: int) -> None:
 
 
 def baton_ring(iters: int, repeats: int) -> list[float]:
-    """Seconds per round of a bare ring of 4 threads handing one baton round (`simdist.world.baton`, the engine's
+    """Seconds per round of a bare ring of 4 threads handing one baton round (`simdist.world.baton`, the rendezvous'
     wake-ups, pinned to one CPU as the rank threads are): the 4 handoffs every collective needs, nothing else."""
     n = SPEC.world_size
     cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -391,7 +391,7 @@ def _ring_rank(batons: Batons, r: int, n: int, cpu: int | None, iters: int, laps
 
 
 class _NoSwitch:
-    """An engine switch that swaps nothing: the serial schedule of `simdist.spawn` without its isolation."""
+    """A rendezvous switch that swaps nothing: the serial schedule of `simdist.run` without its isolation."""
 
     def suspend(self, rank: int) -> None:
         pass
@@ -401,34 +401,34 @@ class _NoSwitch:
 
 
 def engine_barriers(iters: int, isolate: bool) -> list[float]:
-    """Seconds per 4-rank barrier on the bare engine in `simdist.spawn`'s serial schedule, with its per-rank
+    """Seconds per 4-rank barrier on the bare rendezvous in `simdist.run`'s serial schedule, with its per-rank
     isolation (`RankIsolation`: each rank's generator and settings swapped at every handoff) or without."""
     n = SPEC.world_size
     isolation = RankIsolation(n) if isolate else None
-    engine = Engine(n, switch=isolation or _NoSwitch())
+    rendezvous = Rendezvous(n, switch=isolation or _NoSwitch())
     members = tuple(range(n))
 
     def body(rank: int) -> float:
         call = Call(rank, ("barrier", "world"), "bench")
         start = CLOCK[0]()
         for _ in range(iters):
-            engine.collective(call, members, _nothing)
+            rendezvous.collective(call, members, _nothing)
         return (CLOCK[0]() - start) / iters
 
     try:
-        return [engine.run(body)[0]]
+        return [rendezvous.run(body)[0]]
     finally:
         if isolation is not None:
             isolation.restore()
 
 
-def _nothing(calls: list) -> None:
+def _nothing(calls: list, targets) -> None:
     """A barrier's completion."""
 
 
 class _NoArithmetic(Gloo):
     """The `Gloo` model with a reduction that does no arithmetic (the first member's tensor is the result): a
-    front end on it costs its engine, checks and Python, the handoffs and the writes, without the model."""
+    front end on it costs its rendezvous, checks and Python, the handoffs and the writes, without the model."""
 
     def reduce(self, tensors, op=None):  # type: ignore[override]
         return tensors[0]
@@ -451,7 +451,7 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
     """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
     the machine hits every part alike: the plain fold, the model + writes (``floor``), SimWorld's and the
     backend's all_reduce and barrier, and alone: the model, the 4 writes, the 4 handoffs (a bare baton ring),
-    a bare engine barrier with and without the isolation swaps."""
+    a bare rendezvous barrier with and without the isolation swaps."""
     numel, n = 1024, SPEC.world_size
     xs = [_input(numel) for _ in range(n)]
     model = Gloo()
@@ -466,16 +466,16 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
         "fold": lambda: floor(numel, iters, 1, plain=True),
         "floor": lambda: floor(numel, iters, 1),
         "sim": lambda: world.run(timed_loop, numel, iters, 1)[0],
-        "backend": lambda: simdist.spawn(dist_loop, n, numel, iters, 1)[0],
+        "backend": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1))[0],
         "model": lambda: _laps(lambda: model.reduce(xs), iters, 1),
         "writes": lambda: _laps(writes, iters, 1),
         "ring": lambda: baton_ring(iters, 1),
         "iso": lambda: engine_barriers(iters, True),
         "bare": lambda: engine_barriers(iters, False),
         "simbar": lambda: world.run(timed_loop, numel, iters, 1, True)[0],
-        "bbar": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, True)[0],
+        "bbar": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1, True))[0],
         "sim0": lambda: bare_world.run(timed_loop, numel, iters, 1)[0],
-        "backend0": lambda: simdist.spawn(dist_loop, n, numel, iters, 1, reduction=_NoArithmetic())[0],
+        "backend0": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1), reduction=_NoArithmetic())[0],
     }
     laps: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
@@ -486,8 +486,8 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
 
 def split_rows(us: dict[str, float]) -> None:
     """Where a 4-rank all_reduce's microseconds go (`front_end_parts`): the model and the writes (no threads), the
-    4 handoffs (a bare baton ring), the rest of SimWorld (engine, checks, Python, and the model running slower
-    among four threads than alone), the isolation swaps (bare engine barrier with `RankIsolation` minus without)
+    4 handoffs (a bare baton ring), the rest of SimWorld (rendezvous, checks, Python, and the model running slower
+    among four threads than alone), the isolation swaps (bare rendezvous barrier with `RankIsolation` minus without)
     and the rest of the backend (c10d's Python layer and the backend's per-call path). The handoffs, the model
     and the writes together are the least a front end on OS threads can take."""
     fold_us, sim_us, backend_us = us["fold"], us["sim"], us["backend"]
@@ -496,7 +496,7 @@ def split_rows(us: dict[str, float]) -> None:
         ("model (Gloo.reduce)", us["model"]),
         ("writes (4 copies)", us["writes"]),
         ("4 handoffs (bare baton ring)", us["ring"]),
-        ("SimWorld rest: engine, checks, Python, caches", sim_us - us["model"] - us["writes"] - us["ring"]),
+        ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["model"] - us["writes"] - us["ring"]),
         ("= SimWorld all_reduce", sim_us),
         ("isolation swaps (4 per collective)", isolation),
         ("backend rest: c10d Python, per-call path", backend_us - sim_us - isolation),
@@ -514,15 +514,15 @@ def split_rows(us: dict[str, float]) -> None:
     for name, value in sub_rows:
         print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
     print(
-        f"{'barriers: SimWorld':>46} {us['simbar']:>8.1f}   backend {us['bbar']:.1f}   bare engine "
+        f"{'barriers: SimWorld':>46} {us['simbar']:>8.1f}   backend {us['bbar']:.1f}   bare rendezvous "
         f"{us['bare']:.1f} (isolated {us['iso']:.1f})"
     )
     least = (us["ring"] + us["model"] + us["writes"]) / fold_us
     table = Table(
         "Where a 4-rank all_reduce of 1024 fp32 elements goes",
         ["part", "us", "/ fold"],
-        notes="Each part timed alone, interleaved in one run. *4 handoffs*: a bare ring of the engine's wake-ups "
-        "(each collective needs four rank-to-rank switches); *isolation swaps*: a bare engine barrier with "
+        notes="Each part timed alone, interleaved in one run. *4 handoffs*: a bare ring of the rendezvous' wake-ups "
+        "(each collective needs four rank-to-rank switches); *isolation swaps*: a bare rendezvous barrier with "
         "`RankIsolation` minus without. Handoffs + model + writes, the least a front end on OS threads can take: "
         f"{least:.2f}x the fold in this run.",
     )
@@ -535,7 +535,7 @@ def split_rows(us: dict[str, float]) -> None:
 def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str]]:
     """Issue 34's per-call targets against the thread floor (the 4 handoffs + the model + the writes, each measured
     alone in the same run as the front ends, `front_end_parts`): (name, us, ratio to the floor, target) for
-    SimWorld and the backend, and the split of each above the floor (engine/checks/Python, isolation swaps,
+    SimWorld and the backend, and the split of each above the floor (rendezvous/checks/Python, isolation swaps,
     c10d's layer)."""
     least = us["ring"] + us["model"] + us["writes"]
     isolation = us["iso"] - us["bare"]
@@ -547,7 +547,7 @@ def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str
         ("  model", us["model"], us["model"] / least, ""),
         ("  writes", us["writes"], us["writes"] / least, ""),
         ("SimWorld all_reduce", us["sim"], us["sim"] / least, "<= 1.3x"),
-        ("  SimWorld above the floor: engine, checks, Python", sim_rest, sim_rest / least, ""),
+        ("  SimWorld above the floor: rendezvous, checks, Python", sim_rest, sim_rest / least, ""),
         ("backend dist.all_reduce", us["backend"], us["backend"] / least, "<= 2x"),
         ("  isolation swaps", isolation, isolation / least, ""),
         ("  c10d Python + backend per-call path", backend_rest, backend_rest / least, ""),
@@ -584,7 +584,7 @@ def bandwidth_us(repeats: int, numel: int = BIG) -> dict[str, float]:
         "copies": lambda: _laps(copies, 2, 1),
         "in_place": lambda: _laps(in_place, 2, 1),
         "sim": lambda: world.run(timed_loop, numel, 2, 1)[0],
-        "backend": lambda: simdist.spawn(dist_loop, n, numel, 2, 1)[0],
+        "backend": lambda: simdist.run(dist_loop, n, args=(numel, 2, 1))[0],
     }
     for step in steps.values():  # warm: the first call pages the buffers in
         step()
@@ -661,7 +661,9 @@ def main(argv: list[str] | None = None) -> None:
             laps["sim"] += world.run(timed_loop, numel, iters, 1)[0]
         floor_us, barrier_us, sim_us = (statistics.median(laps[k]) * 1e6 for k in ("floor", "barrier", "sim"))
         gloo_iters = max(10, iters // 10)
-        gloo_laps = spawn_gloo(timed_loop, SPEC, numel, gloo_iters, args.repeats, timeout_s=600)[0]
+        gloo_laps = simdist.run(
+            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, args.repeats), timeout_s=600
+        )[0]
         gloo_us = statistics.median(gloo_laps) * 1e6
         rows.append((numel, floor_us, barrier_us, sim_us, gloo_us))
     print(f"all_reduce fp32 SUM on 4 ranks, gloo order; torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -14,7 +14,7 @@ and each runs in four worlds, in one run of this script, interleaved per repeat:
 
 * floor    -- the 4 ranks one after another on this thread, each on torch's ``fake`` backend (collectives do
               no communication and no arithmetic): the ranks' own compute, framework code included;
-* threads  -- ``simdist.spawn``: 4 rank threads, the ``simdist`` backend, gloo's reduction order;
+* threads  -- ``simdist.run``: 4 rank threads, the ``simdist`` backend, gloo's reduction order;
 * gloo     -- 4 real gloo processes on 127.0.0.1 (``--no-gloo`` leaves them out; timed inside the ranks).
 
 The figure is CPU seconds per step of the whole world (all ranks): this process's CPU time for the floor and
@@ -44,7 +44,6 @@ from torch import nn
 
 import simdist
 from simdist.world.inproc import _clear_mesh_caches
-from simdist.world.launch import spawn_procs
 
 WORLD = 4
 WIDTH, BLOCKS, BATCH = 256, 4, 32
@@ -198,7 +197,7 @@ def floor_lap(program: str, steps: int, width: int = WIDTH) -> tuple[float, floa
 
 def threads_lap(program: str, steps: int, width: int = WIDTH) -> tuple[float, float]:
     """One lap on 4 simdist rank threads: rank 0's (wall, process CPU) of the timed steps."""
-    return simdist.spawn(rank_laps, WORLD, program, steps, 1, width, reduction="gloo", timeout_s=600)[0][0]
+    return simdist.run(rank_laps, WORLD, args=(program, steps, 1, width), reduction="gloo", timeout_s=600)[0][0]
 
 
 @dataclass
@@ -226,7 +225,7 @@ def measure(programs: list[str], steps: int, repeats: int, gloo: bool, width: in
             row.threads.append(threads_lap(program, steps, width))
             progress(f"  {program}: repeat {r + 1}/{repeats}")
         if gloo:
-            per_rank = spawn_procs(rank_laps, WORLD, program, steps, repeats, width, timeout_s=900)
+            per_rank = simdist.run(rank_laps, WORLD, where="gloo", args=(program, steps, repeats, width), timeout_s=900)
             # wall: the slowest rank's lap; CPU: all ranks' CPU in the lap
             row.gloo = [
                 (max(rank[i][0] for rank in per_rank), sum(rank[i][1] for rank in per_rank)) for i in range(repeats)
@@ -292,7 +291,7 @@ def profile(program: str, steps: int, width: int = WIDTH, top: int = 30) -> str:
             prof.disable()
             profiles.append(prof)
 
-    simdist.spawn(profiled, WORLD, reduction="gloo", timeout_s=600)
+    simdist.run(profiled, WORLD, reduction="gloo", timeout_s=600)
     stream = io.StringIO()
     stats = pstats.Stats(profiles[0], stream=stream)
     for extra in profiles[1:]:

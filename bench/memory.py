@@ -1,8 +1,8 @@
 """Peak resident memory per rank: process mode (the simdist backend in real processes) against real gloo.
 
-    python bench/memory.py [--ranks 4] [--calls 60] [--object-mb 25] [--p8]
+    python bench/memory.py [--ranks 4] [--calls 60] [--object-mb 25] [--p8] [--preload deepspeed]
 
-Two rank programs, each run on ``--ranks`` processes launched the same way (`simdist.world.launch.spawn_procs`,
+Two rank programs, each run on ``--ranks`` processes launched the same way (``simdist.run(where="gloo"|"processes")``,
 one intra-op thread), once on real gloo and once on the ``simdist`` backend in process mode:
 
 * ``all_reduce``      -- ``--calls`` in-place ``dist.all_reduce`` of a 4 MiB fp32 tensor;
@@ -12,7 +12,10 @@ one intra-op thread), once on real gloo and once on the ``simdist`` backend in p
 Each rank reports its peak resident set size (``VmHWM``) and its resident set at the end (``VmRSS``); the table
 shows the largest rank's figures, the root's and a non-root's for the scatter, and the ratio of process mode's
 peak to gloo's (issue 34's target: <= 1.3x at 4 ranks). ``--p8`` adds the scatter at 8 ranks (which once ran out
-of memory in process mode).
+of memory in process mode). ``--preload deepspeed`` (or ``megatron``) forks every rank from a forkserver that
+imported the framework: what each rank of a plain launch carried, before launches got a forkserver per preload
+set (`simdist.world.forkservers`), once any launch of the process had preloaded it; the ``modules`` columns count
+each rank's ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from simdist.world.launch import spawn_procs
+import simdist
 
 
 def _status_kb(field: str) -> int:
@@ -66,13 +69,31 @@ def memory_rank(rank: int, case: str, calls: int, object_mb: int) -> dict[str, f
     }
 
 
-def run_case(case: str, ranks: int, backend: str, calls: int, object_mb: int) -> list[dict[str, float]]:
-    """Per-rank figures of ``case`` on ``ranks`` fresh processes of ``backend`` ("gloo" or "simdist")."""
-    return spawn_procs(memory_rank, ranks, case, calls, object_mb, backend=backend, timeout_s=600)
+def run_case(
+    case: str, ranks: int, backend: str, calls: int, object_mb: int, preload: tuple[str, ...] = ()
+) -> list[dict[str, float]]:
+    """Per-rank figures of ``case`` on ``ranks`` fresh processes of ``backend`` ("gloo" or "simdist"), forked from a
+    server that imported ``preload``."""
+    where = "gloo" if backend == "gloo" else "processes"
+    return simdist.run(memory_rank, ranks, where=where, args=(case, calls, object_mb), timeout_s=600, preload=preload)
+
+
+def framework_modules(name: str | None) -> tuple[str, ...]:
+    """The modules the cases preload for the framework ``name`` (``deepspeed``, ``megatron``; ``None``: none)."""
+    if name is None:
+        return ()
+    from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
+
+    return {"deepspeed": DEEPSPEED_MODULES, "megatron": MEGATRON_MODULES}[name]
 
 
 def measure(
-    ranks: int = 4, calls: int = 60, object_mb: int = 25, p8: bool = False, progress=print
+    ranks: int = 4,
+    calls: int = 60,
+    object_mb: int = 25,
+    p8: bool = False,
+    progress=print,
+    preload: tuple[str, ...] = (),
 ) -> tuple[list[str], list[list]]:
     """The table's (columns, rows): every case on gloo and in process mode."""
     columns = [
@@ -85,13 +106,15 @@ def measure(
         "target",
         "gloo s",
         "process mode s",
+        "gloo modules",
+        "process mode modules",
     ]
     rows = []
     cases = [("all_reduce", ranks), ("scatter_objects", ranks)] + ([("scatter_objects", 8)] if p8 else [])
     for case, n in cases:
         progress(f"  memory: {case} on {n} ranks")
-        gloo = run_case(case, n, "gloo", calls, object_mb)
-        sim = run_case(case, n, "simdist", calls, object_mb)
+        gloo = run_case(case, n, "gloo", calls, object_mb, preload)
+        sim = run_case(case, n, "simdist", calls, object_mb, preload)
         g_peak, s_peak = max(r["peak_mb"] for r in gloo), max(r["peak_mb"] for r in sim)
         g_other, s_other = max(r["peak_mb"] for r in gloo[1:]), max(r["peak_mb"] for r in sim[1:])
         rows.append(
@@ -105,6 +128,8 @@ def measure(
                 "<= 1.3x" if n == 4 else "runs",
                 round(max(r["seconds"] for r in gloo), 2),
                 round(max(r["seconds"] for r in sim), 2),
+                max(r["modules"] for r in gloo),
+                max(r["modules"] for r in sim),
             ]
         )
     return columns, rows
@@ -116,9 +141,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=60)
     parser.add_argument("--object-mb", type=int, default=25)
     parser.add_argument("--p8", action="store_true", help="also the object scatter on 8 ranks")
+    parser.add_argument(
+        "--preload", choices=("deepspeed", "megatron"), default=None, help="fork the ranks from a server with it"
+    )
     ns = parser.parse_args(argv)
-    columns, rows = measure(ns.ranks, ns.calls, ns.object_mb, ns.p8, progress=lambda m: print(m, file=sys.stderr))
-    print(f"bench/memory.py: peak resident set per rank; {os.cpu_count()} CPUs, torch {torch.__version__}")
+    preload = framework_modules(ns.preload)
+    progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    columns, rows = measure(ns.ranks, ns.calls, ns.object_mb, ns.p8, progress, preload)
+    print(
+        f"bench/memory.py: peak resident set per rank; {os.cpu_count()} CPUs, torch {torch.__version__}; "
+        f"ranks forked from a server with {ns.preload or 'torch only'} preloaded"
+    )
     print(" | ".join(columns))
     for row in rows:
         print(" | ".join(str(v) for v in row))

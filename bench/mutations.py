@@ -461,11 +461,11 @@ CATALOGUE: tuple[Mutation, ...] = (
         "return self.combine(x, received) if self.scale is None else self.combine(x * self.scale, received)",
         (NCCL,),
     ),
-    # -- the front ends' write-back (world/collectives.py; SimComm's targets) -----------------------------------------
+    # -- the front ends' write-back (world/reductions.py; the rendezvous' targets) ---------------------------------
     Mutation(
         "backend-writeback-first-only",
         "the torch.distributed backend writes an all-reduce's result into the first waiting member only",
-        "simdist/world/collectives.py",
+        "simdist/world/reductions.py",
         "            for i in targets:\n                write_bytes(calls[i].inputs[k], result)",
         "            for i in targets[:1]:\n                write_bytes(calls[i].inputs[k], result)",
         (BACKEND,),
@@ -473,17 +473,17 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "backend-writeback-bf16",
         "the backend's all-reduce result goes through bf16 on its way into the tensor",
-        "simdist/world/collectives.py",
+        "simdist/world/reductions.py",
         "            for i in targets:\n                write_bytes(calls[i].inputs[k], result)",
         "            for i in targets:\n                write_bytes(calls[i].inputs[k], result.to(torch.bfloat16))",
         (BACKEND,),
     ),
     Mutation(
-        "simworld-writeback-first-only",
-        "SimWorld writes an all-reduce's result into the first member only",
-        "simdist/world/simworld.py",
-        "engine, ranks, targets = self._engine, members.ranks, range(members.size)",
-        "engine, ranks, targets = self._engine, members.ranks, range(1)",
+        "rendezvous-writeback-first-only",
+        "the rendezvous hands a collective's completion only the first member as a target (SimWorld, spawn)",
+        "simdist/world/rendezvous.py",
+        "complete([pending.calls[r] for r in members], range(len(members)))",
+        "complete([pending.calls[r] for r in members], range(1))",
         (SIMWORLD, *GRADPATH),
     ),
     # -- issue 30: the review's survivors (oracle order and group, experts over DP, marker, staging rounded) ---------

@@ -11,7 +11,8 @@ objects out of the ranks' garbage collections, `simdist.world.forkserver_freeze`
 once, in the forkserver: `simdist.cases.world`'s ``DEEPSPEED_MODULES`` / ``MEGATRON_MODULES``). Every launch
 prints `LaunchTimings`: the forkserver's (re)start with its imports, the ranks' start (fork, unpickling), the
 rendezvous, the case's own work (which includes every import a rank still makes) and the teardown. The first
-launch of a way pays the server's imports; the later ones show the steady state. Run each case in its own
+launch of a way pays the server's imports (each way has a server of its own, `simdist.world.forkservers`); the
+later ones show the steady state. Run each case in its own
 process (this script does): a forkserver that has already imported the framework would hide the old cost. The
 machine is shared and noisy: compare the ways within one run.
 """
@@ -57,12 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
 
     body, modules = (_deepspeed, DEEPSPEED_MODULES) if ns.case == "deepspeed" else (_megatron, MEGATRON_MODULES)
-    from simdist.world import launch
+    from simdist.world import forkservers
 
     totals: dict[str, list[float]] = {}
-    freeze = launch.FREEZE
+    freeze = forkservers.FREEZE
     for way, preload in (("before", ()), ("freeze", ()), ("preloaded", modules)):
-        launch.FREEZE = "json" if way == "before" else freeze  # "before": a harmless module in the freezer's place
+        forkservers.FREEZE = "json" if way == "before" else freeze  # "before": a harmless module in the freezer's place
         for repeat in range(ns.repeats + 1):
             timings: list = []
             began = time.perf_counter()

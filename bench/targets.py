@@ -81,7 +81,7 @@ def per_call_tables(full: bool) -> list[dict]:
         "One all_reduce of 1024 fp32 on 4 ranks against the thread floor (CPU us per call)",
         ["part", "us", "/ thread floor", "target"],
         [[name.strip(), round(us, 1), round(ratio, 2), target] for name, us, ratio, target in result["thread_floor"]],
-        "thread floor = 4 handoffs (a bare ring of the engine's wake-ups) + the model + the 4 writes, each timed "
+        "thread floor = 4 handoffs (a bare ring of the rendezvous' wake-ups) + the model + the 4 writes, each timed "
         "alone in the same run.",
     )
     big = _table(

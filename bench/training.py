@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+import simdist
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.moe import MoEGradients
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.world.groups import Group, group_for
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -136,7 +136,9 @@ def main() -> None:
     sim_s = min(sim_laps)
 
     start = time.perf_counter()
-    laps = spawn_gloo(gloo_rank, SPEC, steps, repeats, ns.policy, ns.gas, timeout_s=600)
+    laps = simdist.run(
+        gloo_rank, SPEC, api="comm", where="gloo", args=(steps, repeats, ns.policy, ns.gas), timeout_s=600
+    )
     total = time.perf_counter() - start
     gloo_s = min(max(rank[i] for rank in laps) for i in range(repeats))
 

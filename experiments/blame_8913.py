@@ -61,5 +61,5 @@ def train(rank: int, steps: int = 3, writeback: bool = True) -> torch.Tensor:
 if __name__ == "__main__":
     import simdist
 
-    losses = simdist.spawn(train, TP * DP, writeback="--no-writeback" not in sys.argv[1:])
+    losses = simdist.run(train, TP * DP, kwargs={"writeback": "--no-writeback" not in sys.argv[1:]})
     print("final losses:", [f"{float(v):.6f}" for v in losses])

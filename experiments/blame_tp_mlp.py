@@ -72,4 +72,4 @@ def train(rank: int, steps: int = 3) -> torch.Tensor:
 if __name__ == "__main__":
     import simdist
 
-    print("final losses:", [f"{float(v):.6f}" for v in simdist.spawn(train, TP * DP)])
+    print("final losses:", [f"{float(v):.6f}" for v in simdist.run(train, TP * DP)])

@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 
+import simdist
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.models.moe import MoEConfig
 from simdist.reduce import MODEL_NAMES
@@ -79,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         where = {"world": "sim", "backend": "simworld", "reduction": model.name}
         written = SimWorld(spec, reduction=model).run(train_and_dump, check, ns.out, where)[0]
     elif ns.world == "gloo":
-        from simdist.world.launch import spawn_gloo
-
         where = {"world": "gloo", "backend": "gloo", "reduction": "gloo"}
-        written = spawn_gloo(train_and_dump, spec, check, ns.out, where, timeout_s=600)[0]
+        written = simdist.run(
+            train_and_dump, spec, api="comm", where="gloo", args=(check, ns.out, where), timeout_s=600
+        )[0]
     else:
         from simdist.world.launch import run_torchrun
 

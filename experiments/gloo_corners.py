@@ -5,7 +5,7 @@ fidelity probes (`simdist.testing._internal.gloo_fidelity`: complex reduce/reduc
 scatter layouts, bool bytes, refusals, the dtype table, ``dist.reduce`` just
 above 2P MiB) and, for P >= 4, the ring corner set (`simdist.testing._internal.gloo_probe`:
 NaN payloads, signed zeros, every op and dtype, groups, roots, layouts); then
-the simdist backend runs the same program on threads (`simdist.spawn`) and in
+the simdist backend runs the same program on threads (`simdist.run`) and in
 process mode (real processes, modelled arithmetic). A pair is (case, rank);
 outputs are compared as storage bytes::
 
@@ -29,7 +29,6 @@ import time
 import simdist
 from simdist.testing._internal.gloo_fidelity import disagreements, fidelity_probes, run_cases_and_probes, tally
 from simdist.testing._internal.gloo_probe import agree, corner_cases
-from simdist.world.launch import spawn_procs
 
 
 def _worlds(text: str) -> list[int]:
@@ -71,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         probes = fidelity_probes(world, big=not ns.no_big)
         cases = corner_cases(world) if world >= 4 else []
         start = time.perf_counter()
-        real = spawn_procs(run_cases_and_probes, world, cases, probes, backend="gloo", timeout_s=900)
+        real = simdist.run(run_cases_and_probes, world, where="gloo", args=(cases, probes), timeout_s=900)
         spent = time.perf_counter() - start
-        modes = {"threads": simdist.spawn(run_cases_and_probes, world, cases, probes, timeout_s=900)}
+        modes = {"threads": simdist.run(run_cases_and_probes, world, args=(cases, probes), timeout_s=900)}
         if not ns.no_process:
-            modes["process"] = spawn_procs(run_cases_and_probes, world, cases, probes, backend="simdist", timeout_s=900)
+            modes["process"] = simdist.run(
+                run_cases_and_probes, world, where="processes", args=(cases, probes), timeout_s=900
+            )
         per_mode, refused_by_mode = {}, {}
         for mode, sim in modes.items():
             found = disagreements(probes, [r[1] for r in real], [s[1] for s in sim])

@@ -10,8 +10,8 @@ The pieces most programs start from:
   catalogue, one module each);
 * `simdist.gradpath.path.train_rank` -- DeepSpeed's BF16_Optimizer gradient path as a rank program;
 * `simdist.studies.repro` -- the DeepSpeed #8913 reproduction behind ``simdist repro 8913``;
-* `simdist.run` -- the launcher: a rank function on threads, processes or real gloo (`simdist.world.runner`);
-* `simdist.spawn` -- run unmodified ``torch.distributed`` code on simulated ranks (backend ``simdist``);
+* `simdist.run` -- the one launcher: a rank function on threads, processes or real gloo (`simdist.world.runner`);
+  unmodified ``torch.distributed`` code runs there on simulated ranks (backend ``simdist``);
 * `simdist.blame` -- where such code loses precision: per-call-site error against the exact result.
 
 Importing ``simdist`` costs nothing: it imports no torch and compiles nothing. It arranges for the
@@ -31,7 +31,6 @@ PyPI name ``simdist`` belongs to an unrelated package. The import name stays ``s
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports each on first use
     from simdist.attribution import blame
     from simdist.reduce import Reduction, ReductionModel
-    from simdist.world.inproc import spawn
     from simdist.world.options import Api, Where
     from simdist.world.runner import run
     from simdist.world.simworld import SimWorld
@@ -41,7 +40,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     "run": ("simdist.world.runner", "run"),
     "Where": ("simdist.world.options", "Where"),
     "Api": ("simdist.world.options", "Api"),
-    "spawn": ("simdist.world.inproc", "spawn"),
     "SimWorld": ("simdist.world.simworld", "SimWorld"),
     "ParallelSpec": ("simdist.world.spec", "ParallelSpec"),
     "GroupKind": ("simdist.world.spec", "GroupKind"),
@@ -62,7 +60,6 @@ __all__ = [
     "Where",
     "blame",
     "run",
-    "spawn",
 ]
 """``DISTRIBUTION`` and every name of `_LAZY` (``tests/integration/test_run.py`` checks that they are the same)."""
 

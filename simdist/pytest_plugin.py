@@ -5,7 +5,7 @@ Installed with simdist, so a project's tests can say::
     def test_allreduce(simdist_world):
         results = simdist_world.spawn(fn, 4)          # fn(rank, ...): plain torch.distributed
 
-`SimdistWorld.spawn` is `simdist.spawn` (each call its own fresh world, ranks as threads, collectives by a
+`SimdistWorld.spawn` is `simdist.run` on threads (each call its own fresh world, ranks as threads, collectives by a
 reduction model); `SimdistWorld.blame` is `simdist.blame`. The fixture holds no state between calls, so it
 is session-scoped: Hypothesis ``@given`` tests can take it without a function-scoped-fixture health check.
 """
@@ -25,8 +25,8 @@ loading the plugin, which pytest does in every session, imports no torch)."""
 class SimdistWorld:
     """Runs rank functions on fresh simulated worlds; ``reduction`` and ``timeout_s`` are the defaults of each run.
 
-    ``reduction`` is what `simdist.spawn` takes (a name, a `ReductionModel`, a kind -> model table, ...);
-    ``None`` leaves it to `simdist.spawn`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
+    ``reduction`` is what `simdist.run` takes (a name, a `ReductionModel`, a kind -> model table, ...);
+    ``None`` leaves it to `simdist.run`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
     A call's own ``reduction=`` wins over the default.
     ``timeout_s`` left unset is the launcher's one deadline, `simdist.world.options.DEFAULT_TIMEOUT_S`."""
 
@@ -42,10 +42,12 @@ class SimdistWorld:
         return kwargs
 
     def spawn(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads; the per-rank results (`simdist.spawn`)."""
-        from simdist.world.inproc import spawn
+        """``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads; the per-rank results (`simdist.run`; the
+        launcher's keywords parted from ``fn``'s by `simdist.world.runner.split_keywords`)."""
+        from simdist.world.runner import run, split_keywords
 
-        return spawn(fn, world_size, *args, **self._defaults(kwargs))
+        world, launch, fn_kwargs = split_keywords(world_size, self._defaults(kwargs))
+        return run(fn, world, args=args, kwargs=fn_kwargs, **launch)
 
     def blame(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any):
         """`simdist.blame` on this world's defaults: per-site rounding error of ``fn``."""

@@ -2,8 +2,8 @@
 
 Nothing here knows simdist: each function is ``fn(rank, *args)`` and calls only
 ``torch.distributed`` (and DTensor/FSDP2), so the same function runs on
-`simdist.spawn` (threads), on `spawn_procs(..., backend="simdist")` (process
-mode) and on `spawn_procs(..., backend="gloo")` (real gloo). Importable by
+`simdist.run` (threads), on `simdist.run(..., where="processes")` (process
+mode) and on `simdist.run(..., where="gloo")` (real gloo). Importable by
 spawned children because pytest puts tests/ on ``sys.path`` (tests/conftest.py).
 """
 

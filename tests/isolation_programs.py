@@ -1,8 +1,8 @@
 """Ordinary training idioms as plain torch.distributed rank programs, for tests/integration/test_isolation.py.
 
 Nothing here knows simdist: each function is ``fn(rank)`` and the same code runs
-on `simdist.spawn` (threads), on `spawn_procs(..., backend="simdist")` (process
-mode) and on `spawn_procs(..., backend="gloo")` (real gloo). They use torch's
+on `simdist.run` (threads), on `simdist.run(..., where="processes")` (process
+mode) and on `simdist.run(..., where="gloo")` (real gloo). They use torch's
 global generator, default dtype and DTensor's tables as a real program does, so
 on threads they give a real job's bits only if every rank thread has its own.
 """

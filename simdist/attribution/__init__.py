@@ -4,8 +4,8 @@
     print(report.format())
     report.figure()
 
-`blame` runs the rank function on `simdist.spawn` threads (``simdist blame script.py`` runs a script that
-calls `simdist.spawn` itself) and measures, in the same run, every reducing collective against the FP64
+`blame` runs the rank function on `simdist.run` threads (``simdist blame script.py`` runs a script that
+calls `simdist.run` itself) and measures, in the same run, every reducing collective against the FP64
 sum of the same members' inputs (`simdist.attribution.collectives`) and every narrowing cast against its wide
 input (an `simdist.audit.Audit` with a cast hook), grouped by call site (`simdist.attribution.measure` defines
 the figures). Promotion reruns the program with chosen sites exact and reports how far the final

@@ -1,4 +1,4 @@
-"""`blame` (a rank function on `simdist.spawn`) and `blame_target` (any callable, e.g. a script): run, rank, promote."""
+"""`blame` (a rank function on `simdist.run` threads) and `blame_target` (any callable, a script): run, rank, promote"""
 
 from __future__ import annotations
 
@@ -183,19 +183,21 @@ def blame(
     ops: str | Iterable[str] | None = None,
     **spawn_kwargs: Any,
 ) -> BlameReport:
-    """Run ``fn(rank, *args)`` on ``world_size`` `simdist.spawn` rank threads and blame its rounding, site by site.
+    """Run ``fn(rank, *args)`` on ``world_size`` rank threads (`simdist.run`) and blame its rounding, site by site.
 
     ``fn`` is unmodified ``torch.distributed`` code. For every reducing collective call site and every
     narrowing cast (file:line and function, over calls, ranks and steps) the report gives elements,
     calls, max ulp, max error / sum|terms| and max relative error against the exact result of the same
     inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
     and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
-    ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ...) go to `simdist.spawn`. ``report.results``
+    ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ``one_cpu=``, ``intra_op_threads=``) go to
+    `simdist.run`, every other keyword to ``fn`` (`simdist.world.runner.split_keywords`). ``report.results``
     holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`); ``report.figure()``
     draws the sites and their error per step.
     """
-    from simdist.world.inproc import spawn
+    from simdist.world.runner import run, split_keywords
 
+    world, launch, fn_kwargs = split_keywords(world_size, spawn_kwargs)
     return blame_target(
-        lambda: spawn(fn, world_size, *args, **spawn_kwargs), promote=promote, promote_top=promote_top, ops=ops
+        lambda: run(fn, world, args=args, kwargs=fn_kwargs, **launch), promote=promote, promote_top=promote_top, ops=ops
     )

@@ -1,6 +1,6 @@
 """The exact result of every reducing collective of the ``simdist`` backend, computed in the same run.
 
-`install` subscribes an observer to the engine's observer list (`simdist.world.engine.Engine.observers`, which
+`install` subscribes an observer to the observer list (`simdist.world.observers.Observers.subscribed`, which
 every collective of both front ends passes; the audit's `simdist.audit.world_hooks` subscribes there too). For a
 collective of the backend the observer replaces the event's ``complete`` with one that, before the group's
 reduction model runs, sums the members' input tensors in FP64 (and their absolute values: ``sum |terms|``), lets
@@ -154,18 +154,18 @@ _lock = threading.Lock()
 
 def install(recorder) -> Callable[[], None]:
     """Measure (and promote) the backend's collectives for ``recorder``; returns the function that undoes it."""
-    from simdist.world.engine import CollectiveEvent, Engine
+    from simdist.world.observers import CollectiveEvent, Observers
 
     def observe(event: CollectiveEvent) -> None:
         if event.front == "dist":  # the torch.distributed backend's collectives (SimComm's are not measured)
             event.complete = _measured(event.complete, recorder)
 
     with _lock:
-        Engine.subscribe(observe)
+        Observers.subscribe(observe)
 
     def uninstall() -> None:
         with _lock:
-            if observe in Engine.observers:
-                Engine.unsubscribe(observe)
+            if observe in Observers.subscribed:
+                Observers.unsubscribe(observe)
 
     return uninstall

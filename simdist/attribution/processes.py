@@ -2,7 +2,7 @@
 
     simdist blame --nproc 4 --processes train.py      # DeepSpeed, Megatron: module-global groups per process
 
-`run_processes` starts ``N`` rank processes (`simdist.world.launch.spawn_processes`: forked from a server that
+`run_processes` starts ``N`` rank processes (``simdist.run(where="processes")``: forked from a server that
 has torch and the script's frameworks imported, each with the default group already a ``simdist`` group in
 process mode, `simdist.world.process`, that the script's own ``init_process_group`` attaches to), each running
 the script as ``python script.py args`` would (`_blame_rank`) under a `simdist.attribution.run.Recorder`
@@ -20,9 +20,9 @@ A promoted rerun is another launch with the promoted site keys handed to every r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import runpy
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,16 +34,8 @@ from simdist.attribution.api import blame_runs
 from simdist.attribution.measure import SiteErrors
 from simdist.attribution.report import BlameReport
 from simdist.attribution.run import Recorder, SiteKey, execute
+from simdist.cli.script import ScriptExit, as_main, exit_status, run_main
 from simdist.errors import UsageError
-
-
-class ScriptExit(Exception):
-    """The script exited with a non-zero status (``sys.exit``) on a rank process."""
-
-    def __init__(self, status: int, message: str | None) -> None:
-        super().__init__(message or f"exit status {status}")
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -85,7 +77,7 @@ def merge(records: Iterable[dict]) -> MergedRun:
 
 def frameworks_of(script: str) -> tuple[str, ...]:
     """The framework modules ``script`` imports (DeepSpeed's, Megatron-Core's), for the forkserver to preload:
-    their imports cost seconds per rank otherwise (`simdist.world.launch._context`)."""
+    their imports cost seconds per rank otherwise (`simdist.world.forkservers`)."""
     from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
     from simdist.extras import installed
 
@@ -109,26 +101,26 @@ def run_processes(
     """Run ``script argv`` blamed on ``nproc`` simdist rank processes (gloo's reduction model); the ranks'
     merged records.
 
-    The ranks are `simdist.world.launch.spawn_processes`'s (forked from a server with torch and the script's
+    The ranks are ``simdist.run(where="processes")``'s (forked from a server with torch and the script's
     frameworks imported); ``stdout_to_stderr``: the ranks' standard output (file descriptor 1) goes to standard
     error (``--json``: stdout is the report's); a rank that raises stops the launch with
-    `simdist.world.launch.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
-    from simdist.world.launch import spawn_processes
+    `simdist.world.supervise.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
+    from simdist.world.runner import run
 
     plan = (script, list(argv), sorted(promote), sorted(ops), stdout_to_stderr)
-    saved = None
-    if stdout_to_stderr:  # a forkserver started now prints its imports' log lines on the descriptor it inherits
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    try:
-        records = spawn_processes(
-            _blame_rank, nproc, None, plan, {}, timeout_s, "simdist", "gloo", frameworks_of(script)
+    from simdist.cases.stdout import stdout_to_stderr as guard
+
+    # a forkserver started now prints its imports' log lines on the descriptor it inherits
+    with guard() if stdout_to_stderr else contextlib.nullcontext():
+        records = run(
+            _blame_rank,
+            nproc,
+            where="processes",
+            args=plan,
+            reduction="gloo",
+            timeout_s=timeout_s,
+            preload=frameworks_of(script),
         )
-    finally:
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
     for record in records:
         if record.get("exit"):
             raise ScriptExit(*record["exit"])
@@ -159,17 +151,14 @@ def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: lis
     """One rank process: run the script blamed as ``python script.py argv`` would run it (``__main__``, its
     ``sys.argv``, its folder first on ``sys.path``; its ``init_process_group`` attaches to the rank's simdist
     group); this rank's record (`merge`)."""
-    from simdist.audit.cli import exit_status
-
     recorder = Recorder(promote=[tuple(k) for k in promote], ops=frozenset(ops))
     recorder.rank = rank
     if to_stderr:
         sys.stdout.flush()
         os.dup2(2, 1)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).resolve().parent))
     try:
-        execute(lambda: runpy.run_path(script, run_name="__main__"), recorder)
+        with as_main(script, argv):
+            execute(lambda: run_main(script), recorder)
     except SystemExit as exc:
         status, message = exit_status(exc)
         if status:

@@ -99,7 +99,7 @@ class Recorder:
 
     def site_of(self, frame) -> tuple[str, int, str]:
         """The first frame outside torch, simdist's world layer, the audit and blame."""
-        from simdist.world.engine import is_internal
+        from simdist.world.calls import is_internal
 
         while frame is not None:
             code = frame.f_code

@@ -23,7 +23,7 @@ the current thread dispatches and records
   reduce (a SimWorld `ReductionModel` may add up wider: see the group's model);
   without a wrapper, the collectives of SimWorld's own `SimComm`
   (``comm.all_reduce``) and of the ``simdist`` torch.distributed backend
-  (``dist.all_reduce`` in `simdist.spawn` ranks: its Python process groups
+  (``dist.all_reduce`` in `simdist.run` ranks: its Python process groups
   never reach the dispatcher) are recorded too (`simdist.audit.world_hooks`).
 
 "Narrower" means the output dtype cannot hold every value of the input dtype:
@@ -106,13 +106,12 @@ What the audit cannot see
 * Code compiled with ``torch.compile`` (fused Triton/C++ kernels); custom ops
   and subclasses below the mode; integer <-> float conversions and complex
   dtypes; ops in threads that did not enter an audit (see above), and in
-  other processes (``spawn_gloo`` children need their own audit).
+  other processes (``simdist.run(where="gloo")`` children need their own audit).
 * The audit pushes and pops its mode on the thread-local stack without touching
   ``TorchDispatchMode``'s process-global flags (interleaved rank threads would
   corrupt them); those flags only steer ``torch.compile``.
 """
 
-from simdist.audit.cli import add_audit_subcommand, run_audit
 from simdist.audit.mode import Audit, audit
 from simdist.audit.ranks import AuditedComm, audited
 from simdist.audit.report import AuditReport, Record, SiteSummary, dtype_name, narrows
@@ -123,10 +122,8 @@ __all__ = [
     "AuditedComm",
     "Record",
     "SiteSummary",
-    "add_audit_subcommand",
     "audit",
     "audited",
     "dtype_name",
     "narrows",
-    "run_audit",
 ]

@@ -37,7 +37,7 @@ from simdist.audit.report import (
     narrows,
 )
 from simdist.errors import UsageError
-from simdist.world.engine import WRAPPER_FILES
+from simdist.world.calls import WRAPPER_FILES
 
 _AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

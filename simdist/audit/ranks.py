@@ -77,7 +77,7 @@ class audited:
     with an `AuditedComm`, and returns ``(result, report)``.
 
     Picklable when ``fn`` is (a top-level function), so it also runs in
-    ``spawn_gloo`` children; there ``report.to_dict()`` is the portable form.
+    ``simdist.run(where="gloo")`` children; there ``report.to_dict()`` is the portable form.
     ``options`` are `Audit`'s (``skip``, ``errors``, ``collectives``, ``max_records``).
     """
 

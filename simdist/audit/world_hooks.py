@@ -1,10 +1,10 @@
 """Collectives of simdist's own worlds, recorded by whichever audit is active on the calling rank thread.
 
 SimWorld's `SimComm` and the ``simdist`` torch.distributed backend (`SimProcessGroup`, what
-``dist.all_reduce`` reaches inside `simdist.spawn` and under torchrun) compute their collectives in Python:
+``dist.all_reduce`` reaches inside `simdist.run` and under torchrun) compute their collectives in Python:
 nothing reaches torch's dispatcher, so a dispatch mode alone never sees them. While at least one `Audit`
-is active, `install` subscribes `observe` to the engine's observer list
-(`simdist.world.engine.Engine.observers`), which both front ends tell before every collective: the observer
+is active, `install` subscribes `observe` to the observer list
+(`simdist.world.rendezvous.Observers.subscribed`), which both front ends tell before every collective: the observer
 finds the audit on the calling thread's dispatch-mode stack, records the collective (op, dtype of its first
 tensor, group) at the first source line outside torch, simdist.world and the audit, and pauses that audit
 while the collective runs -- so the reduction model's arithmetic, which runs on whichever rank arrives last,
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from simdist.world.engine import CollectiveEvent, Engine
+from simdist.world.observers import CollectiveEvent, Observers
 
 _lock = threading.Lock()
 _active = 0
@@ -57,7 +57,7 @@ def _first_tensor(values) -> torch.Tensor | None:
 
 
 def observe(event: CollectiveEvent) -> Callable[[], None] | None:
-    """The engine observer: record ``event`` into the calling thread's audit and pause it until the collective
+    """The rendezvous observer: record ``event`` into the calling thread's audit and pause it until the collective
     returns (the returned function resumes it)."""
     audit = _thread_audit()
     if audit is None or audit._paused:
@@ -73,14 +73,14 @@ def observe(event: CollectiveEvent) -> Callable[[], None] | None:
 
 
 def install(audit_type: type) -> None:
-    """Subscribe `observe` to the engine (reference-counted: one call per active audit); it records into the
+    """Subscribe `observe` to the rendezvous (reference-counted: one call per active audit); it records into the
     innermost mode of the calling thread that is an ``audit_type`` (`simdist.audit.mode.Audit`)."""
     global _active, _audit_type
     with _lock:
         _audit_type = audit_type
         _active += 1
         if _active == 1:
-            Engine.subscribe(observe)
+            Observers.subscribe(observe)
 
 
 def uninstall() -> None:
@@ -89,4 +89,4 @@ def uninstall() -> None:
     with _lock:
         _active -= 1
         if _active == 0:
-            Engine.unsubscribe(observe)
+            Observers.unsubscribe(observe)

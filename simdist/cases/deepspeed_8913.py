@@ -159,7 +159,7 @@ def transcription(
 ) -> list[Trace]:
     """simdist's traces of ``policy`` on SimWorld for the same inputs (gloo's reduction order): the synthetic
     workload `simdist.studies.repro.run` trains (written here so that this module does not import the study
-    that loads it for ``--engine deepspeed``)."""
+    that loads it for ``--code deepspeed``)."""
     path = PathConfig(
         steps=config.steps,
         gas=gas,
@@ -383,7 +383,7 @@ CASE = Case(
 
 
 ENGINE_POLICIES: dict[str, Fix] = {"bf16_writeback": "none", "fp32_staging": "fp32_staging"}
-"""What ``simdist repro 8913 --engine deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
+"""What ``simdist repro 8913 --code deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
 
 
 def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
@@ -395,18 +395,18 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
     unknown = [name for name in config.policies if name not in ENGINE_POLICIES]
     if unknown:
         raise UsageError(
-            f"--engine deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
+            f"--code deepspeed runs only {', '.join(ENGINE_POLICIES)} (DeepSpeed as shipped and "
             f"patched), not {', '.join(unknown)}"
         )
     fixed = {
         "marker": (config.marker, "deepspeed", "the real optimizer clears its marker as it ships"),
-        "model": (config.model, "synthetic", "the real optimizer is fed the synthetic local gradients"),
+        "source": (config.source, "synthetic", "the real optimizer is fed the synthetic local gradients"),
         "reduction": (config.reduction, "gloo", "the real run reduces on real gloo processes"),
         "etp": (config.spec.etp, 1, "DeepSpeed needs ETP 1"),
     }
     for option, (got, value, why) in fixed.items():
         if got != value:
-            raise UsageError(f"--engine deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
+            raise UsageError(f"--code deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
     runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name]) for name in config.policies)
     per_rank = run_ranks(
         deepspeed_rank, config.spec, runs, config.seed, str(config.inputs), world=world, preload=DEEPSPEED_MODULES

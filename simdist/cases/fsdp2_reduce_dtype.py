@@ -261,7 +261,7 @@ SPY_IS_A_MODULE_GLOBAL = (
     "threads would share it (FSDP2 itself keeps no per-rank module globals: on threads its gradients are "
     "bitwise those of process mode, and fsdp2-reduce-dtype-tp runs on threads)"
 )
-"""Why this case refuses ``--world threads`` (found by experiment: on `simdist.spawn` threads the 96 hp captures
+"""Why this case refuses ``--where threads`` (found by experiment: on `simdist.run` threads the 96 hp captures
 are bitwise those of process mode, but every rank's divide-factor calls land in the spy of the rank that
 installed it last)."""
 

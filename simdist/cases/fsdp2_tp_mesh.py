@@ -31,7 +31,7 @@ and so does ``fsdp2_reduce_dtype`` (``staging=None``). The case also reports the
 effect of that order: the same policy with an FP32 staging cast before the TP
 sum (``staging=fp32``, this policy's chain until the case found the order).
 
-Worlds: ``threads`` (simdist.spawn: DTensor and FSDP2 keep no per-rank module
+Worlds: ``threads`` (simdist.run: DTensor and FSDP2 keep no per-rank module
 globals, so threads work), ``simdist`` (process mode), ``gloo`` (4 real gloo
 processes).
 """
@@ -206,15 +206,16 @@ def fsdp_tp_rank(rank: int, config: Config) -> dict[tuple[str, str], RealRun]:
 
 
 def run_real(config: Config, world: str = "threads") -> list[dict[tuple[str, str], RealRun]]:
-    """Every rank's runs, on ``world``: ``threads`` (simdist.spawn), ``simdist`` (process mode) or ``gloo``."""
+    """Every rank's runs, on ``world``: ``threads`` (simdist.run), ``simdist`` (process mode) or ``gloo``."""
     if world == "threads":
         import simdist
 
-        return simdist.spawn(fsdp_tp_rank, 4, config, reduction="gloo", timeout_s=300)
+        return simdist.run(fsdp_tp_rank, 4, args=(config,), reduction="gloo", timeout_s=300)
     if world in ("simdist", "gloo"):
-        from simdist.world.launch import spawn_procs
+        from simdist.world.runner import run
 
-        return spawn_procs(fsdp_tp_rank, 4, config, backend=world, timeout_s=300)
+        where = "gloo" if world == "gloo" else "processes"
+        return run(fsdp_tp_rank, 4, where=where, args=(config,), timeout_s=300)
     raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
 
 

@@ -1,42 +1,43 @@
 """Where a case runs the real framework: real gloo processes, simdist's backend in processes, or threads.
 
-A case's rank program is an ordinary ``fn(comm, *args)`` that uses
-``torch.distributed`` (and the framework) directly; `run_ranks` starts the
-ranks where ``world`` says:
+A case's rank program is an ordinary ``fn(comm, *args)`` that uses ``torch.distributed`` (and the framework)
+directly; `run_ranks` runs it on every rank with ``simdist.run(fn, spec, api="comm", where=...)``. The cases'
+names for where the ranks live (`WORLDS`; ``simdist case run --where``):
 
-* ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real
-  gloo (`simdist.world.launch.spawn_gloo`): the real framework on the real backend, summing in gloo's own
-  order (which the transcription's reference must match for groups of more than two members).
-* ``"simdist"`` -- the simdist torch.distributed backend in process mode
-  (each rank a process, gloo transport, collectives with simdist's gloo
-  reduction model; `simdist.world.process`).
-* ``"threads"`` -- one thread per rank (`simdist.spawn`), for cases whose framework keeps no per-rank module
-  globals; `run_ranks` refuses it for the others.
+* ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real gloo
+  (``simdist.run(where="gloo")``): the real framework on the real backend, summing in gloo's own order
+  (which the transcription's reference must match for groups of more than two members).
+* ``"simdist"`` -- the simdist torch.distributed backend in process mode (``where="processes"``: each rank a
+  process, collectives summed by simdist in the launchers' default reduction, gloo's order;
+  `simdist.world.process`).
+* ``"threads"`` -- one thread per rank, for the cases whose framework keeps no per-rank module globals
+  (FSDP2, DTensor: `simdist.cases.fsdp2_tp_mesh` runs its own threads); `run_ranks` refuses it, since every
+  case that calls it keeps per-rank state in module globals, and `simdist.cases.run_case` refuses it for
+  every case that names a reason (`simdist.cases.base.Case.processes_because`).
 
-DeepSpeed needs processes, not threads: it keeps its process groups and its
-communication backend in module globals (``deepspeed.utils.groups``
-``_TENSOR_MODEL_PARALLEL_GROUP`` and the ``_EXPERT_*`` dictionaries,
-``deepspeed.comm.comm.cdb``), which every thread of one process shares, so
-a thread per rank would hand every rank the groups of whichever rank set
-them last.
+DeepSpeed needs processes, not threads: it keeps its process groups and its communication backend in module
+globals (``deepspeed.utils.groups`` ``_TENSOR_MODEL_PARALLEL_GROUP`` and the ``_EXPERT_*`` dictionaries,
+``deepspeed.comm.comm.cdb``), which every thread of one process shares, so a thread per rank would hand every
+rank the groups of whichever rank set them last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from simdist.errors import UsageError
 from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
 if TYPE_CHECKING:
-    from simdist.world.launch import LaunchTimings
+    from simdist.world.process_launch import LaunchTimings
 
 World = Literal["gloo", "simdist", "threads"]
-WORLDS: tuple[str, ...] = ("gloo", "simdist", "threads")
-"""``threads`` (`simdist.spawn`, one thread per rank) is for cases whose framework keeps no per-rank module
-globals (FSDP2, DTensor) and which set none themselves; `run_ranks` refuses it."""
+WORLDS: tuple[str, ...] = get_args(World)
+"""Where a case can run its ranks (``simdist case run --where`` offers these).
+``threads`` (one thread per rank) is for cases whose framework keeps no per-rank module globals (FSDP2,
+DTensor) and which set none themselves; `run_ranks` refuses it."""
 
 
 PER_RANK_GLOBALS = "its framework keeps per-rank state in module globals that threads would share"
@@ -77,7 +78,7 @@ def run_ranks(
     ``simdist.run(fn, spec, api="comm", where=...)`` with the cases' names for ``where`` (``gloo``, and
     ``simdist`` for process mode). ``threads`` is refused with ``processes_because``, the case's reason for
     needing processes. ``preload`` (`DEEPSPEED_MODULES`, `MEGATRON_MODULES`) and ``timings`` as for
-    `simdist.world.launch.spawn_processes`.
+    `simdist.world.runner.run`.
     """
     if world not in WORLDS:
         raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")

@@ -85,19 +85,19 @@ class Estimate:
     why: str
 
 
-def repro_estimate(world_size: int, steps: int, gas: int, policies: int, model: str) -> Estimate:
-    """Memory of ``simdist repro``: captures of the oracle, the |terms| run and every policy."""
-    runs = policies + (2 if model == "synthetic" else 1)
-    per = MOE_BYTES_PER_RANK if model == "moe" else 0
+def repro_estimate(world_size: int, steps: int, gas: int, policies: int, source: str) -> Estimate:
+    """Memory of ``simdist repro``: captures of the oracle, the |terms| run (synthetic source) and every policy."""
+    runs = policies + (2 if source == "synthetic" else 1)
+    per = MOE_BYTES_PER_RANK if source == "moe" else 0
     total = BASE_BYTES + world_size * (per + steps * gas * runs * REPRO_BYTES_PER_RANK_STEP)
     return Estimate(total, f"{world_size} ranks x {steps} steps x GAS {gas} x {runs} runs of captures")
 
 
-def growth_estimate(world_size: int, steps: int, seeds: int, policies: int, model: str) -> Estimate:
+def growth_estimate(world_size: int, steps: int, seeds: int, policies: int, source: str) -> Estimate:
     """Memory of ``simdist growth``: batched states (synthetic) or one MoE run at a time, plus the metrics."""
-    columns = 11 if model == "moe" else 12
+    columns = 11 if source == "moe" else 12
     metrics = 3 * steps * policies * seeds * columns * 8
-    if model == "moe":
+    if source == "moe":
         state = 2 * world_size * MOE_BYTES_PER_RANK
     else:
         state = seeds * world_size * (policies + 1) * GROWTH_BYTES_PER_SEED_RANK_RUN

@@ -7,7 +7,7 @@ import enum
 
 
 class GradientModel(enum.StrEnum):
-    """Where a study's local gradients come from (``--model`` on the command line)."""
+    """Where a study's local gradients come from (``--source`` on the command line)."""
 
     SYNTHETIC = "synthetic"
     """Seeded synthetic gradients with every folding family present (`simdist.models.synthetic`)."""

@@ -84,7 +84,7 @@ What the collectives around the walk do (torch 2.13):
   which `Gloo` refuses with ``ValueError`` naming that hazard.
 
 Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
-`simdist.world.launch.spawn_gloo`):
+``simdist.run(where="gloo")``):
 
 * fingerprints for n = 3..8: at every element one rank holds 1.0 and two others
   hold the half-ulp (bf16 ``2**-8``, fp32 ``2**-24``), the rest 0, cycling over

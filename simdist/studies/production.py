@@ -33,8 +33,9 @@ from simdist.gradpath.path import PathConfig
 from simdist.models.production import CATALOGUE, get_shape, layer_params
 from simdist.models.synthetic import InitialWeights
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import Reduction, make_model
+from simdist.reduce import make_model
 from simdist.studies.growth.stream import BatchedGradients
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 POLICIES = ("bf16_writeback", "fp32_staging")
@@ -106,7 +107,7 @@ def study_model(
     seed_list = [seed + i for i in range(seeds)]
     stream = BatchedGradients(spec, params, seed_list)
     initial = [InitialWeights(spec, s) for s in seed_list]
-    model = make_model(Reduction.GLOO)
+    model = make_model(DEFAULT_REDUCTION)
     stacked = {
         (r, p.name): torch.stack([init(r, p).to(torch.bfloat16) for init in initial])
         for r in range(spec.world_size)

@@ -2,7 +2,7 @@
 
 The torch tutorial's ``mp.spawn`` worker and every torchrun script call
 ``dist.init_process_group("gloo" | "nccl" | "cpu:gloo,cuda:nccl", init_method="env://" | "tcp://...",
-rank=..., world_size=...)`` themselves. On a simdist rank (a rank thread of `simdist.spawn`/`simdist.run`,
+rank=..., world_size=...)`` themselves. On a simdist rank (a rank thread of `simdist.run`,
 a rank process of ``where="processes"`` or of ``simdist run``), `install` makes these calls work unchanged:
 
 * ``init_process_group`` with any backend name and init method **attaches** to the rank's simdist default

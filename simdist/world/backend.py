@@ -7,15 +7,16 @@ ops that DTensor uses) and FSDP2 all reach it through c10d's ordinary group
 machinery; the backend is registered under the name ``simdist`` by
 `register` (done on import of ``simdist.world``).
 
-Every collective is written once, in `simdist.world.collectives` (shared with
-`simdist.world.simworld.SimComm`): one `simdist.world.engine.Call` per member
+Every collective is written once, in `simdist.world.reductions` and
+`simdist.world.data_movement` (shared with `simdist.world.simworld.SimComm`):
+one `simdist.world.calls.Call` per member
 plus a ``complete(calls, targets)`` function that computes the result from all
 members' calls (in group-rank order) and writes the outputs of the members in
 ``targets``. This module maps c10d's methods and options onto those functions;
 a *transport* brings the calls together:
 
-* in-process (`simdist.world.inproc.spawn`): one thread per rank, the
-  rendezvous `simdist.world.engine.Engine`; the last member to arrive runs
+* in-process (`simdist.world.inproc.spawn_threads`): one thread per rank, the
+  `simdist.world.rendezvous.Rendezvous`; the last member to arrive runs
   ``complete`` for every member;
 * process mode (`simdist.world.process`): real processes; each rank gathers
   the members' calls over an inner gloo group and runs ``complete`` for itself.
@@ -23,7 +24,7 @@ a *transport* brings the calls together:
 Both run the same ``complete`` on the same inputs, so both give the same bits.
 What gloo's dispatch does around the model, found by experiment against real
 gloo (torch 2.13, 4 processes), applies where the group's model has
-``gloo_rules`` (`simdist.world.collectives` says which checks):
+``gloo_rules`` (`simdist.world.gloo_rules` and the collectives say which checks):
 
 * ``all_reduce_coalesced`` (and the functional ``all_reduce_coalesced``) is
   ONE all-reduce of the concatenation of the flat tensors;
@@ -33,9 +34,9 @@ gloo (torch 2.13, 4 processes), applies where the group's model has
 * ``PREMUL_SUM`` raises ``RuntimeError`` on gloo; ``BAND``/``BOR``/``BXOR``
   on a floating tensor raise ``RuntimeError`` (at the call, on every rank).
 
-Every collective passes `SimProcessGroup._run`, which tells the engine's
-observers (`simdist.world.engine.observed`: the audit, blame) before the
-transport runs it.
+Every collective tells the observers (`simdist.world.observers.observed`: the
+audit, blame) before the transport runs it, in `SimProcessGroup._go` (most
+through `_run`; ``allreduce``'s one-tensor path tests for observers itself).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 
 from simdist.reduce import ReductionModel
-from simdist.world import collectives as cc
-from simdist.world.collectives import Complete
-from simdist.world.engine import Call, Engine, observed
+from simdist.world import data_movement as dm
+from simdist.world import reduce_ops as ops
+from simdist.world import reductions as red
+from simdist.world.calls import Call, Complete, Prepared
+from simdist.world.observers import Observers, observed
 
 BACKEND_NAME = "simdist"
 
@@ -164,10 +167,9 @@ class SimProcessGroup(dist.ProcessGroup):
         self.label = label
         self.model = model
         self.transport = transport
-        self.key = (name, ranks)  # the group's call sequence in the engine
         self.global_rank = ranks[rank]
         self.gloo_rules = model.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
-        self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
+        self.checked: dict = {}  # reductions.all_reduce_one's checks, per (op, shape, dtype)
         self._done = DoneWork()  # the Work of c10d's synchronous all_reduce (see `allreduce`)
 
     # -- identity ---------------------------------------------------------------
@@ -198,8 +200,9 @@ class SimProcessGroup(dist.ProcessGroup):
         frame = sys._getframe(2)
         return Call(self.global_rank, (op, self.label, *details), frame, inputs, outputs, extra)
 
-    def _run(self, prepared: cc.Prepared, result: list | DoneWork, no_future: bool = False) -> DoneWork:
-        """The one funnel of every collective: the engine's observers are told, then the transport runs it.
+    def _run(self, prepared: Prepared, result: list | DoneWork, no_future: bool = False) -> DoneWork:
+        """The one funnel of every collective: the observers (`simdist.world.observers`) are told, then the
+        transport runs it.
 
         ``result`` is what the Work's future holds (as on gloo), or the Work itself; ``no_future``: its
         ``get_future`` raises."""
@@ -212,7 +215,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _go(self, call: Call, complete: Complete) -> None:
         """`_run` after the call's tensors are untracked (`allreduce` passes ``.data`` aliases itself)."""
-        if Engine.observers:
+        if Observers.subscribed:
             observed(call, complete, "dist", self._observed_group, lambda c: self.transport.collective(self, call, c))
         else:
             self.transport.collective(self, call, complete)
@@ -231,24 +234,28 @@ class SimProcessGroup(dist.ProcessGroup):
     def _observed_group(self) -> str:
         return f"{self.label}, backend simdist"
 
-    # -- reductions (each collective's checks and completion: simdist.world.collectives) ------------------------
+    # -- reductions (each collective's checks and completion: simdist.world.reductions) -------------------------
 
     def allreduce(self, tensors, opts=None):
-        op = cc.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = ops.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if len(tensors) == 1 and not (tensor := tensors[0]).is_sparse:
+            # dist.all_reduce, the hot path: checks cached per (op, shape, dtype), the tensor untracked here
+            call, complete = red.all_reduce_one(self, self.global_rank, sys._getframe(1), tensor.data, op)
+            if Observers.subscribed:
+                self._go(call, complete)
+            else:
+                self.transport.collective(self, call, complete)
+            return self._finished(opts, tensors)
         if tensors and tensors[0].is_sparse:
             return self._sparse_allreduce(tensors, op)
-        if len(tensors) == 1:  # dist.all_reduce: checks cached per (op, shape, dtype), the tensor untracked here
-            call, complete = cc.all_reduce_one(self, self.global_rank, sys._getframe(1), tensors[0].data, op)
-            self._go(call, complete)
-            return self._finished(opts, tensors)
-        return self._run(cc.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
+        return self._run(red.all_reduce(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
-    def _sparse_allreduce(self, tensors, op: cc.Op) -> DoneWork:
-        """A sparse all_reduce as gloo does it (`simdist.world.collectives.all_reduce_sparse`): the result is
+    def _sparse_allreduce(self, tensors, op: ops.Op) -> DoneWork:
+        """A sparse all_reduce as gloo does it (`simdist.world.reductions.all_reduce_sparse`): the result is
         written into the caller's sparse tensor itself (not a ``.data`` alias: a sparse tensor's indices and
         values are replaced, which an alias would not pass on)."""
         (tensor,) = tensors
-        call, complete = cc.all_reduce_sparse(self, self.global_rank, sys._getframe(2), tensor, op)
+        call, complete = red.all_reduce_sparse(self, self.global_rank, sys._getframe(2), tensor, op)
         self._go(call, complete)
         return DoneWork([tensor])
 
@@ -258,13 +265,13 @@ class SimProcessGroup(dist.ProcessGroup):
                 "Could not run 'c10d::allreduce_coalesced_' with arguments from the 'SparseCPU' backend "
                 "(torch raises this on gloo too: all_reduce_coalesced has no sparse kernel; all_reduce each tensor)"
             )
-        op = cc.resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
-        return self._run(cc.all_reduce_coalesced(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
+        op = ops.resolve_op((opts or dist.AllreduceCoalescedOptions()).reduceOp)
+        return self._run(red.all_reduce_coalesced(self, self.global_rank, sys._getframe(1), tensors, op), tensors)
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        op = cc.resolve_op(opts.reduceOp)
-        prepared = cc.reduce(self, self.global_rank, sys._getframe(1), tensors, op, opts.rootRank)
+        op = ops.resolve_op(opts.reduceOp)
+        prepared = red.reduce(self, self.global_rank, sys._getframe(1), tensors, op, opts.rootRank)
         return self._run(prepared, list(tensors))
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -278,29 +285,29 @@ class SimProcessGroup(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, name):
-        op = cc.resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
-        prepared = cc.reduce_scatter_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, op, name)
+        op = ops.resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
+        prepared = red.reduce_scatter_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, op, name)
         return self._run(prepared, list(outputs), no_future=self.gloo_rules)  # gloo: getFuture not implemented
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = cc.resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
-        prepared = cc.reduce_scatter_list(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, op)
+        op = ops.resolve_op((opts or dist.ReduceScatterOptions()).reduceOp)
+        prepared = red.reduce_scatter_list(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, op)
         return self._run(prepared, list(output_tensors), no_future=self.gloo_rules)
 
     # -- data movement ------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None):
         root = (opts or dist.BroadcastOptions()).rootRank
-        return self._run(cc.broadcast(self, self.global_rank, sys._getframe(1), tensors, root), list(tensors))
+        return self._run(dm.broadcast(self, self.global_rank, sys._getframe(1), tensors, root), list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        prepared = cc.all_gather(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors)
+        prepared = dm.all_gather(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors)
         return self._run(prepared, [t for o in output_tensors for t in o])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """gloo's layout: ``output_lists[j][k]`` gets group rank ``j``'s ``input_list[k]``; the future holds
         the lists."""
-        prepared = cc.all_gather_coalesced(self, self.global_rank, sys._getframe(1), output_lists, input_list)
+        prepared = dm.all_gather_coalesced(self, self.global_rank, sys._getframe(1), output_lists, input_list)
         return self._run(prepared, [list(outs) for outs in output_lists])
 
     def all_gather_single(self, output, input, opts=None):
@@ -314,7 +321,7 @@ class SimProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def _all_gather_tensors(self, outputs, inputs, name):
-        prepared = cc.all_gather_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, name)
+        prepared = dm.all_gather_tensors(self, self.global_rank, sys._getframe(2), outputs, inputs, name)
         if name == "all_gather_into_tensor" and self.gloo_rules and outputs[0].dim():
             # gloo's future holds the output's group-size pieces along dim 0 (views), not the output
             return self._run(prepared, PiecesWork(outputs[0], self._group_size))
@@ -322,21 +329,21 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root = (opts or dist.GatherOptions()).rootRank
-        prepared = cc.gather(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, root)
+        prepared = dm.gather(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, root)
         return self._run(prepared, [t for o in output_tensors for t in o])
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = (opts or dist.ScatterOptions()).rootRank
-        prepared = cc.scatter(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, root)
+        prepared = dm.scatter(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors, root)
         return self._run(prepared, list(output_tensors))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        prepared = cc.all_to_all(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors)
+        prepared = dm.all_to_all(self, self.global_rank, sys._getframe(1), output_tensors, input_tensors)
         return self._run(prepared, list(output_tensors))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         frame = sys._getframe(1)
-        prepared = cc.all_to_all_single(
+        prepared = dm.all_to_all_single(
             self, self.global_rank, frame, output, input, output_split_sizes, input_split_sizes
         )
         return self._run(prepared, [output])
@@ -344,7 +351,7 @@ class SimProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
-        call, complete = cc.barrier(self, self.global_rank, sys._getframe(1))
+        call, complete = dm.barrier(self, self.global_rank, sys._getframe(1))
         self._go(call, complete)
         return self._finished(opts, [])
 
@@ -358,8 +365,8 @@ class SimProcessGroup(dist.ProcessGroup):
                 f"{self.model.name}"
             )
         inner = getattr(self.transport, "inner", None)
-        if inner is None:  # rank threads: the engine names the ranks that do not arrive
-            call, complete = cc.barrier(self, self.global_rank, sys._getframe(1))
+        if inner is None:  # rank threads: the rendezvous names the ranks that do not arrive
+            call, complete = dm.barrier(self, self.global_rank, sys._getframe(1))
             self._go(call, complete)
             return None
         if timeout is None:
@@ -399,7 +406,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag=0):
         """``dist.recv(t)``/``irecv(t)`` without ``src``: a message from any other member. In process mode
         gloo's own (the first to arrive); in threads the earliest sent in simdist's schedule
-        (`simdist.world.engine.Engine.post_recv_any`: deterministic)."""
+        (`simdist.world.rendezvous.Rendezvous.post_recv_any`: deterministic)."""
         (tensor,) = tensors
         if self.gloo_rules and not tensor.is_contiguous():
             raise RuntimeError(f"recv on {self.label}: the receive buffer must be contiguous (as on gloo)")

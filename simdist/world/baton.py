@@ -1,6 +1,6 @@
-"""How a rank thread sleeps until the engine hands it the baton, and how it is woken: one semaphore per rank.
+"""How a rank thread sleeps until the rendezvous hands it the baton, and how it is woken: one semaphore per rank.
 
-The rendezvous engine (`simdist.world.engine.Engine`) runs one rank thread at
+The rendezvous (`simdist.world.rendezvous.Rendezvous`) runs one rank thread at
 a time: the running rank wakes the next and goes to sleep. That wake-up is
 most of a collective's cost on rank threads, so it uses the cheapest primitive
 found by experiment (tests/unit/test_baton.py checks the semantics; bench/collectives.py
@@ -16,7 +16,7 @@ Where ``os.eventfd`` is missing (not Linux) or the process is out of file
 descriptors, every rank gets a ``threading.Lock`` instead (same semantics,
 slower). Semantics of both: ``wake(rank)`` posts one token, ``wait(rank)``
 takes one (sleeping until there is one); a wake that comes before the wait is
-not lost. The engine posts at most one token per sleep.
+not lost. The rendezvous posts at most one token per sleep.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Batons:
 
     ``kind`` is ``"eventfd"`` or ``"lock"`` (``prefer="lock"`` forces the
     fallback, e.g. to test it). The file descriptors are closed by `close` (the
-    engine calls it once no rank thread can touch them) or, failing that, when
+    rendezvous calls it once no rank thread can touch them) or, failing that, when
     the object is collected.
     """
 

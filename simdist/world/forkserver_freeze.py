@@ -1,4 +1,4 @@
-"""Imported last by the launcher's forkserver (`simdist.world.launch._context`): ``gc.freeze()`` there.
+"""Imported last by every forkserver of the launcher (`simdist.world.forkservers`): ``gc.freeze()`` there.
 
 Every rank process is forked from the forkserver after it imported torch and the launch's frameworks; those
 modules' objects (hundreds of thousands) then sit in each rank's garbage-collector generations, and every full

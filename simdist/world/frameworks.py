@@ -3,7 +3,7 @@
 DeepSpeed keeps its communication backend and process groups in module globals
 (``deepspeed.comm.comm.cdb``, ``deepspeed.utils.groups``), Megatron its groups in
 ``megatron.core.parallel_state``: rank threads of one process would share them
-(the first rank's backend, the last rank's groups). While a `simdist.spawn`
+(the first rank's backend, the last rank's groups). While a `simdist.run`
 runs, `install` replaces their initialisers (DeepSpeed's ``init_distributed``,
 which ``deepspeed.initialize`` calls; Megatron's ``initialize_model_parallel``)
 in the modules already imported by ones that raise `SharedGlobalStateError` on

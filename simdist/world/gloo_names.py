@@ -8,7 +8,7 @@ by reading torch 2.13 and checked against real gloo by tests/integration/test_is
 * ``dist.monitored_barrier`` runs only on gloo (``ValueError`` elsewhere): on a
   simdist group whose model is gloo it is a barrier of the group's members (in
   process mode gloo's own ``monitored_barrier`` on the inner group, which names
-  the ranks that did not arrive; in threads the engine names them);
+  the ranks that did not arrive; in threads the rendezvous names them);
 * ZeroRedundancyOptimizer's DDP overlap (``hook_with_zero_step`` and
   ``hook_with_zero_step_interleaved``) raises ``RuntimeError`` on gloo: so it
   does on such a group.
@@ -44,7 +44,7 @@ def _monitored_barrier(original):
         if pg is None:
             return original(group, timeout, wait_all_ranks)
         inner = getattr(pg.transport, "inner", None)
-        if inner is None:  # rank threads: the engine names the ranks that do not arrive
+        if inner is None:  # rank threads: the rendezvous names the ranks that do not arrive
             return pg.barrier().wait() and None
         timeout = c10d._get_default_timeout(c10d.Backend.GLOO) if timeout is None else timeout
         if isinstance(timeout, float):

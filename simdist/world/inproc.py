@@ -1,4 +1,4 @@
-"""In-process mode: `spawn` runs unmodified ``torch.distributed`` code on one thread per rank.
+"""In-process mode: `spawn_threads` runs unmodified ``torch.distributed`` code on one thread per rank.
 
     import torch, torch.distributed as dist, simdist
 
@@ -7,22 +7,22 @@
         dist.all_reduce(t)                 # summed in gloo's ring order, bit for bit
         return t
 
-    results = simdist.spawn(step, 4)       # [rank 0's t, ..., rank 3's t]
+    results = simdist.run(step, 4)         # [rank 0's t, ..., rank 3's t]
 
 Inside ``fn`` the default process group is initialised with the ``simdist``
 backend, so ``dist.get_rank()``, ``new_group``, ``new_subgroups``,
 ``init_device_mesh``, DTensor, FSDP2's ``fully_shard`` and the functional
 collectives work as under torchrun. Collectives are computed by the reduction
 model chosen for the group (`simdist.world.modelmap`), on the rendezvous
-`simdist.world.engine.Engine`; a mismatch, a deadlock or an exception on any
+`simdist.world.rendezvous.Rendezvous`; a mismatch, a deadlock or an exception on any
 rank stops every rank quickly and names each rank's call site.
 
 How ``torch.distributed``'s state is kept per rank thread: c10d keeps its
 groups in the module-level ``_world`` object and in a C++ name registry.
-While a `spawn` runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
+While a thread launch runs, ``_world`` is replaced by `ThreadLocalWorld` (each rank
 thread sees its own groups; other threads see the original world), and c10d's
 thread-isolation mode makes the C++ registry per thread. Both are restored
-when the `spawn` returns (spawns run one at a time). Code that keeps its own module-level
+when the launch returns (thread launches run one at a time). Code that keeps its own module-level
 process-group state (DeepSpeed's ``deepspeed.utils.groups``) shares it between
 the rank threads; run such code in process mode (`simdist.world.process`).
 
@@ -33,7 +33,7 @@ per rank: each rank's DeviceMeshes carry a rank token where torch's own
 threaded test backend puts the thread id (so the redistribution and sharding
 caches keyed on meshes never hand one rank's plan to another), and DTensor's
 custom-op table (``loss_parallel`` edits it) is one dict per rank thread.
-A spawn restores every global it touches (``sys.excepthook``, which c10d
+A thread launch restores every global it touches (``sys.excepthook``, which c10d
 wraps on every ``init_process_group``, included).
 """
 
@@ -54,11 +54,12 @@ from simdist.errors import UsageError
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
-from simdist.world.engine import Call, Engine
+from simdist.world.calls import Call
 from simdist.world.frameworks import install as refuse_frameworks
 from simdist.world.isolation import RankIsolation
 from simdist.world.modelmap import Chooser, ModelChoice
-from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, check_timeout, pick_reduction
+from simdist.world.options import check_timeout
+from simdist.world.rendezvous import Rendezvous
 from simdist.world.spec import ParallelSpec
 
 
@@ -232,13 +233,13 @@ def _uninstall() -> None:
 
 
 class _Context:
-    """What the backend's group factory needs on a rank thread: the engine, the rank, the model chooser."""
+    """What the backend's group factory needs on a rank thread: the rendezvous, the rank, the model chooser."""
 
     local = threading.local()
     tokens = itertools.count(1)
 
-    def __init__(self, engine: Engine, rank: int, chooser: Chooser) -> None:
-        self.engine = engine
+    def __init__(self, rendezvous: Rendezvous, rank: int, chooser: Chooser) -> None:
+        self.rendezvous = rendezvous
         self.rank = rank
         self.chooser = chooser
         self.token = next(self.tokens)  # unique per rank of every spawn (a thread id can be reused)
@@ -246,7 +247,7 @@ class _Context:
 
 
 def current() -> _Context | None:
-    """The in-process context of the calling thread (``None`` outside `spawn`'s rank threads)."""
+    """The in-process context of the calling thread (``None`` outside `spawn_threads`'s rank threads)."""
     return getattr(_Context.local, "ctx", None)
 
 
@@ -264,14 +265,14 @@ def _current_rank() -> int | None:
 class RecvWork(dist.Work):
     """A posted receive; ``wait()`` blocks (deadlock-checked) until the message is there."""
 
-    def __init__(self, engine: Engine, recv, tensor: torch.Tensor) -> None:
+    def __init__(self, rendezvous: Rendezvous, recv, tensor: torch.Tensor) -> None:
         super().__init__()
-        self._engine = engine
+        self._rendezvous = rendezvous
         self._recv = recv
         self._tensor = tensor
 
     def wait(self, timeout=None) -> bool:
-        self._engine.wait_recv(self._recv)
+        self._rendezvous.wait_recv(self._recv)
         return True
 
     def is_completed(self) -> bool:
@@ -298,13 +299,13 @@ class SendWork(DoneWork):
     """A send; ``wait()`` blocks (deadlock-checked) until the peer's receive has taken the message, as gloo's
     send does, so blocking sends received in another order are a reported deadlock, not an answer."""
 
-    def __init__(self, engine: Engine, sent, tensor: torch.Tensor) -> None:
+    def __init__(self, rendezvous: Rendezvous, sent, tensor: torch.Tensor) -> None:
         super().__init__([tensor])
-        self._engine = engine
+        self._rendezvous = rendezvous
         self._sent = sent
 
     def wait(self, timeout=None) -> bool:
-        self._engine.wait_send(self._sent)
+        self._rendezvous.wait_send(self._sent)
         return True
 
     def is_completed(self) -> bool:
@@ -312,70 +313,40 @@ class SendWork(DoneWork):
 
 
 class ThreadTransport:
-    """Calls of rank threads meet in the shared `Engine`; the last to arrive completes for all."""
+    """Calls of rank threads meet in the shared `Rendezvous`; the last to arrive completes for all."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, rendezvous: Rendezvous, key: int) -> None:
+        self.rendezvous = rendezvous
+        self.key = key  # the group's call sequence: `Rendezvous.intern` of (name, ranks)
 
     def collective(self, pg: SimProcessGroup, call: Call, complete) -> None:
-        n = len(pg.ranks)
-        self.engine.collective(call, pg.ranks, lambda calls: complete(calls, range(n)), key=pg.key)
+        self.rendezvous.collective(call, pg.ranks, complete, self.key)
 
     def send(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, pg.rank(), dst, tag)
         any_key = (pg.group_name, pg.ranks, dst, tag)  # where an any-source receive of ``dst`` waits
-        return SendWork(self.engine, self.engine.send(call, channel, tensor, pg.ranks[dst], any_key), tensor)
+        return SendWork(self.rendezvous, self.rendezvous.send(call, channel, tensor, pg.ranks[dst], any_key), tensor)
 
     def recv(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         channel = (pg.group_name, pg.ranks, src, pg.rank(), tag)
         # the message is written into a detached alias, as gloo writes from C++: no autograd record, no version bump
-        posted = self.engine.post_recv(call, channel, pg.ranks[src], tensor.data)
-        return RecvWork(self.engine, posted, tensor)
+        posted = self.rendezvous.post_recv(call, channel, pg.ranks[src], tensor.data)
+        return RecvWork(self.rendezvous, posted, tensor)
 
     def recv_any(self, pg: SimProcessGroup, call: Call, tensor: torch.Tensor, tag: int) -> dist.Work:
-        """A receive from any other member: the earliest sent message (`Engine.post_recv_any`)."""
+        """A receive from any other member: the earliest sent message (`Rendezvous.post_recv_any`)."""
         me = pg.rank()
         channels = [(pg.group_name, pg.ranks, src, me, tag) for src in range(len(pg.ranks)) if src != me]
-        posted = self.engine.post_recv_any(call, channels, (pg.group_name, pg.ranks, me, tag), tensor.data)
-        return RecvWork(self.engine, posted, tensor)
+        posted = self.rendezvous.post_recv_any(call, channels, (pg.group_name, pg.ranks, me, tag), tensor.data)
+        return RecvWork(self.rendezvous, posted, tensor)
 
 
 def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str):
-    """The backend's group for a rank thread of `spawn`."""
+    """The backend's group for a rank thread of `spawn_threads`."""
     kind, model = ctx.chooser(ranks)
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
-    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, ThreadTransport(ctx.engine))
-
-
-def spawn(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    reduction: ModelChoice = _UNSET,
-    spec: ParallelSpec | None = None,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    one_cpu: bool = True,
-    intra_op_threads: int | None = 1,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` rank threads with ``torch.distributed`` initialised.
-
-    The older name of ``simdist.run(fn, spec or world_size, where="threads", api="dist", args=args,
-    kwargs=kwargs)``: the same run, with this function's own keywords mixed into ``fn``'s (so ``fn`` cannot
-    take a keyword named like one of them; `simdist.run` keeps them apart).
-
-    Returns the per-rank results in rank order. ``reduction`` chooses each group's
-    reduction model (a name, a `Reduction` member, a model, a kind -> model mapping used with
-    ``spec``, or a callable; see `simdist.world.modelmap`; default gloo). ``model=`` is not simdist's keyword
-    (its removed spelling of ``reduction=``): like any other it goes to ``fn``. ``timeout_s`` bounds the whole
-    run (deadlocks between collectives are detected without it; ``None``: no bound). ``one_cpu`` and
-    ``intra_op_threads`` as for `simdist.world.simworld.SimWorld`. The default group is destroyed when ``fn``
-    returns. Each rank has its own copy of torch's process-global state, starting as a fresh process's
-    (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`.
-    """
-    return spawn_threads(
-        fn, world_size, args, kwargs, pick_reduction(reduction), spec, timeout_s, one_cpu, intra_op_threads
-    )
+    transport = ThreadTransport(ctx.rendezvous, ctx.rendezvous.intern((name, ranks)))
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, transport)
 
 
 def spawn_threads(
@@ -390,12 +361,14 @@ def spawn_threads(
     intra_op_threads: int | None,
     report_backend: bool = False,
 ) -> list[Any]:
-    """The thread launcher behind `spawn` and ``simdist.run(where="threads", api="dist")``: ``fn(rank, *args,
-    **kwargs)`` on ``world_size`` rank threads (arguments checked here, once for both)."""
+    """The thread launcher behind ``simdist.run(where="threads", api="dist")``: ``fn(rank, *args, **kwargs)`` on
+    ``world_size`` rank threads (`simdist.world.runner.run` documents the arguments). The default group is
+    destroyed when ``fn`` returns; each rank has its own copy of torch's process-global state, starting as a
+    fresh process's (`simdist.world.isolation`); a rank's ``sys.exit`` is a `RankExitError`."""
     world_size = check_world_size(world_size)
     timeout_s = check_timeout(timeout_s)
     if current() is not None:
-        raise RuntimeError("simdist.spawn called from a rank thread of another spawn (spawns run one at a time)")
+        raise RuntimeError("simdist.run called from a rank thread of another thread launch (they run one at a time)")
     with _spawn_lock:  # process-global state is swapped per rank: one spawn at a time
         return _spawn(
             fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
@@ -411,7 +384,7 @@ def _spawn(
     # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
     chooser = Chooser(model, world_size, spec)
     isolation = RankIsolation(world_size, _current_rank)
-    engine = Engine(world_size, label="simdist.spawn", switch=isolation)
+    rendezvous = Rendezvous(world_size, label="simdist.run", switch=isolation)
     store = dist.HashStore()
     stores: dict[int, dist.Store] = {}  # the stores of scripts' re-inits after their destroy_process_group
     saved = _process_globals()
@@ -419,7 +392,7 @@ def _spawn(
     init = c10d.init_process_group  # the original: the launcher's own init is not the script's
 
     def body(rank: int) -> Any:
-        ctx = _Context.local.ctx = _Context(engine, rank, chooser)
+        ctx = _Context.local.ctx = _Context(rendezvous, rank, chooser)
         world.enter_rank()
         try:
             init(BACKEND_NAME, rank=rank, world_size=world_size, store=store)
@@ -434,7 +407,7 @@ def _spawn(
                 ended = f"rank {rank} called sys.exit({exc.code!r}); its process would have ended"
                 raise RankExitError(ended) from None
             finally:
-                if engine.error is None and dist.is_initialized():  # the script may have destroyed it
+                if rendezvous.error is None and dist.is_initialized():  # the script may have destroyed it
                     dist.destroy_process_group()
         finally:
             world.leave_rank()
@@ -444,7 +417,7 @@ def _spawn(
     undo_frameworks = refuse_frameworks(_current_rank)
     try:
         isolation.start()
-        results = engine.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
+        results = rendezvous.run(body, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads)
     except BaseException:
         isolation.restore()  # the caller's generator and settings, also when a rank failed
         raise
@@ -458,7 +431,7 @@ def _spawn(
 
 
 MAX_RANK_THREADS = 512
-"""The most rank threads `spawn` starts (the CLI's ``--world-size`` ceiling, `simdist.cli.limits.LIMITS`)."""
+"""The most rank threads `spawn_threads` starts (the CLI's ``--world-size`` ceiling, `simdist.cli.limits.LIMITS`)."""
 
 
 class RankExitError(RuntimeError):

@@ -1,22 +1,23 @@
-"""Process-global state made per rank for `simdist.spawn`'s rank threads, or refused.
+"""Process-global state made per rank for `simdist.run`'s rank threads, or refused.
 
 A rank of a real job is a process: its default random generator, default
 dtype, deterministic-algorithms flags and the other settings below are its
 own. Rank threads share one process, so `RankIsolation` keeps one copy of
 each per rank and swaps them in and out at every baton handoff of the
-`simdist.world.engine.Engine`: rank threads of `simdist.spawn` run one at a
-time (the engine starts them one after another and wakes a rank only when the
-running one blocks in a collective or a receive, or returns), so the global
-state always holds the running rank's values.
+`simdist.world.rendezvous.Rendezvous`: rank threads of `simdist.run` run one
+at a time (the rendezvous starts them one after another and wakes a rank only
+when the running one blocks in a collective or a receive, or returns), so the
+global state always holds the running rank's values.
 
 A swap is the cost of that guarantee, paid at every handoff (four per 4-rank
 collective): the rank giving the baton away saves the generator's state and
-reads every setting (one C-level loop into a tuple); the rank taking it
-installs its generator state and sets only the settings that differ from what
-the process holds (one tuple comparison when none do). torch offers no cheap
-"unchanged" check for the generator, so its state is copied at every handoff
-(about 4 us a handoff on a bare engine, about 10 us between a real program's
-calls, on the 2-vCPU machine; bench/collectives.py prints it).
+reads every setting (`read_settings`: one tuple of direct C calls); the rank
+taking it installs its generator state and sets only the settings that differ
+from what the process holds (one tuple comparison when none do). torch offers
+no cheap "unchanged" check for the generator or the settings, so both are read
+at every handoff: about 1.9 us a handoff on a bare rendezvous (``get_state``
+0.8 us, the settings 0.6 us, ``set_state`` 0.2 us; 2-vCPU machine, loaded;
+``bench/collectives.py --per-call`` prints the swaps of one collective).
 
 What a rank starts with is what a fresh process has (found by experiment with
 torch 2.13 on CPU, each value checked against a new interpreter by
@@ -51,7 +52,6 @@ program starts itself (they run beside the rank that holds the baton).
 
 from __future__ import annotations
 
-import operator
 import random
 import sys
 from collections.abc import Callable
@@ -110,13 +110,63 @@ SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {
     "cudnn_benchmark": (torch._C._get_cudnn_benchmark, torch._C._set_cudnn_benchmark, False),
 }
 
-_GETTERS = tuple(get for get, _, _ in SETTINGS.values())
 _SETTERS = tuple(set_ for _, set_, _ in SETTINGS.values())
+
+_C = torch._C
+_dtype, _det, _det_warn, _matmul = (
+    torch.get_default_dtype,
+    _C._get_deterministic_algorithms,
+    _C._get_deterministic_algorithms_warn_only,
+    _C._get_float32_matmul_precision,
+)
+_fill, _anomaly, _mkldnn, _flash = (
+    _C._get_deterministic_fill_uninitialized_memory,
+    torch.is_anomaly_enabled,
+    _C._get_mkldnn_enabled,
+    _C._get_flash_sdp_enabled,
+)
+_mem_sdp, _math_sdp, _cudnn_sdp, _math_low = (
+    _C._get_mem_efficient_sdp_enabled,
+    _C._get_math_sdp_enabled,
+    _C._get_cudnn_sdp_enabled,
+    _C._get_math_sdp_allow_fp16_bf16_reduction,
+)
+_sdp_order, _mkldnn_det, _nnpack, _cublas_fp16 = (
+    _C._get_sdp_priority_order,
+    _C._get_mkldnn_deterministic,
+    _C._get_nnpack_enabled,
+    _C._get_cublas_allow_fp16_accumulation,
+)
+_cudnn, _cudnn_det, _cudnn_bench = _C._get_cudnn_enabled, _C._get_cudnn_deterministic, _C._get_cudnn_benchmark
 
 
 def read_settings() -> tuple:
-    """Every setting's current value, in `SETTINGS` order (one C-level loop: this runs at every handoff)."""
-    return tuple(map(operator.call, _GETTERS))
+    """Every setting's current value, in `SETTINGS` order (what its getters return).
+
+    Written out as one tuple of direct calls, because it runs at every handoff: a loop over `SETTINGS`' getters
+    costs 1.6 times as much (0.98 against 0.61 us on the 2-vCPU machine). tests/integration/test_isolation.py
+    checks it against `SETTINGS`, each setting changed alone.
+    """
+    return (
+        _dtype(),
+        (_det(), _det_warn()),
+        _matmul(),
+        _fill(),
+        _anomaly(),
+        _mkldnn(),
+        _flash(),
+        _mem_sdp(),
+        _math_sdp(),
+        _cudnn_sdp(),
+        _math_low(),
+        _sdp_order(),
+        _mkldnn_det(),
+        _nnpack(),
+        _cublas_fp16(),
+        _cudnn(),
+        _cudnn_det(),
+        _cudnn_bench(),
+    )
 
 
 def fresh_generator_state() -> torch.Tensor:

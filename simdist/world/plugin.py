@@ -3,7 +3,7 @@
 `register` is idempotent and runs on ``import simdist.world``. c10d calls
 `create_group` for every group it makes with the ``simdist`` backend (the
 default group and each ``new_group``/DeviceMesh group): on a rank thread of
-`simdist.spawn` it returns an in-process group on that run's engine, anywhere
+`simdist.run` it returns an in-process group on that run's rendezvous, anywhere
 else a process-mode group (`simdist.world.process`).
 """
 

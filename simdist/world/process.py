@@ -1,4 +1,4 @@
-"""Process mode: the ``simdist`` backend in real processes (torchrun, `simdist.world.launch.spawn_procs`).
+"""Process mode: the ``simdist`` backend in real processes (torchrun, ``simdist.run(where="processes")``).
 
     torchrun --nproc-per-node 4 train.py      # train.py: import simdist; dist.init_process_group("simdist")
     SIMDIST_REDUCTION=ring torchrun ...       # another reduction model (default: gloo)
@@ -7,10 +7,12 @@ Each ``simdist`` group owns an inner gloo group over the same store. A
 collective first all-gathers every member's call description (op, shapes,
 dtypes, split sizes, source line) and checks that they match, raising
 `CollectiveMismatchError` with every member's call site on every rank if not;
-then it all-gathers the members' input tensors (their memory footprint, so
-strided inputs reach the model with their strides) and runs the same
-``complete`` as in-process mode for this rank alone. The arithmetic is
-therefore the reduction model's, bit for bit the same as `simdist.spawn`, and
+then the members' input tensors travel as bytes (their memory footprint, so
+strided inputs reach the model with their strides): one broadcast per member
+into a kept buffer; for a broadcast only the root's, for a scatter each
+member's own entries from the root (one message each). Each rank then runs the
+same ``complete`` as in-process mode for itself alone. The arithmetic is
+therefore the reduction model's, bit for bit the same as `simdist.run`, and
 module-global framework state (DeepSpeed's ``groups``, Megatron's
 ``parallel_state``) lives in each process as usual. Point-to-point messages
 and barriers go straight over the inner gloo group.
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from simdist.errors import UsageError
 from simdist.reduce import ReductionModel
 from simdist.world.backend import SimProcessGroup
-from simdist.world.engine import Call
+from simdist.world.calls import Call
 from simdist.world.errors import CollectiveMismatchError
 from simdist.world.modelmap import as_model
 
@@ -267,7 +269,7 @@ ROOTED = ("broadcast", "scatter")
 def rooted_source(signature: tuple, ranks: tuple[int, ...]) -> int | None:
     """The group index of the member whose tensors a `ROOTED` collective reads; None for every other one.
 
-    The root is the signature's ``src=<global rank>`` (`simdist.world.collectives.broadcast`, ``scatter``)."""
+    The root is the signature's ``src=<global rank>`` (`simdist.world.data_movement.broadcast`, ``scatter``)."""
     if signature[0] not in ROOTED:
         return None
     source = next(str(d) for d in signature if str(d).startswith("src="))

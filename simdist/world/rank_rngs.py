@@ -3,7 +3,7 @@
 A rank of a real job is a process with its own ``random`` and ``np.random``
 state, so ``random.seed(rank); np.random.seed(rank); random.shuffle(data)``
 gives each rank its own stream. Rank threads share one interpreter, so while a
-`simdist.spawn` runs, `RankGenerators` replaces the module functions that use
+`simdist.run` runs, `RankGenerators` replaces the module functions that use
 the shared generators (``random.seed``, ``random.shuffle``, ``np.random.seed``,
 ``np.random.rand``, ... every function of ``random`` bound to its hidden
 instance, every legacy function of ``numpy.random``) with dispatchers: on a
@@ -38,7 +38,7 @@ from typing import Any
 
 
 class SharedGlobalStateError(RuntimeError):
-    """A rank thread used process-global state that `simdist.spawn` cannot give each rank (one line, named)."""
+    """A rank thread used process-global state that `simdist.run` cannot give each rank (one line, named)."""
 
 
 FIX = 'run it in process mode: simdist.run(fn, n, where="processes")'

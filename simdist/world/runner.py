@@ -18,29 +18,26 @@ function is handed (`Api`: ``dist`` -- its rank, with the default ``torch.distri
 the launcher's keywords, as in ``torch.multiprocessing.spawn``: ``args=`` and ``kwargs=``. ``reduction=``
 (`simdist.world.options`) and ``timeout_s=`` have one default each, whatever ``where`` and ``api``.
 
-The older launchers are this function with fixed ``where``/``api``, on the same code path:
-
-=============================  ========================================================
-``simdist.spawn``              ``run(fn, n, where="threads", api="dist")`` (`inproc.spawn_threads`)
-``SimWorld(spec).run``         ``run(fn, spec, where="threads", api="comm")``
-``spawn_procs(backend=...)``   ``run(fn, n, where="gloo"|"processes", api="dist")`` (`launch.spawn_processes`)
-``spawn_gloo(backend=...)``    ``run(fn, spec, where="gloo"|"processes", api="comm")``
-=============================  ========================================================
+``SimWorld(spec).run`` is this function with ``where="threads"``, ``api="comm"``, on the same code path. APIs
+that take the rank function's keywords and the launcher's in one ``**kwargs`` (`simdist.blame`, the pytest
+fixture ``simdist_world``) part them with `split_keywords` and call this function. Process launches
+(``where="processes"`` or ``"gloo"``) are `simdist.world.process_launch.spawn_processes`.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from simdist.errors import UsageError
 from simdist.world.inproc import spawn_threads
-from simdist.world.launch import LaunchTimings, spawn_processes
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where, check_timeout, choose
+from simdist.world.process_launch import LaunchTimings, spawn_processes
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
-__all__ = ["Api", "Where", "run"]
+__all__ = ["Api", "Where", "run", "split_keywords"]
 
 
 def run(
@@ -66,12 +63,14 @@ def run(
     `ReductionModel` for every group; in threads also a mapping from group kind to one of those (with a
     ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> ReductionModel``
     (`simdist.world.modelmap`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
-    bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank.
+    bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank
+    (in processes as `simdist.world.supervise.RankFailure`, with the rank's traceback).
 
     Processes only: ``fn``, its arguments and results must be picklable (``fn`` a top-level function);
     ``preload`` names modules every rank imports (a framework such as ``deepspeed``), imported once in the
-    forkserver the ranks are forked from (on the environment's path: Python 3.11's forkserver ignores this
-    process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
+    forkserver the ranks are forked from, a server kept per preload set, so the ranks carry no framework another
+    launch preloaded (`simdist.world.forkservers`; on the environment's path: Python 3.11's forkserver ignores
+    this process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
     ``timings`` (a list) receives the launch's `LaunchTimings`.
     Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
 
@@ -105,12 +104,26 @@ def run(
     )
 
 
+THREAD_KEYWORDS = ("reduction", "spec", "timeout_s", "one_cpu", "intra_op_threads")
+"""The launcher's keywords that `split_keywords` takes out of a mixed ``**kwargs`` (``spec`` becomes the world)."""
+
+
+def split_keywords(world_size: int, kwargs: Mapping[str, Any]) -> tuple[int | ParallelSpec, dict, dict]:
+    """``(world, launcher keywords, fn's keywords)`` of a call that mixes them, as ``fn(rank, *args, **kwargs)``
+    APIs do: the names of `THREAD_KEYWORDS` are the launcher's (``spec=``, when given, is the world), every other
+    name, ``model=`` included, is ``fn``'s."""
+    launch = {k: v for k, v in kwargs.items() if k in THREAD_KEYWORDS}
+    spec = launch.pop("spec", None)
+    return (world_size if spec is None else spec), launch, {k: v for k, v in kwargs.items() if k not in THREAD_KEYWORDS}
+
+
 def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:
     """The run's spec (made flat from a size for ``api="comm"``) and its size."""
     if isinstance(world, ParallelSpec):
         return world, world.world_size
-    if isinstance(world, bool) or not isinstance(world, int):
+    if isinstance(world, bool) or not hasattr(type(world), "__index__"):  # numpy's integers are world sizes too
         raise TypeError(f"world must be a world size (int) or a ParallelSpec, got {type(world).__name__} {world!r}")
+    world = operator.index(world)
     if world < 1:
         raise UsageError(f"world must be at least 1 rank, got {world}")
     return (ParallelSpec(world) if api == Api.COMM else None), world

@@ -4,11 +4,11 @@
 on each with a `SimComm`, and returns the per-rank results in rank order.
 
 `SimComm` is a thin adapter: each of its collectives is the one written in
-`simdist.world.collectives` (a `Call` plus a ``complete`` function), handed to
-the rendezvous `simdist.world.engine.Engine`, exactly as the
-``torch.distributed`` backend (`simdist.world.backend`, `simdist.spawn`) does:
+`simdist.world.reductions` or `simdist.world.data_movement` (a `Call` plus a
+``complete`` function), handed to the `simdist.world.rendezvous.Rendezvous`, exactly as the
+``torch.distributed`` backend (`simdist.world.backend`, `simdist.run`) does:
 same checks (gloo's rules where the group's model has ``gloo_rules``), same
-completion, same bits. The engine's docstring says how
+completion, same bits. `simdist.world.rendezvous` says how
 calls are matched, how results stay independent of thread arrival order, and
 how mismatches, deadlocks, exceptions and timeouts are reported (every rank's
 call with its source line; no hangs).
@@ -25,10 +25,13 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.reduce import ReduceOp, ReductionModel
-from simdist.world import collectives as cc
-from simdist.world.engine import Engine, observed
+from simdist.world import data_movement as dm
+from simdist.world import reduce_ops as ops
+from simdist.world import reductions as red
+from simdist.world.calls import Prepared
 from simdist.world.groups import Group, group_for, world_group
 from simdist.world.modelmap import as_model
+from simdist.world.observers import Observers, observed
 from simdist.world.options import (
     _UNSET,
     DEFAULT_REDUCTION,
@@ -36,15 +39,17 @@ from simdist.world.options import (
     check_timeout,
     pick_reduction,
 )
+from simdist.world.rendezvous import Rendezvous
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 
 
 class _Members:
-    """SimComm's view of one `Group` for `simdist.world.collectives` (built once per group and communicator)."""
+    """SimComm's view of one `Group` for the collectives (a `simdist.world.calls.Members`), built once per group
+    and communicator."""
 
-    __slots__ = ("checked", "gloo_rules", "group", "kind", "label", "model", "ranks", "size")
+    __slots__ = ("checked", "gloo_rules", "group", "key", "kind", "label", "model", "ranks", "size")
 
-    def __init__(self, group: Group, model: ReductionModel) -> None:
+    def __init__(self, group: Group, model: ReductionModel, key: int) -> None:
         self.group = group
         self.kind = group.kind
         self.label = str(group)
@@ -52,18 +57,19 @@ class _Members:
         self.gloo_rules = model.gloo_rules
         self.ranks = group.ranks
         self.size = len(group.ranks)
-        self.checked: dict = {}  # collectives.all_reduce_one's checks, per (op, shape, dtype)
+        self.key = key  # the call sequence on the rendezvous: `Rendezvous.intern` of the ranks
+        self.checked: dict = {}  # reductions.all_reduce_one's checks, per (op, shape, dtype)
 
 
 class SimComm:
     """One rank's communicator in a `SimWorld` run (implements `simdist.world.groups.Comm`).
 
-    Each collective is `simdist.world.collectives`' (the backend's too), run on
-    the rendezvous engine; this class only resolves groups and ranks.
+    Each collective is `simdist.world.reductions`' or `simdist.world.data_movement`' (the backend's too), run on
+    the rendezvous; this class only resolves groups and ranks.
     """
 
-    def __init__(self, engine: Engine, world: SimWorld, rank: int) -> None:
-        self._engine = engine
+    def __init__(self, rendezvous: Rendezvous, world: SimWorld, rank: int) -> None:
+        self._rendezvous = rendezvous
         self._world_obj = world
         self._rank = rank
         self.spec: ParallelSpec = world.spec
@@ -96,37 +102,33 @@ class SimComm:
             raise UsageError(f"rank {self._rank} called a collective on {resolved}, which it is not a member of")
         if list(resolved.ranks) != sorted(resolved.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
             resolved = Group(resolved.kind, tuple(sorted(resolved.ranks)))
-        found = self._members[group] = _Members(resolved, self._world_obj.model_for(resolved.kind))
+        model = self._world_obj.model_for(resolved.kind)
+        found = self._members[group] = _Members(resolved, model, self._rendezvous.intern(resolved.ranks))
         return found
 
-    def _run(self, members: _Members, prepared: cc.Prepared) -> None:
-        """The one funnel of every collective: the engine's observers are told, then the engine runs it."""
+    def _run(self, members: _Members, prepared: Prepared) -> None:
+        """The one funnel of every collective: the observers (`simdist.world.observers`) are told, then the
+        rendezvous runs it."""
         call, complete = prepared
-        engine, ranks, targets = self._engine, members.ranks, range(members.size)
-        if Engine.observers:
-            observed(
-                call,
-                complete,
-                "comm",
-                lambda: members.kind,
-                lambda c: engine.collective(call, ranks, lambda calls: c(calls, targets)),
-            )
+        rendezvous, ranks, key = self._rendezvous, members.ranks, members.key
+        if Observers.subscribed:
+            observed(call, complete, "comm", lambda: members.kind, lambda c: rendezvous.collective(call, ranks, c, key))
             return
-        engine.collective(call, ranks, lambda calls: complete(calls, targets))
+        rendezvous.collective(call, ranks, complete, key)
 
     # -- collectives ---------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
         """Reduce ``tensor`` across ``group`` in place with the group's reduction model."""
         m = self._resolve(group)
-        self._run(m, cc.all_reduce_one(m, self._rank, sys._getframe(1), tensor, cc.named_op(op)))
+        self._run(m, red.all_reduce_one(m, self._rank, sys._getframe(1), tensor, ops.named_op(op)))
 
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None
     ) -> None:
         """Reduce ``input`` across ``group``; group rank ``i`` receives block ``i`` of the flat result."""
         m = self._resolve(group)
-        self._run(m, cc.reduce_scatter_tensors(m, self._rank, sys._getframe(1), (output,), (input,), cc.named_op(op)))
+        self._run(m, red.reduce_scatter_tensors(m, self._rank, sys._getframe(1), (output,), (input,), ops.named_op(op)))
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
         """Reduce ``tensor`` across ``group`` to global rank ``dst``, in place: the root gets the model's result;
@@ -134,7 +136,7 @@ class SimComm:
         (gloo's partial sums), as on the real backend."""
         m = self._resolve(group)
         root = m.group.rank_of(dst)
-        self._run(m, cc.reduce(m, self._rank, sys._getframe(1), (tensor,), cc.named_op(op), root))
+        self._run(m, red.reduce(m, self._rank, sys._getframe(1), (tensor,), ops.named_op(op), root))
 
     def reduce_scatter(
         self,
@@ -146,13 +148,13 @@ class SimComm:
         """List reduce_scatter: entry ``i`` of every member's ``input_list`` reduced into group rank ``i``'s
         ``output``."""
         m = self._resolve(group)
-        prepared = cc.reduce_scatter_list(m, self._rank, sys._getframe(1), (output,), (input_list,), cc.named_op(op))
+        prepared = red.reduce_scatter_list(m, self._rank, sys._getframe(1), (output,), (input_list,), ops.named_op(op))
         self._run(m, prepared)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None:
         """Concatenate every member's ``input`` (flat, in group-rank order) into ``output``."""
         m = self._resolve(group)
-        self._run(m, cc.all_gather_tensors(m, self._rank, sys._getframe(1), (output,), (input,)))
+        self._run(m, dm.all_gather_tensors(m, self._rank, sys._getframe(1), (output,), (input,)))
 
     def all_to_all_single(
         self,
@@ -169,17 +171,17 @@ class SimComm:
         """
         m = self._resolve(group)
         frame = sys._getframe(1)
-        self._run(m, cc.all_to_all_single(m, self._rank, frame, output, input, output_split_sizes, input_split_sizes))
+        self._run(m, dm.all_to_all_single(m, self._rank, frame, output, input, output_split_sizes, input_split_sizes))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None) -> None:
         """Copy global rank ``src``'s ``tensor`` into every member's ``tensor``."""
         m = self._resolve(group)
-        self._run(m, cc.broadcast(m, self._rank, sys._getframe(1), (tensor,), m.group.rank_of(src)))
+        self._run(m, dm.broadcast(m, self._rank, sys._getframe(1), (tensor,), m.group.rank_of(src)))
 
     def barrier(self, group: Group | None = None) -> None:
         """Wait until every member of ``group`` has arrived."""
         m = self._resolve(group)
-        self._run(m, cc.barrier(m, self._rank, sys._getframe(1)))
+        self._run(m, dm.barrier(m, self._rank, sys._getframe(1)))
 
 
 class SimWorld:
@@ -224,9 +226,9 @@ class SimWorld:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(comm, *args, **kwargs)`` on every rank; return the results in rank order."""
-        engine = Engine(self.spec.world_size, label="SimWorld")
-        return engine.run(
-            lambda rank: fn(SimComm(engine, self, rank), *args, **kwargs),
+        rendezvous = Rendezvous(self.spec.world_size, label="SimWorld")
+        return rendezvous.run(
+            lambda rank: fn(SimComm(rendezvous, self, rank), *args, **kwargs),
             timeout_s=self.timeout_s,
             one_cpu=self.one_cpu,
             intra_op_threads=self.intra_op_threads,
@@ -242,7 +244,7 @@ SIMWORLD_KINDS: tuple[str, ...] = (*GROUP_KINDS, GroupKind.WORLD, "default")
 
 def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, ReductionModel], ReductionModel]:
     """``({kind: model}, default model)`` from ``reduction=``; nothing given (``None`` or unset) is
-    `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched engine
+    `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched gradient path
     (`simdist.gradpath.batched.BatchedOps`), so both read the keyword alike."""
     per_kind = kind_models(pick_reduction(_UNSET if reduction is None else reduction))
     default = per_kind.pop("default")
@@ -262,6 +264,6 @@ def kind_models(choice: ReductionChoice) -> dict[str, ReductionModel]:
         return table
     raise TypeError(
         "reduction must be a model name, a Reduction member, a ReductionModel or a mapping from group kind to one "
-        f"of those (SimWorld has no per-rank-tuple callable: use simdist.spawn), got {type(choice).__name__} "
+        f"of those (SimWorld has no per-rank-tuple callable: use simdist.run), got {type(choice).__name__} "
         f"{choice!r}"
     )

@@ -1,7 +1,7 @@
 """`TorchComm`: the `Comm` interface over real ``torch.distributed`` process groups.
 
 The same rank program that runs on `SimWorld` runs here under torchrun or
-`simdist.world.launch.spawn_gloo`. The communicator is built after the default
+``simdist.run(api="comm", where="gloo")``. The communicator is built after the default
 process group is initialised; it creates one process group per distinct rank
 set of every group kind of the spec (all ranks create them in the same order,
 as ``dist.new_group`` requires) and maps the plain-data `Group` handles to

@@ -3,7 +3,6 @@ of one real gradient-path step, and the audit inside autograd, SimWorld rank thr
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import threading
@@ -17,15 +16,17 @@ from hypothesis import strategies as st
 import simdist
 import simdist.gradpath.kernel
 import simdist.models.synthetic
-from simdist.audit import AuditReport, audit, audited, narrows, run_audit
-from simdist.audit import add_audit_subcommand as _add_audit
+from simdist.audit import AuditReport, audit, audited, narrows
+from simdist.cli import build_parser
+from simdist.cli.audit import run_audit
+from simdist.cli.configs import AuditCommand
+from simdist.cli.options import from_args
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
 from simdist.studies.repro import run
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -295,7 +296,7 @@ def gloo_rank(comm):
 @pytest.mark.gloo
 @pytest.mark.slow  # by default: the audit on real gloo (next test) and raw dist.all_reduce sites (CLI test below)
 def test_gloo_collectives_are_recorded_with_their_dtype():
-    results = spawn_gloo(gloo_rank, ParallelSpec(2, tp=1, ep=1), timeout_s=120)
+    results = simdist.run(gloo_rank, ParallelSpec(2, tp=1, ep=1), api="comm", where="gloo", timeout_s=120)
     for rank, result in enumerate(results):
         raw = AuditReport.from_dict(result["raw"])
         assert [(s.op, s.kind, s.dtypes, s.where, s.ranks) for s in raw.sites] == [
@@ -323,7 +324,7 @@ def gradpath_step(comm):
 @pytest.mark.gloo
 @pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_one_rank_program_gives_the_same_report_on_gloo_and_in_simworld():
-    real = [AuditReport.from_dict(d) for d in spawn_gloo(gradpath_step, SPEC, timeout_s=120)]
+    real = [AuditReport.from_dict(d) for d in simdist.run(gradpath_step, SPEC, api="comm", where="gloo", timeout_s=120)]
     simulated = [AuditReport.from_dict(d) for d in SimWorld(SPEC, reduction=Gloo()).run(gradpath_step)]
     for a, b in zip(real, simulated, strict=True):
         assert a.rank == b.rank and a.sites == b.sites  # same sites, counts, dtypes and rounding errors
@@ -343,10 +344,8 @@ sys.exit(3 if "--fail" in sys.argv else 0)
 """
 
 
-def _cli(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="simdist")
-    _add_audit(parser.add_subparsers(dest="command"))
-    return parser.parse_args(argv)
+def _cli(argv: list[str]) -> AuditCommand:
+    return from_args(AuditCommand, build_parser().parse_args(argv))
 
 
 def test_cli_runs_a_script_and_prints_its_sites(tmp_path, capsys):
@@ -395,7 +394,7 @@ def backend_rank(rank):
 
 
 SimWorld(ParallelSpec(2, tp=2, ep=1), reduction=make_model("upcast")).run(sim_rank)  # sums in FP32
-simdist.spawn(backend_rank, 2)
+simdist.run(backend_rank, 2)
 code = sys.argv[1] if sys.argv[1:] else None
 sys.exit(int(code) if code and code.isdigit() else code)
 """

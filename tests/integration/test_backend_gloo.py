@@ -3,7 +3,7 @@
 The programs (tests/backend_programs.py) know nothing of simdist. ONE spawn of
 4 real gloo processes runs all of them (`suite`: the TP-MLP, DTensor on a 2x2
 mesh, FSDP2 mixed precision, the coverage program with every op) and ONE
-`simdist.spawn` runs the same on threads; each test compares one program's
+`simdist.run` runs the same on threads; each test compares one program's
 results. Process start-up dominates a real-gloo run, so sharing it keeps these
 checks in the default suite. Process mode (the simdist backend in real
 processes) runs the TP-MLP by default and the whole suite when slow tests run.
@@ -17,7 +17,7 @@ from backend_programs import suite, tp_mlp
 
 import simdist
 from simdist.numerics.floats import bits
-from simdist.world.launch import RankFailure, spawn_procs
+from simdist.world.supervise import RankFailure
 
 pytestmark = pytest.mark.gloo
 
@@ -50,12 +50,12 @@ def _assert_same(a: list[dict], b: list[dict], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def real_gloo() -> list[dict]:
-    return spawn_procs(suite, N, backend="gloo", timeout_s=300)
+    return simdist.run(suite, N, where="gloo", timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def threads() -> list[dict]:
-    return simdist.spawn(suite, N, timeout_s=300)
+    return simdist.run(suite, N, timeout_s=300)
 
 
 def _program(results: list[dict], name: str) -> list[dict]:
@@ -63,7 +63,7 @@ def _program(results: list[dict], name: str) -> list[dict]:
 
 
 def test_tp_mlp_threads_processes_and_real_gloo_agree_bitwise(real_gloo, threads):
-    processes = spawn_procs(tp_mlp, N, backend="simdist")
+    processes = simdist.run(tp_mlp, N, where="processes")
     _assert_same(_program(threads, "tp_mlp"), processes, "simdist process mode")
     _assert_same(_program(threads, "tp_mlp"), _program(real_gloo, "tp_mlp"), "real gloo")
 
@@ -92,7 +92,7 @@ def test_seed_per_rank_same_seed_init_settings_and_broadcast_equal_real_gloo(rea
 
 @pytest.mark.slow
 def test_process_mode_runs_every_program_with_the_threads_bits(threads):
-    processes = spawn_procs(suite, N, backend="simdist", timeout_s=300)
+    processes = simdist.run(suite, N, where="processes", timeout_s=300)
     for name in threads[0]:
         _assert_same(_program(processes, name), _program(threads, name), f"{name}: process mode vs threads")
 
@@ -107,4 +107,4 @@ def _mismatch(rank):
 @pytest.mark.slow
 def test_process_mode_reports_a_mismatch_with_every_site():
     with pytest.raises(RankFailure, match=r"rank 1: all_reduce\(.*shape=\(3,\)"):
-        spawn_procs(_mismatch, 2, backend="simdist", timeout_s=60)
+        simdist.run(_mismatch, 2, where="processes", timeout_s=60)

@@ -57,11 +57,11 @@ def test_collective_error_is_measured_against_the_exact_sum():
 
 def test_promoting_a_collective_gives_its_exact_sum_rounded_once():
     """Exact 1 + 1.5 ulp rounds (ties to even) to 1 + 2 ulp: what every rank holds in the promoted rerun."""
+    import simdist
     from simdist.attribution.run import Recorder, execute
-    from simdist.world.inproc import spawn
 
     def target():
-        return spawn(_one_plus_tiny, 4, reduction="sequential")
+        return simdist.run(_one_plus_tiny, 4, reduction="sequential")
 
     report = blame(_one_plus_tiny, 4, reduction="sequential", promote=[1])
     (promotion,) = report.promotions

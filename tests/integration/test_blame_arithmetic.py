@@ -131,13 +131,13 @@ def test_a_bf16_matmul_is_a_site_with_exact_figures_and_promotes_to_one_rounding
 
 def test_the_promoted_matmul_is_the_exact_product_rounded_once():
     """The rerun's product is each element's exact (Fraction) value rounded once to BF16."""
+    import simdist
     from simdist.attribution.run import Recorder, execute
-    from simdist.world.inproc import spawn
 
     base = blame(_bf16_matmul, 2, ops="mm")
     (key,) = [s.key for s in base.sites if s.kind == "arith"]
     recorder = Recorder(promote={key}, ops=frozenset({"aten.mm", "aten.mm_"}))
-    results = execute(lambda: spawn(_bf16_matmul, 2), recorder)
+    results = execute(lambda: simdist.run(_bf16_matmul, 2), recorder)
     for rank in range(2):
         # FP64 holds each exact sum here (products of BF16 values over about 30 binades, 48 terms): one rounding to BF16
         want = torch.tensor([[0.0] * 3] * 4, dtype=torch.float64)

@@ -16,9 +16,7 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.attribution.processes import blame_processes
-from simdist.cases.world import DEEPSPEED_MODULES
 
-FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 SCRIPT = str(Path(__file__).resolve().parents[2] / "experiments" / "blame_deepspeed_autoep.py")
 CORRECTED = 64 + 64 + 256 + 16
 """Elements the folding helper averages over TP per rank and step: both routers, the dense weight and norm."""

@@ -1,4 +1,4 @@
-"""simdist.blame on FSDP2 with a MixedPrecisionPolicy (real torch FSDP2 on simdist.spawn threads): FSDP2's own
+"""simdist.blame on FSDP2 with a MixedPrecisionPolicy (real torch FSDP2 on simdist.run threads): FSDP2's own
 parameter casts (``torch._foreach_copy_`` into the BF16 all-gather input) are sites, and promotion runs on
 DTensor parameters and states (compared by each rank's local shard)."""
 

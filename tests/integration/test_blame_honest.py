@@ -52,10 +52,10 @@ def _mismatched_coalesced(rank: int) -> None:
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_mismatch_through_a_deprecation_wrapper_names_the_users_line():
-    from simdist.world.inproc import spawn
+    import simdist
 
     with pytest.raises(CollectiveMismatchError) as raised:
-        spawn(_mismatched_coalesced, 2)
+        simdist.run(_mismatched_coalesced, 2)
     assert f"{__file__}:{_line(_mismatched_coalesced, 'LINE_MISMATCH')}" in str(raised.value)
     assert "typing_extensions" not in str(raised.value)
 

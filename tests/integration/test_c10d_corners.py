@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 import simdist
 from simdist.testing._internal.c10d_corners import CORNERS, corner_outcomes, encode, short_scatter_object_list
-from simdist.world.launch import spawn_procs
 
 pytestmark = pytest.mark.gloo
 
@@ -30,7 +29,7 @@ def differences(real: list[dict], seen: list[dict]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def real_p2() -> list[dict]:
-    return spawn_procs(corner_outcomes, 2, backend="gloo", timeout_s=240)
+    return simdist.run(corner_outcomes, 2, where="gloo", timeout_s=240)
 
 
 def test_real_gloos_answers_are_the_ones_the_corners_are_about(real_p2):
@@ -61,22 +60,22 @@ def test_real_gloos_answers_are_the_ones_the_corners_are_about(real_p2):
 
 
 def test_rank_threads_answer_every_corner_as_real_gloo(real_p2):
-    found = differences(real_p2, simdist.spawn(corner_outcomes, 2))
+    found = differences(real_p2, simdist.run(corner_outcomes, 2))
     assert not found, "\n".join(found)
 
 
 def test_process_mode_answers_every_corner_as_real_gloo(real_p2):
-    found = differences(real_p2, spawn_procs(corner_outcomes, 2, backend="simdist", timeout_s=240))
+    found = differences(real_p2, simdist.run(corner_outcomes, 2, where="processes", timeout_s=240))
     assert not found, "\n".join(found)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4, 5, 8])
 def test_every_corner_as_real_gloo_at_larger_worlds(world):
-    real = spawn_procs(corner_outcomes, world, backend="gloo", timeout_s=600)
+    real = simdist.run(corner_outcomes, world, where="gloo", timeout_s=600)
     for mode, seen in (
-        ("threads", simdist.spawn(corner_outcomes, world)),
-        ("process", spawn_procs(corner_outcomes, world, backend="simdist", timeout_s=600)),
+        ("threads", simdist.run(corner_outcomes, world)),
+        ("process", simdist.run(corner_outcomes, world, where="processes", timeout_s=600)),
     ):
         found = differences(real, seen)
         assert not found, mode + ":\n" + "\n".join(found)
@@ -89,14 +88,14 @@ def _short_scatter(rank: int) -> None:
 def test_a_short_scatter_object_list_is_gloos_runtime_error_in_threads():
     """The root raises gloo's RuntimeError at the call; in threads that stops the run (gloo's peers hang)."""
     with pytest.raises(RuntimeError, match="Incorrect input list size 1") as caught:
-        simdist.spawn(_short_scatter, 2)
+        simdist.run(_short_scatter, 2)
     assert type(caught.value) is RuntimeError and "raised on rank 0" in str(caught.value.__notes__)
 
 
 @pytest.mark.slow
 def test_a_short_scatter_object_list_raises_as_on_gloo_in_process_mode():
-    real = spawn_procs(short_scatter_object_list, 2, backend="gloo", timeout_s=120)
-    seen = spawn_procs(short_scatter_object_list, 2, backend="simdist", timeout_s=120)
+    real = simdist.run(short_scatter_object_list, 2, where="gloo", timeout_s=120)
+    seen = simdist.run(short_scatter_object_list, 2, where="processes", timeout_s=120)
     assert real[0] == seen[0] == ("RuntimeError", True)  # the root: gloo's type
     assert real[1][1] and seen[1][1]  # the peer: the group's timeout, a RuntimeError on both
 
@@ -130,7 +129,7 @@ def _fan_in(rank: int, early: bool) -> list[int] | None:
 def test_any_source_receives_in_threads_take_the_earliest_sent_message(early):
     """Rank threads run one at a time, rank 0 first: the messages are sent in rank order, and an any-source
     receive takes the earliest sent (queued, or the first to come); the same order on every run."""
-    runs = [simdist.spawn(_fan_in, 4, early)[0] for _ in range(2)]
+    runs = [simdist.run(_fan_in, 4, args=(early,))[0] for _ in range(2)]
     assert runs[0] == runs[1] == [1, 2, 3]
 
 
@@ -158,7 +157,7 @@ def _send_in_reverse(rank: int, early: bool) -> list[int] | None:
 
 @pytest.mark.parametrize("early", [False, True])
 def test_an_any_source_receive_follows_the_send_order_not_the_rank_order(early):
-    assert simdist.spawn(_send_in_reverse, 4, early)[0] == [3, 2, 1]
+    assert simdist.run(_send_in_reverse, 4, args=(early,))[0] == [3, 2, 1]
 
 
 # -- what simdist refuses where gloo has no answer or the model is not gloo's ---------------------------------
@@ -176,7 +175,7 @@ def test_a_receive_into_a_smaller_buffer_fails_the_run_naming_both_calls():
     from simdist.world.errors import CollectiveMismatchError
 
     with pytest.raises(CollectiveMismatchError, match=r"12 bytes\) does not fit the receive buffer \(8 bytes") as e:
-        simdist.spawn(_smaller_buffer, 2)
+        simdist.run(_smaller_buffer, 2)
     assert "rank 0: send" in str(e.value) and "rank 1: recv" in str(e.value)
 
 
@@ -191,6 +190,6 @@ def _sparse_and_monitored(rank: int, which: str) -> None:
 @pytest.mark.parametrize("which", ["sparse", "monitored_barrier"])
 def test_sparse_all_reduce_and_group_monitored_barrier_are_refused_under_another_model(which):
     """Only gloo's sparse all_reduce and monitored_barrier are modelled: another reduction model refuses them."""
-    simdist.spawn(_sparse_and_monitored, 2, which)  # the default model is gloo's: answered
+    simdist.run(_sparse_and_monitored, 2, args=(which,))  # the default model is gloo's: answered
     with pytest.raises(RuntimeError, match="model is sequential" if which == "sparse" else "only gloo implements"):
-        simdist.spawn(_sparse_and_monitored, 2, which, reduction="sequential")
+        simdist.run(_sparse_and_monitored, 2, args=(which,), reduction="sequential")

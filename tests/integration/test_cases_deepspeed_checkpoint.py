@@ -24,9 +24,6 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
 
 from simdist.cases import case_names
 from simdist.cases.deepspeed_checkpoint import GROUPS, _files, compare, controls_bitwise, run
-from simdist.cases.world import DEEPSPEED_MODULES
-
-FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 
 
 def _snap(**groups) -> dict:

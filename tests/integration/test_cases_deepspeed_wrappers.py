@@ -27,13 +27,11 @@ from simdist.cases.deepspeed_engine import EngineCapture, EngineRun, HelperCall
 from simdist.cases.deepspeed_wrappers import CLIP, SMALL_RUNS, run, run_real, run_small
 from simdist.cases.deepspeed_wrappers_checks import CONTROLS, findings, power_checks
 from simdist.cases.deepspeed_wrappers_oracle import BF16_LEVEL, _global_norm, judge_run, oracle
-from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, synthetic_gradients
 from simdist.numerics.floats import bits
 from simdist.reduce import make_model
 from simdist.world.spec import ParallelSpec
 
-FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 pytestmark = pytest.mark.gloo
 
 SMALL_SPEC = ParallelSpec(2, tp=2, ep=2)

@@ -1,5 +1,5 @@
-"""Why fsdp2-reduce-dtype refuses ``--world threads`` (`SPY_IS_A_MODULE_GLOBAL`), checked by experiment: its rank
-program on `simdist.spawn` threads gives FSDP2's gradients bitwise as in process mode (FSDP2 keeps no per-rank
+"""Why fsdp2-reduce-dtype refuses ``--where threads`` (`SPY_IS_A_MODULE_GLOBAL`), checked by experiment: its rank
+program on `simdist.run` threads gives FSDP2's gradients bitwise as in process mode (FSDP2 keeps no per-rank
 module globals), but the divide-factor spy it installs in a module is shared by the threads, so each rank's
 record is wrong. Slow: four processes plus four threads of real FSDP2."""
 
@@ -26,7 +26,7 @@ class _ThreadComm:
 @pytest.mark.slow
 def test_fsdp2_is_bitwise_the_same_on_threads_but_the_cases_spy_is_not():
     config = Config()
-    threads = simdist.spawn(
+    threads = simdist.run(
         lambda rank: fsdp_rank(_ThreadComm(config.spec), config),
         config.spec.world_size,
         reduction="gloo",

@@ -14,10 +14,8 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases.deepspeed_gas_marker import REPRODUCER, Config, judge, run_real, write_reproducer
-from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.policies.catalogue import get_policy
 
-FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 pytestmark = pytest.mark.gloo
 
 CONFIG = Config(gas=3)

@@ -16,10 +16,8 @@ if not installed("megatron"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("megatron"), allow_module_level=True)
 
 from simdist.cases.megatron_grad_reduce import Config, judge, policy_for, run_real
-from simdist.cases.world import MEGATRON_MODULES
 from simdist.numerics.floats import unit_roundoff
 
-FORKSERVER_PRELOAD = MEGATRON_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 pytestmark = pytest.mark.gloo
 
 DP2 = Config(layouts=("dp2",))

@@ -1,4 +1,4 @@
-"""``simdist repro 8913 --engine deepspeed``: the real code path through the repro report and verdict."""
+"""``simdist repro 8913 --code deepspeed``: the real code path through the repro report and verdict."""
 
 import dataclasses
 
@@ -9,33 +9,30 @@ from simdist.extras import installed, not_installed_reason
 if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
-from simdist.cases.world import DEEPSPEED_MODULES
 from simdist.cli import main
 from simdist.studies.repro import ReproConfig, reproduce
 
-FORKSERVER_PRELOAD = DEEPSPEED_MODULES  # tests/integration/conftest.py: one forkserver with every framework
 
-
-@pytest.mark.parametrize("option,value", [("marker", "per_micro_step"), ("model", "moe"), ("reduction", "tree")])
-def test_engine_deepspeed_refuses_options_the_real_code_cannot_take(option, value):
-    config = dataclasses.replace(ReproConfig(engine="deepspeed"), **{option: value})
-    with pytest.raises(ValueError, match=f"--engine deepspeed needs --{option}"):
+@pytest.mark.parametrize("option,value", [("marker", "per_micro_step"), ("source", "moe"), ("reduction", "tree")])
+def test_code_deepspeed_refuses_options_the_real_code_cannot_take(option, value):
+    config = dataclasses.replace(ReproConfig(code="deepspeed"), **{option: value})
+    with pytest.raises(ValueError, match=f"--code deepspeed needs --{option}"):
         reproduce(config)
 
 
-def test_engine_deepspeed_refuses_other_policies(capsys):
-    assert main(["repro", "8913", "--engine", "deepspeed", "--policies", "bf16_only"]) == 2
+def test_code_deepspeed_refuses_other_policies(capsys):
+    assert main(["repro", "8913", "--code", "deepspeed", "--policies", "bf16_only"]) == 2
     assert "runs only bf16_writeback, fp32_staging" in capsys.readouterr().err
 
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_engine_deepspeed_reproduces_8913_with_the_transcribed_verdict_logic():
-    config = ReproConfig(steps=1, engine="deepspeed")
+def test_code_deepspeed_reproduces_8913_with_the_transcribed_verdict_logic():
+    config = ReproConfig(steps=1, code="deepspeed")
     reports, verdict = reproduce(config)
     assert verdict.reproduced, verdict.line
     assert "router hp grad differ" in verdict.line
-    transcribed_reports, transcribed = reproduce(dataclasses.replace(config, engine="transcribed"))
+    transcribed_reports, transcribed = reproduce(dataclasses.replace(config, code="transcribed"))
     assert transcribed.reproduced
     real_rows = {(p.name, r.rank, r.param, r.kind): r for p in reports for r in p.rows}
     assert {key[3] for key in real_rows} == {"local grad", "hp grad"}

@@ -400,7 +400,7 @@ def test_fsdp2_reduce_dtype_on_threads_is_refused_for_its_own_spy_not_for_fsdp2(
     assert hasattr(_fsdp_collectives, "_get_gradient_divide_factors")  # the function the message names exists
     err = _one_line_error(
         capsys,
-        ["case", "run", "fsdp2-reduce-dtype", "--world", "threads"],
+        ["case", "run", "fsdp2-reduce-dtype", "--where", "threads"],
         "the case records FSDP2's divide factors by replacing the module function "
         "torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors in each rank",
     )

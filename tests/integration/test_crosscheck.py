@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import simdist
 import simdist.cli
 from simdist.cli import main
 from simdist.reduce.gloo import Gloo
 from simdist.studies.crosscheck import CrossCheck, train_and_dump
 from simdist.studies.dumps import compare_dumps, format_comparison, load_dump
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,14 @@ def both_checks(comm, out: str, where: dict) -> list[str]:
 @pytest.mark.slow  # by default: test_gradpath_gloo.py (the gradient path, SimWorld vs 4 real gloo ranks, bitwise)
 def test_real_gloo_and_simworld_dumps_are_bitwise_equal(tmp_path):
     spec = CHECK.spec
-    real = spawn_gloo(both_checks, spec, str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"}, timeout_s=240)
+    real = simdist.run(
+        both_checks,
+        spec,
+        api="comm",
+        where="gloo",
+        args=(str(tmp_path / "gloo"), {"world": "gloo", "backend": "gloo"}),
+        timeout_s=240,
+    )
     simulated = SimWorld(spec, reduction=Gloo()).run(
         both_checks, str(tmp_path / "sim"), {"world": "sim", "reduction": "gloo"}
     )
@@ -174,7 +181,7 @@ def test_compare_says_in_one_line_when_dumps_are_not_the_same_run(dumps, tmp_pat
 
 
 def test_repro_on_the_moe_model_reproduces_8913(capsys):
-    assert main(["repro", "8913", "--model", "moe"]) == 0
+    assert main(["repro", "8913", "--source", "moe"]) == 0
     last = capsys.readouterr().out.rstrip().splitlines()[-1]
     assert last.startswith("verdict: #8913 REPRODUCED on the MoE model")
     assert "at the BF16 writeback on step 0 for router.weight" in last

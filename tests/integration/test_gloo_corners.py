@@ -41,7 +41,6 @@ from simdist.testing._internal.gloo_probe import (
     special_columns,
     spread,
 )
-from simdist.world.launch import spawn_procs
 
 pytestmark = pytest.mark.gloo
 
@@ -123,7 +122,7 @@ def spawned():
     """ONE spawn of WORLD real gloo processes: the corner cases (fixed and drawn) and the fidelity probes."""
     cases = corner_cases(WORLD) + draw_cases()
     probes = [p for p in fidelity_probes(WORLD)]
-    results = spawn_procs(run_cases_and_probes, WORLD, cases, probes, backend="gloo", timeout_s=240)
+    results = simdist.run(run_cases_and_probes, WORLD, where="gloo", args=(cases, probes), timeout_s=240)
     return cases, [r[0] for r in results], probes, [r[1] for r in results]
 
 
@@ -152,7 +151,7 @@ def test_the_gloo_model_gives_real_gloos_bits_or_errors_in_every_corner(corners)
 
 def test_the_simdist_backend_gives_real_gloos_bits_or_errors_in_every_corner(corners):
     cases, real = corners
-    failures = _failures(compare(cases, real, simdist.spawn(run_cases, WORLD, cases)))
+    failures = _failures(compare(cases, real, simdist.run(run_cases, WORLD, args=(cases,))))
     assert not failures, "\n".join(failures)
 
 
@@ -179,7 +178,9 @@ def test_errors_are_the_real_backends_types(corners):
 @pytest.mark.slow
 def test_the_simdist_backend_in_process_mode_gives_real_gloos_bits(corners):
     cases, real = corners
-    failures = _failures(compare(cases, real, spawn_procs(run_cases, WORLD, cases, backend="simdist", timeout_s=240)))
+    failures = _failures(
+        compare(cases, real, simdist.run(run_cases, WORLD, where="processes", args=(cases,), timeout_s=240))
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -202,7 +203,7 @@ def _big_nan_cases(world: int) -> list[Case]:
 @pytest.mark.parametrize("world", [5, 8])
 def test_larger_worlds_and_segmented_lengths_with_special_values(world):
     cases = corner_cases(world) + _big_nan_cases(world)
-    real = spawn_procs(run_cases, world, cases, backend="gloo", timeout_s=600)
+    real = simdist.run(run_cases, world, where="gloo", args=(cases,), timeout_s=600)
     failures = _failures(compare(cases, real, model_outcomes(cases, world)))
     assert not failures, "\n".join(failures)
 
@@ -210,7 +211,7 @@ def test_larger_worlds_and_segmented_lengths_with_special_values(world):
 def test_every_fidelity_category_equals_real_gloo_in_storage_bytes(spawned):
     """Complex reduce/reduce_scatter, scatter layouts, bool bytes, refusals and the dtype table (threads)."""
     _, _, probes, real = spawned
-    found = disagreements(probes, real, simdist.spawn(run_probes, WORLD, probes))
+    found = disagreements(probes, real, simdist.run(run_probes, WORLD, args=(probes,)))
     counts = tally(probes, found, WORLD)
     assert set(counts) >= {"complex", "scatter layout", "bool bytes", "refusals", "dtype table"}
     assert not found, "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}: {v.real} | {v.simulated}" for v in found)
@@ -239,10 +240,10 @@ def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mod
     """Every category plus ``dist.reduce`` around 2P MiB (gloo's own segment sizing) at P = 2..8: fixed sizes
     just above it and sizes drawn by Hypothesis around it."""
     probes = [p for p in fidelity_probes(world, big=True)] + drawn_big_reduces(world)
-    real = spawn_procs(run_probes, world, probes, backend="gloo", timeout_s=600)
+    real = simdist.run(run_probes, world, where="gloo", args=(probes,), timeout_s=600)
     for mode, seen in (
-        ("threads", simdist.spawn(run_probes, world, probes)),
-        ("process", spawn_procs(run_probes, world, probes, backend="simdist", timeout_s=600)),
+        ("threads", simdist.run(run_probes, world, args=(probes,))),
+        ("process", simdist.run(run_probes, world, where="processes", args=(probes,), timeout_s=600)),
     ):
         found = disagreements(probes, real, seen)
         assert not found, mode + ":\n" + "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}" for v in found)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import simdist
 from simdist.numerics.floats import bits
 from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
 from simdist.reduce.gloo import Gloo, chunk_length, chunk_start_ranks
 from simdist.testing._internal.gloo_probe import order_fingerprint
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -136,7 +136,7 @@ def test_model_keeps_shape_and_handles_views_and_ops():
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow), 4], ids=lambda n: f"gloo{n}")
 def gloo_run(request):
     n = request.param
-    return n, spawn_gloo(gloo_rank, ParallelSpec(n, tp=1, ep=1), timeout_s=240)
+    return n, simdist.run(gloo_rank, ParallelSpec(n, tp=1, ep=1), api="comm", where="gloo", timeout_s=240)
 
 
 @pytest.mark.gloo

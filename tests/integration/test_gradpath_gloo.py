@@ -2,12 +2,12 @@
 
 import pytest
 
+import simdist
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
-from simdist.world.launch import spawn_gloo
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -27,7 +27,7 @@ def both_policies(comm):
 
 @pytest.mark.gloo
 def test_simworld_and_real_gloo_agree_on_every_captured_tensor():
-    real = spawn_gloo(both_policies, SPEC, timeout_s=240)
+    real = simdist.run(both_policies, SPEC, api="comm", where="gloo", timeout_s=240)
     simulated = SimWorld(SPEC, reduction=Gloo()).run(both_policies)
     compared = 0
     for rank in range(SPEC.world_size):

@@ -217,7 +217,7 @@ def test_cli_growth_bad_input_is_one_line(tmp_path, capsys, argv, needle):
 
 MOE_ARGS = [
     "growth",
-    "--model",
+    "--source",
     "moe",
     "--policies",
     "bf16_writeback,fp32_staging",
@@ -261,7 +261,7 @@ def test_cli_growth_moe_writes_loss_difference_metrics_and_plot(tmp_path, capsys
 @pytest.mark.slow  # by default: test_an_interrupted_run_resumes_bitwise and the MoE growth CLI test
 def test_an_interrupted_moe_run_resumes_per_policy_and_seed(tmp_path):
     """A MoE growth run stopped between (policy, seed) runs keeps the finished ones and ends with the same files."""
-    config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=3, seeds=2, model="moe")
+    config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=3, seeds=2, source="moe")
     run_growth(config, tmp_path / "straight", progress=False)
     killed = tmp_path / "killed"
     with pytest.raises(_Interrupted):
@@ -364,7 +364,7 @@ def test_no_y_label_reaches_into_the_panel_to_its_left():
 
     rng = np.random.default_rng(0)
     for model, columns in (("synthetic", COLUMNS), ("moe", MOE_COLUMNS)):
-        config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=30, seeds=2, model=model)
+        config = GrowthConfig(policies=("bf16_writeback", "fp32_staging"), steps=30, seeds=2, source=model)
         metrics = 10.0 ** rng.uniform(-12, 6, size=(30, 2, 2, len(columns)))
         metrics[:, 1] = 0.0
         fig = growth_figure(config, metrics)

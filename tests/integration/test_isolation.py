@@ -1,4 +1,4 @@
-"""Rank threads behave like processes: ordinary training idioms give real gloo's bits on `simdist.spawn`.
+"""Rank threads behave like processes: ordinary training idioms give real gloo's bits on `simdist.run`'s threads.
 
 The programs (tests/isolation_programs.py) use torch's global generator,
 default dtype, DTensor's tables, ``broadcast`` into parameters and pipelining
@@ -6,7 +6,7 @@ as real programs do. The default suite runs the cheap ones three times on
 threads (reruns identical) and compares them with real gloo in
 tests/integration/test_backend_gloo.py, whose one real-gloo spawn runs them too; the slow
 suite runs every program on real gloo, on process mode and three times on threads.
-The rest checks what `simdist.spawn` does around the run: state refused by
+The rest checks what a thread launch does around the run: state refused by
 name, the caller's state given back, ``sys.exit`` and bad world sizes.
 """
 
@@ -29,8 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 import simdist
 from simdist.numerics.floats import bits
 from simdist.world import inproc
-from simdist.world.isolation import SETTINGS, SharedGlobalStateError
-from simdist.world.launch import spawn_procs
+from simdist.world.isolation import SETTINGS, SharedGlobalStateError, read_settings
 
 N = 4
 RERUNS = 3
@@ -67,9 +66,9 @@ def _assert_same(a: list, b: list, what: str) -> int:
 
 
 def _threads_reruns(fn) -> list:
-    first = simdist.spawn(fn, N, timeout_s=300)
+    first = simdist.run(fn, N, timeout_s=300)
     for _ in range(RERUNS - 1):
-        _assert_same(first, simdist.spawn(fn, N, timeout_s=300), "threads rerun")
+        _assert_same(first, simdist.run(fn, N, timeout_s=300), "threads rerun")
     return first
 
 
@@ -88,8 +87,8 @@ def test_seed_per_rank_same_seed_init_settings_and_broadcast_are_identical_in_ev
 @pytest.mark.gloo
 def test_every_idiom_threads_process_mode_and_real_gloo_agree_bitwise():
     """Seeds, init, DDP+dropout, TP+FSDP2 on 37 rows, loss_parallel, broadcast, pipelining, monitored_barrier, ZeRO."""
-    gloo = spawn_procs(programs.suite, N, backend="gloo", timeout_s=600)
-    processes = spawn_procs(programs.suite, N, backend="simdist", timeout_s=600)
+    gloo = simdist.run(programs.suite, N, where="gloo", timeout_s=600)
+    processes = simdist.run(programs.suite, N, where="processes", timeout_s=600)
     threads = _threads_reruns(programs.suite)
     assert _assert_same(processes, gloo, "process mode vs real gloo") >= 180
     assert _assert_same(threads, gloo, "threads vs real gloo") >= 180
@@ -107,7 +106,7 @@ def test_the_callers_generator_and_settings_are_untouched_and_ranks_start_fresh(
         dist.barrier()
         return start, torch.randn(2).dtype
 
-    seen = simdist.spawn(rank, N)
+    seen = simdist.run(rank, N)
     assert torch.equal(torch.randn(4), torch.randn(4, generator=expected))
     assert torch.initial_seed() == 123 and torch.get_default_dtype() == torch.float32
     starts = [s for s, _ in seen]
@@ -121,7 +120,7 @@ def test_the_callers_generator_and_settings_are_untouched_and_ranks_start_fresh(
 
     state = torch.default_generator.get_state()
     with pytest.raises(KeyError):
-        simdist.spawn(failing, 2)
+        simdist.run(failing, 2)
     assert torch.equal(torch.default_generator.get_state(), state) and torch.get_default_dtype() == torch.float32
 
 
@@ -132,7 +131,7 @@ def test_python_and_numpy_module_generators_are_per_rank_not_refused():
     before = (random.random(), np.random.rand())
     random.seed(5)
     np.random.seed(5)
-    seen = simdist.spawn(lambda r: (random.random(), np.random.rand()), 2)
+    seen = simdist.run(lambda r: (random.random(), np.random.rand()), 2)
     assert seen[0] != seen[1] and before not in seen
     assert (random.random(), np.random.rand()) == before  # the caller's streams are untouched
 
@@ -166,6 +165,21 @@ def test_settings_are_process_global_by_experiment():
             set_(original)
 
 
+def test_read_settings_reads_each_setting_of_the_table():
+    """`read_settings` (the handoff's written-out reader) returns what `SETTINGS`' getters return, in its order,
+    with each setting changed alone: a slot that reads another setting, or none, shows here."""
+    for position, (name, (get, set_, _)) in enumerate(SETTINGS.items()):
+        before = read_settings()
+        original = get()
+        set_(_other(name, original))
+        try:
+            after = read_settings()
+            assert after == tuple(g() for g, _, _ in SETTINGS.values()), name
+            assert [i for i in range(len(after)) if after[i] != before[i]] == [position], name
+        finally:
+            set_(original)
+
+
 def test_every_setting_is_per_rank_on_threads():
     """Rank 1 changes every setting; ranks 0, 2, 3 keep a fresh process's values; the caller keeps its own."""
     caller = {name: get() for name, (get, _, _) in SETTINGS.items()}
@@ -177,7 +191,7 @@ def test_every_setting_is_per_rank_on_threads():
         dist.barrier()
         return {name: get() for name, (get, _, _) in SETTINGS.items()}
 
-    seen = simdist.spawn(rank, N)
+    seen = simdist.run(rank, N)
     fresh = {name: value for name, (_, _, value) in SETTINGS.items()}
     assert seen[0] == seen[2] == seen[3] == fresh
     assert all(seen[1][name] == _other(name, fresh[name]) for name in SETTINGS)
@@ -213,7 +227,7 @@ def test_spawn_restores_excepthook_c10d_globals_and_dtensor_tables():
         return mesh._thread_id
 
     before = meshes()
-    tokens = simdist.spawn(rank, 2)
+    tokens = simdist.run(rank, 2)
     assert len(set(tokens)) == 2 and None not in tokens
     assert meshes() <= before  # torch's mesh-keyed caches hold no rank's mesh after the spawn
     assert sys.excepthook is hook and c10d._backend == backend and c10d._default_pg_init_method is init
@@ -228,7 +242,7 @@ def test_500_spawns_leave_no_rank_prefix_and_flat_memory(capsys):
             return int(f.read().split()[1]) * 4096
 
     for i in range(500):
-        simdist.spawn(lambda r: None, 2)
+        simdist.run(lambda r: None, 2)
         if i == 99:
             at_100 = rss()
     assert rss() - at_100 < 16 * 2**20
@@ -242,31 +256,39 @@ def test_500_spawns_leave_no_rank_prefix_and_flat_memory(capsys):
 
 def test_a_ranks_sys_exit_is_an_error_naming_the_rank():
     with pytest.raises(inproc.RankExitError, match=r"rank 1 called sys.exit\(3\)"):
-        simdist.spawn(lambda r: sys.exit(3) if r == 1 else dist.barrier(), 2)
+        simdist.run(lambda r: sys.exit(3) if r == 1 else dist.barrier(), 2)
 
 
 @pytest.mark.parametrize("bad", [4.0, "4", True, None])
 def test_world_size_of_the_wrong_type_is_one_type_error(bad):
-    with pytest.raises(TypeError, match="world_size must be an int"):
-        simdist.spawn(lambda r: None, bad)
+    with pytest.raises(TypeError, match="world must be a world size"):
+        simdist.run(lambda r: None, bad)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 513, 100_000])
-def test_world_size_outside_the_ceiling_is_refused_at_once(bad):
-    with pytest.raises(ValueError, match=r"world_size must be in \[1, 512\]"):
-        simdist.spawn(lambda r: None, bad)
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (0, "world must be at least 1 rank"),
+        (-1, "at least 1"),
+        (513, r"world_size must be in \[1, 512\]"),
+        (10**5, "512"),
+    ],
+)
+def test_world_size_outside_the_ceiling_is_refused_at_once(bad, match):
+    with pytest.raises(ValueError, match=match):
+        simdist.run(lambda r: None, bad)
 
 
 def test_the_ceiling_is_the_clis():
     from simdist.cli.limits import LIMITS
 
     assert LIMITS["world_size"] == inproc.MAX_RANK_THREADS
-    assert simdist.spawn(lambda r: r, np.int64(2)) == [0, 1]
+    assert simdist.run(lambda r: r, np.int64(2)) == [0, 1]
 
 
 def test_a_spawn_inside_a_rank_is_refused():
     with pytest.raises(RuntimeError, match="from a rank thread"):
-        simdist.spawn(lambda r: simdist.spawn(lambda q: q, 2), 2)
+        simdist.run(lambda r: simdist.run(lambda q: q, 2), 2)
 
 
 @pytest.mark.slow
@@ -275,4 +297,4 @@ def test_torch_compile_on_rank_threads_is_refused_by_name():
         return torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
 
     with pytest.raises(SharedGlobalStateError, match=r"torch\.compile"):
-        simdist.spawn(rank, 2)
+        simdist.run(rank, 2)

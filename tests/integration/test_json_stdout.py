@@ -64,7 +64,7 @@ def test_a_replaced_sys_stdout_still_receives_the_report(capsys):
     [
         ["case", "run", "deepspeed-gas-marker", "--json"],
         pytest.param(["case", "run", "deepspeed-8913", "--json"], marks=pytest.mark.nightly),  # ~25 s: TP2 + TP4
-        ["repro", "8913", "--engine", "deepspeed", "--json", "--steps", "1", "--gas", "1", "--no-progress"],
+        ["repro", "8913", "--code", "deepspeed", "--json", "--steps", "1", "--gas", "1", "--no-progress"],
     ],
     ids=["gas-marker", "8913", "repro-engine"],
 )

@@ -561,7 +561,7 @@ def test_the_simdist_backend_runs_the_nccl_model_end_to_end():
     import simdist
 
     model = Nccl(channels=2, rings=((0, 2, 3, 1),))
-    results = simdist.spawn(_collectives, 4, reduction=model)
+    results = simdist.run(_collectives, 4, reduction=model)
     x = inputs(4, 3000, torch.bfloat16, 13, spread=4)
     blocks = model.reduce_scatter(x)
     for rank, out in enumerate(results):

@@ -23,7 +23,6 @@ from numpy.random import rand as rand_taken_before_the_spawn
 import simdist
 from simdist.numerics.floats import bits
 from simdist.world.isolation import SharedGlobalStateError
-from simdist.world.launch import spawn_procs
 
 FIELDS = ("order", "picks", "perm", "ints", "values")
 
@@ -45,7 +44,7 @@ def _alone(rank: int) -> dict:
 
 def test_seeded_shuffles_and_draws_are_each_ranks_own_on_threads():
     n = 4
-    threads = simdist.spawn(programs.seeded_data, n)
+    threads = simdist.run(programs.seeded_data, n)
     for rank in range(n):
         assert _same(threads[rank], _alone(rank)), rank
     # power: ranks really draw different streams, and a shared generator would have been caught above
@@ -61,14 +60,14 @@ def test_the_callers_generators_and_the_modules_are_given_back():
     random.seed(11)
     np.random.seed(11)
     functions = random.shuffle, random.seed, np.random.seed, np.random.rand, np.random.mtrand.rand
-    simdist.spawn(programs.seeded_data, 2)
+    simdist.run(programs.seeded_data, 2)
     assert (random.random(), np.random.rand()) == expected
     assert (random.shuffle, random.seed, np.random.seed, np.random.rand, np.random.mtrand.rand) == functions
     assert type(random._inst) is random.Random
 
 
 def test_unseeded_ranks_start_from_entropy_like_fresh_processes():
-    seen = simdist.spawn(lambda r: (random.random(), float(np.random.rand())), 4)
+    seen = simdist.run(lambda r: (random.random(), float(np.random.rand())), 4)
     assert len({a for a, _ in seen}) == 4 and len({b for _, b in seen}) == 4
 
 
@@ -86,14 +85,14 @@ def test_a_reference_to_pythons_shared_generator_is_refused_at_first_use_naming_
     line = rank.__code__.co_firstlineno + 3
     expected = rf"rank 1 used Python's shared .*test_rank_rngs.py:{line} .*where=\"processes\""
     with pytest.raises(SharedGlobalStateError, match=expected):
-        simdist.spawn(rank, 2)
+        simdist.run(rank, 2)
     assert 1 not in reached and random.getstate() == state  # refused before it drew
 
 
 def test_pythons_c_level_random_taken_before_the_spawn_is_refused_when_the_spawn_ends():
     state = random.getstate()
     with pytest.raises(SharedGlobalStateError, match=r"Python's shared `random` generator.*where=\"processes\""):
-        simdist.spawn(lambda r: random_taken_before_the_spawn(), 2)
+        simdist.run(lambda r: random_taken_before_the_spawn(), 2)
     assert random.getstate() == state
 
 
@@ -104,22 +103,22 @@ def test_a_reference_to_numpys_shared_generator_is_refused_when_the_spawn_ends()
         rand_taken_before_the_spawn(2)
 
     with pytest.raises(SharedGlobalStateError, match=r"NumPy's shared global generator.*where=\"processes\""):
-        simdist.spawn(rank, 2)
+        simdist.run(rank, 2)
     assert np.random.get_state(legacy=False)["state"]["pos"] == state["state"]["pos"]
 
 
 def test_numpys_bit_generator_switches_are_refused_on_rank_threads():
     with pytest.raises(SharedGlobalStateError, match=r"rank 0 called np.random.set_bit_generator at .*test_rank_rngs"):
-        simdist.spawn(lambda r: np.random.set_bit_generator(np.random.PCG64(r)), 1)
+        simdist.run(lambda r: np.random.set_bit_generator(np.random.PCG64(r)), 1)
 
 
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_seeded_data_threads_process_mode_and_real_gloo_agree_bitwise(n):
-    gloo = spawn_procs(programs.seeded_data, n, backend="gloo", timeout_s=300)
-    processes = spawn_procs(programs.seeded_data, n, backend="simdist", timeout_s=300)
-    threads = simdist.spawn(programs.seeded_data, n)
+    gloo = simdist.run(programs.seeded_data, n, where="gloo", timeout_s=300)
+    processes = simdist.run(programs.seeded_data, n, where="processes", timeout_s=300)
+    threads = simdist.run(programs.seeded_data, n)
     for rank in range(n):
         assert _same(processes[rank], gloo[rank], (*FIELDS, "total")), rank
         assert _same(threads[rank], gloo[rank], (*FIELDS, "total")), rank

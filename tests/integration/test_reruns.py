@@ -4,7 +4,7 @@ simdist promises "the same bits as the real run"; a result that changes from one
 that promise, and a rerun that differs is the cheapest symptom of shared state between rank threads (torch's
 global RNG, DTensor caches) or of an order that depends on thread scheduling. Each check fingerprints every
 tensor of a run (dtype, shape and raw bytes, NaN payloads included) and every other value it returns, and
-compares the fingerprints of several reruns in one process (the threads world: `SimWorld` and `simdist.spawn`
+compares the fingerprints of several reruns in one process (the threads world: `SimWorld` and `simdist.run`
 run their ranks as threads). 20 reruns and the process world are slow tests.
 """
 
@@ -29,7 +29,7 @@ from simdist.studies.growth.run import GrowthConfig, run_growth
 from simdist.studies.repro import ReproConfig, run
 
 THREAD_CASES = ("fsdp2-reduce-dtype-tp",)
-"""The cases whose framework allows the threads world (`simdist case run NAME --world threads`)."""
+"""The cases whose framework allows the threads world (`simdist case run NAME --where threads`)."""
 
 
 def fingerprint(obj: object, h: hashlib._Hash | None = None) -> str:
@@ -122,7 +122,7 @@ def _tp_case_fingerprint() -> str:
 
 
 def test_only_the_listed_cases_allow_the_threads_world():
-    """Every case not in THREAD_CASES refuses ``--world threads`` before running anything."""
+    """Every case not in THREAD_CASES refuses ``--where threads`` before running anything."""
     for name in case_names():
         if name in THREAD_CASES:
             continue
@@ -142,7 +142,7 @@ def test_repro_and_growth_20_reruns_are_identical(tmp_path):
 
 @pytest.mark.slow
 def test_threads_case_20_reruns_are_identical():
-    """``simdist case run fsdp2-reduce-dtype-tp --world threads``: every recorded arrival and gradient of every
+    """``simdist case run fsdp2-reduce-dtype-tp --where threads``: every recorded arrival and gradient of every
     rank and the verdict, 20 runs (before rank threads had their own RNG, about 1 run in 6 differed). Slow: the
     default suite reruns repro and growth; tests/integration/test_isolation.py reruns the RNG idioms themselves."""
     assert len({_tp_case_fingerprint() for _ in range(20)}) == 1
@@ -151,7 +151,7 @@ def test_threads_case_20_reruns_are_identical():
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_process_world_case_reruns_are_bit_identical():
-    """``simdist case run fsdp2-reduce-dtype --world simdist`` (process mode) three times: the same bits."""
+    """``simdist case run fsdp2-reduce-dtype --where simdist`` (process mode) three times: the same bits."""
     config = fsdp2_reduce_dtype.Config()
     prints = set()
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""`simdist.run`, the one launcher: the same bits as its older names in every ``where``, one default reduction
+"""`simdist.run`, the one launcher: the same bits in every ``where`` and as `SimWorld.run`, one default reduction
 (gloo's order, not the rank-order fold), ``fn``'s arguments apart from the launcher's, and one-line errors.
 
 The data make the orders tell apart: float32 values of mixed magnitude on 4 ranks, whose rank-order fold, ring
@@ -17,10 +17,11 @@ import torch.distributed as dist
 import simdist
 from simdist.errors import UsageError
 from simdist.reduce import Gloo, Reduction, Ring, Sequential
-from simdist.world.launch import spawn_gloo, spawn_procs
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
+from simdist.world.runner import split_keywords
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
+from simdist.world.supervise import RankFailure
 
 N = 4
 SPEC = ParallelSpec(N, tp=2, ep=2)
@@ -77,13 +78,12 @@ def test_the_data_tell_the_orders_apart():
     assert same_bits(seq, left_fold(64))  # the fold written above, not simdist's
 
 
-def test_threads_dist_is_spawn_bit_for_bit_with_args_kwargs_and_every_reduction_spelling():
+def test_threads_dist_with_args_kwargs_and_every_reduction_spelling():
     ran = simdist.run(dist_sum, N, args=(64,), kwargs={"scale": 0.5})
-    old = simdist.spawn(dist_sum, N, 64, scale=0.5)
-    assert len(ran) == N and same_bits(ran, old)
+    assert len(ran) == N
     assert same_bits(ran, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)  # default: gloo's order
     ring = [simdist.run(dist_sum, N, args=[64], reduction=choice) for choice in ("ring", Reduction.RING, Ring())]
-    assert all(same_bits(r, simdist.spawn(dist_sum, N, 64, reduction="ring")) for r in ring)
+    assert all(same_bits(r, simdist.run(dist_sum, N, args=(64,), reduction="ring")) for r in ring)
     seq = simdist.run(dist_sum, SPEC, args=(64,), reduction={"world": "sequential", "default": "gloo"})
     assert same_bits(seq, [left_fold(64)] * N)
 
@@ -108,13 +108,10 @@ def test_threads_comm_is_simworld_bit_for_bit_and_simworld_now_defaults_to_gloo(
 def test_one_default_reduction_and_timeout_across_the_launchers():
     import inspect
 
-    from simdist.world import inproc, launch
-
     assert DEFAULT_REDUCTION == "gloo" and DEFAULT_TIMEOUT_S == 300.0
     assert SimWorld(SPEC).timeout_s == DEFAULT_TIMEOUT_S
     assert isinstance(SimWorld(SPEC).default_model, Gloo)
-    for fn in (simdist.run, inproc.spawn, launch.spawn_procs, launch.spawn_gloo):
-        assert inspect.signature(fn).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S, fn
+    assert inspect.signature(simdist.run).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S
 
 
 @pytest.mark.parametrize(
@@ -167,11 +164,14 @@ def test_reduction_is_the_one_spelling_the_removed_ones_are_unknown_keywords(mon
     with pytest.raises(TypeError):  # reduction is keyword-only: a positional table is not read as one
         SimWorld(SPEC, {"tp": Ring()})
     with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
-        spawn_procs(dist_sum, N, 4, backend="simdist", model="ring")
+        simdist.run(dist_sum, N, where="processes", args=(4,), model="ring")
     with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
         simdist.run(dist_sum, N, args=(4,), model="ring")
     with pytest.raises(TypeError, match=r"dist_sum\(\) got an unexpected keyword argument 'model'"):  # fn's keyword
-        simdist.spawn(dist_sum, N, 4, model="ring")
+        simdist.run(dist_sum, N, args=(4,), kwargs={"model": "ring"})
+    world, launch, fn_kwargs = split_keywords(N, {"model": "ring", "reduction": "gloo", "spec": SPEC, "k": 1})
+    assert world is SPEC and launch == {"reduction": "gloo"} and fn_kwargs == {"model": "ring", "k": 1}
+    assert split_keywords(N, {"timeout_s": None}) == (N, {"timeout_s": None}, {})
     monkeypatch.setenv("SIMDIST_MODEL", "ring")
     with pytest.raises(UsageError, match="SIMDIST_MODEL was renamed SIMDIST_REDUCTION"):
         process_reduction()
@@ -188,13 +188,13 @@ def test_group_kinds_are_a_str_enum_that_equals_the_strings():
 
 
 def test_the_package_exports_its_public_names():
-    assert set(simdist.__all__) >= {"run", "spawn", "SimWorld", "ParallelSpec", "GroupKind", "Reduction", "blame"}
+    assert set(simdist.__all__) >= {"run", "SimWorld", "ParallelSpec", "GroupKind", "Reduction", "blame"}
     assert sorted(simdist.__all__) == sorted(["DISTRIBUTION", *simdist._LAZY])
     for name in simdist.__all__:
         assert getattr(simdist, name) is not None
     assert simdist.run.__module__ == "simdist.world.runner" and simdist.Where is Where and simdist.Api is Api
-    with pytest.raises(AttributeError, match="no attribute 'spwan'"):
-        simdist.spwan  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'spawn'"):  # the one launcher is simdist.run
+        simdist.spawn  # noqa: B018
 
 
 # -- processes: one launch costs seconds (torch in a forkserver), so these are slow ---------------------------
@@ -202,21 +202,23 @@ def test_the_package_exports_its_public_names():
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_processes_and_gloo_are_their_older_names_bit_for_bit_and_report_timings():
+def test_processes_and_gloo_match_threads_bit_for_bit_and_report_timings():
     timings: list = []
     processes = simdist.run(dist_sum, N, where="processes", args=(64,), kwargs={"scale": 0.5}, timings=timings)
-    assert same_bits(processes, simdist.spawn(dist_sum, N, 64, scale=0.5))  # process mode = threads, bitwise
+    assert same_bits(
+        processes, simdist.run(dist_sum, N, args=(64,), kwargs={"scale": 0.5})
+    )  # process mode = threads, bitwise
     assert same_bits(processes, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)
     ring = simdist.run(dist_sum, N, where="processes", args=(64,), reduction=Ring(), preload=("json",))
-    older = spawn_procs(dist_sum, N, 64, backend="simdist", reduction="ring")
-    assert same_bits(ring, older)
-    assert same_bits(ring, simdist.spawn(dist_sum, N, 64, reduction="ring"))
+    named = simdist.run(dist_sum, N, where="processes", args=(64,), reduction="ring")
+    assert same_bits(ring, named)
+    assert same_bits(ring, simdist.run(dist_sum, N, args=(64,), reduction="ring"))
     real = simdist.run(summed_on, N, where="gloo", args=(64,))
     assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo model (which gives the same bits)
-    assert same_bits([t for _, t in real], spawn_procs(dist_sum, N, 64, backend="gloo"))
+    assert same_bits([t for _, t in real], simdist.run(dist_sum, N, where="gloo", args=(64,)))
     assert {name for name, _ in simdist.run(summed_on, 2, where="processes", args=(4,))} == {"simdist"}
     comm = simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,), timings=timings)
-    assert same_bits(comm, spawn_gloo(comm_sums, SPEC, 64, backend="simdist"))
+    assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,)))
     assert same_bits(comm, simdist.run(comm_sums, SPEC, api="comm", args=(64,)))
     assert len(timings) == 2 and all(t.world_size == N and t.total > 0 for t in timings)
     assert all(min(t.server, t.start, t.imports, t.rendezvous, t.work, t.finish) >= 0 for t in timings)
@@ -347,7 +349,7 @@ def test_rooted_collectives_send_the_roots_tensors_only_and_match_gloo():
         assert g_t.stride() == p_t.stride() and torch.equal(
             g_t.contiguous().view(torch.int32), p_t.contiguous().view(torch.int32)
         )
-    with pytest.raises(simdist.world.launch.RankFailure, match=r"broadcast on world.*memory order"):
+    with pytest.raises(RankFailure, match=r"broadcast on world.*memory order"):
         simdist.run(_gappy_broadcast, 2, api="dist", where="processes")
 
 

@@ -1,4 +1,4 @@
-"""`TorchComm` and `spawn_gloo` on 4 real gloo processes (TP2/EP2 on 4 ranks).
+"""`TorchComm` and ``simdist.run(api="comm", where="gloo")`` on 4 real gloo processes (TP2/EP2 on 4 ranks).
 
 Each rank program runs every collective once and returns what it saw; the
 parent checks the values against what the group tables of the spec predict:
@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import simdist
 from simdist.reduce import ReduceOp
 from simdist.world.groups import Comm, Group
-from simdist.world.launch import RankFailure, spawn_gloo
 from simdist.world.spec import ParallelSpec
+from simdist.world.supervise import RankFailure
 
 pytestmark = pytest.mark.gloo
 
@@ -96,7 +97,7 @@ def hanging_rank(comm) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return spawn_gloo(collectives_rank, SPEC, timeout_s=120)
+    return simdist.run(collectives_rank, SPEC, api="comm", where="gloo", timeout_s=120)
 
 
 def _sum(ranks) -> torch.Tensor:
@@ -158,13 +159,15 @@ def test_broadcast_from_nonzero_global_rank(results):
 
 def test_failing_rank_is_reraised_naming_the_rank():
     with pytest.raises(RankFailure, match=r"rank 2 of 4 failed") as info:
-        spawn_gloo(failing_rank, SPEC, timeout_s=60)
+        simdist.run(failing_rank, SPEC, api="comm", where="gloo", timeout_s=60)
     assert info.value.rank == 2
     assert "deliberate failure on rank 2" in info.value.remote_traceback
 
 
 @pytest.mark.slow  # seconds of the default suite; CI runs it with the slow tests
 def test_hanging_rank_times_out_instead_of_hanging():
-    """spawn_gloo's own timeout ends a hung world with TimeoutError (a hang would instead hit pytest-timeout)."""
+    """The launch's own timeout ends a hung world with TimeoutError (a hang would instead hit pytest-timeout)."""
     with pytest.raises(TimeoutError, match=r"did not finish"):
-        spawn_gloo(hanging_rank, SPEC, timeout_s=1)  # the test waits this long: keep it short
+        simdist.run(
+            hanging_rank, SPEC, api="comm", where="gloo", timeout_s=1
+        )  # the test waits this long: keep it short

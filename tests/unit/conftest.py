@@ -4,7 +4,7 @@ Every test under ``tests/unit`` runs with process creation and the gloo backend 
 ``run``/``check_output``/``Popen`` goes through ``Popen``), ``multiprocessing`` and ``torch.multiprocessing``
 (``BaseProcess.start``), ``os.fork``/``os.posix_spawn``/``os.system``, and ``dist.init_process_group`` with
 a gloo (or unnamed, hence gloo on CPU) backend. A test that needs any of them belongs in ``tests/integration``.
-Rank threads (`simdist.spawn`, `SimWorld`) are in-process and allowed. The Hypothesis profiles, the ``slow`` and
+Rank threads (`simdist.run`, `SimWorld`) are in-process and allowed. The Hypothesis profiles, the ``slow`` and
 ``nightly`` markers and the policy-registry reset come from ``tests/conftest.py``, shared by both directories.
 """
 

@@ -1,4 +1,4 @@
-"""The ``simdist`` torch.distributed backend on `simdist.spawn` (threads): coverage, bits, failures.
+"""The ``simdist`` torch.distributed backend on `simdist.run` (threads): coverage, bits, failures.
 
 Bits are compared on raw integer views. The real-gloo and process-mode
 comparisons live in tests/integration/test_backend_gloo.py.
@@ -54,7 +54,7 @@ def _reductions(rank: int) -> dict:
 
 
 def test_reductions_are_the_models_bits():
-    res = simdist.spawn(_reductions, N)
+    res = simdist.run(_reductions, N)
     m = Gloo()
     full = m.reduce(XS)
     blocks = m.reduce_scatter(XS)
@@ -82,7 +82,7 @@ def test_model_per_group_kind_and_by_name():
         dist.all_reduce(w)
         return t, w
 
-    res = simdist.spawn(prog, N, reduction={"tp": "sequential", "world": Tree()}, spec=spec)
+    res = simdist.run(prog, spec, reduction={"tp": "sequential", "world": Tree()})
     assert same_bits(res[0][0], Sequential().reduce(XS[:2]))
     assert same_bits(res[3][1], Tree().reduce(XS))
 
@@ -147,7 +147,7 @@ def _movement(rank: int) -> dict:
 
 
 def test_data_movement_point_to_point_objects_and_subgroups():
-    res = simdist.spawn(_movement, N)
+    res = simdist.run(_movement, N)
     for r, out in enumerate(res):
         assert (out["rank"], out["world"]) == (r, N)
         assert out["all_gather"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -167,10 +167,10 @@ def test_data_movement_point_to_point_objects_and_subgroups():
 
 
 def test_device_mesh_dtensor_and_fsdp2_run_in_threads():
-    out = simdist.spawn(dtensor_2x2, N)
+    out = simdist.run(dtensor_2x2, N)
     assert out[0]["shard_float32"].shape == (16, 12)
     assert all(same_bits(o["partial_bfloat16"], out[0]["partial_bfloat16"]) for o in out)
-    shards = simdist.spawn(fsdp2_steps, N, 1)
+    shards = simdist.run(fsdp2_steps, N, args=(1,))
     assert set(shards[0]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
@@ -184,7 +184,7 @@ def test_unsupported_ops_raise_what_gloo_raises():
                 caught.append(str(exc))
         return caught
 
-    assert simdist.spawn(prog, 2)[0] == [
+    assert simdist.run(prog, 2)[0] == [
         "Cannot use ReduceOp.BAND with non-integral dtype",
         "Cannot use ReduceOp.PREMUL_SUM with Gloo",
     ]
@@ -194,7 +194,7 @@ def test_unsupported_ops_raise_what_gloo_raises():
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         return t
 
-    assert simdist.spawn(premul, 2, reduction="sequential")[0].tolist() == [1.5] * 3
+    assert simdist.run(premul, 2, reduction="sequential")[0].tolist() == [1.5] * 3
 
 
 def _skips(rank):
@@ -226,7 +226,7 @@ HANG_BOUND_S = 2.0
 
 def test_a_rank_that_skips_a_collective_fails_at_once_naming_both_sites():
     with pytest.raises(CollectiveMismatchError) as info:
-        simdist.spawn(_skips, N, timeout_s=HANG_BOUND_S)
+        simdist.run(_skips, N, timeout_s=HANG_BOUND_S)
     message = str(info.value)
     assert f"test_backend.py:{_line(_skips, 'SKIPPED_BY_RANK_3')}" in message
     assert f"test_backend.py:{_line(_skips, 'RANK_3_GOES_ON')}" in message
@@ -235,7 +235,7 @@ def test_a_rank_that_skips_a_collective_fails_at_once_naming_both_sites():
 
 def test_a_skip_on_a_subgroup_is_a_deadlock_naming_both_sites():
     with pytest.raises(CollectiveDeadlockError) as info:
-        simdist.spawn(_skips_on_a_subgroup, N, timeout_s=HANG_BOUND_S)
+        simdist.run(_skips_on_a_subgroup, N, timeout_s=HANG_BOUND_S)
     message = str(info.value)
     assert f"test_backend.py:{_line(_skips_on_a_subgroup, 'RANK_1_NEVER_COMES')}" in message
     assert f"test_backend.py:{_line(_skips_on_a_subgroup, 'RANK_1_WAITS_HERE')}" in message
@@ -248,7 +248,7 @@ def test_a_rank_that_returns_while_peers_wait_is_a_deadlock():
             dist.all_reduce(torch.ones(2))
 
     with pytest.raises(CollectiveDeadlockError, match=r"rank\(s\) \[2\] returned while world\{0,1,2,3\} waits"):
-        simdist.spawn(prog, N, timeout_s=HANG_BOUND_S)
+        simdist.run(prog, N, timeout_s=HANG_BOUND_S)
 
 
 def test_spawns_bound_is_enforced_for_a_rank_stuck_outside_collectives():
@@ -260,7 +260,7 @@ def test_spawns_bound_is_enforced_for_a_rank_stuck_outside_collectives():
         dist.barrier()
 
     with pytest.raises(SimTimeoutError, match=r"did not finish within 0.2 s(.|\n)*rank 1"):
-        simdist.spawn(prog, 2, timeout_s=0.2)
+        simdist.run(prog, 2, timeout_s=0.2)
 
 
 def test_receives_that_can_never_complete_are_a_deadlock():
@@ -269,7 +269,7 @@ def test_receives_that_can_never_complete_are_a_deadlock():
         dist.recv(t, 1 - rank)
 
     with pytest.raises(CollectiveDeadlockError, match="waiting for a message from rank"):
-        simdist.spawn(prog, 2, timeout_s=30)
+        simdist.run(prog, 2, timeout_s=30)
 
 
 def test_an_exception_on_one_rank_stops_all_and_names_the_rank():
@@ -279,12 +279,12 @@ def test_an_exception_on_one_rank_stops_all_and_names_the_rank():
         dist.all_reduce(torch.ones(1))
 
     with pytest.raises(ValueError, match="boom") as info:
-        simdist.spawn(prog, N, timeout_s=30)
-    assert "raised on rank 2 of a simdist.spawn run" in info.value.__notes__
+        simdist.run(prog, N, timeout_s=30)
+    assert "raised on rank 2 of a simdist.run run" in info.value.__notes__
 
 
 def test_the_tp_mlp_program_runs_and_the_world_is_restored():
-    res = simdist.spawn(tp_mlp, N)
+    res = simdist.run(tp_mlp, N)
     assert all(same_bits(r["y1"], res[0]["y1"]) for r in res)
     assert not dist.is_initialized()
     import torch.distributed.distributed_c10d as c10d
@@ -311,8 +311,8 @@ def test_views_that_gloo_would_move_by_memory_are_refused_on_the_gloo_model_only
         return base
 
     with pytest.raises(ValueError, match=r"broadcast on world.*memory order"):
-        simdist.spawn(prog, 2)
-    out = simdist.spawn(prog, 2, reduction="sequential")  # no transport to mimic: element-wise copy
+        simdist.run(prog, 2)
+    out = simdist.run(prog, 2, reduction="sequential")  # no transport to mimic: element-wise copy
     assert out[0][:, 1:3].tolist() == out[1][:, 1:3].tolist() and out[0][0, 0].item() == 0.0
 
     def transposed(rank):
@@ -320,7 +320,7 @@ def test_views_that_gloo_would_move_by_memory_are_refused_on_the_gloo_model_only
         dist.broadcast(t, src=1)
         return t
 
-    assert simdist.spawn(transposed, 2)[0].tolist() == (torch.arange(6.0).view(2, 3) + 10).t().tolist()
+    assert simdist.run(transposed, 2)[0].tolist() == (torch.arange(6.0).view(2, 3) + 10).t().tolist()
 
 
 def _cached_then_mismatched(rank: int, change: str) -> None:
@@ -346,7 +346,7 @@ def test_a_mismatch_after_cached_all_reduces_is_still_caught(change):
     (collectives.all_reduce_one): once matching calls have filled the cache, a rank calling with another shape,
     dtype or op must still be a mismatch naming the collective."""
     with pytest.raises(CollectiveMismatchError, match="collective #6 on world"):
-        simdist.spawn(_cached_then_mismatched, N, change, timeout_s=HANG_BOUND_S)
+        simdist.run(_cached_then_mismatched, N, args=(change,), timeout_s=HANG_BOUND_S)
 
 
 def _works(rank: int) -> tuple:
@@ -369,7 +369,7 @@ def _works(rank: int) -> tuple:
 def test_async_all_reduces_each_get_their_own_work():
     """The backend serves c10d's synchronous all_reduce and barrier from one finished Work per group (it is
     waited on and dropped); an async one's Work must still be its own, an all_reduce's holding its own tensor."""
-    assert simdist.spawn(_works, 2) == [(True, True, None, True, True)] * 2
+    assert simdist.run(_works, 2) == [(True, True, None, True, True)] * 2
 
 
 def test_a_thread_deadline_names_the_ranks_own_line_and_where_it_waits():
@@ -385,6 +385,6 @@ def test_a_thread_deadline_names_the_ranks_own_line_and_where_it_waits():
         dist.barrier()
 
     with pytest.raises(SimTimeoutError) as caught:
-        simdist.spawn(prog, 2, timeout_s=0.2)
+        simdist.run(prog, 2, timeout_s=0.2)
     line = next(text for text in str(caught.value).splitlines() if text.strip().startswith("rank 1:"))
     assert "test_backend.py:" in line and "in prog, waiting in " in line and "threading.py:" in line, line

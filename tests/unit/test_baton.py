@@ -1,6 +1,6 @@
-"""The rank threads' wake-up semaphores (`simdist.world.baton`): both kinds keep the engine's semantics.
+"""The rank threads' wake-up semaphores (`simdist.world.baton`): both kinds keep the rendezvous' semantics.
 
-Each test runs on the eventfd kind (where the platform has it) and on the lock fallback; the engine's own
+Each test runs on the eventfd kind (where the platform has it) and on the lock fallback; the rendezvous' own
 tests (test_simworld.py, test_backend.py) run on the default kind, and `test_the_engine_runs_on_the_fallback`
 repeats a collective, a mismatch and a deadlock on the fallback.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from simdist.reduce import Gloo
-from simdist.world import baton, engine
+from simdist.world import baton, rendezvous
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
@@ -100,7 +100,7 @@ def test_runs_close_their_descriptors():
     for _ in range(20):
         world.run(lambda comm: comm.barrier())
     assert fds() == before
-    kept = engine.Engine(4)  # still referenced after its run: its descriptors are closed by the run, not by GC
+    kept = rendezvous.Rendezvous(4)  # still referenced after its run: its descriptors are closed by the run, not by GC
     kept.run(lambda rank: None)
     assert fds() == before
     batons = baton.Batons(3)
@@ -111,7 +111,7 @@ def test_runs_close_their_descriptors():
 
 
 def test_the_engine_runs_on_the_fallback(monkeypatch):
-    monkeypatch.setattr(engine, "Batons", functools.partial(baton.Batons, prefer="lock"))
+    monkeypatch.setattr(rendezvous, "Batons", functools.partial(baton.Batons, prefer="lock"))
     world = SimWorld(ParallelSpec(4, tp=2, ep=1), reduction=Gloo())
     values = [torch.tensor([1.0, -0.0, 2.0**-149, float("nan")]) * (r + 1) for r in range(4)]
 

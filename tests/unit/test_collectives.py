@@ -1,9 +1,9 @@
-"""One collective front end: SimComm's reduce and list reduce_scatter, and the engine's observer list.
+"""One collective front end: SimComm's reduce and list reduce_scatter, and the observer list of both front ends.
 
-Each collective is written once (`simdist.world.collectives`) and used by `SimComm` and the ``simdist``
-torch.distributed backend. The references here share no code with it: a rank-order fold written out with plain
-``+`` (what `Sequential` promises), and for gloo's order the backend's own result on `simdist.spawn`
-(the two front ends must agree bit for bit).
+Each collective is written once (`simdist.world.reductions`, `simdist.world.data_movement`) and used by `SimComm`
+and the ``simdist`` torch.distributed backend. The references here share no code with it: a rank-order fold
+written out with plain ``+`` (what `Sequential` promises), and for gloo's order the backend's own result on
+`simdist.run` (the two front ends must agree bit for bit).
 """
 
 import torch
@@ -13,7 +13,7 @@ import simdist
 from simdist.numerics.compare import same_bits
 from simdist.reduce import ReduceOp, Sequential
 from simdist.reduce.gloo import Gloo
-from simdist.world.engine import Engine
+from simdist.world.observers import Observers
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -81,7 +81,7 @@ def test_simcomm_reduce_on_gloo_equals_the_backends_dist_reduce_on_every_rank():
     # every member's tensor afterwards (gloo leaves partial sums on the non-roots), bit for bit
     for dst in (0, 3):
         comm = SimWorld(SPEC, reduction=Gloo()).run(_world_reduce, dst)
-        backend = simdist.spawn(_dist_reduce, 4, dst, reduction="gloo")
+        backend = simdist.run(_dist_reduce, 4, args=(dst,), reduction="gloo")
         assert all(same_bits(a, b) for a, b in zip(comm, backend, strict=True))
         assert not same_bits(comm[(dst + 1) % 4], _inputs((dst + 1) % 4, 1, 40)[0])  # partial sums were written
 
@@ -116,7 +116,7 @@ def _dist_reduce_scatter(rank: int):
 
 def test_simcomm_list_reduce_scatter_on_gloo_equals_the_backends():
     comm = SimWorld(SPEC, reduction=Gloo()).run(_comm_reduce_scatter, "world")
-    backend = simdist.spawn(_dist_reduce_scatter, 4, reduction="gloo")
+    backend = simdist.run(_dist_reduce_scatter, 4, reduction="gloo")
     assert all(same_bits(c[1], b) for c, b in zip(comm, backend, strict=True))
 
 
@@ -192,16 +192,16 @@ def test_the_engines_observers_see_every_collective_of_both_front_ends():
         seen.append((event.front, event.call.rank, event.call.signature[0], event.group))
         return lambda: after.append(event.call.rank)
 
-    Engine.subscribe(observer)
+    Observers.subscribe(observer)
     try:
         SimWorld(SPEC, reduction=Gloo()).run(_every_comm_collective)
         comm_seen = list(seen)
         seen.clear()
-        simdist.spawn(_every_dist_collective, 4, reduction="gloo")
+        simdist.run(_every_dist_collective, 4, reduction="gloo")
         dist_seen = list(seen)
     finally:
-        Engine.unsubscribe(observer)
-    assert observer not in Engine.observers
+        Observers.unsubscribe(observer)
+    assert observer not in Observers.subscribed
     for rank in range(4):
         mine = [(front, op) for front, r, op, _ in comm_seen if r == rank]
         assert mine == [("comm", op) for op in COMM_OPS], rank
@@ -229,11 +229,11 @@ def test_an_observer_may_wrap_the_completion():
         comm.all_reduce(x)
         return x
 
-    Engine.subscribe(observer)
+    Observers.subscribe(observer)
     try:
         results = SimWorld(SPEC, reduction=Sequential()).run(fn)
     finally:
-        Engine.unsubscribe(observer)
+        Observers.unsubscribe(observer)
     assert calls == ["all_reduce"]  # the completion runs once, on the last member to arrive
     assert all(torch.equal(r, torch.full((3,), 6.0)) for r in results)
 
@@ -257,3 +257,24 @@ def test_a_policys_own_tp_order_runs_on_a_gloo_world():
         expected = Ring(chunk_size=1).reduce([results[r][0].view(3, 4) for r in ranks])
         for r in ranks:
             assert same_bits(results[r][1], expected)
+
+
+def test_resolve_op_names_every_c10d_op_however_given_and_keeps_each_premul_sums_factor():
+    """`resolve_op`'s one-hash fast path: each op type, given as c10d's ``ReduceOp`` object or its ``RedOpType``,
+    first and repeated calls alike, resolves to its own name; ``PREMUL_SUM`` is resolved afresh per call (its
+    factor is the call's), even after other factors."""
+    from torch.distributed.distributed_c10d import ReduceOp as C10dOp
+
+    from simdist.world.reduce_ops import resolve_op
+
+    names = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+    for _ in range(2):
+        for name in names:
+            kind = getattr(C10dOp, name)  # a RedOpType
+            for given in (kind, C10dOp(kind)):
+                op = resolve_op(given)
+                assert op.name == name and op.shown == f"op={name}", (name, given)
+    for factor in (0.5, 2.0, 0.5):
+        op = resolve_op(dist._make_nccl_premul_sum(factor))
+        assert op.name == "PREMUL_SUM" and op.factor == factor and op.shown == f"op=PREMUL_SUM({factor})"
+        assert resolve_op(C10dOp(C10dOp.SUM)).name == "SUM"

@@ -37,7 +37,7 @@ def test_a_usage_error_is_one_line_with_exit_status_2(monkeypatch, capsys):
 
 def test_the_documented_bad_input_classes_are_usage_errors():
     from simdist.attribution.api import SiteNotFound
-    from simdist.attribution.cli import TorchrunStyle
+    from simdist.cli.blame import TorchrunStyle
     from simdist.cli.inputs import BadInput
     from simdist.cli.limits import SizeError
     from simdist.studies.dumps import NotSameRun

@@ -124,7 +124,7 @@ def _bool_and_refusals(rank):
 
 
 def test_simdist_refuses_on_every_rank_where_gloo_crashes_or_hangs_and_keeps_bool_bytes():
-    results = simdist.spawn(_bool_and_refusals, 3)
+    results = simdist.run(_bool_and_refusals, 3)
     for r in results:
         assert r["bool sum"].tolist() == [3, 3]
         assert "segmentation fault" in r["0-dim output"]  # gloo's process dies on this
@@ -162,7 +162,7 @@ def _inputs(seed: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 def test_simcomm_reduce_and_list_reduce_scatter_give_the_backends_bytes(dtype):
     world = SimWorld(ParallelSpec(4, tp=1, ep=1), reduction=Gloo())
     via_comm = world.run(_reduces_via_comm, dtype)
-    via_torch = simdist.spawn(_reduces_via_torch, 4, dtype)
+    via_torch = simdist.run(_reduces_via_torch, 4, args=(dtype,))
     for r in range(4):
         for a, b in zip(via_comm[r], via_torch[r], strict=True):
             assert torch.equal(a, b), r
@@ -199,6 +199,6 @@ def test_blocking_sends_received_in_reverse_tag_order_are_a_reported_deadlock():
     from simdist.world.errors import CollectiveDeadlockError
 
     with pytest.raises(CollectiveDeadlockError, match="blocking send"):
-        simdist.spawn(_reverse_tags, 2)
-    (_, got0), (x1, got1) = simdist.spawn(_exchange, 2)  # isend/irecv and in-order blocking sends still run
+        simdist.run(_reverse_tags, 2)
+    (_, got0), (x1, got1) = simdist.run(_exchange, 2)  # isend/irecv and in-order blocking sends still run
     assert got0.tolist() == [1.0, 1.0] and x1.tolist() == [1.0, 1.0] and got1.tolist() == [2.0, 2.0]

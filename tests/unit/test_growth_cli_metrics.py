@@ -1,14 +1,13 @@
 """``simdist growth --metrics-dense N --metrics-every K``: the schedule reaches the run and its CSV, bad values are
-one-line errors, and the flags' defaults are `GrowthConfig`'s."""
+one-line errors, and `GrowthConfig` checks the schedule."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 
-from simdist.cli import build_parser, main
+from simdist.cli import main
 from simdist.studies.growth import FILES, GrowthConfig, read_metrics
 from simdist.studies.growth import run as growth_run
 
@@ -47,9 +46,7 @@ def test_bad_values_are_one_line_errors(tmp_path, capsys, argv, needle):
     assert not any(tmp_path.iterdir())
 
 
-def test_the_flags_default_to_the_config_defaults_and_the_config_checks_them():
-    args = build_parser().parse_args([*ARGS, "--out", "unused"])
-    fields = {f.name: f.default for f in dataclasses.fields(GrowthConfig)}
-    assert (args.metrics_dense, args.metrics_every) == (fields["metrics_dense"], fields["metrics_every"])
+def test_the_config_checks_the_schedule():
+    """The flags' defaults are `GrowthConfig`'s by construction (``tests/unit/test_cli_options.py``)."""
     with pytest.raises(ValueError, match="metrics_dense must be >= 0"):
         GrowthConfig(metrics_dense=-1).validate()

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
 ALLOWED_UPWARD = {
-    ("simdist.studies.repro", "simdist.cases.deepspeed_8913"): "only `simdist repro 8913 --engine deepspeed` "
+    ("simdist.studies.repro", "simdist.cases.deepspeed_8913"): "only `simdist repro 8913 --code deepspeed` "
     "drives the real DeepSpeed case",
     ("simdist.cases.deepspeed_engine", "simdist.audit"): "the rank processes of the real engine run the audit "
     "(the narrowing sites of DeepSpeed)",

@@ -70,6 +70,6 @@ def test_spawn_refuses_a_misspelt_kind_before_any_rank_runs():
         dist.barrier()
 
     with pytest.raises(ValueError, match="'tpp'"):
-        simdist.spawn(fn, 4, reduction={"tpp": "ring"}, spec=SPEC)
+        simdist.run(fn, SPEC, reduction={"tpp": "ring"})
     assert ran == []
     assert set(GROUP_KINDS) <= set(MAP_KINDS)

@@ -100,5 +100,5 @@ def test_cli_shape_states_its_layout_and_honours_expect_and_policies(capsys):
     assert "bf16_writeback" not in out.split("\n\n", 1)[1]
     assert main([*args, *layout, "--policies", "fp32_staging", "--expect", "reproduced"]) == 2
     assert "needs bf16_writeback" in capsys.readouterr().err
-    assert main([*args, "--engine", "deepspeed"]) == 2
-    assert "--engine deepspeed is not supported there" in capsys.readouterr().err
+    assert main([*args, "--code", "deepspeed"]) == 2
+    assert "--code deepspeed is not supported there" in capsys.readouterr().err

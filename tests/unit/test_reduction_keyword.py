@@ -102,16 +102,16 @@ def test_the_fixture_takes_reduction_and_a_call_may_override_it():
 
 def test_the_fixture_leaves_the_deadline_to_the_launchers_one_default(monkeypatch):
     """The fixture once bounded each run by 120 s of its own; unset, a run gets the launcher's one deadline."""
-    import simdist.world.inproc as inproc
+    import simdist.world.runner as runner
 
     seen = []
 
-    def recording_spawn(fn, world_size, *args, **kwargs):
-        seen.append(kwargs.get("timeout_s", inspect.signature(spawn).parameters["timeout_s"].default))
-        return spawn(fn, world_size, *args, **kwargs)
+    def recording_run(fn, world, **kwargs):
+        seen.append(kwargs.get("timeout_s", inspect.signature(run).parameters["timeout_s"].default))
+        return run(fn, world, **kwargs)
 
-    spawn = inproc.spawn
-    monkeypatch.setattr(inproc, "spawn", recording_spawn)
+    run = runner.run
+    monkeypatch.setattr(runner, "run", recording_run)
     SimdistWorld().spawn(_rank_sum, 2)
     SimdistWorld(timeout_s=7.5).spawn(_rank_sum, 2)
     SimdistWorld(timeout_s=7.5).spawn(_rank_sum, 2, timeout_s=None)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import simdist
-from simdist.cases.cli import run_case_command
 from simdist.cli import main
+from simdist.cli.case import run_case_command
+from simdist.cli.configs import CaseRunCommand
 from simdist.gradpath.families import Family
 from simdist.gradpath.oracle import Control, oracle_traces
 from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, SyntheticGradients, synthetic_gradients
@@ -129,8 +130,7 @@ def test_case_run_expect_gates_the_exit_status(monkeypatch, capsys, ok, expect, 
     import simdist.cases as cases
 
     monkeypatch.setattr(cases, "run_case", lambda name, world: SimpleNamespace(ok=ok, summary="summary"))
-    args = SimpleNamespace(case_action="run", name="x", world="gloo", json=False, expect=expect)
-    assert run_case_command(args) == status
+    assert run_case_command(CaseRunCommand(name="x", where="gloo", expect=expect)) == status
 
 
 def test_the_exact_reference_is_the_correctly_rounded_sum_and_the_oracle_is_within_a_few_ulp_of_it(default_run):

@@ -22,7 +22,7 @@ class MoEGradients:
     path's, so the reduced gradient is that of the mean over DP replicas and
     micro-steps of the per-replica loss.
 
-    A plain class: it pickles into `spawn_gloo` and torchrun processes.
+    A plain class: it pickles into rank processes (``simdist.run(where="gloo")``) and torchrun processes.
     ``params`` and ``initial`` are what `train_rank` needs.
     """
 

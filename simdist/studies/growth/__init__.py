@@ -41,7 +41,7 @@ but its own draws (one generator call per seed and step instead of one per
 rank and parameter). ``bench/growth.py`` prints the cost of 8 seeds against one
 and of world 8 against world 4.
 The MoE block's backward runs collectives inside autograd and has no batched
-emulation: ``model="moe"`` runs unbatched (see below).
+emulation: ``source="moe"`` runs unbatched (see below).
 
 The gradient stream is counter-based: step ``t`` of seed ``s`` is drawn from a
 generator seeded by ``(s, t, micro)``, so there is no RNG position to save and
@@ -77,9 +77,9 @@ the median at step 10 (`random_walk`), dashed, in each policy's colour.
   error grows as ``t^0.52`` for both, i.e. as the random walk predicts.
 
 The synthetic stream has no loss (gradients are drawn, not derived from the
-weights), so the loss panel is omitted for ``model="synthetic"``.
+weights), so the loss panel is omitted for ``source="synthetic"``.
 
-``model="moe"``: the folded MoE block, unbatched
+``source="moe"``: the folded MoE block, unbatched
 -------------------------------------------------
 For every seed (sequentially) and policy, `simdist.studies.training.train` runs the
 folded MoE block (`simdist.models.moe.MoEGradients`, default `MoEConfig`) under the

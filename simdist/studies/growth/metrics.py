@@ -40,7 +40,7 @@ MOE_COLUMNS = (
     "grad_ulp_max",
     "grad_differ",
 )
-"""``model="moe"``, per step, seed and policy: the policy's and the oracle's loss, ``|loss - oracle_loss|``,
+"""``source="moe"``, per step, seed and policy: the policy's and the oracle's loss, ``|loss - oracle_loss|``,
 both gradient norms, and for the BF16 weights after the update (``param``) and the BF16 local gradients
 (``grad``), pooled over parameters, ranks and micro-steps: normwise relative error, max BF16-ulp distance,
 fraction of elements that differ."""
@@ -49,9 +49,9 @@ fraction of elements that differ."""
 _MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max", "grad_differ")
 
 
-def columns(model: str) -> tuple[str, ...]:
-    """The metric columns of ``model``'s rows."""
-    return MOE_COLUMNS if model == "moe" else COLUMNS
+def columns(source: str) -> tuple[str, ...]:
+    """The metric columns of the rows of gradient source ``source``."""
+    return MOE_COLUMNS if source == "moe" else COLUMNS
 
 
 def _ordered(t: torch.Tensor) -> torch.Tensor:
@@ -210,11 +210,11 @@ def _divergence(actual: torch.Tensor, reference: Reference) -> tuple[torch.Tenso
 def metric_steps(config: GrowthConfig) -> np.ndarray:
     """The 1-based steps whose metrics a run records (``metrics[row]`` is step ``metric_steps(config)[row]``).
 
-    Synthetic model: every step up to ``config.metrics_dense``, then every ``config.metrics_every``-th step, and
+    Synthetic source: every step up to ``config.metrics_dense``, then every ``config.metrics_every``-th step, and
     the last step. MoE: every step (its rows come from the training records).
     """
     steps = np.arange(1, config.steps + 1)
-    if config.model == "moe":
+    if config.source == "moe":
         return steps
     keep = (steps <= config.metrics_dense) | (steps % config.metrics_every == 0) | (steps == config.steps)
     return steps[keep]
@@ -222,7 +222,7 @@ def metric_steps(config: GrowthConfig) -> np.ndarray:
 
 def schedule_note(config: GrowthConfig) -> str:
     """The first line of ``metrics.csv``: which steps it holds (read_metrics skips it)."""
-    if config.model == "moe" or config.metrics_every == 1 or config.steps <= config.metrics_dense:
+    if config.source == "moe" or config.metrics_every == 1 or config.steps <= config.metrics_dense:
         return "# metrics at every step"
     return (
         f"# metrics at every step up to {config.metrics_dense}, then every {config.metrics_every}th step and the "
@@ -237,8 +237,8 @@ def write_metrics(path: Path, config: GrowthConfig, metrics: np.ndarray) -> None
         with tmp.open("w", newline="") as f:
             f.write(schedule_note(config) + "\n")
             w = csv.writer(f)
-            w.writerow(["step", "policy", "seed", *columns(config.model)])
-            digits = ".17g" if config.model == "moe" else ".9g"  # MoE losses: exact, so loss_diff is recomputable
+            w.writerow(["step", "policy", "seed", *columns(config.source)])
+            digits = ".17g" if config.source == "moe" else ".9g"  # MoE losses: exact, so loss_diff is recomputable
             for row in range(metrics.shape[0]):
                 for j, name in enumerate(config.policies):
                     for s in range(metrics.shape[2]):
@@ -252,7 +252,7 @@ def read_metrics(path: str | Path) -> tuple[list[str], np.ndarray]:
     """``(policies, metrics[row, policy, seed, column])`` from a ``metrics.csv``: one row per step the file
     holds, in step order (every step, or `metric_steps`; the file's first line says which).
 
-    Columns are in the file's order: `COLUMNS` for the synthetic model, `MOE_COLUMNS` for the MoE.
+    Columns are in the file's order: `COLUMNS` for the synthetic source, `MOE_COLUMNS` for the MoE.
     """
     with Path(path).open(newline="") as f:
         reader = csv.DictReader(line for line in f if not line.startswith("#"))
@@ -284,14 +284,14 @@ def loglog_slope(x: np.ndarray, y: np.ndarray) -> float:
 def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
     """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope).
 
-    ``model="moe"``: the exponent is that of the BF16 weights' error (``param_rel_growth_exponent``), and
+    ``source="moe"``: the exponent is that of the BF16 weights' error (``param_rel_growth_exponent``), and
     ``bitwise_equal_to_oracle`` means every divergence column and the loss difference are 0 at every step.
     """
     out: dict = {"config": config.identity(), "policies": {}}
     steps = metric_steps(config)
-    names = columns(config.model)
-    tracked = "param_rel" if config.model == "moe" else "master_rel"
-    compared = [names.index(c) for c in (_MOE_DIVERGENCE if config.model == "moe" else COLUMNS)]
+    names = columns(config.source)
+    tracked = "param_rel" if config.source == "moe" else "master_rel"
+    compared = [names.index(c) for c in (_MOE_DIVERGENCE if config.source == "moe" else COLUMNS)]
     for j, name in enumerate(config.policies):
         final = {c: float(np.median(metrics[-1, j, :, k])) for k, c in enumerate(names)}
         med = np.median(metrics[:, j, :, names.index(tracked)], axis=1)
@@ -302,7 +302,7 @@ def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
             f"{tracked}_growth_exponent": slope,
             "bitwise_equal_to_oracle": bool((metrics[:, j, :, compared] == 0).all()),
         }
-    if config.model == "moe":
+    if config.source == "moe":
         for j, name in enumerate(config.policies):
             out["policies"][name]["max_loss_diff"] = float(metrics[:, j, :, names.index("loss_diff")].max())
     return out

@@ -34,10 +34,10 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     """Panels of the relative and ulp error of masters, m, v against step (log x, symlog y so that an exact 0
     is drawn): median, band over seeds (`band`), sqrt(t) line; a policy equal to the oracle is a line at 0.
 
-    ``model="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error.
+    ``source="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error.
     Panels are spaced so that no y label or tick label overlaps the panel to its left (`_make_room`).
     """
-    if config.model == "moe":
+    if config.source == "moe":
         return _moe_figure(config, metrics)
     import matplotlib
 
@@ -68,7 +68,7 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     fig.suptitle(
         y=0.99,
         t=f"Error growth vs the FP32 oracle — {spec.describe()}, "
-        f"model {config.model} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
+        f"source {config.source} (no loss: gradients are drawn, not derived), {config.seeds} seeds, "
         f"GAS {config.gas}\n{dtypes}",
         fontsize=9,
     )
@@ -250,7 +250,7 @@ def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
     cfg = MoEConfig()
     fig.suptitle(
         y=0.99,
-        t=f"Error growth vs the FP32 oracle — {config.spec.describe()}, model moe (folded "
+        t=f"Error growth vs the FP32 oracle — {config.spec.describe()}, source moe (folded "
         f"MoE block: hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens/rank; "
         f"BF16 weights and local grads), {config.seeds} seeds, GAS {config.gas}\n{_dtypes(config)}",
         fontsize=9,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from simdist.studies.growth.metrics import (
 )
 from simdist.studies.growth.plot import plot_growth
 from simdist.studies.growth.stream import BatchedGradients
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 
@@ -40,30 +41,50 @@ from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 class GrowthConfig:
     """One growth run. ``seeds`` ensemble members use seeds ``seed, seed+1, ...``.
 
-    Metrics (synthetic model) are recorded at every step up to ``metrics_dense``, then at every
+    Metrics (synthetic source) are recorded at every step up to ``metrics_dense``, then at every
     ``metrics_every``-th step and the last (`simdist.studies.growth.metrics.metric_steps`): on the log step axis
     of the plot that is at least 900 points per decade, and the metrics cost a tenth as much over the last 90%
     of a 10,000-step run. The training itself runs every step either way. On the command line:
     ``simdist growth --metrics-dense N --metrics-every K``.
     """
 
-    policies: tuple[str, ...] = ("bf16_writeback", "fp32_staging", "bf16_only")
-    steps: int = 10_000
-    seeds: int = 8
-    seed: int = 0
-    gas: int = 1
-    marker: Marker = Marker.DEEPSPEED
-    model: GradientModel = GradientModel.SYNTHETIC
-    spec: ParallelSpec = DEFAULT_SPEC
-    reduction: Reduction = Reduction.GLOO
-    checkpoint_every: int = 500
-    metrics_dense: int = 1000
-    metrics_every: int = 10
+    policies: tuple[str, ...] = field(
+        default=("bf16_writeback", "fp32_staging", "bf16_only"), metadata={"help": "comma-separated policy names"}
+    )
+    steps: int = field(default=10_000, metadata={"help": "optimizer steps", "minimum": 1})
+    seeds: int = field(default=8, metadata={"help": "ensemble size, run batched", "minimum": 1})
+    seed: int = field(default=0, metadata={"help": "first seed of the ensemble"})
+    gas: int = field(default=1, metadata={"help": "gradient-accumulation micro-steps per step", "minimum": 1})
+    marker: Marker = field(
+        default=Marker.DEEPSPEED,
+        metadata={"help": "when the correction-once marker is cleared (matters for --gas >= 2)"},
+    )
+    source: GradientModel = field(
+        default=GradientModel.SYNTHETIC,
+        metadata={
+            "help": "where the gradients come from: the synthetic stream (batched over seeds) or the folded MoE "
+            "block (each seed and policy run in turn next to the FP32 oracle; resumes per run)"
+        },
+    )
+    spec: ParallelSpec = field(default=DEFAULT_SPEC, metadata={"etp": False})
+    reduction: Reduction = field(default=DEFAULT_REDUCTION, metadata={"cli": False})
+    checkpoint_every: int = field(default=500, metadata={"help": "steps between checkpoints", "minimum": 1})
+    metrics_dense: int = field(
+        default=1000,
+        metadata={"help": "record the metrics at every step up to this one (synthetic source)", "minimum": 0},
+    )
+    metrics_every: int = field(
+        default=10,
+        metadata={
+            "help": "after --metrics-dense, record them every this many steps, and the last (1: every step)",
+            "minimum": 1,
+        },
+    )
 
     def __post_init__(self) -> None:
         # strings are accepted and checked: a typo raises instead of running as a default
         object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
-        object.__setattr__(self, "model", coerce(GradientModel, self.model, "model"))
+        object.__setattr__(self, "source", coerce(GradientModel, self.source, "source"))
         object.__setattr__(self, "reduction", coerce(Reduction, self.reduction, "reduction model"))
         object.__setattr__(self, "policies", tuple(self.policies))
 
@@ -81,7 +102,7 @@ class GrowthConfig:
             raise UsageError(f"metrics_dense must be >= 0, got {self.metrics_dense}")
         for name in self.policies:
             get_policy(name)
-        if self.model == GradientModel.MOE:
+        if self.source == GradientModel.MOE:
             from simdist.models.moe import MoEConfig
 
             MoEConfig().validate(self.spec)
@@ -121,7 +142,7 @@ def run_growth(
     ``summary.json``; each written to a temporary file and renamed. A finished
     run with the same configuration is returned as is unless ``force``.
     ``stop_after`` (tests) raises after that many steps of this call, as a kill would
-    (``model="moe"``: after that many finished (policy, seed) runs; its
+    (``source="moe"``: after that many finished (policy, seed) runs; its
     checkpoint is written after each such run and holds only their rows).
     """
     config.validate()
@@ -143,7 +164,7 @@ def run_growth(
     write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
 
     ckpt = out / FILES["checkpoint"]
-    if config.model == GradientModel.MOE:
+    if config.source == GradientModel.MOE:
         metrics = _run_moe(config, ckpt, key, progress, stop_after)
     else:
         metrics = _run_synthetic(config, ckpt, key, progress, stop_after)

@@ -8,7 +8,7 @@ transposed entries (storage order), bool SUM bytes, and every refusal (dtypes
 gloo has no kernel for, complex ``gather``, non-contiguous ``send``,
 mismatched list entries, ...). A `Probe` is plain data; its inputs are made
 inside each rank from a seed (big probes would not pickle cheaply), so the
-same `run_probes` runs on real gloo processes, on `simdist.spawn` threads and
+same `run_probes` runs on real gloo processes, on `simdist.run` threads and
 in process mode, and `tally` counts, per category, the silent differences
 (both succeed, storage bytes differ) and refusal mismatches (one side raises,
 or the exception types differ). ``experiments/gloo_corners.py`` prints the

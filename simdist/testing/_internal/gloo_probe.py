@@ -5,8 +5,8 @@ A `Case` is plain data: a collective (``all_reduce``, ``reduce``, list
 ``dist.new_group`` (possibly unsorted), a ``dist.ReduceOp`` name, a tensor
 layout, and every global rank's input. `run_cases` is an ordinary
 ``torch.distributed`` rank program: run it on real gloo processes
-(`simdist.world.launch.spawn_procs`) and on the simdist backend
-(`simdist.spawn`, thread ranks) and compare the per-rank `Outcome` lists with
+(``simdist.run(where="gloo")``) and on the simdist backend
+(`simdist.run`, thread ranks) and compare the per-rank `Outcome` lists with
 `compare`; `model_outcomes` gives the same lists straight from the `Gloo`
 model, without any backend. ``experiments/gloo_corners.py`` prints the table;
 ``tests/integration/test_gloo_corners.py`` asserts it.

@@ -1,12 +1,13 @@
-"""The rendezvous engine: the ranks of a job as threads of one process, meeting at collectives.
+"""The rendezvous: the ranks of a job as threads of one process, meeting at collectives.
 
-One engine serves both front ends: `simdist.world.simworld.SimComm` (rank
-programs written against `Comm`) and the ``torch.distributed`` backend of
-`simdist.world.backend` (unmodified code on `simdist.spawn`). Each front end
-describes a collective as a `Call` per rank and a ``complete`` function; the
-engine matches the calls and runs ``complete`` once, on the last member to
-arrive, over the calls in group-rank order. Results therefore depend only on
-the inputs and the reduction model, never on which thread arrived first.
+One `Rendezvous` serves both front ends: `simdist.world.simworld.SimComm`
+(rank programs written against `Comm`) and the ``torch.distributed`` backend
+of `simdist.world.backend` (unmodified code on `simdist.run`). Each front end
+describes a collective as a `simdist.world.calls.Call` per rank and a
+``complete(calls, targets)`` function; the rendezvous matches the calls and
+runs ``complete`` once, on the last member to arrive, over the calls in
+group-rank order with every member as a target. Results therefore depend only
+on the inputs and the reduction model, never on which thread arrived first.
 
 Matching: the n-th call a rank makes on a group (identified by a key, by
 default the group itself) is matched with the n-th call of every other member.
@@ -18,7 +19,7 @@ Failure is loud and quick:
 
 * a mismatch raises `CollectiveMismatchError` listing every member's call and
   source line;
-* an exception on one rank wakes every waiting rank, and `Engine.run`
+* an exception on one rank wakes every waiting rank, and `Rendezvous.run`
   re-raises the original exception with a note naming the rank;
 * a rank that returns while a peer waits for it, or a state where every live
   rank waits (collective or receive), raises `CollectiveDeadlockError` naming
@@ -28,132 +29,36 @@ Failure is loud and quick:
 * an optional ``timeout_s`` turns a rank stuck outside collectives into
   `SimTimeoutError`.
 
-Observers: `Engine.observers` is an explicit list of callables that see every
-collective of both front ends (`observed`, called by each front end's one
-funnel, in thread and process mode alike). The audit and blame subscribe to it
-(`Engine.subscribe`); nothing swaps methods at run time.
-
 Scheduling: completed ranks are woken one at a time, each when the running rank
 blocks or returns, so only one rank thread is runnable at a time (a handoff is
-one wake-up, posted after the engine's lock is released, on the rank's own
+one wake-up, posted after the rendezvous' lock is released, on the rank's own
 semaphore of `simdist.world.baton`; the last member to arrive completes the
 collective and runs on without sleeping). With a ``switch`` (see
-`Engine.__init__`) the ranks also start one after another, so exactly one rank
-runs from start to end, and ``switch.suspend(rank)``/``switch.resume(rank)``
+`Rendezvous.__init__`) the ranks also start one after another, so exactly one
+rank runs from start to end, and ``switch.suspend(rank)``/``switch.resume(rank)``
 run at every handoff (`simdist.world.isolation` swaps per-rank copies of
-process-global state there). Rank threads disable
-autograd's per-device worker threads, so a collective called from a backward
-hook runs on the rank's own thread.
+process-global state there). Rank threads disable autograd's per-device worker
+threads, so a collective called from a backward hook runs on the rank's own
+thread.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
-import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from simdist.world.baton import Batons
+from simdist.world.calls import Call, where_ranks_are
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
-
-_WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _wrapper_files() -> tuple[str, ...]:
-    """Modules whose decorators wrap torch's functions (``typing_extensions.deprecated``, whose ``wrapper`` frame
-    sits between a user's ``dist.all_reduce_coalesced`` call and torch; ``warnings.deprecated`` from Python 3.13):
-    their frames are no call site either."""
-    import warnings
-
-    files = [warnings.__file__]
-    try:
-        import typing_extensions
-
-        files.append(typing_extensions.__file__)
-    except ImportError:
-        pass
-    return tuple(os.path.abspath(f) for f in files if f)
-
-
-WRAPPER_FILES = _wrapper_files()
-"""The wrapper modules' files (`is_internal`; the audit skips them too: one call-site rule)."""
-_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
 
 
 class Aborted(BaseException):
     """Unwinds a rank thread after another rank failed (not an `Exception`, so user code cannot swallow it)."""
-
-
-def is_internal(filename: str) -> bool:
-    """Frames of simdist's world layer, of torch and of the wrappers torch's functions are decorated with
-    (`WRAPPER_FILES`) are not call sites a user wants to see."""
-    path = os.path.abspath(filename)
-    return (
-        path.startswith(_WORLD_DIR)
-        or path.startswith(_TORCH_DIR)
-        or path in WRAPPER_FILES
-        or filename.startswith("<frozen")
-    )
-
-
-def site(frame) -> str:
-    """``file:line in function`` of the first frame outside simdist's world layer and torch."""
-    first = frame
-    while frame is not None and is_internal(frame.f_code.co_filename):
-        frame = frame.f_back
-    frame = frame or first
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-def show(detail: object) -> str:
-    """One detail of a call signature as text (``op=SUM``, ``shape=(4,)``, ``dtype=float32``)."""
-    name = type(detail).__name__
-    if name == "ReduceOp" and hasattr(detail, "name"):
-        return f"op={detail.name}"
-    if isinstance(detail, torch.Size):
-        return f"shape={tuple(detail)}"
-    if isinstance(detail, torch.dtype):
-        return f"dtype={str(detail).removeprefix('torch.')}"
-    if isinstance(detail, torch.device):
-        return f"device={detail}"
-    return str(detail)
-
-
-class Call:
-    """One rank's side of a collective.
-
-    ``signature`` is a tuple ``(op name, group, *details)`` that every member
-    must agree on; it is formatted only when an error needs it. ``frame`` is the
-    caller's frame (or an already formatted site string), ``inputs``/``outputs``
-    the rank's tensors, ``extra`` anything rank-specific (split sizes, ...).
-    """
-
-    __slots__ = ("extra", "frame", "inputs", "outputs", "rank", "signature")
-
-    def __init__(self, rank: int, signature: tuple, frame: Any, inputs: tuple = (), outputs: tuple = (), extra=None):
-        self.rank = rank
-        self.signature = signature
-        self.frame = frame
-        self.inputs = inputs
-        self.outputs = outputs
-        self.extra = extra
-
-    @property
-    def site(self) -> str:
-        return self.frame if isinstance(self.frame, str) else site(self.frame)
-
-    def describe(self) -> str:
-        op, group, *details = self.signature
-        shown = ", ".join(show(d) for d in details)
-        return f"rank {self.rank}: {op}(group={group}{', ' if shown else ''}{shown}) at {self.site}"
 
 
 class _Pending:
@@ -220,71 +125,8 @@ def _fresh(exc: BaseException) -> BaseException:
     return copy
 
 
-class CollectiveEvent:
-    """One rank's collective as an observer sees it, before it runs.
-
-    ``call`` is the rank's `Call` (its ``signature[0]`` the collective's name),
-    ``front`` the front end (``"comm"`` for `SimComm`, ``"dist"`` for the
-    ``torch.distributed`` backend), ``group`` the group as text, and
-    ``complete`` the function that will compute the collective's result: an
-    observer may replace it with one that wraps it (blame measures there).
-    """
-
-    __slots__ = ("call", "complete", "front", "group")
-
-    def __init__(self, call: Call, front: str, group: str, complete: Callable) -> None:
-        self.call = call
-        self.front = front
-        self.group = group
-        self.complete = complete
-
-
-Observer = Callable[[CollectiveEvent], Callable[[], None] | None]
-"""Called on the calling rank's thread before the collective runs; may return a function called after it returns
-(or raises)."""
-
-
-def observed(
-    call: Call, complete: Callable, front: str, group: Callable[[], str], proceed: Callable[[Callable], None]
-) -> None:
-    """Run ``proceed(complete)`` (the front end's rendezvous) with every subscribed observer told first.
-
-    ``group`` is called only when there are observers (formatting text on every collective would cost).
-    """
-    observers = Engine.observers
-    if not observers:
-        proceed(complete)
-        return
-    event = CollectiveEvent(call, front, group(), complete)
-    after: list[Callable[[], None]] = []
-    try:
-        for observer in list(observers):
-            done = observer(event)
-            if done is not None:
-                after.append(done)
-        proceed(event.complete)
-    finally:
-        for done in reversed(after):
-            done()
-
-
-class Engine:
+class Rendezvous:
     """Shared state of one run of ``world_size`` rank threads: pending collectives, channels, the first error."""
-
-    observers: ClassVar[list[Observer]] = []
-    """Who sees every collective of both front ends (see `observed`); shared by every engine of the process."""
-
-    @classmethod
-    def subscribe(cls, observer: Observer) -> None:
-        """Add ``observer`` to `observers` (a new list: a collective in flight keeps iterating the old one)."""
-        cls.observers = [*cls.observers, observer]
-
-    @classmethod
-    def unsubscribe(cls, observer: Observer) -> None:
-        """Remove ``observer`` (once) from `observers`."""
-        remaining = list(cls.observers)
-        remaining.remove(observer)
-        cls.observers = remaining
 
     def __init__(self, world_size: int, label: str = "simdist", switch: Any = None) -> None:
         self.world_size = world_size
@@ -292,6 +134,7 @@ class Engine:
         self.switch = switch  # suspend(rank)/resume(rank) at every handoff; ranks start one at a time
         self.lock = threading.Lock()
         self.batons = Batons(world_size)  # each rank sleeps on its own semaphore: one wake-up per handoff
+        self.keys: dict[Hashable, int] = {}  # a group's call-sequence key -> its number (`intern`)
         self.sequence: dict[tuple[int, Hashable], int] = {}
         self.pending: dict[tuple[Hashable, int], _Pending] = {}
         self.waiting: dict[int, _Pending | _Recv | _Send] = {}
@@ -346,8 +189,10 @@ class Engine:
 
     def block(self, rank: int, wait: _Pending | _Recv | _Send) -> None:
         """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
-        self.waiting[rank] = wait
-        self.check_progress()
+        waiting = self.waiting
+        waiting[rank] = wait
+        if self.finished or len(waiting) == self.world_size:  # `check_progress`'s cases (most blocks have neither)
+            self.check_progress()
         if self.switch is not None and self.error is None:
             self.switch.suspend(rank)
         following = self.ready.popleft() if self.ready else None
@@ -373,14 +218,22 @@ class Engine:
 
     # -- collectives ----------------------------------------------------------
 
+    def intern(self, key: Hashable) -> int:
+        """A small number standing for ``key`` in this rendezvous (the same for equal keys): a front end passes it
+        as `collective`'s ``key``, so the per-call tables hash an int, not a nested tuple."""
+        with self.lock:
+            return self.keys.setdefault(key, len(self.keys))
+
     def collective(
         self,
         call: Call,
         members: tuple[int, ...],
-        complete: Callable[[list[Call]], None],
+        complete: Callable[[list[Call], Sequence[int]], None],
         key: Hashable | None = None,
     ) -> None:
-        """Enter a collective of the global ranks ``members``; the last to arrive runs ``complete``.
+        """Enter a collective of the global ranks ``members``; the last to arrive runs ``complete(calls,
+        targets)``: the calls in ``members`` order, and every member's position as a target (it writes each
+        member's outputs).
 
         ``key`` identifies the group's call sequence (default: ``members``).
         """
@@ -409,16 +262,18 @@ class Engine:
             if len(pending.calls) == len(members):
                 del self.pending[pkey]
                 try:
-                    complete([pending.calls[r] for r in members])
+                    complete([pending.calls[r] for r in members], range(len(members)))
                 except Exception as exc:
                     pending.error = exc
                 except BaseException as exc:
                     add_rank_note(exc, rank, self.label)
                     self.fail(exc)
                     raise Aborted from exc
-                for member in members:
+                waiting, ready = self.waiting, self.ready
+                for member in members:  # `release` of each other member, inline: this runs on every collective
                     if member != rank:
-                        self.release(member)
+                        del waiting[member]
+                        ready.append(member)
                 if pending.error is not None:
                     raise pending.error
                 self.lock.release()
@@ -622,12 +477,12 @@ class Engine:
             t.start()
         if not self.done.wait(timeout_s):
             with self.lock:
-                self.fail(SimTimeoutError(_where_ranks_are(threads, timeout_s)))
+                self.fail(SimTimeoutError(where_ranks_are(threads, timeout_s)))
             self.done.wait(1.0)
         for t in threads:
             t.join(timeout=1.0)
         if not any(t.is_alive() for t in threads):
-            self.batons.close()  # a rank thread still running keeps them (closed when the engine is collected)
+            self.batons.close()  # a rank thread still running keeps them (closed when the rendezvous is collected)
         if intra_op_threads is not None:
             torch.set_num_threads(caller_threads)  # torch's setting is process-wide: give the caller its own back
         if self.error is not None:
@@ -640,39 +495,3 @@ def add_rank_note(exc: BaseException, rank: int, label: str = "simdist") -> None
     note = f"raised on rank {rank} of a {label} run"
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
-
-
-def _where_ranks_are(threads: list[threading.Thread], timeout_s: float | None) -> str:
-    frames = sys._current_frames()
-    lines = [f"the run did not finish within {timeout_s} s; ranks still running:"]
-    for rank, t in enumerate(threads):
-        frame = frames.get(t.ident) if t.is_alive() and t.ident is not None else None
-        if frame is not None:
-            lines.append(f"  rank {rank}: {rank_whereabouts(frame)}")
-    return "\n".join(lines)
-
-
-def rank_whereabouts(frame) -> str:
-    """Where a rank is stuck: its own code's innermost frame, and the frame it waits in when that is deeper.
-
-    The innermost frame alone (``subprocess.py in communicate`` while a framework compiles an op) does not say
-    which line of the rank's program started the wait; the outermost frames are the launcher's. The rank's own
-    line is the innermost frame outside torch, simdist's world layer, the standard library and installed
-    packages (`site` when every frame is one of those)."""
-    chain = traceback.extract_stack(frame)
-    innermost = chain[-1]
-    own = next((f for f in reversed(chain) if not _is_library(f.filename)), None)
-    if own is None:
-        return site(frame)
-    text = f"{own.filename}:{own.lineno} in {own.name}"
-    if own is not innermost:
-        text += f", waiting in {innermost.filename}:{innermost.lineno} in {innermost.name}"
-    return text
-
-
-def _is_library(filename: str) -> bool:
-    """torch, simdist's world layer, the standard library and installed packages: not a rank's own code."""
-    if is_internal(filename):
-        return True
-    path = os.path.abspath(filename)
-    return "site-packages" in path.split(os.sep) or path.startswith(_STDLIB_DIR)

@@ -1,0 +1,161 @@
+"""The process launcher behind ``simdist.run(where="processes"|"gloo")``: one local process per rank.
+
+`spawn_processes` starts ``n`` rank processes on this machine, forked from a forkserver that has torch and the
+launch's ``preload`` imported (`simdist.world.forkservers`), each running `simdist.world.rank_process.rank_main`:
+it joins a process group of ``backend`` (``gloo``: real gloo; ``simdist``: process mode, gloo's transport and a
+reduction model's arithmetic, `simdist.world.process`) through a TCP store this process hosts on a free
+127.0.0.1 port, with one intra-op thread, and runs the rank function. Results come back in rank order. A launch
+never hangs: a rank that raises stops the run and its traceback is re-raised here as `RankFailure`, naming the
+rank, and at the deadline every rank is killed and ``TimeoutError`` names the ranks that had not finished, with
+their stacks (`simdist.world.supervise`). `LaunchTimings` says where a launch's time went (``bench/startup.py``).
+Run many cases inside one rank function rather than launching per case: each launch starts processes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from simdist.errors import UsageError
+from simdist.reduce import Reduction, ReductionModel
+from simdist.world.forkservers import rank_context
+from simdist.world.modelmap import as_model
+from simdist.world.options import check_timeout
+from simdist.world.rank_process import rank_main, ready
+from simdist.world.spec import ParallelSpec
+from simdist.world.supervise import RankFailure, kill_descendants, remove_build_locks_since, supervise
+
+__all__ = ["LaunchTimings", "RankFailure", "spawn_processes"]
+
+
+@dataclass(frozen=True)
+class LaunchTimings:
+    """Where the wall time of one process launch went, in seconds, phase after phase (they add up to ``total``).
+
+    ``server`` starting the launch's forkserver and its preloaded imports, until it forks (a no-op child, some
+    milliseconds, when a server with that preload set was running already);
+    ``start`` until every rank was running its body (fork, unpickling ``fn`` and importing its module);
+    ``imports`` until every rank had imported the launch's ``preload`` modules (0 when the server had);
+    ``rendezvous`` until every rank had joined the process group; ``work`` until every rank's ``fn``
+    returned; ``finish`` tearing down and loading the results here.
+    """
+
+    world_size: int
+    server: float
+    start: float
+    imports: float
+    rendezvous: float
+    work: float
+    finish: float
+
+    @property
+    def total(self) -> float:
+        return self.server + self.start + self.imports + self.rendezvous + self.work + self.finish
+
+    def describe(self) -> str:
+        phases = ("server", "start", "imports", "rendezvous", "work", "finish")
+        return " | ".join(f"{name} {getattr(self, name):6.2f} s" for name in phases) + f" | total {self.total:6.2f} s"
+
+
+def spawn_processes(
+    fn: Callable[..., Any],
+    n: int,
+    spec: ParallelSpec | None,
+    args: tuple,
+    kwargs: dict,
+    timeout_s: float,
+    backend: str,
+    reduction: Any,
+    preload: tuple[str, ...] = (),
+    timings: list[LaunchTimings] | None = None,
+    report_backend: bool = False,
+) -> list[Any]:
+    """``fn(comm or rank, *args, **kwargs)`` on ``n`` processes of ``backend`` (``gloo`` or ``simdist``); the
+    results in rank order. Called by `simdist.world.runner.run`, which checks and documents the arguments.
+
+    ``fn`` gets a `simdist.world.torch_comm.TorchComm` of ``spec`` when ``spec`` is given, else its rank.
+    ``reduction`` is process mode's model (a name, `Reduction` member or `ReductionModel`; ``None``:
+    ``SIMDIST_REDUCTION`` or gloo, `simdist.world.process`); real gloo accepts only gloo's own.
+    ``preload``: modules every rank needs (a framework), imported once in the launch's forkserver instead of once
+    per rank; the ranks carry no other framework (`simdist.world.forkservers`). When ``timings`` is a list, this
+    launch's `LaunchTimings` is appended to it.
+    """
+    timeout = check_timeout(timeout_s, none_ok=False)
+    assert timeout is not None
+    if backend not in ("gloo", "simdist"):
+        raise UsageError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
+    model = _process_model(reduction, backend)
+    preload = tuple(preload)
+    began = time.time()
+    store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="simdist-gloo-") as outdir:
+        out = Path(outdir)
+        procs: list = []
+        try:
+            with rank_context(preload) as ctx:
+                if ctx.get_start_method() == "forkserver":
+                    warm = ctx.Process(target=ready, name="simdist-forkserver-ready", daemon=True)
+                    warm.start()  # returns once the server, after its imports, has forked it: `server`'s time
+                    warm.join()
+                started = time.time()
+                for r in range(n):
+                    rank_args = (r, n, store.port, fn, spec, args, outdir, timeout, backend, model, kwargs, preload)
+                    procs.append(
+                        ctx.Process(
+                            target=rank_main,
+                            args=(*rank_args, report_backend),
+                            name=f"simdist-rank{r}",
+                            daemon=True,
+                        )
+                    )
+                    procs[-1].start()
+            supervise(procs, out, timeout)
+            results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+            if timings is not None:
+                times = [json.loads((out / f"rank{r}.times").read_text()) for r in range(n)]
+                entered, imported, joined, done = (max(t[i] for t in times) for i in range(4))
+                ended = time.time()
+                timings.append(
+                    LaunchTimings(
+                        n, started - began, entered - started, imported - entered, joined - imported, done - joined,
+                        ended - done,
+                    )
+                )  # fmt: skip
+            return results
+        finally:
+            killed = [p for p in procs if p.is_alive()]
+            for p in killed:
+                kill_descendants(p.pid)  # a compiler or other child the rank started dies with it
+                p.kill()
+            for p in procs:
+                p.join(timeout=5)
+            if killed:
+                remove_build_locks_since(began)
+            del store
+
+
+def _process_model(reduction: Any, backend: str) -> ReductionModel | None:
+    """The model the ranks install (`simdist.world.process.use_reduction`); ``None`` for real gloo."""
+    if isinstance(reduction, Mapping) or (callable(reduction) and not isinstance(reduction, ReductionModel)):
+        raise TypeError(
+            "in processes every group of a rank uses one reduction model (a name, a Reduction member or a "
+            f"ReductionModel); per-kind tables and callables need where='threads', got {type(reduction).__name__}"
+        )
+    model = None if reduction is None else as_model(reduction, "reduction")
+    if backend == "gloo":
+        if model is not None and model.name != Reduction.GLOO:  # the model's name, not its class
+            raise UsageError(
+                f"reduction={reduction!r} with real gloo: real gloo sums in its own order; a reduction model is "
+                "simulated with where='threads' or where='processes'"
+            )
+        return None
+    return model
