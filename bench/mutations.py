@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -744,7 +745,7 @@ def results_table(results: list[Result], mutations: dict[str, Mutation], seconds
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
     parser.add_argument("--all", action="store_true", help="run the whole default suite for every mutation")
@@ -756,36 +757,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="mutations run at once (default 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run (default 900)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
-    args = parser.parse_args(argv)
-    mutations = select(args.only)
-    if args.list:
-        for m in mutations:
-            note = f"\n    equivalent: {m.equivalent}" if m.equivalent else ""
-            note += f"\n    awaiting: {m.awaiting}" if m.awaiting else ""
-            print(f"{m.name}: {m.what}\n    {m.path}; tests: {' '.join(m.tests)}{note}")
-        return 0
+    return parser
+
+
+def run_all(
+    mutations: list[Mutation],
+    tests_of: Callable[[Mutation], tuple[str, ...]],
+    jobs: int,
+    timeout_s: float,
+    baseline: bool,
+) -> dict[str, Result] | None:
+    """Every mutation's result (by name), run in ``jobs`` private trees (each holds one mutation at a time), after
+    the baseline over the union of their tests; None (its output printed) when the baseline fails."""
     from tqdm import tqdm
 
-    started_on = _report().machine()
-
-    def tests_of(m: Mutation) -> tuple[str, ...]:
-        return ("tests",) if args.all else m.tests
-
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="simdist-mutations-") as tmp:
-        trees = [make_tree(Path(tmp) / f"tree{j}") for j in range(max(1, args.jobs))]
+        trees = [make_tree(Path(tmp) / f"tree{j}") for j in range(max(1, jobs))]
         for m in mutations:  # a catalogue entry that no longer matches the source is reported before any run
             text = (ROOT / m.path).read_text()
             if text.count(m.old) != m.count:
                 print(f"error: {m.name} does not apply: {m.old!r} occurs {text.count(m.old)} times", file=sys.stderr)
-        if not args.no_baseline:
+        if baseline:
             union = tuple(dict.fromkeys(t for m in mutations for t in tests_of(m)))
             print(f"baseline: {' '.join(union)}", file=sys.stderr)
-            code, output = run_pytest(trees[0], union, args.timeout)
+            code, output = run_pytest(trees[0], union, timeout_s)
             if code != 0:
                 print(output[-4000:], file=sys.stderr)
                 print("baseline failed: the unmutated tests must pass first", file=sys.stderr)
-                return 2
+                return None
         results: dict[str, Result] = {}
         free = list(trees)
         with (
@@ -798,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
                 while queue and free:
                     m = queue.pop(0)
                     tree = free.pop()
-                    pending[pool.submit(run_one, m, tree, tests_of(m), args.timeout)] = (m, tree)
+                    pending[pool.submit(run_one, m, tree, tests_of(m), timeout_s)] = (m, tree)
                 done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in done:
                     m, tree = pending.pop(future)
@@ -806,6 +805,27 @@ def main(argv: list[str] | None = None) -> int:
                     results[m.name] = future.result()
                     bar.set_postfix_str(f"{m.name}: {results[m.name].status}")
                     bar.update()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    mutations = select(args.only)
+    if args.list:
+        for m in mutations:
+            note = f"\n    equivalent: {m.equivalent}" if m.equivalent else ""
+            note += f"\n    awaiting: {m.awaiting}" if m.awaiting else ""
+            print(f"{m.name}: {m.what}\n    {m.path}; tests: {' '.join(m.tests)}{note}")
+        return 0
+    started_on = _report().machine()
+
+    def tests_of(m: Mutation) -> tuple[str, ...]:
+        return ("tests",) if args.all else m.tests
+
+    started = time.perf_counter()
+    results = run_all(mutations, tests_of, args.jobs, args.timeout, not args.no_baseline)
+    if results is None:
+        return 2
     ordered = [results[m.name] for m in mutations]
     elapsed = time.perf_counter() - started
     by_name = {m.name: m for m in CATALOGUE}

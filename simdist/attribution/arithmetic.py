@@ -215,28 +215,43 @@ def round_pair(high: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> tor
     return nudged.to(dtype)
 
 
+def _reference(name: str, call, written: tuple, args: tuple, kwargs: dict):
+    """The op run in FP64 on the same inputs: ``(exact, absolute, lows)`` per output, ``absolute`` the op on the
+    inputs' magnitudes (the sum of the terms' magnitudes, for a summing op; else ``|exact|``), ``lows`` the
+    rounding error of the FP64 sum where two-sum recovers it (else None)."""
+    exact = _run(None, call, written, args, kwargs, _wide)
+    if _base(name) in SUMMING:
+        abs_args = [_map(a, _absolute, abs) for a in args]
+        if _base(name) in SUBTRACTING and len(abs_args) > 1:  # a - b: |a| - (-|b|)
+            abs_args[1] = _map(abs_args[1], lambda t: -t, lambda x: -x)
+        abs_kwargs = {k: _map(v, _absolute, abs) for k, v in kwargs.items()}
+        absolute = [t.abs() for t in _run(None, call, written, tuple(abs_args), abs_kwargs, lambda t: t)]
+    else:
+        absolute = [t.abs() for t in exact]
+    lows: list[torch.Tensor | None] = [None] * len(exact)
+    if _base(name) in TWO_SUM and len(exact) == 1:
+        lows[0] = two_sum_low(name, args, kwargs, exact[0])
+    return exact, absolute, lows
+
+
+def _dtypes_label(args: tuple, out_dtype: torch.dtype) -> str:
+    """``"bf16"`` where every floating input is ``out_dtype``, else ``"bf16,fp32->fp32"`` (inputs -> output)."""
+    from simdist.audit import dtype_name
+
+    ins = sorted({t.dtype for t in _tensors(list(args)) if t.is_floating_point()}, key=lambda d: (d.itemsize, str(d)))
+    return dtype_name(out_dtype) if ins == [out_dtype] else f"{','.join(map(dtype_name, ins))}->{dtype_name(out_dtype)}"
+
+
 def measure_op(recorder, site, rank, name: str, call, written: tuple, args: tuple, kwargs: dict):
     """Run one op of the program (``recorder``'s op hook): measured against FP64 and, if promoted, replaced."""
     from simdist.attribution import collectives
     from simdist.attribution.measure import Errors, errors
-    from simdist.audit import dtype_name
 
     if collectives.busy() or site[0].startswith(_SIMDIST_DIR):
         return call(*args, **kwargs)
     try:
         with torch.no_grad():
-            exact = _run(None, call, written, args, kwargs, _wide)
-            if _base(name) in SUMMING:
-                abs_args = [_map(a, _absolute, abs) for a in args]
-                if _base(name) in SUBTRACTING and len(abs_args) > 1:  # a - b: |a| - (-|b|)
-                    abs_args[1] = _map(abs_args[1], lambda t: -t, lambda x: -x)
-                abs_kwargs = {k: _map(v, _absolute, abs) for k, v in kwargs.items()}
-                absolute = [t.abs() for t in _run(None, call, written, tuple(abs_args), abs_kwargs, lambda t: t)]
-            else:
-                absolute = [t.abs() for t in exact]
-            lows: list[torch.Tensor | None] = [None] * len(exact)
-            if _base(name) in TWO_SUM and len(exact) == 1:
-                lows[0] = two_sum_low(name, args, kwargs, exact[0])
+            exact, absolute, lows = _reference(name, call, written, args, kwargs)
     except (_NotMeasurable, RuntimeError, TypeError, ValueError, AttributeError):
         return call(*args, **kwargs)
     result = call(*args, **kwargs)
@@ -248,11 +263,7 @@ def measure_op(recorder, site, rank, name: str, call, written: tuple, args: tupl
     ]
     if not pairs:
         return result
-    ins = sorted({t.dtype for t in _tensors(list(args)) if t.is_floating_point()}, key=lambda d: (d.itemsize, str(d)))
-    out_dtype = pairs[0][1].dtype
-    dtypes = (
-        dtype_name(out_dtype) if ins == [out_dtype] else f"{','.join(map(dtype_name, ins))}->{dtype_name(out_dtype)}"
-    )
+    dtypes = _dtypes_label(args, pairs[0][1].dtype)
     op = name.removeprefix("aten.")
     promoted = recorder.key(site, "arith", op, dtypes) in recorder.promote
     found = Errors()

@@ -77,6 +77,11 @@ under "scaled loss", whose movement includes the scaler's own changes of scale),
 rank function returned (`simdist.attribution.blame`; none for a script)."""
 
 
+def _number(x: float) -> float | str:
+    """``x``, or its name (``"inf"``, ``"nan"``) where JSON has no number for it."""
+    return x if math.isfinite(x) else str(x)
+
+
 def _short(path: str, base: str) -> str:
     return os.path.relpath(path, base) if path.startswith(base + os.sep) else path
 
@@ -157,52 +162,8 @@ class BlameReport:
 
     def to_dict(self) -> dict:
         """Plain, JSON-able data: every site with its figures and per-step errors, every promotion."""
-
-        def number(x: float):
-            return x if math.isfinite(x) else str(x)
-
-        sites = []
-        for i, s in enumerate(self.sites, 1):
-            e = s.errors
-            sites.append(
-                {
-                    "id": i,
-                    "file": s.file,
-                    "line": s.line,
-                    "function": s.function,
-                    "kind": s.kind,
-                    "op": s.op,
-                    "dtypes": s.dtypes,
-                    "groups": sorted(s.groups),
-                    "ranks": sorted(r for r in s.ranks if r is not None),
-                    "by_rank": {
-                        str(r): {
-                            "elements": v.elements,
-                            "max_ulp": number(v.max_ulp),
-                            "max_err_over_sum_abs_terms": number(v.max_term_relative),
-                            "error_mass": number(v.mass),
-                            "overflow": v.overflow,
-                        }
-                        for r, v in sorted(s.by_rank.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
-                    },
-                    "calls": s.calls,
-                    "elements": e.elements,
-                    "nonfinite": e.nonfinite,
-                    "overflow": e.overflow,
-                    "max_ulp": number(e.max_ulp),
-                    "max_err_over_sum_abs_terms": number(e.max_term_relative),
-                    "max_rel_err": number(e.max_relative),
-                    "error_mass": number(e.mass),
-                    "share": number(self.share(s)),
-                    "steps": {
-                        str(k): {
-                            "max_err_over_sum_abs_terms": number(v.max_term_relative),
-                            "error_mass": number(v.mass),
-                        }
-                        for k, v in sorted(s.steps.items())
-                    },
-                }
-            )
+        number = _number
+        sites = [self._site_dict(i, s) for i, s in enumerate(self.sites, 1)]
         promotions = [
             {
                 "sites": p.sites,
@@ -220,6 +181,47 @@ class BlameReport:
             "sites": sites,
             "promotions": promotions,
             "notes": self.notes,
+        }
+
+    def _site_dict(self, i: int, s: SiteErrors) -> dict:
+        """Site number ``i`` (from 1, in ranking order) as plain data: its figures, per rank and per step."""
+        number, e = _number, s.errors
+        return {
+            "id": i,
+            "file": s.file,
+            "line": s.line,
+            "function": s.function,
+            "kind": s.kind,
+            "op": s.op,
+            "dtypes": s.dtypes,
+            "groups": sorted(s.groups),
+            "ranks": sorted(r for r in s.ranks if r is not None),
+            "by_rank": {
+                str(r): {
+                    "elements": v.elements,
+                    "max_ulp": number(v.max_ulp),
+                    "max_err_over_sum_abs_terms": number(v.max_term_relative),
+                    "error_mass": number(v.mass),
+                    "overflow": v.overflow,
+                }
+                for r, v in sorted(s.by_rank.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+            },
+            "calls": s.calls,
+            "elements": e.elements,
+            "nonfinite": e.nonfinite,
+            "overflow": e.overflow,
+            "max_ulp": number(e.max_ulp),
+            "max_err_over_sum_abs_terms": number(e.max_term_relative),
+            "max_rel_err": number(e.max_relative),
+            "error_mass": number(e.mass),
+            "share": number(self.share(s)),
+            "steps": {
+                str(k): {
+                    "max_err_over_sum_abs_terms": number(v.max_term_relative),
+                    "error_mass": number(v.mass),
+                }
+                for k, v in sorted(s.steps.items())
+            },
         }
 
     def to_json(self) -> str:

@@ -350,10 +350,6 @@ def reset_groups() -> None:
 
 def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     import deepspeed
-    from deepspeed.runtime import bf16_optimizer as bf16_module
-    from deepspeed.runtime import engine as engine_module
-    from deepspeed.runtime.zero import stage3 as stage3_module
-    from deepspeed.runtime.zero import stage_1_and_2 as stage12_module
 
     from simdist.models.synthetic import InitialWeights, synthetic_gradients
 
@@ -367,14 +363,9 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     names = {p: n for n, p in module.named_parameters()}
     spy = _HelperSpy(capture, names)
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    helper = bf16_module.apply_folding_correction_to_grad_buffer
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_model_injection())
-        for mod in (bf16_module, stage12_module, stage3_module):
-            caller = mod.__name__.rsplit(".", 1)[-1]
-            stack.enter_context(_patched(mod, "apply_folding_correction_to_grad_buffer", spy.wrap(helper, caller)))
-        boundary = spy.wrap(engine_module.reduce_autoep_folding_gradient, BOUNDARY_PASS)
-        stack.enter_context(_patched(engine_module, "reduce_autoep_folding_gradient", boundary))
+        _spy_on_corrections(stack, spy)
         try:
             engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=run.config(spec))
         except Exception as exc:  # a configuration the engine refuses on this machine: reported, not hidden
@@ -391,23 +382,7 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
             _apply_fix(engine, run)
         try:
             if run.audit:
-                from simdist.audit import audit  # a lazy import of a lower layer (docs/ARCHITECTURE.md)
-
-                # this module's frames (the spy, the synthetic forward) are skipped: sites land in DeepSpeed
-                with audit(skip=(__name__,), rank=rank) as watched:
-                    _steps(engine, run, inputs, spy, capture)
-                capture.narrowing = [
-                    {
-                        "where": site.where,
-                        "function": site.function,
-                        "op": site.op,
-                        "kind": site.kind,
-                        "dtypes": site.dtypes,
-                        "count": site.count,
-                        "max_rel_error": site.max_rel_error,
-                    }
-                    for site in watched.report().sites
-                ]
+                _audited_steps(engine, run, inputs, spy, capture)
             else:
                 _steps(engine, run, inputs, spy, capture)
         except Exception as exc:
@@ -421,6 +396,43 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
             with contextlib.suppress(Exception):
                 engine.destroy()
     return capture
+
+
+def _spy_on_corrections(stack: contextlib.ExitStack, spy: _HelperSpy) -> None:
+    """Within ``stack``: every caller of DeepSpeed's TP-correction helper (BF16_Optimizer, ZeRO-1/2, ZeRO-3) and
+    the engine's boundary pass call it through ``spy``, which records each call under its caller's name."""
+    from deepspeed.runtime import bf16_optimizer as bf16_module
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.zero import stage3 as stage3_module
+    from deepspeed.runtime.zero import stage_1_and_2 as stage12_module
+
+    helper = bf16_module.apply_folding_correction_to_grad_buffer
+    for mod in (bf16_module, stage12_module, stage3_module):
+        caller = mod.__name__.rsplit(".", 1)[-1]
+        stack.enter_context(_patched(mod, "apply_folding_correction_to_grad_buffer", spy.wrap(helper, caller)))
+    boundary = spy.wrap(engine_module.reduce_autoep_folding_gradient, BOUNDARY_PASS)
+    stack.enter_context(_patched(engine_module, "reduce_autoep_folding_gradient", boundary))
+
+
+def _audited_steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: EngineCapture) -> None:
+    """`_steps` under `simdist.audit`: the floating-point sites DeepSpeed runs go to ``capture.narrowing``."""
+    from simdist.audit import audit  # a lazy import of a lower layer (docs/ARCHITECTURE.md)
+
+    # this module's frames (the spy, the synthetic forward) are skipped: sites land in DeepSpeed
+    with audit(skip=(__name__,), rank=capture.rank) as watched:
+        _steps(engine, run, inputs, spy, capture)
+    capture.narrowing = [
+        {
+            "where": site.where,
+            "function": site.function,
+            "op": site.op,
+            "kind": site.kind,
+            "dtypes": site.dtypes,
+            "count": site.count,
+            "max_rel_error": site.max_rel_error,
+        }
+        for site in watched.report().sites
+    ]
 
 
 def _apply_fix(engine, run: EngineRun) -> None:

@@ -116,29 +116,47 @@ def _norm_error(a: list[Trace], b: list[Trace], gas: int) -> list[ParamError]:
 def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy | None = None) -> MarkerVerdict:
     """The verdict from the real captures and simdist's transcription of ``policy`` (default bf16_writeback)."""
     policy = policy or get_policy("bf16_writeback")
-    paths = []
-    version = ""
-    for run in config.runs():
-        captures = real[run]
-        version = captures[0].deepspeed_version
-        traces = [c.trace for c in captures]
-        skipped: dict[str, list[int]] = {}
-        for (step, micro, param), action in sorted(captures[0].actions.items()):
-            if step == 0 and action.startswith("skipped"):
-                skipped.setdefault(param, []).append(micro)
-        shipped = transcription(config.base(Marker.DEEPSPEED), policy, run.update_path, config.gas)
-        intended = transcription(config.base(Marker.PER_MICRO_STEP), policy, run.update_path, config.gas)
-        paths.append(
-            PathFinding(
-                run.update_path,
-                skipped,
-                match_traces(traces, shipped, names=("DeepSpeed", f"{policy.name} marker=deepspeed")),
-                match_traces(traces, intended, names=("DeepSpeed", f"{policy.name} marker=per_micro_step")),
-                [e for e in _norm_error(traces, intended, config.gas) if e.relative_error > 0],
-            )
-        )
+    paths = [_path_finding(config, run, real[run], policy) for run in config.runs()]
+    version = real[config.runs()[-1]][0].deepspeed_version  # the last run's, as each run's is the same
     epilogue, hooks = paths
     later = list(range(1, config.gas))
+    power = _power_checks(config, real, policy, epilogue)
+    ok = (
+        all(p.real_vs_transcription.bitwise_equal for p in paths)
+        and epilogue.skipped_micro_steps.get("router.weight") == later
+        and not hooks.skipped_micro_steps
+        and hooks.real_vs_per_micro_step.bitwise_equal
+        and shows_power(power)
+    )
+    verdict = MarkerVerdict(ok, "", config.gas, version, paths, str(REPRODUCER), describe_inputs(config.inputs), power)
+    verdict.summary = summarize(verdict)
+    return verdict
+
+
+def _path_finding(config: Config, run: DsRun, captures: list[RankCapture], policy: Policy) -> PathFinding:
+    """One update path's real captures against simdist's transcription, with the shipped marker and with the
+    intended one (the correction every micro-step), and the micro-steps where DeepSpeed skipped the correction."""
+    traces = [c.trace for c in captures]
+    skipped: dict[str, list[int]] = {}
+    for (step, micro, param), action in sorted(captures[0].actions.items()):
+        if step == 0 and action.startswith("skipped"):
+            skipped.setdefault(param, []).append(micro)
+    shipped = transcription(config.base(Marker.DEEPSPEED), policy, run.update_path, config.gas)
+    intended = transcription(config.base(Marker.PER_MICRO_STEP), policy, run.update_path, config.gas)
+    return PathFinding(
+        run.update_path,
+        skipped,
+        match_traces(traces, shipped, names=("DeepSpeed", f"{policy.name} marker=deepspeed")),
+        match_traces(traces, intended, names=("DeepSpeed", f"{policy.name} marker=per_micro_step")),
+        [e for e in _norm_error(traces, intended, config.gas) if e.relative_error > 0],
+    )
+
+
+def _power_checks(
+    config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy, epilogue: PathFinding
+) -> list[PowerCheck]:
+    """The two controls: a marker never set, and the policy without its write-back, must each differ from the
+    real captures (else the verdict could not see that error)."""
     no_writeback = dataclasses.replace(policy, name="control_no_writeback", writeback=None)
     removed = [
         match_traces(
@@ -148,7 +166,7 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy |
         for run in config.runs()
     ]
     marker = epilogue.real_vs_per_micro_step
-    power = [
+    return [
         PowerCheck(
             "marker_never_set",
             "the transcription corrects every micro-step (the marker never set)",
@@ -170,16 +188,6 @@ def judge(config: Config, real: dict[DsRun, list[RankCapture]], policy: Policy |
             unit="captures",
         ),
     ]
-    ok = (
-        all(p.real_vs_transcription.bitwise_equal for p in paths)
-        and epilogue.skipped_micro_steps.get("router.weight") == later
-        and not hooks.skipped_micro_steps
-        and hooks.real_vs_per_micro_step.bitwise_equal
-        and shows_power(power)
-    )
-    verdict = MarkerVerdict(ok, "", config.gas, version, paths, str(REPRODUCER), describe_inputs(config.inputs), power)
-    verdict.summary = summarize(verdict)
-    return verdict
 
 
 def summarize(v: MarkerVerdict) -> str:

@@ -240,26 +240,12 @@ class _HelperSpy:
 def _drive(rank, spec, folding, params, initial, local_grads, run: DsRun, version: str) -> RankCapture:
     from deepspeed.module_inject.auto_ep_folding import autoep_folding_gradient_reduction_strategy
     from deepspeed.runtime import bf16_optimizer as bf16_module
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
-    from deepspeed.utils import groups
 
     module, param_groups = _module(params, initial, rank, spec.ep)
     names = {p: n for n, p in module.named_parameters()}
     by_name = {n: p for p, n in names.items()}
-    config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=run.update_path == UpdatePath.HOOKS)
-    optimizer = BF16_Optimizer(
-        torch.optim.SGD(param_groups, lr=0.0),
-        names,
-        config,
-        dp_process_group=groups.get_data_parallel_group(),
-        grad_acc_dtype=torch.float32,
-        has_moe_layers=any(g.get("moe") for g in param_groups),
-    )
-    optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
-    if run.fix == "fp32_staging":
-        optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, optimizer)
+    optimizer = _bf16_optimizer(param_groups, names, folding, run)
     engine = types.SimpleNamespace(
         _autoep_folding_spec=folding,
         optimizer=optimizer,
@@ -302,6 +288,29 @@ def _drive(rank, spec, folding, params, initial, local_grads, run: DsRun, versio
         bf16_module.apply_folding_correction_to_grad_buffer = real_helper
         optimizer.destroy()
     return capture
+
+
+def _bf16_optimizer(param_groups: list[dict], names: dict, folding, run: DsRun):
+    """DeepSpeed's BF16_Optimizer over ``param_groups`` (an SGD at lr 0 inside: only the gradient path is
+    compared), FP32 gradient accumulation, the AutoEP folding TP correction configured, on ``run``'s update path
+    (``immediate_grad_update`` for the hooks path), with the FP32-staging fix patched in where ``run`` asks."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.utils import groups
+
+    config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=run.update_path == UpdatePath.HOOKS)
+    optimizer = BF16_Optimizer(
+        torch.optim.SGD(param_groups, lr=0.0),
+        names,
+        config,
+        dp_process_group=groups.get_data_parallel_group(),
+        grad_acc_dtype=torch.float32,
+        has_moe_layers=any(g.get("moe") for g in param_groups),
+    )
+    optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
+    if run.fix == "fp32_staging":
+        optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, optimizer)
+    return optimizer
 
 
 def _backward_capturing_local(loss, by_name, trace: Trace, step: int, micro: int) -> None:

@@ -98,96 +98,130 @@ def _differing(result: RunResult, boundaries: tuple[str, ...]) -> int:
     return sum(row.differing for row in result.rows if row.boundary in boundaries)
 
 
-def findings(
-    judged: list[tuple[ParallelSpec, EngineRun, RunResult, RunResult | None]], expected_refusals: tuple[str, ...]
-) -> list[Finding]:
-    """Every finding over ``judged``: ``(spec, run, result, result clipping by the engine's norm or None)``."""
-    out = []
+Judged = tuple[ParallelSpec, EngineRun, RunResult, RunResult | None]
+"""One judged run: ``(spec, run, result, result clipping by the engine's norm or None)``."""
+Cases = list[tuple[str, bool]]
+"""A finding's evidence: ``(run label, whether the claim holds in that run)`` per run that can show it."""
 
-    def add(name: str, cases: list[tuple[str, bool]], what: str, measured: str = "") -> None:
-        failed = [label for label, ok in cases if not ok]
-        detail = f"{what}: {len(cases) - len(failed)}/{len(cases)} runs" + (
-            f"; FAILS in {'; '.join(failed)}" if failed else ""
+
+def _finding(name: str, cases: Cases, what: str, measured: str = "") -> Finding:
+    """The finding ``name``: it holds where every case holds, and applies where some run shows it."""
+    failed = [label for label, ok in cases if not ok]
+    detail = f"{what}: {len(cases) - len(failed)}/{len(cases)} runs" + (
+        f"; FAILS in {'; '.join(failed)}" if failed else ""
+    )
+    detail += f"; {measured}" if measured else ""
+    return Finding(name, not failed, detail if cases else f"{what}: no run shows it", bool(cases))
+
+
+def _captured(judged: list[Judged], expected_refusals: tuple[str, ...]) -> Cases:
+    """Per run: refused with an expected refusal, or fed the oracle's BF16 local gradients bit for bit."""
+    return [
+        (
+            r.label,
+            (bool(r.error) and any(x in r.error for x in expected_refusals))
+            or (not r.error and getattr(_row(r, "BF16 local gradient (input check)"), "differing", 1) == 0),
         )
-        detail += f"; {measured}" if measured else ""
-        out.append(Finding(name, not failed, detail if cases else f"{what}: no run shows it", bool(cases)))
+        for _, _, r, _ in judged
+    ]
 
-    ran = [(spec, run, r, e) for spec, run, r, e in judged if not r.error]
-    add(
-        "runs_captured",
-        [
-            (
-                r.label,
-                (bool(r.error) and any(x in r.error for x in expected_refusals))
-                or (not r.error and getattr(_row(r, "BF16 local gradient (input check)"), "differing", 1) == 0),
-            )
-            for _, _, r, _ in judged
-        ],
-        "captured with the oracle's inputs bit for bit, or refused as expected",
-    )
-    add(
-        "writeback_site",
-        [(r.label, r.correction_sites == expected_site(run)) for _, run, r, _ in ran],
-        "the TP correction applied where expected_site says",
-    )
-    shipped = [(spec, run, r) for spec, run, r, _ in ran if run.fix == "none"]
-    add(
-        "shipped_rounds_router",
-        [
-            (
-                r.label,
-                (row := _row(r, "corrected gradient after write-back")) is not None
-                and row.effect == "bf16"
-                and "router.weight" in row.params_differing,
-            )
-            for _, _, r in shipped
-        ],
-        "shipped: the router's corrected gradient written back into BF16",
-    )
-    add(
-        "writeback_cast_in_rank",
-        [(r.label, any(s.endswith(WRITE_BACK) for s in r.narrowing) == (run.fix == "none")) for _, run, r, _ in ran],
-        "simdist.audit finds the write-back cast inside the ranks iff the fix is not in",
-    )
-    fixed = [(spec, run, r, e) for spec, run, r, e in ran if fixed_run(run)]
-    add(
-        "fix_bitwise",
-        [
-            (r.label, _differing(r, GRADIENT_ROWS) == 0 and _row(r, GRADIENT_ROWS[0]) is not None)
-            for _, _, r, _ in fixed
-        ],
-        "fix + FP32 comm: every gradient stage bitwise the gloo-ordered oracle",
-    )
+
+def _shipped_rounds_router(ran: list[Judged]) -> Cases:
+    """Per shipped run (no fix): the router's corrected gradient differs after a write-back into BF16."""
+    return [
+        (
+            r.label,
+            (row := _row(r, "corrected gradient after write-back")) is not None
+            and row.effect == "bf16"
+            and "router.weight" in row.params_differing,
+        )
+        for _, run, r, _ in ran
+        if run.fix == "none"
+    ]
+
+
+def _clip_explains_masters(fixed: list[Judged]) -> tuple[Cases, str]:
+    """Per fixed run: masters and moments bitwise once clipped by the engine's norm; and, as the measured
+    figure, how many masters differ with the oracle's own norm."""
     clip, own_norm = [], []
     for _, _, r, e in fixed:
         clip.append((r.label, e is not None and _differing(e, STEP_ROWS) == 0))
         master = _row(r, "FP32 master after step")
         own_norm.append(f"{r.label}: {master.differing if master else 0}")
-    add(
-        "clip_explains_masters",
-        clip,
-        "fix + FP32 comm: masters and moments bitwise with the engine's norm in the clip",
-        "masters differing with the oracle's own norm: " + "; ".join(own_norm),
-    )
-    add(
-        "zero_buffer_bf16",
-        [(r.label, r.buffer_dtypes == ["torch.bfloat16"]) for _, run, r, _ in ran if run.wrapper != "bf16_optimizer"],
-        "ZeRO: the correction's target buffer is BF16 (no FP32 buffer for staging; grad_accum fp32 too)",
-    )
-    norm_runs = []
+    return clip, "masters differing with the oracle's own norm: " + "; ".join(own_norm)
+
+
+def _zero_norm_defect(ran: list[Judged]) -> Cases:
+    """Per GAS-1 run with experts: ZeRO's norm error above 1e-2, BF16_Optimizer's below 1e-3."""
+    cases = []
     for _, run, r, _ in ran:
         if run.gas != 1 or not run.experts or (norm := _row(r, "global grad norm")) is None:
             continue
         error = norm.max_error_over_terms
-        norm_runs.append(
+        cases.append(
             (f"{r.label} (norm error {error:.1e})", error < 1e-3 if run.wrapper == "bf16_optimizer" else error > 1e-2)
         )
-    add(
-        "zero_norm_defect",
-        norm_runs,
-        "GAS 1: ZeRO's norm misses an expert (error > 1e-2), BF16_Optimizer's not (< 1e-3)",
-    )
-    return out
+    return cases
+
+
+def findings(judged: list[Judged], expected_refusals: tuple[str, ...]) -> list[Finding]:
+    """Every finding over ``judged``: ``(spec, run, result, result clipping by the engine's norm or None)``."""
+    ran = [(spec, run, r, e) for spec, run, r, e in judged if not r.error]
+    fixed = [(spec, run, r, e) for spec, run, r, e in ran if fixed_run(run)]
+    clip, own_norm = _clip_explains_masters(fixed)
+    return [
+        _finding(
+            "runs_captured",
+            _captured(judged, expected_refusals),
+            "captured with the oracle's inputs bit for bit, or refused as expected",
+        ),
+        _finding(
+            "writeback_site",
+            [(r.label, r.correction_sites == expected_site(run)) for _, run, r, _ in ran],
+            "the TP correction applied where expected_site says",
+        ),
+        _finding(
+            "shipped_rounds_router",
+            _shipped_rounds_router(ran),
+            "shipped: the router's corrected gradient written back into BF16",
+        ),
+        _finding(
+            "writeback_cast_in_rank",
+            [
+                (r.label, any(s.endswith(WRITE_BACK) for s in r.narrowing) == (run.fix == "none"))
+                for _, run, r, _ in ran
+            ],
+            "simdist.audit finds the write-back cast inside the ranks iff the fix is not in",
+        ),
+        _finding(
+            "fix_bitwise",
+            [
+                (r.label, _differing(r, GRADIENT_ROWS) == 0 and _row(r, GRADIENT_ROWS[0]) is not None)
+                for _, _, r, _ in fixed
+            ],
+            "fix + FP32 comm: every gradient stage bitwise the gloo-ordered oracle",
+        ),
+        _finding(
+            "clip_explains_masters",
+            clip,
+            "fix + FP32 comm: masters and moments bitwise with the engine's norm in the clip",
+            own_norm,
+        ),
+        _finding(
+            "zero_buffer_bf16",
+            [
+                (r.label, r.buffer_dtypes == ["torch.bfloat16"])
+                for _, run, r, _ in ran
+                if run.wrapper != "bf16_optimizer"
+            ],
+            "ZeRO: the correction's target buffer is BF16 (no FP32 buffer for staging; grad_accum fp32 too)",
+        ),
+        _finding(
+            "zero_norm_defect",
+            _zero_norm_defect(ran),
+            "GAS 1: ZeRO's norm misses an expert (error > 1e-2), BF16_Optimizer's not (< 1e-3)",
+        ),
+    ]
 
 
 CONTROLS: dict[str, tuple[OracleControl, str]] = {

@@ -124,74 +124,103 @@ def oracle(
     alone explains a difference (`EPILOGUE_MASTERS`)."""
     params = run.params()
     source, initial = synthetic_gradients(spec, seed, inputs), InitialWeights(spec, seed)
-    ranks = range(spec.world_size)
-    masters = {(r, p.name): initial(r, p).float().clone().requires_grad_(False) for r in ranks for p in params}
-    optimizers = {
-        r: torch.optim.AdamW(
-            [masters[(r, p.name)] for p in params], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
-        )
-        for r in ranks
-    }
-    m_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in masters.items()}
-    v_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in masters.items()}
-    uncorrected = Family.MODEL_PARALLEL  # a family whose correction is none: what dp_then_tp does per micro-step
+    adam = _OracleAdam(spec, params, initial)
     out = []
     for step in range(run.steps):
         o = OracleStep()
         for micro in range(run.gas):
-            for r in ranks:
-                for p in params:
-                    o.local[(micro, r, p.name)] = (source(step, micro, r, p).float() / run.gas).to(torch.bfloat16)
-            for r in ranks:
-                for p in params:
-                    peers = [o.local[(micro, q, p.name)] for q in spec.group_of("tp", r)]
-                    family = uncorrected if control.dp_then_tp else p.family
-                    value, terms = _correct(family, spec.tp, o.local[(micro, r, p.name)], peers, control)
-                    if control.corrected_dtype is not None:
-                        value = value.to(control.corrected_dtype).float()
-                    o.corrected[(micro, r, p.name)] = (value, terms)
-                    if micro == 0:
-                        acc, acc_terms = value, terms
-                    else:
-                        prev, prev_terms = o.accumulated[(micro - 1, r, p.name)]
-                        acc, acc_terms = prev + value, prev_terms + terms
-                    o.accumulated[(micro, r, p.name)] = (acc, acc_terms)
+            _micro_step(spec, run, params, source, step, micro, control, o)
         last = run.gas - 1
         if control.correct_again_at_boundary:
             _correct_accumulated(spec, params, o.accumulated, last, control)
-        for r in ranks:
-            for p in params:
-                # the independent oracle's own group rule, not the family table the engines read (issue 30)
-                group = spec.group_of(dp_kind(p.family), r)
-                if control.experts_over_dp and p.family is Family.EXPERT:
-                    group = spec.group_of("dp", r)
-                total = torch.zeros(p.shape, dtype=torch.float32)
-                terms = torch.zeros(p.shape, dtype=torch.float64)
-                for q in group:
-                    value, t = o.accumulated[(last, q, p.name)]
-                    total, terms = total + value, terms + t
-                o.reduced[(r, p.name)] = (total / spec.dp, terms / spec.dp)
+        _dp_reduce(spec, params, o, last, control)
         if control.dp_then_tp:
             _correct_reduced(spec, params, o.reduced, control)
         o.norm = _global_norm(spec, params, o.reduced)
         norm = o.norm if clip_norms is None else clip_norms[step]
         scale = run.clip / (norm + 1e-6) if run.clip and norm > run.clip else 1.0
-        for r in ranks:
-            for p in params:
+        adam.step(step, o, scale)
+        out.append(o)
+    return out
+
+
+def _micro_step(
+    spec: ParallelSpec, run: EngineRun, params, source, step: int, micro: int, control: OracleControl, o: OracleStep
+) -> None:
+    """One micro-step into ``o``: each rank's BF16 local gradient, its TP-corrected FP32 value, the FP32 sum
+    over the micro-steps so far (each with the FP64 sum of the magnitudes of its terms)."""
+    ranks = range(spec.world_size)
+    uncorrected = Family.MODEL_PARALLEL  # a family whose correction is none: what dp_then_tp does per micro-step
+    for r in ranks:
+        for p in params:
+            o.local[(micro, r, p.name)] = (source(step, micro, r, p).float() / run.gas).to(torch.bfloat16)
+    for r in ranks:
+        for p in params:
+            peers = [o.local[(micro, q, p.name)] for q in spec.group_of("tp", r)]
+            family = uncorrected if control.dp_then_tp else p.family
+            value, terms = _correct(family, spec.tp, o.local[(micro, r, p.name)], peers, control)
+            if control.corrected_dtype is not None:
+                value = value.to(control.corrected_dtype).float()
+            o.corrected[(micro, r, p.name)] = (value, terms)
+            if micro == 0:
+                acc, acc_terms = value, terms
+            else:
+                prev, prev_terms = o.accumulated[(micro - 1, r, p.name)]
+                acc, acc_terms = prev + value, prev_terms + terms
+            o.accumulated[(micro, r, p.name)] = (acc, acc_terms)
+
+
+def _dp_reduce(spec: ParallelSpec, params, o: OracleStep, last: int, control: OracleControl) -> None:
+    """The last micro-step's accumulated gradients averaged over each parameter's data-parallel group, in rank
+    order in FP32 (``o.reduced``)."""
+    for r in range(spec.world_size):
+        for p in params:
+            # the independent oracle's own group rule, not the family table the engines read (issue 30)
+            group = spec.group_of(dp_kind(p.family), r)
+            if control.experts_over_dp and p.family is Family.EXPERT:
+                group = spec.group_of("dp", r)
+            total = torch.zeros(p.shape, dtype=torch.float32)
+            terms = torch.zeros(p.shape, dtype=torch.float64)
+            for q in group:
+                value, t = o.accumulated[(last, q, p.name)]
+                total, terms = total + value, terms + t
+            o.reduced[(r, p.name)] = (total / spec.dp, terms / spec.dp)
+
+
+class _OracleAdam:
+    """Each rank's FP32 masters under torch's AdamW, and the FP64 magnitudes of the moments' terms (the error
+    scale of the masters and moments rows)."""
+
+    def __init__(self, spec: ParallelSpec, params, initial) -> None:
+        ranks = range(spec.world_size)
+        self.ranks, self.params = ranks, params
+        self.masters = {(r, p.name): initial(r, p).float().clone().requires_grad_(False) for r in ranks for p in params}
+        self.optimizers = {
+            r: torch.optim.AdamW(
+                [self.masters[(r, p.name)] for p in params], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+            )
+            for r in ranks
+        }
+        self.m_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in self.masters.items()}
+        self.v_terms = {key: torch.zeros(m.shape, dtype=torch.float64) for key, m in self.masters.items()}
+
+    def step(self, step: int, o: OracleStep, scale: float) -> None:
+        """One optimizer step on ``o.reduced`` clipped by ``scale``; masters and moments recorded in ``o``."""
+        masters, m_terms, v_terms = self.masters, self.m_terms, self.v_terms
+        for r in self.ranks:
+            for p in self.params:
                 masters[(r, p.name)].grad = o.reduced[(r, p.name)][0] * scale
-            optimizers[r].step()
-            for p in params:
+            self.optimizers[r].step()
+            for p in self.params:
                 key = (r, p.name)
                 master = masters[key]
-                state = optimizers[r].state[master]
+                state = self.optimizers[r].state[master]
                 g_terms = o.reduced[key][1] * scale
                 m_terms[key] = BETAS[0] * m_terms[key] + (1 - BETAS[0]) * g_terms
                 v_terms[key] = BETAS[1] * v_terms[key] + (1 - BETAS[1]) * g_terms**2
                 o.master[key] = (master.detach().clone(), torch.full(p.shape, LR * (step + 1), dtype=torch.float64))
                 o.exp_avg[key] = (state["exp_avg"].clone(), m_terms[key].clone())
                 o.exp_avg_sq[key] = (state["exp_avg_sq"].clone(), v_terms[key].clone())
-        out.append(o)
-    return out
 
 
 def _correct_accumulated(spec: ParallelSpec, params, accumulated: dict, last: int, control: OracleControl) -> None:
@@ -313,32 +342,50 @@ def judge_run(
     if error:
         return result
     steps = oracle(spec, run, seed, inputs, control, dict(first.norm) if engine_norm else None)
-    rows = {name: _Acc() for name in ("local", "fp32", "writeback", "hp", "reduced", "master", "exp_avg", "exp_sq")}
-    norm = _Acc()
-    sites, skipped, dtypes = set(), set(), set()
+    tally = _Tally()
     for c in captures:
-        r = c.rank
+        tally.add(c, steps, run)
+        result.norms[c.rank] = c.norm.get(0, float("nan"))
+    result.rows = tally.rows()
+    result.narrowing = _sites(first)
+    result.correction_sites = sorted(tally.sites)
+    result.buffer_dtypes = sorted(tally.dtypes)
+    result.oracle_norm = steps[0].norm
+    result.skipped_corrections = sorted(tally.skipped)
+    return result
+
+
+_LABELS = {
+    "local": "BF16 local gradient (input check)",
+    "fp32": "FP32 TP-corrected value before write-back",
+    "writeback": "corrected gradient after write-back",
+    "hp": "FP32 accumulated gradient after each micro-step",
+    "reduced": "DP-reduced gradient (safe_get_full_grad)",
+    "master": "FP32 master after step",
+    "exp_avg": "Adam exp_avg",
+    "exp_sq": "Adam exp_avg_sq",
+}
+"""Each compared boundary's row label, in the table's order."""
+
+
+class _Tally:
+    """Every rank's captures of one run against the oracle's steps: one `_Acc` per boundary, the norm, and
+    where (and on what buffers) the engine applied or skipped the TP correction."""
+
+    def __init__(self) -> None:
+        self.accs = {name: _Acc() for name in _LABELS}
+        self.norm = _Acc()
+        self.sites: set[str] = set()
+        self.skipped: set[str] = set()
+        self.dtypes: set[str] = set()
+
+    def add(self, c: EngineCapture, steps: list[OracleStep], run: EngineRun) -> None:
+        """One rank's capture ``c``."""
+        r, rows = c.rank, self.accs
         for (step, micro, name), value in c.local.items():
             want = steps[step].local[(micro, r, name)]
             rows["local"].add(name, value, want.float(), None)
-        for call in c.calls:
-            if call.action == "skipped: marker set":
-                skipped.add(f"micro {call.micro}: {call.param}")
-                continue
-            if call.action != "corrected":
-                continue
-            sites.add(call.caller)
-            dtypes.add(call.buffer_dtype)
-            # The engine's boundary pass, and ZeRO-1's reduce hook (it reduces only at the boundary:
-            # stage_1_and_2.py reduce_ready_partitions_and_remove_grads), correct the BF16 gradient accumulated
-            # over the micro-steps; BF16_Optimizer, ZeRO-2 and ZeRO-3 correct each micro-step's.
-            on_accumulated = call.caller == BOUNDARY_PASS or run.wrapper == "zero1"
-            table = steps[call.step].accumulated if on_accumulated else steps[call.step].corrected
-            value, terms = table[(call.micro, r, call.param)]
-            if call.fp32_before_writeback is not None:
-                rows["fp32"].add(call.param, call.fp32_before_writeback, value, terms)
-            if call.after is not None:
-                rows["writeback"].add(call.param, call.after, value, terms)
+        self._add_corrections(c, steps, run)
         for (step, micro, name), value in c.hp.items():
             want, terms = steps[step].accumulated[(micro, r, name)]
             rows["hp"].add(name, value, want, terms)
@@ -353,33 +400,41 @@ def judge_run(
             for (step, name), value in store.items():
                 rows[boundary].add(name, value, *getattr(steps[step], key)[(r, name)])
         for step, norm_value in c.norm.items():
-            norm.add(f"rank {r}", torch.tensor([norm_value]), torch.tensor([steps[step].norm]), None)
-        result.norms[r] = c.norm.get(0, float("nan"))
-    labels = {
-        "local": "BF16 local gradient (input check)",
-        "fp32": "FP32 TP-corrected value before write-back",
-        "writeback": "corrected gradient after write-back",
-        "hp": "FP32 accumulated gradient after each micro-step",
-        "reduced": "DP-reduced gradient (safe_get_full_grad)",
-        "master": "FP32 master after step",
-        "exp_avg": "Adam exp_avg",
-        "exp_sq": "Adam exp_avg_sq",
-    }
-    notes = {"master": "error / (lr x steps)"}
-    for key, acc in rows.items():
-        if acc.compared:
-            # A master's error has no BF16/FP32 scale: Adam's first update is lr * sign(g), so a gradient
-            # whose sign a BF16 rounding flips moves the master by 2 lr; the row says only whether it differs.
-            row = acc.row(labels[key], notes.get(key, "error / sum|terms|"), classify=key != "master")
-            result.rows.append(row)
-    if norm.compared:
-        result.rows.append(norm.row("global grad norm", "error / |value|"))
-    result.narrowing = _sites(first)
-    result.correction_sites = sorted(sites)
-    result.buffer_dtypes = sorted(dtypes)
-    result.oracle_norm = steps[0].norm
-    result.skipped_corrections = sorted(skipped)
-    return result
+            self.norm.add(f"rank {r}", torch.tensor([norm_value]), torch.tensor([steps[step].norm]), None)
+
+    def _add_corrections(self, c: EngineCapture, steps: list[OracleStep], run: EngineRun) -> None:
+        """The TP corrections rank ``c.rank`` applied: the FP32 value before and the gradient after write-back."""
+        for call in c.calls:
+            if call.action == "skipped: marker set":
+                self.skipped.add(f"micro {call.micro}: {call.param}")
+                continue
+            if call.action != "corrected":
+                continue
+            self.sites.add(call.caller)
+            self.dtypes.add(call.buffer_dtype)
+            # The engine's boundary pass, and ZeRO-1's reduce hook (it reduces only at the boundary:
+            # stage_1_and_2.py reduce_ready_partitions_and_remove_grads), correct the BF16 gradient accumulated
+            # over the micro-steps; BF16_Optimizer, ZeRO-2 and ZeRO-3 correct each micro-step's.
+            on_accumulated = call.caller == BOUNDARY_PASS or run.wrapper == "zero1"
+            table = steps[call.step].accumulated if on_accumulated else steps[call.step].corrected
+            value, terms = table[(call.micro, c.rank, call.param)]
+            if call.fp32_before_writeback is not None:
+                self.accs["fp32"].add(call.param, call.fp32_before_writeback, value, terms)
+            if call.after is not None:
+                self.accs["writeback"].add(call.param, call.after, value, terms)
+
+    def rows(self) -> list[Row]:
+        """The rows of the boundaries compared, then the norm's."""
+        rows = []
+        for key, acc in self.accs.items():
+            if acc.compared:
+                # A master's error has no BF16/FP32 scale: Adam's first update is lr * sign(g), so a gradient
+                # whose sign a BF16 rounding flips moves the master by 2 lr; the row says only whether it differs.
+                note = "error / (lr x steps)" if key == "master" else "error / sum|terms|"
+                rows.append(acc.row(_LABELS[key], note, classify=key != "master"))
+        if self.norm.compared:
+            rows.append(self.norm.row("global grad norm", "error / |value|"))
+        return rows
 
 
 def _sites(capture: EngineCapture) -> list[str]:

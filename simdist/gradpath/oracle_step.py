@@ -104,7 +104,6 @@ class Oracle:
         as ``{(rank, name): [*batch, *shape]}``, or as ``{name: [*batch, rank, *shape]}`` (every rank's at once).
         ``capture`` sees every stage's ``[*batch, rank, *shape]`` value (`Captured`)."""
         seen = capture or (lambda *args: None)
-        tp = self.spec.tp
         # one flat ``dtype`` buffer in the masters' layout; each parameter's buffer is a view of it (`_Parts`)
         hp_flat = torch.zeros(self.master[0].shape, dtype=self.dtype) if self.master else None
         hp = _Parts(self, hp_flat)
@@ -113,38 +112,52 @@ class Oracle:
             grads = local_grads(micro, _PerRank(self.lp, self.params))
             if fused is not None and hp_flat is not None and fused.micro_step(self, grads, hp_flat):
                 continue
-            for p in self.trained:
-                reduces, divides = correction(p.family, tp)
-                if self.control.dp_then_tp:
-                    reduces = divides = False  # corrected at the boundary, after the DP reduction
-                local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in self.ranks], p)
-                seen(step, micro, p.name, Capture.LOCAL, local)
-                value = local.to(self.dtype)
-                if reduces or divides:
-                    seen(step, micro, p.name, Capture.STAGED, value)
-                value = self._tp_correct(value, p, reduces, divides, step, micro, seen)
-                if (reduces or divides) and self.control.corrected_dtype is not None:
-                    value = value.to(self.control.corrected_dtype).to(self.dtype)
-                if reduces or divides:
-                    seen(step, micro, p.name, Capture.CORRECTED, value)
-                hp[p.name] += value
-                seen(step, micro, p.name, Capture.HP, hp[p.name])
+            self._accumulate(step, micro, grads, hp, seen)
         grad = fused.boundary(self, hp_flat) if fused is not None and hp_flat is not None else None
         if grad is None:
-            flat_grads: list[torch.Tensor] = []
-            for p in self.trained:
-                kind = dp_kind(p.family)
-                if p.family is Family.EXPERT and self.control.expert_dp is not None:
-                    kind = self.control.expert_dp
-                reduced = group_sums(self.spec, self.dp_model, kind, hp[p.name], p.shape, scale=1.0 / self.spec.dp)
-                if self.control.dp_then_tp:
-                    reduced = self._tp_correct(reduced, p, *correction(p.family, tp), step, BOUNDARY, seen)
-                seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
-                seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
-                flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
-            grad = torch.cat(flat_grads, dim=-1) if flat_grads else None
-        if not self.master:
-            return
+            grad = self._dp_reduce(step, hp, seen)
+        if self.master:
+            self._optimizer_step(step, grad, capture is not None, seen)
+
+    def _accumulate(self, step: int, micro: int, grads: Mapping, hp: _Parts, seen) -> None:
+        """One micro-step, parameter by parameter: the local gradient in ``dtype``, TP-corrected per its family,
+        added to its accumulation buffer in ``hp``."""
+        tp = self.spec.tp
+        for p in self.trained:
+            reduces, divides = correction(p.family, tp)
+            if self.control.dp_then_tp:
+                reduces = divides = False  # corrected at the boundary, after the DP reduction
+            local = grads[p.name] if p.name in grads else stacked([grads[(r, p.name)] for r in self.ranks], p)
+            seen(step, micro, p.name, Capture.LOCAL, local)
+            value = local.to(self.dtype)
+            if reduces or divides:
+                seen(step, micro, p.name, Capture.STAGED, value)
+            value = self._tp_correct(value, p, reduces, divides, step, micro, seen)
+            if (reduces or divides) and self.control.corrected_dtype is not None:
+                value = value.to(self.control.corrected_dtype).to(self.dtype)
+            if reduces or divides:
+                seen(step, micro, p.name, Capture.CORRECTED, value)
+            hp[p.name] += value
+            seen(step, micro, p.name, Capture.HP, hp[p.name])
+
+    def _dp_reduce(self, step: int, hp: _Parts, seen) -> torch.Tensor | None:
+        """Each parameter's accumulated gradient averaged over its data-parallel group (then TP-corrected, for
+        the DP-then-TP control), as one flat gradient in the masters' layout; None where nothing is trained."""
+        flat_grads: list[torch.Tensor] = []
+        for p in self.trained:
+            kind = dp_kind(p.family)
+            if p.family is Family.EXPERT and self.control.expert_dp is not None:
+                kind = self.control.expert_dp
+            reduced = group_sums(self.spec, self.dp_model, kind, hp[p.name], p.shape, scale=1.0 / self.spec.dp)
+            if self.control.dp_then_tp:
+                reduced = self._tp_correct(reduced, p, *correction(p.family, self.spec.tp), step, BOUNDARY, seen)
+            seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
+            seen(step, BOUNDARY, p.name, Capture.CLIPPED, reduced)
+            flat_grads.append(reduced.flatten(reduced.dim() - len(p.shape)))
+        return torch.cat(flat_grads, dim=-1) if flat_grads else None
+
+    def _optimizer_step(self, step: int, grad: torch.Tensor | None, captured: bool, seen) -> None:
+        """AdamW on the flat FP32 master; the new BF16 parameters (and, when ``captured``, every view seen)."""
         master = self.master[0]
         master.grad = grad
         self.optimizer.step()
@@ -153,7 +166,7 @@ class Oracle:
         lp = master.detach().to(torch.bfloat16)
         for p in self.trained:
             self.lp[p.name] = self.part(lp, p)
-            if capture is None:  # nothing sees the views below: skip making them
+            if not captured:  # nothing sees the views below: skip making them
                 continue
             seen(step, BOUNDARY, p.name, Capture.MASTER, self.part(master.detach(), p))
             seen(step, BOUNDARY, p.name, Capture.ADAM_M, self.part(state["exp_avg"], p))

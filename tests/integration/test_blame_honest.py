@@ -255,3 +255,20 @@ def test_the_error_axis_labels_zero_and_positive_errors():
     _error_axis(ax, [0.0, 3e-4, 6e-4])
     (_, y_labels) = _tick_labels(fig)
     assert y_labels[0] == "0" and "0.0006" in y_labels
+
+
+def test_non_finite_figures_are_strings_in_the_json_and_finite_ones_numbers():
+    """JSON has no inf or nan: a site whose figures are non-finite (e.g. an error relative to an exact 0) writes them
+    as ``"inf"`` (``"nan"``), so ``to_json`` is strict JSON that any parser reads; finite figures stay numbers."""
+    import json
+
+    from simdist.attribution.measure import Errors, SiteErrors
+    from simdist.attribution.report import BlameReport
+
+    site = SiteErrors("f.py", 1, "g", "cast", "aten._to_copy", "fp32->bf16")
+    site.add(0, 0, Errors(elements=2, max_ulp=math.inf, max_term_relative=math.inf, max_relative=0.5, mass=0.25))
+    data = json.loads(BlameReport([site], {}).to_json(), parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    figures = data["sites"][0]
+    assert (figures["max_ulp"], figures["max_err_over_sum_abs_terms"]) == ("inf", "inf")
+    assert (figures["max_rel_err"], figures["error_mass"], figures["share"]) == (0.5, 0.25, 1.0)
+    assert figures["by_rank"]["0"]["max_ulp"] == "inf" and figures["steps"]["0"]["error_mass"] == 0.25

@@ -143,6 +143,11 @@ def test_judge_finds_a_perfect_engine_bitwise_and_one_changed_element():
     hp = captures[2].hp[(0, 1, "router.weight")]
     captures[2].hp[(0, 1, "router.weight")] = hp.to(torch.bfloat16).float()  # a BF16 rounding on the path
     assert _row(judge_run(spec, run_, captures), "FP32 accumulated").effect == "bf16"
+    # a master's error has no BF16/FP32 scale (Adam's first update is lr * sign(g)): its row says only "differs"
+    master = captures[0].master[(0, "router.weight")]
+    captures[0].master[(0, "router.weight")] = master + 1.0
+    row = _row(judge_run(spec, run_, captures), "FP32 master")
+    assert row.differing == master.numel() and row.effect == "differs" and row.note == "error / (lr x steps)"
 
 
 def _oracle_run_captures(spec, run_):

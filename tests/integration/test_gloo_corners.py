@@ -12,6 +12,8 @@ raise the same error type, or (strided views only) be refused by simdist.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -245,3 +247,25 @@ def test_fidelity_categories_with_reduce_above_2p_mib_in_threads_and_process_mod
     ):
         found = disagreements(probes, real, seen)
         assert not found, mode + ":\n" + "\n".join(f"{v.kind}: {v.probe.name} rank {v.rank}" for v in found)
+
+
+def test_fidelity_probe_inputs_have_the_layouts_they_are_named_for():
+    """Real gloo and simdist run the same probe program, so a probe whose input lost its layout would still agree:
+    the layouts are checked here (the refusals need their gaps, stride-0 rows and mismatched dim 0; the scatter
+    probes their transposed and gapped entries)."""
+    from simdist.testing._internal.gloo_fidelity import _reduce_scatter_input, _scatter_entries
+
+    world, seed = 4, 7
+    gaps = _reduce_scatter_input(Probe("p", "c", "reduce_scatter_tensor", shape=(3, 2), variant="gaps"), world, seed)
+    assert gaps.shape == (12, 2) and gaps.stride() == (4, 1)
+    expand = _reduce_scatter_input(Probe("p", "c", "reduce_scatter_tensor", shape=(2, 3), variant="expand"), world, 0)
+    assert expand.shape == (8, 3) and expand.stride()[0] == 0
+    dense = Probe("p", "c", "reduce_scatter_tensor", shape=(2, 3))
+    mismatch = _reduce_scatter_input(dataclasses.replace(dense, variant="dim 0 mismatch"), world, seed)
+    assert (
+        mismatch.numel() == 24 and mismatch.shape[0] != 8 and _reduce_scatter_input(dense, world, seed).shape == (8, 3)
+    )
+    for variant, contiguous in (("transposed", False), ("gaps", False), ("", True)):
+        entries = _scatter_entries(Probe("p", "c", "scatter", shape=(3, 4), variant=variant), world, seed)
+        assert len(entries) == world and all(e.shape == (3, 4) for e in entries)
+        assert all(e.is_contiguous() == contiguous for e in entries), variant

@@ -63,3 +63,14 @@ def test_a_mutation_is_killed_and_the_tree_restored(tmp_path):
     survived = mutations.run_one(comment, tree, ("tests/unit/test_reduction.py",), 600)
     assert survived.status == "survived", survived
     assert (tree / "simdist/reduce/models.py").read_text() == original
+
+
+@pytest.mark.slow
+def test_the_native_kernel_tests_pass_in_a_private_tree_without_an_installed_extension(tmp_path):
+    """A private tree carries no built extension (``*.so`` is not copied: its kernel is built from its own
+    ``_fold.c`` on first use), so the native kernel's tests must hold there too, or the baseline of every run that
+    selects them fails (it did: a test read the kernel's status after faking an installed extension)."""
+    tree = mutations.make_tree(tmp_path / "tree")
+    assert not list((tree / "simdist").rglob("*.so"))
+    code, output = mutations.run_pytest(tree, (mutations.NATIVE,), 600)
+    assert code == 0, output[-3000:]

@@ -46,6 +46,42 @@ def local_gradient(numel: int, seed: int, device: torch.device) -> torch.Tensor:
     return (sign * significand * torch.exp2(exponent)).to(torch.bfloat16).to(device)
 
 
+def init_groups(backend: str):
+    """DeepSpeed's comm on ``backend`` and the AutoEP/AutoTP folding groups of TP2/EP2/ETP1 on 4 ranks;
+    (folding spec, TP group)."""
+    from deepspeed import comm as ds_comm
+    from deepspeed.module_inject.auto_ep_folding import build_folding_spec
+    from deepspeed.utils import groups, logger
+
+    logger.setLevel(logging.ERROR)
+    # (through the module's namespace: the untyped module declares no such attribute)
+    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
+    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
+    world = dist.get_world_size()
+    folding = build_folding_spec(world_size=world, pp_size=1, tp_size=2, ep_size=2, etp_size=1, mp_mode="tp")
+    groups._init_tp_groups_with_new_group(2)
+    groups._create_expert_and_data_parallel(2, mp_size=2, pp_size=1, mp_mode="tp", folding_spec=folding)
+    return folding, groups.get_tensor_model_parallel_group()
+
+
+def make_optimizer(router: torch.nn.Parameter, folding):
+    """BF16_Optimizer over the router alone (an SGD at lr 0 inside: only the FP32 gradient is read), FP32
+    accumulation, the folding TP correction configured."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.utils import groups
+
+    optimizer = BF16_Optimizer(
+        torch.optim.SGD([router], lr=0.0),
+        {router: "router.weight"},
+        DeepSpeedBF16Config(enabled=True),
+        dp_process_group=groups.get_data_parallel_group(),
+        grad_acc_dtype=torch.float32,
+    )
+    optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
+    return optimizer
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, default=4096, help="router elements (e.g. 8 x 4096 for Mixtral)")
@@ -62,31 +98,12 @@ def main() -> int:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    from deepspeed import comm as ds_comm
-    from deepspeed.module_inject.auto_ep_folding import build_folding_spec, mark_autoep_folding_router_parameter
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
-    from deepspeed.utils import groups, logger
-
-    logger.setLevel(logging.ERROR)
-    # (through the module's namespace: the untyped module declares no such attribute)
-    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
-    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
-    folding = build_folding_spec(world_size=world, pp_size=1, tp_size=2, ep_size=2, etp_size=1, mp_mode="tp")
-    groups._init_tp_groups_with_new_group(2)
-    groups._create_expert_and_data_parallel(2, mp_size=2, pp_size=1, mp_mode="tp", folding_spec=folding)
-    tp_group = groups.get_tensor_model_parallel_group()
+    folding, tp_group = init_groups(backend)
+    from deepspeed.module_inject.auto_ep_folding import mark_autoep_folding_router_parameter
 
     router = torch.nn.Parameter(torch.zeros(args.size, dtype=torch.bfloat16, device=device))
     mark_autoep_folding_router_parameter(router)
-    optimizer = BF16_Optimizer(
-        torch.optim.SGD([router], lr=0.0),
-        {router: "router.weight"},
-        DeepSpeedBF16Config(enabled=True),
-        dp_process_group=groups.get_data_parallel_group(),
-        grad_acc_dtype=torch.float32,
-    )
-    optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
+    optimizer = make_optimizer(router, folding)
     hp_grad = optimizer.fp32_groups_gradients[0][0].view(router.shape)
 
     local = local_gradient(args.size, 1000 * args.seed + rank, device)

@@ -37,36 +37,32 @@ import torch
 import torch.distributed as dist
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--gas", type=int, default=2)
-    parser.add_argument("--immediate", action="store_true", help="immediate_grad_update=True (hooks path)")
-    args = parser.parse_args()
-
+def init_groups():
+    """gloo, DeepSpeed's comm, and the AutoEP/AutoTP folding groups of TP2/EP2/ETP1; (folding spec, TP group)."""
     dist.init_process_group("gloo")
     from deepspeed import comm as ds_comm
-    from deepspeed.module_inject.auto_ep_folding import (
-        build_folding_spec,
-        is_autoep_folding_gradient_corrected,
-        mark_autoep_folding_router_parameter,
-    )
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.module_inject.auto_ep_folding import build_folding_spec
     from deepspeed.utils import groups, logger
 
     logger.setLevel(logging.ERROR)
     # (through the module's namespace: the untyped module declares no such attribute)
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     folding = build_folding_spec(world_size=world, pp_size=1, tp_size=2, ep_size=2, etp_size=1, mp_mode="tp")
     groups._init_tp_groups_with_new_group(2)
     groups._create_expert_and_data_parallel(2, mp_size=2, pp_size=1, mp_mode="tp", folding_spec=folding)
-    tp_group = groups.get_tensor_model_parallel_group()
+    return folding, groups.get_tensor_model_parallel_group()
 
-    router = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16))
-    mark_autoep_folding_router_parameter(router)
-    config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=args.immediate)
+
+def make_optimizer(router: torch.nn.Parameter, folding, immediate: bool):
+    """BF16_Optimizer over the router alone (an SGD at lr 0 inside: only the FP32 gradient is read), FP32
+    accumulation, the folding TP correction configured, on the hooks path where ``immediate``."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.utils import groups
+
+    config = DeepSpeedBF16Config(enabled=True, immediate_grad_update=immediate)
     optimizer = BF16_Optimizer(
         torch.optim.SGD([router], lr=0.0),
         {router: "router.weight"},
@@ -75,6 +71,25 @@ def main() -> int:
         grad_acc_dtype=torch.float32,
     )
     optimizer.configure_autoep_folding_tp_gradient_reduction(folding)
+    return optimizer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gas", type=int, default=2)
+    parser.add_argument("--immediate", action="store_true", help="immediate_grad_update=True (hooks path)")
+    args = parser.parse_args()
+
+    folding, tp_group = init_groups()
+    from deepspeed.module_inject.auto_ep_folding import (
+        is_autoep_folding_gradient_corrected,
+        mark_autoep_folding_router_parameter,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    router = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16))
+    mark_autoep_folding_router_parameter(router)
+    optimizer = make_optimizer(router, folding, args.immediate)
     hp_grad = optimizer.fp32_groups_gradients[0][0].view(router.shape)
 
     expected = torch.zeros(router.shape, dtype=torch.float32)

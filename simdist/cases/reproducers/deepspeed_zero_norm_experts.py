@@ -63,30 +63,29 @@ class Model(torch.nn.Module):
         return sum(getattr(self, name)(grad) for name, grad in self.grads.items())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, default=1, choices=(1, 2))
-    parser.add_argument("--bf16-optimizer", action="store_true", help="grad_accum_dtype fp32: BF16_Optimizer")
-    args = parser.parse_args()
-
+def init_deepspeed() -> str:
+    """The default process group (NCCL with one GPU per rank, else gloo) and DeepSpeed's comm on it; the backend."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     if backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    import deepspeed
     from deepspeed import comm as ds_comm
-    from deepspeed.module_inject.auto_ep import AutoEP
-    from deepspeed.module_inject.auto_ep_layer import ReplacementSourceMap
-    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
     # (through the module's namespace: the untyped module declares no such attribute)
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
-    rank = dist.get_rank()
+    return backend
 
-    # the two hand-done injection steps (see the docstring)
+
+def inject_by_hand() -> None:
+    """The two injection steps that recognise Hugging Face classes, done by hand (see the module docstring):
+    AutoEP finds no MoE block, AutoTP shards nothing, and the engine is told it has MoE layers."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_layer import ReplacementSourceMap
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     AutoEP.ep_parser = lambda self: []
     DeepSpeedEngine._apply_autotp_partitioning = lambda self, model, tp_config: ReplacementSourceMap()
     configure_ep = DeepSpeedEngine._configure_expert_parallel
@@ -97,6 +96,12 @@ def main() -> int:
         return sources
 
     DeepSpeedEngine._configure_expert_parallel = configure_ep_with_moe
+
+
+def make_engine(stage: int, bf16_optimizer: bool):
+    """The engine: the model's parameters marked as the replaced layers would mark them, TP2/EP2 folding,
+    ZeRO ``stage`` (or BF16_Optimizer), gradient clipping at 1.0."""
+    import deepspeed
 
     model = Model()
     # a TP-sharded weight (one shard per TP rank); DeepSpeed reads ad-hoc attributes that Parameter does not declare
@@ -111,16 +116,29 @@ def main() -> int:
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": args.stage},
+        "zero_optimization": {"stage": stage},
         "gradient_clipping": 1.0,
         "tensor_parallel": {"autotp_size": 2},
         "expert_parallel": {"enabled": True, "autoep_size": 2},
         "zero_allow_untested_optimizer": True,
     }
-    if args.bf16_optimizer:
+    if bf16_optimizer:
         config["zero_optimization"] = {"stage": 1}
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--bf16-optimizer", action="store_true", help="grad_accum_dtype fp32: BF16_Optimizer")
+    args = parser.parse_args()
+
+    init_deepspeed()
+    rank = dist.get_rank()
+    inject_by_hand()
+    engine = make_engine(args.stage, args.bf16_optimizer)
 
     tp_rank = rank % 2  # TP groups {0,1} {2,3}
     dense = torch.tensor([1.0, 2.0, 3.0, 4.0]) / 32

@@ -109,6 +109,50 @@ _MODE = {name: VALUE_MODES.index(name) for name in VALUE_MODES}
 _LAYOUT = {name: PEER_LAYOUTS.index(name) for name in PEER_LAYOUTS}
 
 
+def _mode_values(words: np.ndarray, mode: np.ndarray) -> np.ndarray:
+    """Each element's BF16 bit pattern from its 16 drawn bits under its value mode: the sign and significand
+    bits kept, the exponent mapped into the mode's range (or a small integer, or zero)."""
+    exponent = (words >> 7) & 0xFF
+    chosen = np.choose(
+        mode,
+        [
+            exponent,  # zeros (replaced below)
+            exponent,  # integers (replaced below)
+            127 - 4 + (exponent & 7),  # near_one: 2**-4 .. 2**3
+            np.where(exponent > _CAP, _CAP - (exponent & 7), exponent),  # bits, exponent capped
+            _CAP - (exponent & 3),  # huge
+            exponent & 1,  # tiny: subnormals and the smallest normal binade
+        ],
+    )
+    values = (words & 0x807F) | (chosen << 7)
+    values = np.where(mode == _MODE["integers"], _INTEGERS[(words & 0xFF) % 33], values)
+    values = np.where(mode == _MODE["zeros"], 0, values)
+    return values
+
+
+def _peer_layouts(
+    values: np.ndarray, words: np.ndarray, layout: np.ndarray, pos: np.ndarray, first: np.ndarray
+) -> np.ndarray:
+    """Each element's pattern under its peer layout, from the first rank of its TP group (``lead``): the
+    values as drawn, identical, cancelling, a midpoint, or a tie (`simdist.testing.strategies.decode_batch`'s)."""
+    lead = values[:, :, first]  # the value of each rank's TP group's first rank
+    out = np.where(layout == _LAYOUT["identical"], lead, values)
+    out = np.where((layout == _LAYOUT["cancellation"]) & (pos == 1), lead ^ 0x8000, out)
+    # one ulp away from zero, either sign: every value's biased exponent is at most _CAP < 254, so the neighbour
+    # is finite (decode_batch's step back towards zero, where it would overflow, never fires)
+    away = lead + 1
+    out = np.where(layout == _LAYOUT["midpoint"], np.where(pos % 2 == 0, lead, away), out)
+    # ties: the first rank holds x in {1, 1.5, 3} x 2**k (k in -8..7, sign from the bits), the others half an ulp of
+    # x: x's BF16 exponent is k (k + 1 for 3), half its ulp is 2**(that - 8)
+    lead_words = words[:, :, first]
+    significand = lead_words & 3  # 1, 1.5, 3, 1
+    biased = 127 + ((lead_words >> 2) & 15) - 8 + (significand == 2)
+    x = (lead_words & 0x8000) | (biased << 7) | np.where((significand == 1) | (significand == 2), 0x40, 0)
+    half_ulp = (biased - 8) << 7
+    out = np.where(layout == _LAYOUT["ties"], np.where(pos == 0, x, half_ulp), out)
+    return out
+
+
 def decode_cases(
     spec: ParallelSpec,
     params,
@@ -138,37 +182,7 @@ def decode_cases(
     mode = mode_table[picks[:, 0] % len(modes)][..., param_of][:, :, None, :]
     layout = layout_table[picks[:, 1] % len(layouts)][..., param_of][:, :, None, :]
 
-    exponent = (words >> 7) & 0xFF
-    chosen = np.choose(
-        mode,
-        [
-            exponent,  # zeros (replaced below)
-            exponent,  # integers (replaced below)
-            127 - 4 + (exponent & 7),  # near_one: 2**-4 .. 2**3
-            np.where(exponent > _CAP, _CAP - (exponent & 7), exponent),  # bits, exponent capped
-            _CAP - (exponent & 3),  # huge
-            exponent & 1,  # tiny: subnormals and the smallest normal binade
-        ],
-    )
-    values = (words & 0x807F) | (chosen << 7)
-    values = np.where(mode == _MODE["integers"], _INTEGERS[(words & 0xFF) % 33], values)
-    values = np.where(mode == _MODE["zeros"], 0, values)
-
-    lead = values[:, :, first]  # the value of each rank's TP group's first rank
-    out = np.where(layout == _LAYOUT["identical"], lead, values)
-    out = np.where((layout == _LAYOUT["cancellation"]) & (pos == 1), lead ^ 0x8000, out)
-    # one ulp away from zero, either sign: every value's biased exponent is at most _CAP < 254, so the neighbour
-    # is finite (decode_batch's step back towards zero, where it would overflow, never fires)
-    away = lead + 1
-    out = np.where(layout == _LAYOUT["midpoint"], np.where(pos % 2 == 0, lead, away), out)
-    # ties: the first rank holds x in {1, 1.5, 3} x 2**k (k in -8..7, sign from the bits), the others half an ulp of
-    # x: x's BF16 exponent is k (k + 1 for 3), half its ulp is 2**(that - 8)
-    lead_words = words[:, :, first]
-    significand = lead_words & 3  # 1, 1.5, 3, 1
-    biased = 127 + ((lead_words >> 2) & 15) - 8 + (significand == 2)
-    x = (lead_words & 0x8000) | (biased << 7) | np.where((significand == 1) | (significand == 2), 0x40, 0)
-    half_ulp = (biased - 8) << 7
-    out = np.where(layout == _LAYOUT["ties"], np.where(pos == 0, x, half_ulp), out)
+    out = _peer_layouts(_mode_values(words, mode), words, layout, pos, first)
     patterns = torch.from_numpy(out.astype(np.uint16).view(np.int16))
     return patterns.view(torch.bfloat16).reshape(cases, steps, gas, ranks, numel)
 

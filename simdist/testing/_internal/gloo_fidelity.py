@@ -94,6 +94,29 @@ def _op(name: str):
     return getattr(dist.ReduceOp, name)
 
 
+def _reduce_scatter_input(p: Probe, world: int, seed: int) -> torch.Tensor:
+    """The ``[world x rows, ...]`` input of a reduce_scatter_tensor probe, in ``p.variant``'s layout: with gaps
+    (every other row), of the right numel but another dim 0, an expanded (stride 0) row, or contiguous."""
+    rows = (world * p.shape[0], *p.shape[1:])
+    if p.variant == "gaps":
+        return make((2 * rows[0], *rows[1:]), p.dtype, seed)[::2]
+    if p.variant == "dim 0 mismatch":  # same numel, but output dim 0 x P != input dim 0
+        return make((rows[0] * rows[1] // 2, 2), p.dtype, seed)
+    if p.variant == "expand":
+        return make((1, *rows[1:]), p.dtype, seed).expand(rows)
+    return make(rows, p.dtype, seed)
+
+
+def _scatter_entries(p: Probe, world: int, seed: int) -> list[torch.Tensor]:
+    """The root's ``world`` entries of a scatter probe, in ``p.variant``'s layout (transposed, with gaps, or
+    contiguous)."""
+    if p.variant == "transposed":  # entry j: x.t() of a contiguous x
+        return [make(p.shape[::-1], p.dtype, seed * 31 + j).t() for j in range(world)]
+    if p.variant == "gaps":
+        return [make((p.shape[0], 2 * p.shape[1]), p.dtype, seed * 31 + j)[:, ::2] for j in range(world)]
+    return [make(p.shape, p.dtype, seed * 31 + j) for j in range(world)]
+
+
 def _run_one(p: Probe, rank: int, world: int) -> list[torch.Tensor]:
     """Run probe ``p`` on this rank; returns the tensors whose bytes are its outcome."""
     import torch.distributed as dist
@@ -108,17 +131,8 @@ def _run_one(p: Probe, rank: int, world: int) -> list[torch.Tensor]:
         dist.reduce(t, p.root, _op(p.op))
         return [t]
     if p.kind == "reduce_scatter_tensor":
-        rows = (world * p.shape[0], *p.shape[1:])
-        if p.variant == "gaps":
-            inp = make((2 * rows[0], *rows[1:]), p.dtype, seed)[::2]
-        elif p.variant == "dim 0 mismatch":  # same numel, but output dim 0 x P != input dim 0
-            inp = make((rows[0] * rows[1] // 2, 2), p.dtype, seed)
-        elif p.variant == "expand":
-            inp = make((1, *rows[1:]), p.dtype, seed).expand(rows)
-        else:
-            inp = make(rows, p.dtype, seed)
         out = torch.zeros(p.shape, dtype=p.dtype)
-        dist.reduce_scatter_tensor(out, inp, _op(p.op))
+        dist.reduce_scatter_tensor(out, _reduce_scatter_input(p, world, seed), _op(p.op))
         return [out]
     if p.kind == "reduce_scatter":
         entry = (p.shape[0] + 1, *p.shape[1:]) if p.variant == "mismatched entries" else p.shape
@@ -151,16 +165,8 @@ def _run_one(p: Probe, rank: int, world: int) -> list[torch.Tensor]:
         dist.gather(make(p.shape, p.dtype, seed), gathered, p.root)
         return gathered or []
     if p.kind == "scatter":
-        entries = None
-        if rank == p.root:
-            if p.variant == "transposed":  # entry j: x.t() of a contiguous x
-                entries = [make(p.shape[::-1], p.dtype, seed * 31 + j).t() for j in range(world)]
-            elif p.variant == "gaps":
-                entries = [make((p.shape[0], 2 * p.shape[1]), p.dtype, seed * 31 + j)[:, ::2] for j in range(world)]
-            else:
-                entries = [make(p.shape, p.dtype, seed * 31 + j) for j in range(world)]
         out = torch.zeros(p.shape, dtype=p.dtype)
-        dist.scatter(out, entries, p.root)
+        dist.scatter(out, _scatter_entries(p, world, seed) if rank == p.root else None, p.root)
         return [out]
     if p.kind == "send":  # a non-contiguous send: gloo refuses it at the sender (nobody receives)
         if rank == 0:

@@ -315,19 +315,38 @@ def corner_cases(world_size: int = 4) -> list[Case]:
     ``world_size``-rank groups given unsorted, reduce to every root, list and tensor reduce_scatter, layouts."""
     if world_size < 4:
         raise UsageError(f"the corner set needs at least 4 ranks, got {world_size}")
-    w = world_size
     groups = [None, (1, 2), (3, 0, 1), (2,)]  # the world, 2 ranks, 3 ranks given unsorted, 1 rank
-    cases: list[Case] = []
-    floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    gen = torch.Generator().manual_seed(12)  # drawn from by the reductions, then the layouts, in that order
+    return [
+        *_special_cases(world_size, groups),
+        *_integer_and_refused_cases(world_size),
+        *_reduction_cases(world_size, groups[:3], gen),
+        *_layout_cases(world_size, gen),
+    ]
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _special_cases(w: int, groups: list) -> list[Case]:
+    """Special values (zeros of both signs, infinities, NaN payloads, extremes) all-reduced by every op, in
+    every float dtype, on every group."""
+    cases = []
     for group in groups:
         members = sorted(group) if group else list(range(w))
         n = len(members)
-        for dtype in floats:
+        for dtype in _FLOATS:
             x = spread(from_bits(special_columns(n, dtype), dtype), members, w)
             for op in ("SUM", "PRODUCT", "MAX", "MIN", "AVG"):
                 cases.append(
                     Case(f"specials n={n} {_short(dtype)} {op}", "all_reduce", op, x, group, tags=("specials",))
                 )
+    return cases
+
+
+def _integer_and_refused_cases(w: int) -> list[Case]:
+    """Integer and bool all-reduces by every op (wrap-around, bitwise ops), then the float ops gloo refuses."""
+    cases = []
     ints = torch.tensor(
         [[100, 7, -3, 64, 127, -128], [100, 9, 5, 64, 1, -1], [100, 11, 7, 64, 1, 1], [100, 13, 9, 64, 0, 2]]
     )
@@ -335,12 +354,18 @@ def corner_cases(world_size: int = 4) -> list[Case]:
     for dtype in (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool):
         for op in ("SUM", "PRODUCT", "MAX", "MIN", "AVG", "BAND", "BXOR", "PREMUL_SUM:0.5"):
             cases.append(Case(f"integers {_short(dtype)} {op}", "all_reduce", op, ints.to(dtype), tags=("integers",)))
-    for dtype in floats[:3]:
+    for dtype in _FLOATS[:3]:
         x = torch.arange(w * 6, dtype=torch.float32).reshape(w, 6).to(dtype)
         for op in ("BOR", "PREMUL_SUM:0.5"):
             cases.append(Case(f"refused {_short(dtype)} {op}", "all_reduce", op, x, tags=("refused",)))
-    gen = torch.Generator().manual_seed(12)
-    for group in groups[:3]:
+    return cases
+
+
+def _reduction_cases(w: int, groups: list, gen: torch.Generator) -> list[Case]:
+    """reduce to every root and list/tensor reduce_scatter on each group, of order fingerprints (the result
+    shows the order) and wide-binade values, at sizes that cross gloo's segment and chunk boundaries."""
+    cases = []
+    for group in groups:
         members = sorted(group) if group else list(range(w))
         n = len(members)
         for dtype in (torch.float32, torch.bfloat16):
@@ -363,6 +388,12 @@ def corner_cases(world_size: int = 4) -> list[Case]:
                 for op in ("SUM", "MAX", "AVG"):
                     cases.append(Case(f"reduce_scatter_tensor n={n} {block} {_short(dtype)} {op}",
                                       "reduce_scatter_tensor", op, x, group))  # fmt: skip
+    return cases
+
+
+def _layout_cases(w: int, gen: torch.Generator) -> list[Case]:
+    """Transposed and strided (non-contiguous) inputs, all-reduced and reduce-scattered."""
+    cases = []
     for shape in ((3, 5), (64, 48), (7, 130), (8, 33)):
         x = _wide_normal(gen, (w, *shape), torch.float32)
         for layout in ("transposed", "strided"):
