@@ -3,7 +3,7 @@
     python bench/audit.py [--repeats 30] [--steps 1]
 
 One optimizer step of the gradient path (`simdist.gradpath.path.train_rank`) on a
-4-rank SimWorld (TP2/EP2, gloo reduction model), ``bf16_writeback``, the
+4-rank SimWorld (TP2/EP2, gloo reduction), ``bf16_writeback``, the
 default synthetic parameters. Three variants, timed in interleaved rounds so
 that machine noise hits them alike:
 
@@ -34,9 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from simdist.audit import audited
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 

@@ -49,15 +49,15 @@ the same calls on the no-arithmetic model; more among the rank threads).
 A third table times the rank-batched gradient path's all_reduce (`simdist.gradpath.batched.BatchedOps`: the 4
 ranks are one ``[batch, 4, 1024]`` tensor, the group is a view, gloo's order applied as a per-element plan)
 against the plain rank-order fold ``((x0 + x1) + x2) + x3`` of the same four tensors (issue target <= 2x),
-for one run and for a growth ensemble of 8 seeds. A fourth table times every registered reduction model
-(``make_model(name).reduce`` plus the writes) against the plain fold plus the writes (target for ``gloo``: <= 2x).
+for one run and for a growth ensemble of 8 seeds. A fourth table times every registered reduction
+(``make_reduction(name).reduce`` plus the writes) against the plain fold plus the writes (target for ``gloo``: <= 2x).
 
 Figures are medians of repeated timed loops; ratios are taken within the run.
 With ``--cpu-clock`` tables 2-4 are timed in this process's CPU time (`CLOCK`),
 which a busy shared machine disturbs far less than wall time.
 Every rank's input is zeros: an in-place all_reduce loop feeds each result back
 in, and any nonzero data grows 4x per iteration until it is inf/NaN, which sends
-the gloo model down its (slower) NaN path. Zeros stay finite; the adds cost the
+the gloo reduction down its (slower) NaN path. Zeros stay finite; the adds cost the
 same for any finite, non-subnormal values (the model reduces 4 x 1024 randn values
 and zeros in the same 21-22 us here), so every world does exactly the reduction.
 """
@@ -134,7 +134,7 @@ def timed_loop(comm, numel: int, iters: int, repeats: int, barrier_only: bool = 
 def floor(numel: int, iters: int, repeats: int, plain: bool = False) -> list[float]:
     """The reduction as one call (the `Gloo` model, or with ``plain`` the rank-order fold ``((x0+x1)+x2)+x3``)
     plus writing the result into every rank's tensor; no threads."""
-    model = Gloo()
+    reduction = Gloo()
     xs = [_input(numel) for _ in range(SPEC.world_size)]
     laps = []
     for _ in range(repeats):
@@ -144,7 +144,7 @@ def floor(numel: int, iters: int, repeats: int, plain: bool = False) -> list[flo
                 a, b, c, d = xs
                 result = ((a + b) + c) + d
             else:
-                result = model.reduce(xs)
+                result = reduction.reduce(xs)
             for x in xs:
                 x.copy_(result)
         laps.append((CLOCK[0]() - start) / iters)
@@ -233,10 +233,10 @@ def _laps(step, iters: int, repeats: int) -> list[float]:
 
 
 def model_table(iters: int, repeats: int) -> None:
-    """Each registered reduction model's all_reduce (the model's reduce plus the 4 writes) of 1024 fp32 elements
+    """Each registered reduction's all_reduce (the model's reduce plus the 4 writes) of 1024 fp32 elements
     on 4 ranks against the plain rank-order fold plus the writes, interleaved in one run (issue target for the
     `Gloo` model: <= 2x)."""
-    from simdist.reduce import MODEL_NAMES, make_model
+    from simdist.reduce import REDUCTION_NAMES, make_reduction
 
     numel, n = 1024, SPEC.world_size
     xs = [_input(numel) for _ in range(n)]
@@ -253,17 +253,17 @@ def model_table(iters: int, repeats: int) -> None:
         a, b, c, d = ts
         return ((a + b) + c) + d
 
-    steps = {"fold": step(plain), **{name: step(make_model(name).reduce) for name in MODEL_NAMES}}
+    steps = {"fold": step(plain), **{name: step(make_reduction(name).reduce) for name in REDUCTION_NAMES}}
     laps: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):  # interleaved, so a burst of load on the machine hits every row alike
         for name, run in steps.items():
             laps[name] += _laps(run, iters, 1)
     fold_us = statistics.median(laps["fold"]) * 1e6
-    print(f"\n{numel} fp32 elements, 4 ranks: reduction model + writes vs plain fold + writes (us per all_reduce)")
+    print(f"\n{numel} fp32 elements, 4 ranks: reduction + writes vs plain fold + writes (us per all_reduce)")
     print(f"{'model':>10} {'us':>8} {'model/fold':>10}")
     table = Table(
-        f"Each reduction model alone, {numel} fp32 elements on 4 ranks: model + writes vs plain fold + writes",
-        ["model", "us per all_reduce", "/ fold"],
+        f"Each reduction alone, {numel} fp32 elements on 4 ranks: model + writes vs plain fold + writes",
+        ["reduction", "us per all_reduce", "/ fold"],
         notes=f"Medians of {repeats} interleaved repeats, {_clock_name()}. The fold is `((x0+x1)+x2)+x3`. "
         "Target for gloo: <= 2x the fold.",
     )
@@ -288,13 +288,13 @@ def batched_table(iters: int, repeats: int) -> None:
         f"Rank-batched rendezvous, all_reduce of {numel} fp32 elements on 4 ranks, per batch",
         ["batch", "plain fold us", "rank-batched us", "rank-batched / fold"],
         notes=f"The 4 ranks as one `[batch, 4, {numel}]` tensor, gloo's order (checked bit for bit against the "
-        f"gloo model first); medians of {repeats} interleaved repeats, {_clock_name()}. Target: <= 2x the fold.",
+        f"gloo reduction first); medians of {repeats} interleaved repeats, {_clock_name()}. Target: <= 2x the fold.",
     )
     for batch in (1, 8):
         gen = torch.Generator().manual_seed(batch)
         value = torch.randn(batch, n, numel, generator=gen)  # [batch, rank, 1024]
         ops = BatchedOps(SPEC, seeds=list(range(batch)), reduction=Gloo())
-        for item in range(batch):  # the bits of the gloo model, every item
+        for item in range(batch):  # the bits of the gloo reduction, every item
             expected = Gloo().sum(value[item]).view(torch.int32)
             assert torch.equal(ops.all_reduce(value, "dp")[item, 0].view(torch.int32), expected)
         a, b, c, d = value.unbind(1)
@@ -336,7 +336,7 @@ def backend_table(iters: int, repeats: int) -> None:
         f"Ways to run torch.distributed code on 4 ranks in one process, {numel} fp32 elements",
         ["front end", "us per all_reduce", "/ fold", "/ simdist backend"],
         notes="*fold*: `((x0+x1)+x2)+x3` plus the writes, the cheapest in-place all_reduce (not gloo's order); "
-        "*floor*: the gloo model plus the writes, one call; *SimWorld*: `comm.all_reduce` on 4 rank threads; "
+        "*floor*: the gloo reduction plus the writes, one call; *SimWorld*: `comm.all_reduce` on 4 rank threads; "
         "*simdist backend*: unmodified `dist.all_reduce` (gloo's order, bit for bit); *threaded*: torch's "
         "threaded process group (its own order); *LocalTensor*: torch's LocalTensorMode (one thread). "
         f"Medians of {repeats} interleaved repeats, {_clock_name()}. Targets: backend <= 1.2x SimWorld, "
@@ -454,7 +454,7 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
     a bare rendezvous barrier with and without the isolation swaps."""
     numel, n = 1024, SPEC.world_size
     xs = [_input(numel) for _ in range(n)]
-    model = Gloo()
+    reduction = Gloo()
     bare_world = SimWorld(SPEC, reduction=_NoArithmetic())
 
     def writes() -> None:
@@ -467,7 +467,7 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
         "floor": lambda: floor(numel, iters, 1),
         "sim": lambda: world.run(timed_loop, numel, iters, 1)[0],
         "backend": lambda: simdist.run(dist_loop, n, args=(numel, iters, 1))[0],
-        "model": lambda: _laps(lambda: model.reduce(xs), iters, 1),
+        "reduction": lambda: _laps(lambda: reduction.reduce(xs), iters, 1),
         "writes": lambda: _laps(writes, iters, 1),
         "ring": lambda: baton_ring(iters, 1),
         "iso": lambda: engine_barriers(iters, True),
@@ -493,10 +493,10 @@ def split_rows(us: dict[str, float]) -> None:
     fold_us, sim_us, backend_us = us["fold"], us["sim"], us["backend"]
     isolation = us["iso"] - us["bare"]
     rows = [
-        ("model (Gloo.reduce)", us["model"]),
+        ("model (Gloo.reduce)", us["reduction"]),
         ("writes (4 copies)", us["writes"]),
         ("4 handoffs (bare baton ring)", us["ring"]),
-        ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["model"] - us["writes"] - us["ring"]),
+        ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["reduction"] - us["writes"] - us["ring"]),
         ("= SimWorld all_reduce", sim_us),
         ("isolation swaps (4 per collective)", isolation),
         ("backend rest: c10d Python, per-call path", backend_us - sim_us - isolation),
@@ -507,7 +507,7 @@ def split_rows(us: dict[str, float]) -> None:
         print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
     sub_rows = [
         ("SimWorld rest without the model's arithmetic", us["sim0"] - us["writes"] - us["ring"]),
-        ("the model slower inside the front end than alone", sim_us - us["sim0"] - us["model"]),
+        ("the model slower inside the front end than alone", sim_us - us["sim0"] - us["reduction"]),
         ("backend rest without the model's arithmetic", us["backend0"] - us["sim0"] - isolation),
     ]
     print("the rests split by running SimWorld and the backend on a model with no arithmetic (same run):")
@@ -517,7 +517,7 @@ def split_rows(us: dict[str, float]) -> None:
         f"{'barriers: SimWorld':>46} {us['simbar']:>8.1f}   backend {us['bbar']:.1f}   bare rendezvous "
         f"{us['bare']:.1f} (isolated {us['iso']:.1f})"
     )
-    least = (us["ring"] + us["model"] + us["writes"]) / fold_us
+    least = (us["ring"] + us["reduction"] + us["writes"]) / fold_us
     table = Table(
         "Where a 4-rank all_reduce of 1024 fp32 elements goes",
         ["part", "us", "/ fold"],
@@ -537,14 +537,14 @@ def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str
     alone in the same run as the front ends, `front_end_parts`): (name, us, ratio to the floor, target) for
     SimWorld and the backend, and the split of each above the floor (rendezvous/checks/Python, isolation swaps,
     c10d's layer)."""
-    least = us["ring"] + us["model"] + us["writes"]
+    least = us["ring"] + us["reduction"] + us["writes"]
     isolation = us["iso"] - us["bare"]
     sim_rest = us["sim"] - least
     backend_rest = us["backend"] - us["sim"] - isolation
     return [
         ("thread floor: 4 handoffs + model + writes", least, 1.0, ""),
         ("  4 handoffs", us["ring"], us["ring"] / least, ""),
-        ("  model", us["model"], us["model"] / least, ""),
+        ("  model", us["reduction"], us["reduction"] / least, ""),
         ("  writes", us["writes"], us["writes"] / least, ""),
         ("SimWorld all_reduce", us["sim"], us["sim"] / least, "<= 1.3x"),
         ("  SimWorld above the floor: rendezvous, checks, Python", sim_rest, sim_rest / least, ""),
@@ -682,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
             "SimWorld / floor",
             "gloo / SimWorld",
         ],
-        notes="*floor*: the gloo model's reduction plus writing the result into the four rank tensors, one call; "
+        notes="*floor*: the gloo reduction's reduction plus writing the result into the four rank tensors, one call; "
         "*barrier*: a 4-rank SimWorld barrier (handing the interpreter round the rank threads, no arithmetic); "
         f"*gloo*: the same loop in 4 real gloo processes on 127.0.0.1. Medians of {args.repeats} interleaved "
         "repeats, wall time; inputs are zeros.",

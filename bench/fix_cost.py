@@ -4,7 +4,7 @@
 
 Four processes (TP2/EP2/ETP1, DeepSpeed's own folding spec and groups; gloo, which also all-reduces CUDA
 tensors, so one GPU serves all four ranks with ``--device cuda``). For each catalogue model
-(`simdist.models.production`) and each family on the #8913 path -- the router weight ``[experts, hidden]``
+(`simdist.sources.production`) and each family on the #8913 path -- the router weight ``[experts, hidden]``
 (with GPT-OSS's router bias) and the layer's RMSNorm weights -- every rank builds a real ``BF16_Optimizer``
 holding that one parameter at full size, sets a BF16 local gradient and times ``update_hp_grads()`` (the
 epilogue path: ``_update_hp_grad`` with the folding correction and its TP all-reduce), shipped and with the
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simdist.models.production import CATALOGUE, get_shape
+from simdist.sources.production import CATALOGUE, get_shape
 
 
 def _families(name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -44,7 +44,7 @@ def _families(name: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, device: str, models: list[str], repeats: int, results) -> None:
+def _rank(rank: int, world: int, port: int, device: str, reductions: list[str], repeats: int, results) -> None:
     import importlib
     import logging
     import types
@@ -72,8 +72,8 @@ def _rank(rank: int, world: int, port: int, device: str, models: list[str], repe
     groups._create_expert_and_data_parallel(2, mp_size=2, pp_size=1, mp_mode="tp", folding_spec=folding)
     cuda = device == "cuda"
 
-    for model in models:
-        for family, shape in _families(model):
+    for reduction in reductions:
+        for family, shape in _families(reduction):
             param = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device))
             mark_autoep_folding_router_parameter(param)  # correction AVERAGE (norms: the same correction)
             optimizer = BF16_Optimizer(
@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, port: int, device: str, models: list[str], repe
                 slowest = torch.tensor([statistics.median(times[1:])])
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 if rank == 0:
-                    results.append((model, family, shape, variant, float(slowest), max(peaks[1:])))
+                    results.append((reduction, family, shape, variant, float(slowest), max(peaks[1:])))
             del optimizer, param
     dist.barrier()
     dist.destroy_process_group()
@@ -122,13 +122,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=29517)
     args = parser.parse_args()
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
+    reductions = [m for m in args.reductions.split(",") if m]
+    for m in reductions:
         get_shape(m)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     results = mp.Manager().list()
-    mp.spawn(_rank, args=(4, args.port, args.device, models, args.repeats, results), nprocs=4)
+    mp.spawn(_rank, args=(4, args.port, args.device, reductions, args.repeats, results), nprocs=4)
 
     print(f"# _update_hp_grad (epilogue), TP2/EP2/ETP1 on 4 gloo processes, device {args.device}")
     print("| model | family | shape | shipped ms | fixed ms | fixed/shipped | peak extra bytes shipped | fixed |")
@@ -151,7 +151,7 @@ def main() -> None:
     print("\n# whole-model FP32 staging of the #8913 path (4 bytes per element, all MoE layers)")
     print("| model | MoE layers | router elements | norm elements | FP32 staging MiB | largest single staging KiB |")
     print("|---|---:|---:|---:|---:|---:|")
-    for m in models:
+    for m in reductions:
         shape = get_shape(m)
         folded = list(shape.folded_elements().values())
         largest = max(n for _, s in _families(m) for n in [torch.Size(s).numel()])

@@ -37,10 +37,10 @@ def timed(config: GrowthConfig, out: str, progress: bool, cpu: list[float] | Non
 def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
     """Where a run's time goes: ``{part: (seconds, calls)}`` of one ``steps`` x ``seeds`` run, timed by wrapping
     the parts in place (a few microseconds per call of overhead): the gradient draw, the three policies' engine
-    steps and within them the reduction model's ``sum_many`` (the two-member group sums), the oracle's steps and its
+    steps and within them the reduction's ``sum_many`` (the two-member group sums), the oracle's steps and its
     reductions, the metrics, and the rest (checkpoints, CSV, plot)."""
     from simdist.gradpath.batched import BatchedPath
-    from simdist.reduce import make_model
+    from simdist.reduce import make_reduction
     from simdist.studies.growth import run, stream
 
     spent: dict[str, list[float]] = {}
@@ -57,7 +57,7 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
 
         return wrapper
 
-    model = type(make_model(GrowthConfig().reduction))
+    model = type(make_reduction(GrowthConfig().reduction))
     patches = [
         (BatchedPath, "run_step", "engine"),
         (model, "sum_many", "engine: sum_many"),

@@ -9,7 +9,7 @@
 
 Each `Mutation` is an exact source edit (``old`` -> ``new``, ``old`` occurring exactly ``count`` times in
 ``path``) of one rule the project states: a policy stage, the engine's optimizer, the correction-once marker,
-the DP normalisation and order, a reduction model's order or NaN rule, the backend's write-back, a comparison.
+the DP normalisation and order, a reduction's order or NaN rule, the backend's write-back, a comparison.
 The edit is applied to a private copy of the source tree (``simdist/``, ``tests/`` and the
 files the tests read; the worktree is never touched), and pytest runs the mutation's tests in that copy with
 ``-x -q -p no:cacheprovider`` and ``PYTHONPATH`` pointing at it. A mutation is *killed* when the tests fail
@@ -70,8 +70,8 @@ hypothesis.find = _find_shrinking
 CHAIN = "tests/unit/test_gradpath_chain.py"
 POLICIES = "tests/unit/test_policies.py"
 PROPERTIES = "tests/unit/test_gradpath_properties.py"
-GLOO = "tests/integration/test_gloo_model.py"
-NCCL = "tests/integration/test_nccl_model.py"
+GLOO = "tests/integration/test_gloo_reduction.py"
+NCCL = "tests/integration/test_nccl_reduction.py"
 REDUCTION = "tests/unit/test_reduction.py"
 COMPARE = ("tests/unit/test_compare.py", "tests/unit/test_compare_nan.py")
 BACKEND = "tests/unit/test_backend.py"
@@ -315,7 +315,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "self.hp.copy_(scaled)",
         (*GRADPATH, BATCHED),
     ),
-    # -- reduction models (simdist/reduce/) -----------------------------------------------------------------------
+    # -- reductions (simdist/reduce/) -----------------------------------------------------------------------
     Mutation(
         "gloo-ring-start",
         "gloo's chunk c starts its walk at rank c instead of c-1",
@@ -406,7 +406,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batched-gloo-single-chunk-ascending",
-        "the rank-batched path (`ReductionModel.sum_many`) folds a one-chunk (uniform) order reversed",
+        "the rank-batched path (`Reduction.sum_many`) folds a one-chunk (uniform) order reversed",
         "simdist/reduce/base.py",
         "                return self.fold_hops_trimmed(plan, stacked)\n",
         "                return self.fold_hops_trimmed(plan, stacked.flip(0))\n",
@@ -415,7 +415,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "ring-shift-ignored",
         "the Ring model ignores its start shift",
-        "simdist/reduce/models.py",
+        "simdist/reduce/textbook.py",
         "rows = tuple(ring[(self.shift + t) % n] for t in range(n + period - 1))",
         "rows = tuple(ring[t % n] for t in range(n + period - 1))",
         (*REDUCE, BATCHED),
@@ -423,7 +423,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "tree-pairing",
         "the Tree model pairs (x0+x2), (x1+x3) instead of neighbours",
-        "simdist/reduce/models.py",
+        "simdist/reduce/textbook.py",
         "combined = combine(level[0 : 2 * pairs : 2], level[1 : 2 * pairs : 2])",
         "combined = combine(level[0:pairs], level[pairs : 2 * pairs])",
         (*REDUCE, BATCHED),
@@ -431,7 +431,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "sequential-reversed",
         "the Sequential model folds in descending rank order",
-        "simdist/reduce/models.py",
+        "simdist/reduce/textbook.py",
         '        return "sequential"\n\n    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:\n'
         "        return FoldPlan.uniform(range(n), numel)\n",
         '        return "sequential"\n\n    def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan:\n'
@@ -509,8 +509,8 @@ CATALOGUE: tuple[Mutation, ...] = (
         "oracle-bf16-tp-sum",
         "the repro's independent oracle sums over TP in BF16",
         "simdist/gradpath/oracle_step.py",
-        'value = group_sums(self.spec, self.tp_model, "tp", value, p.shape)',
-        'value = group_sums(self.spec, self.tp_model, "tp", value.to(torch.bfloat16), p.shape).to(self.dtype)',
+        'value = group_sums(self.spec, self.tp_reduction, "tp", value, p.shape)',
+        'value = group_sums(self.spec, self.tp_reduction, "tp", value.to(torch.bfloat16), p.shape).to(self.dtype)',
         (POLICIES, VERDICTS),
     ),
     Mutation(

@@ -5,7 +5,7 @@
 
 What runs (one launch of ``--world-size`` gloo processes on 127.0.0.1 per model; AutoEP+AutoTP folding with
 DeepSpeed's own ``build_folding_spec`` and group constructors, ``ep = 2``, ``etp = 1``): one MoE layer of a
-catalogue model (`simdist.models.production`) -- the router ``[experts, hidden]`` (and GPT-OSS's router bias)
+catalogue model (`simdist.sources.production`) -- the router ``[experts, hidden]`` (and GPT-OSS's router bias)
 and every RMSNorm weight of the layer **at full size**, and this rank's routed experts **sliced** to
 ``--expert-rows`` rows of their FFN (gate/up ``[rows, hidden]`` and down ``[rows, hidden]`` per expert; the
 experts of the other EP ranks are frozen stand-ins of the same shape, so every router row gets a gradient).
@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from simdist.models.production import CATALOGUE, MoEShape, get_shape
+from simdist.sources.production import CATALOGUE, MoEShape, get_shape
 from simdist.world.spec import ParallelSpec
 
 VARIANTS = ("shipped", "fixed", "oracle")

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import production_engine as pe
 
-from simdist.models.production import get_shape
+from simdist.sources.production import get_shape
 from simdist.world.spec import ParallelSpec
 
 KINDS = ("grad", "master", "exp_avg", "exp_avg_sq")
@@ -99,7 +99,7 @@ def _rank(rank: int, args, results) -> None:
     from simdist.gradpath.families import Family, ParamSpec
     from simdist.gradpath.oracle import AdamWSettings, Oracle
     from simdist.gradpath.probes import Capture
-    from simdist.reduce import make_model
+    from simdist.reduce import make_reduction
 
     shape = get_shape(args.model)
     spec = ParallelSpec(4, tp=2, ep=pe.EP)
@@ -131,7 +131,9 @@ def _rank(rank: int, args, results) -> None:
         eps=pe.ADAM["eps"],
         weight_decay=pe.ADAM["weight_decay"],
     )
-    oracle = Oracle(spec, specs, initial, tp_model=make_model("gloo"), dp_model=make_model("gloo"), adam=adam)
+    oracle = Oracle(
+        spec, specs, initial, tp_reduction=make_reduction("gloo"), dp_reduction=make_reduction("gloo"), adam=adam
+    )
 
     captured: dict[tuple[int, str, str, str], torch.Tensor] = {}
     for step in range(args.steps):

@@ -1,4 +1,4 @@
-"""Scale benchmark: reduction models and the rank-batched growth study from world 8 to world 512.
+"""Scale benchmark: reductions and the rank-batched growth study from world 8 to world 512.
 
     python bench/scale.py [--quick] [--worlds 8,16,...,512] [--numel 65536] [--steps 20] [--seeds 1]
                           [--reduction gloo] [--skip-growth] [--skip-models]
@@ -7,7 +7,7 @@ For each world size ``n`` it prints:
 
 * (i) one all-reduce of ``--numel`` fp32 elements per rank under the NCCL ring and the NCCL tree models
   (Simple protocol, 2 channels; the tree is NCCL's double binary tree over ``n / 8`` nodes of 8 GPUs, each
-  node an intra-node chain) and the gloo model: the first call (which builds and caches the plan) and the
+  node an intra-node chain) and the gloo reduction: the first call (which builds and caches the plan) and the
   median of 3 later calls;
 * (ii) the growth study (`simdist.studies.growth.run_growth`) on TP8 x DP(n/8) with EP8, for ``--steps``
   steps and ``--seeds`` seeds: three policies and the independent FP32 oracle (whose per-rank Python loops
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from simdist.cli.limits import BASE_BYTES, Estimate, SizeError, check_memory, growth_estimate, human_bytes
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.reduce.gloo import Gloo
 from simdist.reduce.nccl import Nccl
 from simdist.reduce.nccl_schedule import double_binary_trees
@@ -61,7 +61,7 @@ QUICK_WORLDS = (8, 16, 32, 64)
 GPUS_PER_NODE = 8
 POLICIES = ("bf16_writeback", "fp32_staging", "bf16_only")
 COLLECTIVE_COPIES = 3
-"""Copies of the ``[n, numel]`` input a model call may hold at once: the input, the gloo model's reordered
+"""Copies of the ``[n, numel]`` input a model call may hold at once: the input, the gloo reduction's reordered
 hops (or the NCCL ring's gathered rows), and the partial sums."""
 INDEX_BYTES_PER_ELEMENT = 4 * 8
 """Per element of one member: the cached int64 tables of a plan (chunk of each column, gather indexes)."""
@@ -75,13 +75,13 @@ def collective_estimate(n: int, numel: int, element_size: int = 4) -> Estimate:
 
 
 def nccl_tree(n: int) -> Nccl:
-    """NCCL's tree model for ``n`` ranks on ``n / 8`` nodes of 8 (fewer ranks: one node, a chain)."""
+    """NCCL's tree reduction for ``n`` ranks on ``n / 8`` nodes of 8 (fewer ranks: one node, a chain)."""
     per = min(n, GPUS_PER_NODE)
     nodes = [list(range(start, start + per)) for start in range(0, n, per)]
     return Nccl("tree", trees=double_binary_trees(nodes))
 
 
-def models(n: int) -> dict[str, ReductionModel]:
+def reductions(n: int) -> dict[str, Reduction]:
     return {"nccl ring": Nccl("ring"), "nccl tree": nccl_tree(n), "gloo": Gloo()}
 
 
@@ -168,7 +168,7 @@ def parse(argv: list[str] | None = None) -> Plan:
     parser.add_argument("--numel", type=int, default=1 << 16, help="fp32 elements per rank of the all-reduce")
     parser.add_argument("--steps", type=int, default=None, help="growth steps (default 20, --quick 12)")
     parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--reduction", default="gloo", help="the growth study's reduction model")
+    parser.add_argument("--reduction", default="gloo", help="the growth study's reduction")
     parser.add_argument("--skip-models", action="store_true")
     parser.add_argument("--skip-growth", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the tables as bench/report.py's schema")
@@ -187,7 +187,7 @@ def parse(argv: list[str] | None = None) -> Plan:
 def bench_models(plan: Plan, peak: PeakMemory) -> Table:
     table = Table(
         f"One all-reduce of {plan.numel} fp32 elements per rank",
-        ["world", "model", "first call ms", "median ms", "peak MiB"],
+        ["world", "reduction", "first call ms", "median ms", "peak MiB"],
         notes="The first call builds and caches the plan; the median is of 3 later calls. Peak: resident set "
         "above the case's start, the input included. NCCL models: Simple protocol, 2 channels; the tree is "
         "NCCL's double binary tree over n / 8 nodes of 8, each node a chain.",
@@ -195,19 +195,19 @@ def bench_models(plan: Plan, peak: PeakMemory) -> Table:
     print(f"(i) one all-reduce of {plan.numel} fp32 elements per rank (first call builds the plan; then median of 3)")
     print(f"{'world':>6} {'model':<10} {'first':>10} {'median':>10} {'peak':>10}")
     for n in plan.worlds:
-        for name, model in models(n).items():
+        for name, reduction in reductions(n).items():
 
-            def first(model=model, n=n) -> tuple[torch.Tensor, float]:
+            def first(reduction=reduction, n=n) -> tuple[torch.Tensor, float]:
                 x = torch.randn(n, plan.numel, generator=torch.Generator().manual_seed(n)).mul_(1e-3)
                 start = time.perf_counter()
-                model.reduce(x)
+                reduction.reduce(x)
                 return x, time.perf_counter() - start
 
             (x, cold), used = peak.measure(first)
             warm = []
             for _ in range(3):
                 start = time.perf_counter()
-                model.reduce(x)
+                reduction.reduce(x)
                 warm.append(time.perf_counter() - start)
             print(
                 f"{n:>6} {name:<10} {cold * 1e3:>8.1f}ms {statistics.median(warm) * 1e3:>8.1f}ms "

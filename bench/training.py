@@ -30,9 +30,9 @@ import torch
 
 import simdist
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.moe import MoEGradients
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.moe import MoEGradients
 from simdist.world.groups import Group, group_for
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

@@ -18,9 +18,9 @@ import sys
 
 from simdist.audit import AuditReport, audited
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 

@@ -40,7 +40,7 @@ from deepspeed.utils import groups, logger
 
 from simdist.cases.deepspeed_harness import mark_family
 from simdist.gradpath.families import Family
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, synthetic_gradients
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, synthetic_gradients
 from simdist.world.spec import ParallelSpec
 
 TP, EP = 2, 2

@@ -20,8 +20,8 @@ import sys
 
 import simdist
 from simdist.gradpath.kernel import Marker, UpdatePath
-from simdist.models.moe import MoEConfig
-from simdist.reduce import MODEL_NAMES
+from simdist.reduce import REDUCTION_NAMES
+from simdist.sources.moe import MoEConfig
 from simdist.studies.crosscheck import CrossCheck, train_and_dump
 from simdist.world.spec import EP_LAYOUTS, ParallelSpec
 
@@ -36,7 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="torchrun backend (default: gloo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--reduction", default="gloo", choices=MODEL_NAMES, help="SimWorld reduction model")
+    p.add_argument("--reduction", default="gloo", choices=REDUCTION_NAMES, help="SimWorld reduction")
     p.add_argument("--out", required=True, help="directory for OUT/<policy>/rank{r}.safetensors")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     spec = check.spec
     if ns.where == "sim":
-        from simdist.reduce import make_model
+        from simdist.reduce import make_reduction
         from simdist.world.simworld import SimWorld
 
-        model = make_model(ns.reduction)
+        model = make_reduction(ns.reduction)
         where = {"world": "sim", "backend": "simworld", "reduction": model.name}
         written = SimWorld(spec, reduction=model).run(train_and_dump, check, ns.out, where)[0]
     elif ns.where == "gloo":

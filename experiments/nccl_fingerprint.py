@@ -1,4 +1,4 @@
-"""Fingerprint real NCCL against the `nccl` reduction model, per case, element by element.
+"""Fingerprint real NCCL against the `nccl` reduction, per case, element by element.
 
 On one node with 2 or more GPUs and a CUDA build of torch::
 
@@ -118,7 +118,7 @@ class Knobs:
             env["NCCL_BUFFSIZE"] = str(self.buffsize)
         return env
 
-    def model(self, rings=None, trees=None, nccl_version: tuple[int, int] = (2, 30)) -> Nccl:
+    def reduction(self, rings=None, trees=None, nccl_version: tuple[int, int] = (2, 30)) -> Nccl:
         extra = {} if self.buffsize is None else {"buffsize": self.buffsize}
         return Nccl(self.algorithm, self.protocol, self.channels, rings=rings, trees=trees,
                     nccl_version=nccl_version, **extra)  # fmt: skip
@@ -188,14 +188,14 @@ def build_inputs(case: Case, n: int) -> torch.Tensor:
     return (x * scale[k]).to(dtype)
 
 
-def predict(model: Nccl, case: Case, x: torch.Tensor, root: int) -> torch.Tensor:
+def predict(reduction: Nccl, case: Case, x: torch.Tensor, root: int) -> torch.Tensor:
     """What the model says rank 0 (all-reduce), every rank (reduce-scatter, stacked) or the root holds."""
     op = ReduceOp.AVG if case.op == "avg" else ReduceOp.SUM
     if case.fn == "all_reduce":
-        return model.reduce(x, op)
+        return reduction.reduce(x, op)
     if case.fn == "reduce_scatter":
-        return model.reduce_scatter(x, op)
-    return model.reduce_to(x, op, root)
+        return reduction.reduce_scatter(x, op)
+    return reduction.reduce_to(x, op, root)
 
 
 # -- NCCL logs -------------------------------------------------------------------------------
@@ -229,16 +229,16 @@ def parse_trees(lines: list[str], n: int) -> tuple[TreeDown, ...] | None:
     return tuple(tuple(down[c][r] for r in range(n)) for c in sorted(down))
 
 
-def format_init_log(model: Nccl, n: int) -> list[str]:
+def format_init_log(reduction: Nccl, n: int) -> list[str]:
     """The init lines NCCL would log for ``model``'s rings and trees (for the dry run)."""
     lines = []
-    for c in range(model.channels):
-        ring = model.ring_of(c, n)
-        lines.append(f"host:1:1 [0] NCCL INFO Channel {c:02d}/{model.channels:02d} : " + " ".join(map(str, ring)))
+    for c in range(reduction.channels):
+        ring = reduction.ring_of(c, n)
+        lines.append(f"host:1:1 [0] NCCL INFO Channel {c:02d}/{reduction.channels:02d} : " + " ".join(map(str, ring)))
     for r in range(n):
         parts = []
-        for c in range(model.channels):
-            down = model.tree_of(c, n)
+        for c in range(reduction.channels):
+            down = reduction.tree_of(c, n)
             up = next((p for p in range(n) if r in down[p]), -1)
             d = [*down[r], -1, -1, -1][:3]
             parts.append(f"[{c}] {d[0]}/{d[1]}/{d[2]}->{r}->{up}")
@@ -261,11 +261,11 @@ def compare(real: torch.Tensor, expected: torch.Tensor) -> dict:
     return {"elements": int(real.numel()), "mismatches": int(differ.numel()), "first": differ[:8].tolist()}
 
 
-def judge(model: Nccl, case: Case, x: torch.Tensor, root: int, real: torch.Tensor) -> dict:
+def judge(reduction: Nccl, case: Case, x: torch.Tensor, root: int, real: torch.Tensor) -> dict:
     """Compare with the model; for AVG also with the fused-premultiply variant and say which one matched."""
-    result = {**compare(real, predict(model, case, x, root)), "variant": "plain"}
+    result = {**compare(real, predict(reduction, case, x, root)), "variant": "plain"}
     if case.op == "avg" and result["mismatches"] and x.dtype != torch.float64:
-        fused = dataclasses.replace(model, premul_fma=True)
+        fused = dataclasses.replace(reduction, premul_fma=True)
         other = compare(real, predict(fused, case, x, root))
         if other["mismatches"] == 0:
             result = {**other, "variant": "fused premultiply (premul_fma=True)"}
@@ -294,7 +294,9 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
     log_dir = Path(os.environ["NCCL_DEBUG_FILE"]).parent
     lines = read_logs(log_dir) if rank == 0 else []
     rings, trees = parse_rings(lines), parse_trees(lines, n)
-    model = knobs.model(rings=rings, trees=trees if knobs.algorithm == "tree" else None, nccl_version=model_version())
+    reduction = knobs.reduction(
+        rings=rings, trees=trees if knobs.algorithm == "tree" else None, nccl_version=model_version()
+    )
     rows = []
     for case in cases(n, knobs, quick):
         x = build_inputs(case, n)
@@ -326,13 +328,13 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
         else:
             real, agree = every[root], True
         count = case.length // n if case.fn == "reduce_scatter" else case.length
-        parts = model.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
-        rows.append(record(case, judge(model, case, x, root, real), agree, len(parts), logged))
+        parts = reduction.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
+        rows.append(record(case, judge(reduction, case, x, root, real), agree, len(parts), logged))
     if rank == 0:
         meta = {
             "n": n,
             "knobs": asdict(knobs),
-            "model": model.name,
+            "reduction": reduction.name,
             "nccl": _nccl_version(),
             "model_follows": NCCL_VERSION,
             "rings": rings,
@@ -372,11 +374,13 @@ def dry_run_job(n: int, knobs: Knobs, quick: bool, log_dir: Path) -> dict:
     perms = itertools.islice(itertools.permutations(range(1, n)), 1, 3)
     rings = tuple(tuple([0, *perm]) for perm in perms) or (tuple(range(n)),)
     trees = double_binary_trees([[0, 1], list(range(2, n))]) if n >= 4 else (chain_tree(range(n - 1, -1, -1)),)
-    truth = knobs.model(rings=rings, trees=trees)
+    truth = knobs.reduction(rings=rings, trees=trees)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "nccl.host.0.log").write_text("\n".join(format_init_log(truth, n)) + "\n")
     lines = read_logs(log_dir)
-    model = knobs.model(rings=parse_rings(lines), trees=parse_trees(lines, n) if knobs.algorithm == "tree" else None)
+    reduction = knobs.reduction(
+        rings=parse_rings(lines), trees=parse_trees(lines, n) if knobs.algorithm == "tree" else None
+    )
     rows = []
     for case in cases(n, knobs, quick):
         if case.length > 70000:
@@ -393,9 +397,15 @@ def dry_run_job(n: int, knobs: Knobs, quick: bool, log_dir: Path) -> dict:
         else:
             real, agree = simulate_ring_reduce(pre, truth, root), True
         count = case.length // n if case.fn == "reduce_scatter" else case.length
-        parts = model.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
-        rows.append(record(case, judge(model, case, x, root, real), agree, len(parts), None))
-    meta = {"n": n, "knobs": asdict(knobs), "model": model.name, "nccl": "simulation", "model_follows": NCCL_VERSION}
+        parts = reduction.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
+        rows.append(record(case, judge(reduction, case, x, root, real), agree, len(parts), None))
+    meta = {
+        "n": n,
+        "knobs": asdict(knobs),
+        "reduction": reduction.name,
+        "nccl": "simulation",
+        "model_follows": NCCL_VERSION,
+    }
     return {"meta": meta, "cases": rows}
 
 

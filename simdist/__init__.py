@@ -30,7 +30,7 @@ PyPI name ``simdist`` belongs to an unrelated package. The import name stays ``s
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports each on first use
     from simdist.attribution import blame
-    from simdist.reduce import Reduction, ReductionModel
+    from simdist.reduce import Reduction, ReductionName
     from simdist.world.options import Api, Where
     from simdist.world.runner import run
     from simdist.world.simworld import SimWorld
@@ -43,8 +43,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SimWorld": ("simdist.world.simworld", "SimWorld"),
     "ParallelSpec": ("simdist.world.spec", "ParallelSpec"),
     "GroupKind": ("simdist.world.spec", "GroupKind"),
+    "ReductionName": ("simdist.reduce", "ReductionName"),
     "Reduction": ("simdist.reduce", "Reduction"),
-    "ReductionModel": ("simdist.reduce", "ReductionModel"),
     "blame": ("simdist.attribution", "blame"),
 }
 """Public name -> (module, attribute), imported on first use (`__getattr__`)."""
@@ -55,7 +55,7 @@ __all__ = [
     "GroupKind",
     "ParallelSpec",
     "Reduction",
-    "ReductionModel",
+    "ReductionName",
     "SimWorld",
     "Where",
     "blame",

@@ -6,7 +6,7 @@ Installed with simdist, so a project's tests can say::
         results = simdist_world.spawn(fn, 4)          # fn(rank, ...): plain torch.distributed
 
 `SimdistWorld.spawn` is `simdist.run` on threads (each call its own fresh world, ranks as threads, collectives by a
-reduction model); `SimdistWorld.blame` is `simdist.blame`. The fixture holds no state between calls, so it
+reduction); `SimdistWorld.blame` is `simdist.blame`. The fixture holds no state between calls, so it
 is session-scoped: Hypothesis ``@given`` tests can take it without a function-scoped-fixture health check.
 """
 
@@ -25,7 +25,7 @@ loading the plugin, which pytest does in every session, imports no torch)."""
 class SimdistWorld:
     """Runs rank functions on fresh simulated worlds; ``reduction`` and ``timeout_s`` are the defaults of each run.
 
-    ``reduction`` is what `simdist.run` takes (a name, a `ReductionModel`, a kind -> model table, ...);
+    ``reduction`` is what `simdist.run` takes (a name, a `Reduction`, a kind -> model table, ...);
     ``None`` leaves it to `simdist.run`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
     A call's own ``reduction=`` wins over the default.
     ``timeout_s`` left unset is the launcher's one deadline, `simdist.world.options.DEFAULT_TIMEOUT_S`."""

@@ -7,7 +7,7 @@ has torch and the script's frameworks imported, each with the default group alre
 process mode, `simdist.world.process`, that the script's own ``init_process_group`` attaches to), each running
 the script as ``python script.py args`` would (`_blame_rank`) under a `simdist.attribution.run.Recorder`
 whose rank is the process's. A collective in process mode gathers every member's inputs before its
-reduction model runs (`simdist.world.process.ProcessTransport`), so each process measures its own outputs
+reduction runs (`simdist.world.process.ProcessTransport`), so each process measures its own outputs
 against the FP64 sum of all members' inputs exactly as a rank thread does; casts and arithmetic sites are
 each process's own. Each rank returns its sites, promoted events and final state; `merge` joins them: the
 same call site on several ranks is one site (calls, elements, non-finite counts and error masses add up,
@@ -15,7 +15,7 @@ the max figures are the largest of any rank; `simdist.attribution.measure.SiteEr
 rank's figures kept for the JSON (``by_rank``); the final states are disjoint (their tensors are named by
 rank).
 
-A promoted rerun is another launch with the promoted site keys handed to every rank. Reduction model: gloo's.
+A promoted rerun is another launch with the promoted site keys handed to every rank. Reduction: gloo's.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def run_processes(
     timeout_s: float = 3600.0,
     stdout_to_stderr: bool = False,
 ) -> MergedRun:
-    """Run ``script argv`` blamed on ``nproc`` simdist rank processes (gloo's reduction model); the ranks'
+    """Run ``script argv`` blamed on ``nproc`` simdist rank processes (gloo's reduction); the ranks'
     merged records.
 
     The ranks are ``simdist.run(where="processes")``'s (forked from a server with torch and the script's

@@ -20,7 +20,7 @@ the current thread dispatches and records
   (``c10d.allreduce_`` ...) as real process groups dispatch them, and the
   collectives of a simdist communicator wrapped by `AuditedComm` / `audited`
   (``comm.all_reduce`` ...), recorded with the dtype of the tensor they
-  reduce (a SimWorld `ReductionModel` may add up wider: see the group's model);
+  reduce (a SimWorld `Reduction` may add up wider: see the group's reduction);
   without a wrapper, the collectives of SimWorld's own `SimComm`
   (``comm.all_reduce``) and of the ``simdist`` torch.distributed backend
   (``dist.all_reduce`` in `simdist.run` ranks: its Python process groups
@@ -31,7 +31,7 @@ fewer mantissa bits or a smaller exponent range, so fp32 -> fp16, fp16 -> bf16
 and bf16 -> fp16 all count. Each record carries the op's aten name, the input
 and output dtypes, the shape, the rank (if any), and the first source location
 outside torch and outside this package (``file:line``, function). simdist's own
-modules count as user code; ``skip=("simdist.models.synthetic", "/path/prefix")``
+modules count as user code; ``skip=("simdist.sources.synthetic", "/path/prefix")``
 skips more frames (modules, packages or path prefixes), attributing the record
 to the next frame outward. Sites are cached by code object and line.
 
@@ -73,7 +73,7 @@ that entered it and nothing else.
   with ``audited(fn)``: each rank thread then records into its own report,
   tagged with its rank, and ``fn`` receives an `AuditedComm` that records each
   collective (op, dtype, group kind) and pauses the audit while the collective
-  runs. That pause matters: SimWorld's reduction models run on whichever rank
+  runs. That pause matters: SimWorld's reductions run on whichever rank
   thread arrives last, so without it that rank would be charged with the other
   ranks' (modelled) reduction arithmetic. ``world.run(audited(fn), ...)``
   returns ``(result, report)`` per rank; `AuditReport.merge` combines them.

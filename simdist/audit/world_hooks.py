@@ -7,7 +7,7 @@ is active, `install` subscribes `observe` to the observer list
 (`simdist.world.rendezvous.Observers.subscribed`), which both front ends tell before every collective: the observer
 finds the audit on the calling thread's dispatch-mode stack, records the collective (op, dtype of its first
 tensor, group) at the first source line outside torch, simdist.world and the audit, and pauses that audit
-while the collective runs -- so the reduction model's arithmetic, which runs on whichever rank arrives last,
+while the collective runs -- so the reduction's arithmetic, which runs on whichever rank arrives last,
 is not charged to that rank. Without an audit on the thread the observer does nothing. Point-to-point sends
 and receives are not collectives and are not recorded.
 """

@@ -27,7 +27,7 @@ exact), so at TP2 the case cannot tell a transcription that sums TP in BF16
 from the real code; with four peers the BF16 sum rounds three times and the
 case fails such a transcription (``tests/integration/test_cases_deepspeed.py``).
 
-Inputs: the ``rounding`` distribution by default (`simdist.models.synthetic.Inputs`: 31 binades, per-rank
+Inputs: the ``rounding`` distribution by default (`simdist.sources.synthetic.Inputs`: 31 binades, per-rank
 magnitudes, so FP32 and BF16 sums round); ``inputs="narrow"`` is the old one. The verdict names it.
 
 Power checks (`CONTROLS`, run in every `judge` on the transcription side, no extra real launch): each
@@ -53,10 +53,10 @@ from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, describe_inputs, synthetic_gradients
 from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
@@ -168,7 +168,7 @@ def transcription(
         update_path=update_path,
     )
     spec, seed = config.spec, config.seed
-    world = SimWorld(spec, reduction=make_model("gloo"))
+    world = SimWorld(spec, reduction=make_reduction("gloo"))
     grads = synthetic_gradients(spec, seed, config.inputs)
     return world.run(train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), grads, policy, path)
 

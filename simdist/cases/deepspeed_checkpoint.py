@@ -36,8 +36,8 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.errors import UsageError
-from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.numerics.floats import bits
+from simdist.sources.synthetic import Inputs, describe_inputs
 from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import ParallelSpec
 
@@ -86,7 +86,7 @@ def _engine(comm, fixed: bool, seed: int):
     import deepspeed
 
     from simdist.cases import deepspeed_engine as de
-    from simdist.models.synthetic import InitialWeights
+    from simdist.sources.synthetic import InitialWeights
 
     spec, rank = comm.spec, comm.get_rank()
     de.init_comm()
@@ -103,7 +103,7 @@ def _engine(comm, fixed: bool, seed: int):
 
 
 def _train(comm, engine, steps: range, seed: int, inputs: str) -> None:
-    from simdist.models.synthetic import synthetic_gradients
+    from simdist.sources.synthetic import synthetic_gradients
 
     source, rank = synthetic_gradients(comm.spec, seed, inputs), comm.get_rank()
     params = _run(False, 1).params()
@@ -266,7 +266,7 @@ class CheckpointVerdict:
     probes: dict[str, str] = field(default_factory=dict)
     """``scenario -> ranks: mapped params, unlinked fragments`` (`fragment_probe`)."""
     inputs: str = ""
-    """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
+    """The synthetic gradients' distribution (`simdist.sources.synthetic.describe_inputs`)."""
     power_checks: list[PowerCheck] = field(default_factory=list)
     """`fix_changes_state`; ``ok`` needs every one."""
 
@@ -341,7 +341,7 @@ def run(
     inputs: str = "rounding",
 ) -> CheckpointVerdict:
     """The six scenarios on 4 ranks (TP2/DP2/EP2), judged; ``mutation`` breaks the load on purpose (tests);
-    ``inputs`` names the synthetic gradients' distribution (`simdist.models.synthetic.Inputs`)."""
+    ``inputs`` names the synthetic gradients' distribution (`simdist.sources.synthetic.Inputs`)."""
     import deepspeed
 
     if mutation not in MUTATIONS:

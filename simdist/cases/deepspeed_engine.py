@@ -77,7 +77,7 @@ class EngineRun:
 
     def params(self):
         """The synthetic parameters this run's module holds."""
-        from simdist.models.synthetic import DEFAULT_PARAMS
+        from simdist.sources.synthetic import DEFAULT_PARAMS
 
         return tuple(p for p in DEFAULT_PARAMS if self.experts or p.family is not Family.EXPERT)
 
@@ -317,7 +317,7 @@ def staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
 def engine_rank(comm, runs: tuple[EngineRun, ...], seed: int, distribution: str = "rounding") -> list[EngineCapture]:
     """Rank program: every `EngineRun` on a fresh real engine; one `EngineCapture` each (DeepSpeed logs to stderr).
 
-    ``distribution`` names the synthetic gradients' (`simdist.models.synthetic.Inputs`)."""
+    ``distribution`` names the synthetic gradients' (`simdist.sources.synthetic.Inputs`)."""
     from simdist.cases.stdout import stdout_to_stderr
 
     with stdout_to_stderr():
@@ -351,7 +351,7 @@ def reset_groups() -> None:
 def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     import deepspeed
 
-    from simdist.models.synthetic import InitialWeights, synthetic_gradients
+    from simdist.sources.synthetic import InitialWeights, synthetic_gradients
 
     spec, rank = comm.spec, comm.get_rank()
     init_comm()

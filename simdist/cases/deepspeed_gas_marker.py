@@ -38,8 +38,8 @@ from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import Inputs, describe_inputs
 from simdist.policies.catalogue import get_policy
+from simdist.sources.synthetic import Inputs, describe_inputs
 from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 

@@ -94,7 +94,7 @@ class RankCapture:
 def deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int, inputs: str = "narrow") -> list[RankCapture]:
     """Rank program: every `DsRun` on this rank's real DeepSpeed optimizer; one `RankCapture` each.
 
-    ``inputs`` names the synthetic gradients' distribution (`simdist.models.synthetic.Inputs`; ``narrow``, the
+    ``inputs`` names the synthetic gradients' distribution (`simdist.sources.synthetic.Inputs`; ``narrow``, the
     old one, unless the caller names another). DeepSpeed's log lines go to stderr (`simdist.cases.stdout`):
     stdout belongs to the CLI's report.
     """
@@ -107,7 +107,7 @@ def deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int, inputs: str = "narr
 def _deepspeed_rank(comm, runs: tuple[DsRun, ...], seed: int, inputs: str) -> list[RankCapture]:
     import deepspeed
 
-    from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, synthetic_gradients
+    from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, synthetic_gradients
 
     spec = comm.spec
     folding = _setup_deepspeed(spec)

@@ -12,7 +12,7 @@ process mode), driven by `simdist.cases.deepspeed_engine` (which says what is do
 
 Compared with: `simdist.cases.deepspeed_wrappers_oracle.oracle`, written for this case and sharing no code with
 DeepSpeed or simdist's gradient path (the intended FP32 computation; its TP sums in gloo's order, the real
-engine's). Its inputs are the same seeded BF16 local gradients (`simdist.models.synthetic`, the ``rounding``
+engine's). Its inputs are the same seeded BF16 local gradients (`simdist.sources.synthetic`, the ``rounding``
 distribution by default), which the case checks bitwise against the engine's. The default run asserts the
 case's findings and runs its power checks (`simdist.cases.deepspeed_wrappers_checks`): ``ok`` is false when a
 finding fails or a control shows no power.
@@ -44,7 +44,7 @@ from simdist.cases.deepspeed_wrappers_oracle import (
     oracle,
 )
 from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
-from simdist.models.synthetic import Inputs, describe_inputs
+from simdist.sources.synthetic import Inputs, describe_inputs
 from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import ParallelSpec
 
@@ -102,7 +102,7 @@ class WrappersVerdict:
     casts/accumulations/stores of floats and the floating collectives with their dtype, with DeepSpeed's
     ``file:line``."""
     inputs: str = ""
-    """The synthetic gradients' distribution (`simdist.models.synthetic.describe_inputs`)."""
+    """The synthetic gradients' distribution (`simdist.sources.synthetic.describe_inputs`)."""
     findings: list = field(default_factory=list)
     """The case's claims (`simdist.cases.deepspeed_wrappers_checks.findings`) and whether each held."""
     power_checks: list[PowerCheck] = field(default_factory=list)

@@ -33,7 +33,7 @@ import torch
 
 from simdist.cases.deepspeed_engine import EngineRun
 from simdist.cases.deepspeed_wrappers_oracle import OracleControl, RunResult, judge_run
-from simdist.models.synthetic import Inputs
+from simdist.sources.synthetic import Inputs
 from simdist.studies.power import PowerCheck
 from simdist.world.spec import ParallelSpec
 

@@ -23,15 +23,15 @@ import torch
 from simdist.cases.deepspeed_engine import BETAS, BOUNDARY_PASS, EPS, LR, WEIGHT_DECAY, EngineCapture, EngineRun
 from simdist.gradpath.families import Correction, Family
 from simdist.gradpath.oracle import dp_kind
-from simdist.models.synthetic import InitialWeights, Inputs, synthetic_gradients
 from simdist.numerics.floats import bits
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import InitialWeights, Inputs, synthetic_gradients
 from simdist.world.spec import ParallelSpec
 
 BF16_LEVEL = 2.0**-16
 """An error above this fraction of sum|terms| is a BF16 rounding; FP32 order effects stay far below it."""
 
-GLOO = make_model("gloo")
+GLOO = make_reduction("gloo")
 """The order of the oracle's TP sums: gloo's (the real engine all-reduces on gloo processes)."""
 
 

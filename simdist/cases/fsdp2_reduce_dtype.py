@@ -40,10 +40,10 @@ from simdist.gradpath.families import Family
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -68,7 +68,7 @@ class Config:
     default of 3 every FP32 sum here was exact and a transcription in any order matched; with 16, one in
     sequential, tree or ring order differs from real FSDP2 in every compared tensor, gloo's order in none)."""
     reduction: str = "gloo"
-    """The reduction model of the transcription (the real run always sums in its backend's order)."""
+    """The reduction of the transcription (the real run always sums in its backend's order)."""
 
     def __post_init__(self) -> None:
         if self.spec.tp != 1 or self.spec.ep != 1:
@@ -181,7 +181,7 @@ def transcription(config: Config, policy: Policy) -> list[Trace]:
     """``policy`` on SimWorld from the same local gradients, summed in ``config.reduction``'s order."""
     path = PathConfig(steps=config.steps, gas=config.gas, seed=config.seed)
     grads = SyntheticGradients(config.spec, seed=config.seed, spread=config.spread)
-    world = SimWorld(config.spec, reduction=make_model(config.reduction))
+    world = SimWorld(config.spec, reduction=make_reduction(config.reduction))
     return world.run(train_rank, list(DEFAULT_PARAMS), InitialWeights(config.spec, config.seed), grads, policy, path)
 
 

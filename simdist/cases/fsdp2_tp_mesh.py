@@ -53,7 +53,7 @@ from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name
 from simdist.gradpath.probes import Trace
 from simdist.numerics.floats import bits, unit_roundoff
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -260,7 +260,7 @@ def simdist_traces(config: Config, runs: list[RealRun], policy: Policy) -> list[
     params = list(param_specs(runs))
     # FSDP2 has no correction-once marker: whatever TP stage a gradient has runs on every micro-step
     path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker=Marker.PER_MICRO_STEP)
-    return SimWorld(config.spec, reduction=make_model("gloo")).run(
+    return SimWorld(config.spec, reduction=make_reduction("gloo")).run(
         train_rank, params, zero_weights, RecordedGradients(runs), policy, path, frozenset({"hp"})
     )
 

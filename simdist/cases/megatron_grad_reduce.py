@@ -32,7 +32,7 @@ the same policy with the TP correction before the DP reduction (``correct_at="bo
 chain until the case found the order) against Megatron, on the TP-reduced parameters. On DP4 the boundary
 is not claimed: Megatron all-reduces each bucket as one flat buffer (parameters in reverse order), the
 policy each parameter alone, and gloo's summation order of an element depends on its offset; the case
-checks bitwise that the policy's DP stages applied to the flat bucket, reduced by simdist's gloo model, are
+checks bitwise that the policy's DP stages applied to the flat bucket, reduced by simdist's gloo reduction, are
 what Megatron computes.
 """
 
@@ -54,10 +54,10 @@ from simdist.gradpath.kernel import Marker, apply_stage
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import BOUNDARY, Trace
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -212,7 +212,7 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
     """The policy on simdist's gradient path (SimWorld, gloo's order): hp per micro-step, dp_reduced."""
     spec = config.spec(layout)
     path = PathConfig(steps=1, gas=config.gas, seed=config.seed, marker=Marker.PER_MICRO_STEP)
-    return SimWorld(spec, reduction=make_model("gloo")).run(
+    return SimWorld(spec, reduction=make_reduction("gloo")).run(
         train_rank,
         list(PARAMS),
         zero_weights,
@@ -225,7 +225,7 @@ def transcription(config: Config, layout: str, policy: Policy) -> list[Trace]:
 
 def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]) -> list[Trace]:
     """The policy's DP stages on one flat bucket per rank (parameters in reverse order, as Megatron lays out its
-    buffer), reduced with simdist's gloo model: the boundary as Megatron runs it when DP is the whole world."""
+    buffer), reduced with simdist's gloo reduction: the boundary as Megatron runs it when DP is the whole world."""
     spec = config.spec(layout)
     if spec.tp != 1 or spec.dp != spec.world_size:
         raise UsageError("the flat-bucket boundary is modelled for DP-only layouts")
@@ -238,7 +238,7 @@ def flat_bucket(config: Config, layout: str, policy: Policy, traces: list[Trace]
         for stage in stages[:at]:
             value = apply_stage(stage, value)
         buffers.append(value)
-    value = make_model("gloo").reduce(torch.stack(buffers))
+    value = make_reduction("gloo").reduce(torch.stack(buffers))
     for stage in stages[at + 1 :]:
         value = apply_stage(stage, value)
     out = []
@@ -285,7 +285,7 @@ class RunResult:
     boundary_vs_policy: Figures | None = None
     """DP > 2: the boundary captures (not claimed: the policy reduces each parameter alone) vs the policy."""
     boundary_vs_flat_bucket: Match | None = None
-    """DP > 2: the same vs the policy's DP stages on Megatron's flat bucket, reduced by simdist's gloo model."""
+    """DP > 2: the same vs the policy's DP stages on Megatron's flat bucket, reduced by simdist's gloo reduction."""
     simdist_chains: dict[str, str] = field(default_factory=dict)
 
 

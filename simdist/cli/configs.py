@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from simdist.cases.world import World
-from simdist.reduce import Reduction
+from simdist.reduce import ReductionName
 from simdist.studies.growth import GrowthConfig
 from simdist.studies.repro import EXPECTATIONS, ReproConfig
 from simdist.world.options import DEFAULT_REDUCTION
@@ -53,7 +53,7 @@ class ReproCommand:
         default="toy",
         metadata={
             "help": "toy (simdist's synthetic parameters), production (one MoE layer of every model of "
-            "simdist.models.production at full router and norm size) or one catalogue model, e.g. Mixtral-8x7B"
+            "simdist.sources.production at full router and norm size) or one catalogue model, e.g. Mixtral-8x7B"
         },
     )
     all_tensors: bool = field(
@@ -108,7 +108,7 @@ class RunCommand:
     """``simdist run --nproc N SCRIPT [ARGS...]``: an unmodified torchrun script on simdist rank processes."""
 
     nproc: int = field(default=1, metadata={"required": True, "minimum": 1, "help": "number of rank processes"})
-    reduction: Reduction = field(default=DEFAULT_REDUCTION, metadata={"help": "reduction of every group"})
+    reduction: ReductionName = field(default=DEFAULT_REDUCTION, metadata={"help": "reduction of every group"})
     report_backend: bool = field(
         default=False, metadata={"help": "dist.get_backend() answers the name the script asked for"}
     )

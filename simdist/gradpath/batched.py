@@ -3,18 +3,18 @@
 `BatchedOps` is the `simdist.gradpath.kernel.Ops` of tensors with leading
 ``[batch, rank]`` dimensions. A group collective gathers each group's members
 along the rank dimension, in group-rank order, and applies the group's
-`ReductionModel` to the stacked members -- for any group size and any layout a
+`Reduction` to the stacked members -- for any group size and any layout a
 `ParallelSpec` derives -- then hands every member its group's result. Nothing
 reduces across the batch dimension: batch item ``b`` holds the bits a separate
 run would hold (``tests/unit/test_gradpath_batched.py`` proves this against
 `simdist.gradpath.path.train_rank` on `SimWorld` threads, for every policy,
-reduction model and several layouts).
+reduction and several layouts).
 
 `BatchedPath` runs `simdist.gradpath.kernel.GradPath` (the one implementation
 of the stage logic) on `BatchedOps`: the growth study and the Hypothesis
 properties use it.
 
-Reduction models see each reduction's members in their logical shape: models
+Reductions see each reduction's members in their logical shape: reductions
 whose order depends on an element's position (ring chunks, gloo's segments)
 are applied with the position plan of one member, vectorised over the batch
 (`batched_sum`), never to a tensor whose flat length includes the batch.
@@ -34,23 +34,23 @@ from simdist.gradpath.path import PathConfig, stochastic_generator
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world.simworld import ReductionChoice, reduction_table
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum", "initial_buffer"]
 
 
-def batched_sum(model: ReductionModel, stacked: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``model``'s SUM of many independent reductions at once: ``[k, *batch, *shape] -> [*batch, *shape]``.
+def batched_sum(reduction: Reduction, stacked: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``reduction``'s SUM of many independent reductions at once: ``[k, *batch, *shape] -> [*batch, *shape]``.
 
     ``shape`` is one member's logical shape (default: everything after dim 1, i.e. one batch dimension).
-    Equal, bit for bit, to ``model.reduce`` of each reduction ``stacked[:, i]`` in turn. The model says how
-    (`ReductionModel.sum_many`: its fold plan, applied to the whole batch with the per-element positions of
+    Equal, bit for bit, to ``reduction.reduce`` of each reduction ``stacked[:, i]`` in turn. The reduction says how
+    (`Reduction.sum_many`: its fold plan, applied to the whole batch with the per-element positions of
     one member; ``position_free`` orders on the stacked tensor as it is; or its own batched schedule); this
-    module never looks at the model's class.
+    module never looks at the reduction's class.
     """
-    return model.sum_many(stacked, shape)
+    return reduction.sum_many(stacked, shape)
 
 
 GroupTable = tuple[str, torch.Tensor, torch.Tensor, int, int]
@@ -84,7 +84,7 @@ def _group_tables(spec: ParallelSpec) -> tuple[dict[str, GroupTable], torch.Tens
 class BatchedOps:
     """`simdist.gradpath.kernel.Ops` for ``[batch, rank, ...]`` tensors of a `ParallelSpec`.
 
-    ``reduction`` chooses the reduction model as `SimWorld`'s does (a name, a model, or a group kind -> model
+    ``reduction`` chooses the reduction as `SimWorld`'s does (a name, a reduction, or a group kind -> reduction
     table; default `simdist.world.options.DEFAULT_REDUCTION`). ``seeds`` are the per-batch-item seeds of
     stochastic rounding (``PathConfig.seed`` of each run).
     """
@@ -98,22 +98,22 @@ class BatchedOps:
     ) -> None:
         self.spec, self.seeds = spec, list(seeds)
         self.batch: tuple[int, ...] = (len(self.seeds), spec.world_size)
-        self.models, self.default_model = reduction_table(reduction)
+        self.reductions, self.default_reduction = reduction_table(reduction)
         self._tables, self._tp_root = _group_tables(spec)
 
-    def model_for(self, kind: str) -> ReductionModel:
-        return self.models.get(kind, self.default_model)
+    def reduction_for(self, kind: str) -> Reduction:
+        return self.reductions.get(kind, self.default_reduction)
 
-    def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
-        model = model or self.model_for(kind)
+    def all_reduce(self, value: torch.Tensor, kind: str, reduction: Reduction | None = None) -> torch.Tensor:
+        reduction = reduction or self.reduction_for(kind)
         layout, members, where, count, k = self._tables[kind]
         dims = value.shape
         batch, shape = dims[0], dims[2:]
         if k == 1:
-            return batched_sum(model, value.unsqueeze(0), shape)
+            return batched_sum(reduction, value.unsqueeze(0), shape)
         if layout == "index":
             stacked = value.index_select(1, members).view(batch, count, k, *shape).movedim(2, 0)
-            return batched_sum(model, stacked, shape).index_select(1, where)  # [batch, G, *shape] to the ranks
+            return batched_sum(reduction, stacked, shape).index_select(1, where)  # [batch, G, *shape] to the ranks
         # the groups are views [k, batch, G, *shape] of the rank dimension (rank g * k + j: blocks; j * G + g:
         # strided); every member's copy of its group's result is written into the same view of the result
         result = torch.empty_like(value, memory_format=torch.contiguous_format)
@@ -124,7 +124,7 @@ class BatchedOps:
         else:
             stacked = value.as_strided(size, (count * vs[1], vs[0], vs[1], *vs[2:]))
             out = result.as_strided(size, (count * rs[1], rs[0], rs[1], *rs[2:]))
-        model.sum_many_into(stacked, out, shape)
+        reduction.sum_many_into(stacked, out, shape)
         return result
 
     def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:
@@ -207,7 +207,7 @@ class BatchedPath:
     """`GradPath` on `BatchedOps`: one policy's runs for every batch item and rank, stepped together.
 
     ``initial`` gives each batch item's ``(rank, param) -> initial weight`` (one callable per item, e.g.
-    `simdist.models.synthetic.InitialWeights` per seed), or is the flat ``[batch, rank, N]`` buffer
+    `simdist.sources.synthetic.InitialWeights` per seed), or is the flat ``[batch, rank, N]`` buffer
     (`initial_buffer`; it is copied); ``seeds`` are the items' ``PathConfig.seed``
     (default: ``config.seed`` for every item). ``reduction`` goes to `BatchedOps`. ``keep`` selects captures
     (default none); ``norm`` computes the global gradient norm (always when ``config.max_norm > 0``).

@@ -8,7 +8,7 @@ is here, once. What differs between its two adapters (per rank, rank-batched) is
 a value meets the other ranks, which `Ops` says:
 
 * `Ops.all_reduce` -- SUM over the rank's group of a kind (``tp``, ``dp``,
-  ``edp``, ``ep``), optionally in a given `ReductionModel`'s order;
+  ``edp``, ``ep``), optionally in a given `Reduction`'s order;
 * `Ops.stochastic_cast` -- seeded stochastic rounding (the seed names the rank);
 * `Ops.on_tp_root` / `Ops.grad_norm` -- the rank-dependent parts of the norm.
 
@@ -39,7 +39,7 @@ from simdist.errors import UsageError
 from simdist.gradpath.families import Correction, Family, ParamSpec
 from simdist.gradpath.policy import Policy, Stage
 from simdist.gradpath.probes import BOUNDARY
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 
 
 class Marker(enum.StrEnum):
@@ -73,8 +73,8 @@ class Ops(Protocol):
 
     batch: tuple[int, ...]
 
-    def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
-        """A new tensor: the SUM of ``value`` over the rank's group of ``kind`` (``model``'s order if given)."""
+    def all_reduce(self, value: torch.Tensor, kind: str, reduction: Reduction | None = None) -> torch.Tensor:
+        """A new tensor: the SUM of ``value`` over the rank's group of ``kind`` (``reduction``'s order if given)."""
         ...
 
     def stochastic_cast(self, value: torch.Tensor, dtype: torch.dtype, key: tuple[int, int, int]) -> torch.Tensor:
@@ -263,7 +263,7 @@ class GradPath:
 
     def apply(self, stage: Stage, value: torch.Tensor, key: tuple[int, int, int]) -> torch.Tensor:
         """Run one non-accumulating stage on ``value``; a new tensor (`apply_stage` with this path's ops)."""
-        return apply_stage(stage, value, self.ops, key, self.policy.tp_model)
+        return apply_stage(stage, value, self.ops, key, self.policy.tp_reduction)
 
     # -- the boundary ----------------------------------------------------------------------------------------------
 
@@ -372,12 +372,12 @@ def apply_stage(
     value: torch.Tensor,
     ops: Ops | None = None,
     key: tuple[int, int, int] = (0, 0, 0),
-    tp_model: ReductionModel | None = None,
+    tp_reduction: Reduction | None = None,
 ) -> torch.Tensor:
     """Run one non-accumulating stage of a policy on ``value``; a new tensor. The one stage interpreter: the
     kernel's micro-steps and boundary, and the cases that replay a policy's stages on their own buffers.
 
-    ``ops`` meets the other ranks (an ``all_reduce`` stage, in ``tp_model``'s order for the TP group; a
+    ``ops`` meets the other ranks (an ``all_reduce`` stage, in ``tp_reduction``'s order for the TP group; a
     stochastic cast, seeded by ``key = (step, micro, index)``); element-wise stages need none.
     """
     kind = stage.kind
@@ -387,8 +387,8 @@ def apply_stage(
             return _needs(ops, stage).stochastic_cast(value, stage.dtype, key)
         return value.to(stage.dtype)
     if kind == "all_reduce":
-        model = tp_model if stage.group == "tp" else None
-        return _needs(ops, stage).all_reduce(value, stage.group, model)
+        reduction = tp_reduction if stage.group == "tp" else None
+        return _needs(ops, stage).all_reduce(value, stage.group, reduction)
     if kind == "divide":
         return value / stage.divisor
     if kind == "scale":

@@ -4,7 +4,7 @@ This is the accepted numerical reference of the #8913 report ("an explicit FP32
 TP-then-DP/per-parameter reducer" next to a real optimizer), written so that it
 shares no code with the gradient path it judges (`simdist.gradpath.kernel`,
 `simdist.gradpath.policy`, `simdist.gradpath.path`, `simdist.gradpath.batched`):
-only the reduction models (`simdist.reduce`), the group tables
+only the reductions (`simdist.reduce`), the group tables
 (`ParallelSpec.groups`), the parameter list (`ParamSpec`) and the capture names
 (`simdist.gradpath.probes`) are shared (``tests/unit/test_import_graph.py``
 checks every import of the oracle's modules, lazy ones included).
@@ -15,10 +15,10 @@ Per optimizer step, for every parameter, in plain loops over ranks and groups:
    the TP correction of the parameter's family (`CORRECTIONS`, restated
    from DeepSpeed's ``auto_ep_folding.py``, not read from
    `simdist.gradpath.families`) runs on the staged values of each TP group --
-   the group's ``tp_model`` sum and/or ``/ tp`` -- on every micro-step, and
+   the group's ``tp_reduction`` sum and/or ``/ tp`` -- on every micro-step, and
    the result is added to the rank's ``dtype`` accumulation buffer;
 2. at the boundary, each DP group (the EDP group for routed experts) sums its
-   members' buffers in ``dp_model``'s order and scales by ``1 / dp`` (the
+   members' buffers in ``dp_reduction``'s order and scales by ``1 / dp`` (the
    dense DP size, for experts too);
 3. the reduced gradient is the ``.grad`` of the ``dtype`` master weights
    (every rank's and parameter's, in one flat tensor: AdamW is element-wise),
@@ -33,7 +33,7 @@ makes the gradient path and the oracle disagree (tested). A test also checks tha
 restated table equals DeepSpeed's own strategy names for the synthetic
 parameters (the ``deepspeed-8913`` case records them from the real code).
 
-Where every TP or DP group has two members, a group sum is one addition whatever the model's order, and
+Where every TP or DP group has two members, a group sum is one addition whatever the reduction's order, and
 `Oracle.step` (when nothing is captured) runs that stage for every parameter at once on one flat buffer
 (`FusedPairs`, a third of the per-parameter step's time in the growth study); a NaN in such a sum, whose
 payload does depend on the order, sends the stage back to the per-parameter loops. Tested equal, bit for bit.
@@ -52,7 +52,7 @@ The oracle's modules, one concept each (import the names from here):
 
 * `oracle_rules` -- what it computes, restated: `CORRECTIONS`, `DEEPSPEED_STRATEGY`, `correction`, `dp_kind`,
   the power checks' `Control`, `AdamWSettings`;
-* `oracle_sums` -- how it sums a group: `group_sums` per parameter in the model's order, `FusedPairs` for every
+* `oracle_sums` -- how it sums a group: `group_sums` per parameter in the reduction's order, `FusedPairs` for every
   parameter at once where groups have two members;
 * `oracle_step` -- `Oracle`: the state of every rank and one optimizer step;
 * `oracle_runs` -- several steps' captures: `oracle_values`, `oracle_traces`.

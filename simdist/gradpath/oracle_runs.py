@@ -16,7 +16,7 @@ from simdist.gradpath.families import ParamSpec
 from simdist.gradpath.oracle_rules import Control
 from simdist.gradpath.oracle_step import Key, Oracle
 from simdist.gradpath.probes import Trace
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world.spec import ParallelSpec
 
 Values = dict[tuple[int, int, str, str], torch.Tensor]
@@ -31,12 +31,12 @@ def oracle_values(
     *,
     steps: int,
     gas: int,
-    tp_model: ReductionModel,
-    dp_model: ReductionModel,
+    tp_reduction: Reduction,
+    dp_reduction: Reduction,
     dtype: torch.dtype = torch.float32,
     adam=None,
     keep: frozenset[str] | None = None,
-    world_model: ReductionModel | None = None,
+    world_model: Reduction | None = None,
     control: Control | None = None,
 ) -> Values:
     """The oracle's captures over ``steps`` optimizer steps (unbatched), every rank's in one ``[rank, *shape]``
@@ -46,7 +46,7 @@ def oracle_values(
     ``stacked(step, micro)`` gives ``{name: [rank, *shape]}`` (every rank's gradients at once); or a gradient
     source with ``backward(comm, step, micro, lp, deliver, hooks)`` (a model: its gradients depend on the
     oracle's own parameters), which then runs on a `SimWorld` whose groups use ``world_model`` (default
-    ``dp_model``).
+    ``dp_reduction``).
     """
     values: Values = {}
     oracle = Oracle(
@@ -54,8 +54,8 @@ def oracle_values(
         params,
         {(r, p.name): initial(r, p).to(torch.bfloat16) for r in range(spec.world_size) for p in params},
         dtype=dtype,
-        tp_model=tp_model,
-        dp_model=dp_model,
+        tp_reduction=tp_reduction,
+        dp_reduction=dp_reduction,
         adam=adam,
         control=control,
     )
@@ -68,7 +68,7 @@ def oracle_values(
     source: Callable[[int, Mapping[Key, torch.Tensor]], Mapping]
     for step in range(steps):
         if hasattr(local_grads, "backward"):
-            source = _SourceGrads(spec, params, local_grads, step, world_model or dp_model)
+            source = _SourceGrads(spec, params, local_grads, step, world_model or dp_reduction)
         elif hasattr(local_grads, "stacked"):
 
             def source(micro, lp, step=step):
@@ -93,7 +93,7 @@ def oracle_traces(
     **options: Any,
 ) -> list[Trace]:
     """Every rank's `Trace` of the oracle over ``steps`` optimizer steps (unbatched): `oracle_values` (which
-    takes the same arguments: ``steps``, ``gas``, ``tp_model``, ``dp_model``, ...), split by rank."""
+    takes the same arguments: ``steps``, ``gas``, ``tp_reduction``, ``dp_reduction``, ...), split by rank."""
     values = oracle_values(spec, params, initial, local_grads, keep=keep, **options)
     traces = [Trace(r, keep) for r in range(spec.world_size)]
     for key, value in values.items():
@@ -106,8 +106,8 @@ class _SourceGrads:
     """Local gradients of a model for one step: its forward/backward on every rank of a `SimWorld`, with the
     oracle's BF16 parameters."""
 
-    def __init__(self, spec, params, source, step: int, model: ReductionModel) -> None:
-        self.spec, self.params, self.source, self.step, self.model = spec, params, source, step, model
+    def __init__(self, spec, params, source, step: int, reduction: Reduction) -> None:
+        self.spec, self.params, self.source, self.step, self.reduction = spec, params, source, step, reduction
 
     def __call__(self, micro: int, lp: Mapping[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
         from simdist.world.simworld import SimWorld
@@ -119,5 +119,5 @@ class _SourceGrads:
             self.source.backward(comm, self.step, micro, weights, lambda n, g: got.__setitem__(n, g.detach()), False)
             return got
 
-        results = SimWorld(self.spec, reduction=self.model, timeout_s=None).run(rank)
+        results = SimWorld(self.spec, reduction=self.reduction, timeout_s=None).run(rank)
         return {(r, name): g for r, got in enumerate(results) for name, g in got.items()}

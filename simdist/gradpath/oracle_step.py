@@ -17,7 +17,7 @@ from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.oracle_rules import AdamWSettings, Control, correction, dp_kind
 from simdist.gradpath.oracle_sums import FusedPairs, group_sums, stacked
 from simdist.gradpath.probes import BOUNDARY, Capture
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world.spec import ParallelSpec
 
 Key = tuple[int, str]
@@ -52,8 +52,8 @@ class Oracle:
         initial: dict[Key, torch.Tensor],
         *,
         dtype: torch.dtype = torch.float32,
-        tp_model: ReductionModel,
-        dp_model: ReductionModel,
+        tp_reduction: Reduction,
+        dp_reduction: Reduction,
         adam=None,
         max_norm: float = 0.0,
         fused: bool = True,
@@ -64,7 +64,7 @@ class Oracle:
             fused = False  # the fused stage knows only the oracle's own rules
         if max_norm:
             raise UsageError("the independent oracle does not clip: run it with max_norm = 0")
-        self.spec, self.dtype, self.tp_model, self.dp_model = spec, dtype, tp_model, dp_model
+        self.spec, self.dtype, self.tp_reduction, self.dp_reduction = spec, dtype, tp_reduction, dp_reduction
         self.params = list(params)
         self.trained = [p for p in self.params if not p.frozen]
         self.ranks = range(spec.world_size)
@@ -148,7 +148,7 @@ class Oracle:
             kind = dp_kind(p.family)
             if p.family is Family.EXPERT and self.control.expert_dp is not None:
                 kind = self.control.expert_dp
-            reduced = group_sums(self.spec, self.dp_model, kind, hp[p.name], p.shape, scale=1.0 / self.spec.dp)
+            reduced = group_sums(self.spec, self.dp_reduction, kind, hp[p.name], p.shape, scale=1.0 / self.spec.dp)
             if self.control.dp_then_tp:
                 reduced = self._tp_correct(reduced, p, *correction(p.family, self.spec.tp), step, BOUNDARY, seen)
             seen(step, BOUNDARY, p.name, Capture.DP_REDUCED, reduced)
@@ -180,9 +180,9 @@ class Oracle:
         if reduces:
             summed_dtype = self.control.tp_sum_dtype
             if summed_dtype is None:
-                value = group_sums(self.spec, self.tp_model, "tp", value, p.shape)
+                value = group_sums(self.spec, self.tp_reduction, "tp", value, p.shape)
             else:
-                value = group_sums(self.spec, self.tp_model, "tp", value.to(summed_dtype), p.shape).to(self.dtype)
+                value = group_sums(self.spec, self.tp_reduction, "tp", value.to(summed_dtype), p.shape).to(self.dtype)
             if divides:
                 seen(step, micro, p.name, Capture.TP_REDUCED, value)
         if divides:

@@ -1,4 +1,4 @@
-"""How the oracle sums a group: per parameter in the reduction model's order, and every parameter at once where a
+"""How the oracle sums a group: per parameter in the reduction's order, and every parameter at once where a
 group has two members.
 
 Part of the independent oracle (`simdist.gradpath.oracle`); it shares no code with the gradient path. Values are
@@ -17,7 +17,7 @@ import torch
 
 from simdist.gradpath.families import ParamSpec
 from simdist.gradpath.oracle_rules import correction, dp_kind
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world.spec import ParallelSpec
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ def pair_indexes(groups: tuple[tuple[int, ...], ...], world: int) -> tuple[torch
     return first, second, torch.tensor(group_of)
 
 
-def group_sum(model: ReductionModel, members: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    """``model``'s sum of one group's members, each batch item on its own: a reduction model's order depends on
+def group_sum(reduction: Reduction, members: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """``reduction``'s sum of one group's members, each batch item on its own: a reduction's order depends on
     the size of the tensor a rank hands in (a parameter's), not on how many seeds ride along.
 
     Two members are one addition, which every order performs on the same two values, and IEEE addition is
@@ -49,25 +49,25 @@ def group_sum(model: ReductionModel, members: list[torch.Tensor], shape: tuple[i
     operand's, so it depends on the order): then, as for more members, each item is reduced on its own."""
     batch = members[0].shape[: members[0].dim() - len(shape)]
     if not batch:
-        return model.reduce(members)
+        return reduction.reduce(members)
     if len(members) <= 2:
-        out = model.reduce(members)
+        out = reduction.reduce(members)
         if not math.isnan(out.sum().item()):  # a NaN anywhere makes the sum NaN (inf - inf only adds false alarms)
             return out
     flat = [m.reshape(-1, *shape) for m in members]
-    items = [model.reduce([m[i] for m in flat]) for i in range(flat[0].shape[0])]
+    items = [reduction.reduce([m[i] for m in flat]) for i in range(flat[0].shape[0])]
     return torch.stack(items).reshape(*batch, *shape)
 
 
 def group_sums(
     spec: ParallelSpec,
-    model: ReductionModel,
+    reduction: Reduction,
     kind: str,
     value: torch.Tensor,
     shape: tuple[int, ...],
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Every rank's group sum (``model``'s order, group-rank order) of ``value`` ``[*batch, rank, *shape]`` over
+    """Every rank's group sum (``reduction``'s order, group-rank order) of ``value`` ``[*batch, rank, *shape]`` over
     the groups of ``kind``, times ``scale`` if given, in a new tensor."""
     dim = value.dim() - len(shape) - 1
     groups = spec.groups(kind)
@@ -76,12 +76,12 @@ def group_sums(
         # batch items, as the seeds do in `group_sum`), then each rank takes its group's sum
         first, second, group_of = pair_indexes(groups, spec.world_size)
         pairs = [value.index_select(dim, first), value.index_select(dim, second)]
-        out = group_sum(model, pairs, shape).index_select(dim, group_of)
+        out = group_sum(reduction, pairs, shape).index_select(dim, group_of)
         return out if scale is None else out * scale
     sums: dict[int, torch.Tensor] = {}
     rows = value.unbind(dim)
     for group in groups:
-        total = group_sum(model, [rows[r].contiguous() for r in group], shape)
+        total = group_sum(reduction, [rows[r].contiguous() for r in group], shape)
         for r in group:
             sums[r] = total
     out = torch.stack([sums[r] for r in range(spec.world_size)], dim=dim)
@@ -121,9 +121,9 @@ class FusedPairs:
     def _pair_sums(self, kind: str, value: torch.Tensor) -> torch.Tensor | None:
         """Every rank's two-member group sum of the flat ``value`` ``[*batch, rank, N]``; None if it holds a NaN.
 
-        One IEEE addition, written here rather than asked of the reduction model: every model performs this same
+        One IEEE addition, written here rather than asked of the reduction: every reduction performs this same
         addition on a pair (only a NaN's payload depends on which member receives, and a NaN sends the stage to
-        the per-parameter loops, which ask the model), so the fused stage shares no code with the gradient path."""
+        the per-parameter loops, which ask the reduction), so the fused stage shares no code with the gradient path."""
         dim = value.dim() - 2
         first, second, group_of = pair_indexes(self.spec.groups(kind), self.spec.world_size)
         out = value.index_select(dim, first) + value.index_select(dim, second)

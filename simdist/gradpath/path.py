@@ -62,7 +62,7 @@ from simdist.gradpath.kernel import GradPath, Marker, UpdatePath, adamw_step, co
 from simdist.gradpath.policy import Policy, predivide_factor
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
-from simdist.reduce import ReduceOp, ReductionModel
+from simdist.reduce import ReduceOp, Reduction
 from simdist.world.groups import Comm
 
 __all__ = [
@@ -154,12 +154,14 @@ class CommOps:
         self.groups = {kind: comm.group(kind) for kind in ("tp", "dp", "edp", "ep")}
         self.tp_root = self.groups["tp"].rank_of(self.rank) == 0
 
-    def all_reduce(self, value: torch.Tensor, kind: str, model: ReductionModel | None = None) -> torch.Tensor:
+    def all_reduce(self, value: torch.Tensor, kind: str, reduction: Reduction | None = None) -> torch.Tensor:
         group = self.groups[kind]
-        if model is not None:  # the policy's own order: gather every member's value (exact), then model's sum
+        if (
+            reduction is not None
+        ):  # the policy's own order: gather every member's value (exact), then the reduction's sum
             gathered = torch.empty(group.size * value.numel(), dtype=value.dtype, device=value.device)
             self.comm.all_gather_into_tensor(gathered, value.contiguous().view(-1), group=group)  # flat: gloo's shapes
-            return model.reduce(gathered.view(group.size, *value.shape))
+            return reduction.reduce(gathered.view(group.size, *value.shape))
         out = value.clone()
         self.comm.all_reduce(out, op=ReduceOp.SUM, group=group)
         return out

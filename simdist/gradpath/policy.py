@@ -29,7 +29,7 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.gradpath.families import Correction, Family
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -102,9 +102,9 @@ class Policy:
     * ``dp_reduce`` / ``dp_scale`` / ``dp_at`` -- dtype, normalisation and
       timing of the data-parallel reduction;
     * ``master`` / ``moments`` -- dtypes of the master weights and Adam moments;
-    * ``tp_model`` -- a reduction model for the TP all-reduce (default: the
+    * ``tp_reduction`` -- a reduction for the TP all-reduce (default: the
       world's); the path then all-gathers the TP values (exact) and sums them
-      in that model's order on every member.
+      in that reduction's order on every member.
     """
 
     name: str
@@ -121,7 +121,7 @@ class Policy:
     master: torch.dtype = torch.float32
     moments: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.bfloat16
-    tp_model: ReductionModel | None = None
+    tp_reduction: Reduction | None = None
 
     def __post_init__(self) -> None:
         """Reject a field the path cannot run, in one line naming the field and its valid values (a ValueError:
@@ -158,10 +158,10 @@ class Policy:
             raise UsageError(
                 f"Policy {self.name!r}: expert_in_grad_dtype={self.expert_in_grad_dtype!r}; valid: True, False"
             )
-        if self.tp_model is not None and not isinstance(self.tp_model, ReductionModel):
+        if self.tp_reduction is not None and not isinstance(self.tp_reduction, Reduction):
             raise UsageError(
-                f"Policy {self.name!r}: tp_model={self.tp_model!r} is not a ReductionModel "
-                "(simdist.reduce.make_model(name) builds one) or None"
+                f"Policy {self.name!r}: tp_reduction={self.tp_reduction!r} is not a Reduction "
+                "(simdist.reduce.make_reduction(name) builds one) or None"
             )
 
     def correction_stages(self, correction: Correction, tp: int, dtype: torch.dtype) -> list[Stage]:

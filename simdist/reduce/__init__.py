@@ -1,25 +1,25 @@
-"""Reduction models: how a collective sums and where it rounds (pure functions of the per-rank tensors).
+"""Reductions: how a collective sums and where it rounds (pure functions of the per-rank tensors).
 
 `plan` holds `FoldPlan`, an order precomputed once and applied as one copy, one strided view and the adds;
-`base` defines `ReduceOp` and the `ReductionModel` interface (a model's order is its plan; its capabilities
-are attributes); `models` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
+`base` defines `ReduceOp` and the `Reduction` interface (a reduction's order is its plan; its capabilities
+are attributes); `reductions` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
 gloo backend found by experiment (its schedule, one hop's arithmetic and which elements it reads:
 `gloo_schedule`, `gloo_arith`, `gloo_layout`); `nccl` NCCL's order from its source (likewise
 `nccl_schedule`, `nccl_arith`, `nccl_layout`); `native` an optional C kernel that applies fold plans with the
-same bits; `registry` builds a model by name (`Reduction`: each name with its class). Adding a model is one
-`ReductionModel` subclass and one `Reduction` member; nothing else names its class.
+same bits; `registry` builds a reduction by name (`ReductionName`: each name with its class). Adding a reduction is one
+`Reduction` subclass and one `ReductionName` member; nothing else names its class.
 """
 
-from simdist.reduce.base import AvgMode, PerItemWarning, ReduceOp, ReductionModel, Tensors, as_stacked
+from simdist.reduce.base import AvgMode, PerItemWarning, ReduceOp, Reduction, Tensors, as_stacked
 from simdist.reduce.gloo import Gloo
-from simdist.reduce.models import Ring, Sequential, Tree, Upcast
 from simdist.reduce.nccl import Nccl
 from simdist.reduce.plan import FoldPlan, fold
-from simdist.reduce.registry import MODEL_NAMES, MODELS, Reduction, make_model
+from simdist.reduce.registry import REDUCTION_NAMES, REDUCTIONS, ReductionName, make_reduction
+from simdist.reduce.textbook import Ring, Sequential, Tree, Upcast
 
 __all__ = [
-    "MODELS",
-    "MODEL_NAMES",
+    "REDUCTIONS",
+    "REDUCTION_NAMES",
     "AvgMode",
     "FoldPlan",
     "Gloo",
@@ -27,7 +27,7 @@ __all__ = [
     "PerItemWarning",
     "ReduceOp",
     "Reduction",
-    "ReductionModel",
+    "ReductionName",
     "Ring",
     "Sequential",
     "Tensors",
@@ -35,5 +35,5 @@ __all__ = [
     "Upcast",
     "as_stacked",
     "fold",
-    "make_model",
+    "make_reduction",
 ]

@@ -100,7 +100,7 @@ static inline int isnanbf(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
 
 /* Fold elements [lo, lo + len) of one reduction: hop j reads member rows[h_j + p] (h_j = j, or n-1-j when
    descending); first the plain fold, then the elements that end NaN walked again with the rule -- or, for a
-   model whose NaN bits are torch's (bail), 1 at the first NaN: the caller runs the eager path. */
+   reduction whose NaN bits are torch's (bail), 1 at the first NaN: the caller runs the eager path. */
 #define FOLD(NAME, ATTR, T, ADD, MUL, SLOW, ISNAN)                                                   \
     ATTR static int NAME(const int64_t *plan, int64_t p, int mul, int bail, const char *const *members, \
                          T *out, int64_t lo, int64_t len) {                                          \

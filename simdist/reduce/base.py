@@ -1,11 +1,11 @@
-"""Reduction models: how a collective sums, and where it rounds.
+"""Reductions: how a collective sums, and where it rounds.
 
-A reduction model is a pure, vectorised function from the per-rank tensors of
+A reduction is a pure, vectorised function from the per-rank tensors of
 one group (stacked along dim 0 in group-rank order) to the reduced tensor. It
-never looks at threads, devices or arrival order, so the same model gives the
+never looks at threads, devices or arrival order, so the same reduction gives the
 same bits on CPU and CUDA and can be property-tested on its own.
 
-Every model rounds each partial sum to the dtype of the tensors unless it says
+Every reduction rounds each partial sum to the dtype of the tensors unless it says
 otherwise. Additions run as torch element-wise adds in that dtype: for fp32
 that is one IEEE-754 round-to-nearest-even addition; for bf16 and fp16 torch
 adds in fp32 and rounds once to the narrow type, which equals the correctly
@@ -14,21 +14,21 @@ format (double rounding is innocuous for a single addition).
 
 Operations (`ReduceOp`):
 
-* ``SUM`` -- the model's summation order.
-* ``AVG`` -- the model's SUM, then one division by the group size in the
+* ``SUM`` -- the reduction's summation order.
+* ``AVG`` -- the reduction's SUM, then one division by the group size in the
   tensor dtype (``postdiv``, one extra rounding); or, with ``avg="premul"``,
   each input multiplied by ``1/n`` rounded to the dtype, before the SUM
   (NCCL's ``ncclAvg`` pre-multiplies floating types in this way).
-* ``PRODUCT`` -- the model's order with multiplication in place of addition
-  (`ReductionModel.product`; a model that does not define it refuses ``PRODUCT``).
-* ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates (a model may
+* ``PRODUCT`` -- the reduction's order with multiplication in place of addition
+  (`Reduction.product`; a reduction that does not define it refuses ``PRODUCT``).
+* ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates (a reduction may
   override this: `simdist.reduce.gloo.Gloo` folds with gloo's comparison).
 
-A model says what its order is, so that every front end and the rank-batched gradient path
-(`ReductionModel.sum_many`) run it vectorised without knowing its class: a rank fold returns its
-`simdist.reduce.plan.FoldPlan` from `ReductionModel.fold_plan` and gets `sum`, `product` and `sum_many`
+A reduction says what its order is, so that every front end and the rank-batched gradient path
+(`Reduction.sum_many`) run it vectorised without knowing its class: a rank fold returns its
+`simdist.reduce.plan.FoldPlan` from `Reduction.fold_plan` and gets `sum`, `product` and `sum_many`
 from it; an order that is not a fold but the same at every element (a tree over the ranks) sets
-``position_free = True``; anything else overrides `ReductionModel.sum_many`. A subclass that overrides
+``position_free = True``; anything else overrides `Reduction.sum_many`. A subclass that overrides
 ``sum`` or ``reduce`` without one of these is not batched with its parent's plan (it would no longer
 describe the order): the rank-batched gradient path then reduces it one item at a time and warns once
 (`PerItemWarning`).
@@ -58,7 +58,7 @@ Tensors = torch.Tensor | Sequence[torch.Tensor]
 
 
 class ReduceOp(enum.Enum):
-    """Reduction operations of a collective (mirrors ``torch.distributed.ReduceOp``)."""
+    """ReductionName operations of a collective (mirrors ``torch.distributed.ReduceOp``)."""
 
     SUM = "sum"
     AVG = "avg"
@@ -79,23 +79,23 @@ class ReduceOp(enum.Enum):
 
 
 class PerItemWarning(UserWarning):
-    """A reduction model declares no order (`ReductionModel.fold_plan`, ``position_free``, ``sum_many``): the
+    """A reduction declares no order (`Reduction.fold_plan`, ``position_free``, ``sum_many``): the
     rank-batched gradient path reduces its items one at a time."""
 
 
 _ORDER_DECLARATIONS = ("fold_plan", "position_free", "sum_many")
 
 
-class ReductionModel(ABC):
+class Reduction(ABC):
     """How a group reduces: a summation order plus the dtype each partial is rounded to.
 
-    Capabilities are class attributes the front ends read (never the model's class): ``avg``,
+    Capabilities are class attributes the front ends read (never the reduction's class): ``avg``,
     ``gloo_rules``, ``position_free``; the order itself is `fold_plan` (see the module docstring).
     """
 
     avg: AvgMode = "postdiv"
     gloo_rules: bool = False
-    """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to collectives on this model."""
+    """Whether front ends apply torch's gloo backend rules (shape checks, PREMUL_SUM) to its collectives."""
 
     position_free: bool = False
     """Whether `sum` adds the members in the same order at every element and so reduces a stacked
@@ -112,32 +112,32 @@ class ReductionModel(ABC):
         elif "sum" in namespace or "reduce" in namespace:
             # a new order written as code: the parent's plan (or batched schedule) no longer describes it
             cls._declared = False
-            cls.sum_many = ReductionModel.sum_many  # type: ignore[method-assign]
-            cls.sum_many_into = ReductionModel.sum_many_into  # type: ignore[method-assign]
+            cls.sum_many = Reduction.sum_many  # type: ignore[method-assign]
+            cls.sum_many_into = Reduction.sum_many_into  # type: ignore[method-assign]
 
     @property
     @abstractmethod
     def name(self) -> str:
-        """A short name that identifies the model and its parameters."""
+        """A short name that identifies the reduction and its parameters."""
 
     def fold_plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
-        """This model's SUM of ``n`` members of ``numel`` elements of ``dtype`` as a fold plan; None when the
+        """This reduction's SUM of ``n`` members of ``numel`` elements of ``dtype`` as a fold plan; None when the
         SUM is not a left fold over the members (e.g. a tree). Called through `plan`, which caches it."""
         return None
 
     def plan(self, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
-        """`fold_plan`, cached per ``(model, n, numel, dtype)`` (at most `PLAN_CACHE_SIZE` plans per process)."""
+        """`fold_plan`, cached per ``(reduction, n, numel, dtype)`` (at most `PLAN_CACHE_SIZE` plans per process)."""
         return _plan_of(self, n, numel, dtype)
 
     def fold_order(self, n: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``index[j, e]``: the member whose value element ``e`` of an ``n``-member SUM adds at hop ``j``."""
         plan = self.plan(n, numel, dtype)
         if plan is None:
-            raise UsageError(f"the {self.name} reduction model's SUM is not a fold over the members")
+            raise UsageError(f"the {self.name} reduction's SUM is not a fold over the members")
         return plan.index()
 
     def sum(self, tensors: Tensors) -> torch.Tensor:
-        """Sum the per-rank ``tensors`` (group-rank order) with this model's order and rounding.
+        """Sum the per-rank ``tensors`` (group-rank order) with this reduction's order and rounding.
 
         ``tensors`` is either one stacked tensor of shape ``[n, *shape]`` or a
         sequence of ``n`` tensors of one shape; both give the same bits.
@@ -146,7 +146,7 @@ class ReductionModel(ABC):
 
     def fold_hops(self, hops: Hops, multiply: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Combine the hops of a plan (hop 0 first) into ``out`` (`FoldPlan.output`): the left fold in the
-        tensor dtype, unless a model says otherwise (`Upcast` accumulates in a wider dtype)."""
+        tensor dtype, unless a reduction says otherwise (`Upcast` accumulates in a wider dtype)."""
         return fold(hops, multiply, out)
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
@@ -154,7 +154,7 @@ class ReductionModel(ABC):
 
         ``shape`` is one member's logical shape (default: everything after dim 1, one batch dimension).
         Equal, bit for bit, to `sum` of each reduction ``stacked[:, i]`` in turn; vectorised over the batch
-        through `plan` or ``position_free``; a model that declares neither is reduced item by item
+        through `plan` or ``position_free``; a reduction that declares neither is reduced item by item
         (`PerItemWarning`, once per class).
         """
         n = stacked.shape[0]
@@ -170,8 +170,8 @@ class ReductionModel(ABC):
             flat = stacked.reshape(n, math.prod(batch), numel)
             return self.fold_hops_trimmed(plan, flat).reshape(*batch, *shape)
         kind = type(self)
-        if kind not in ReductionModel._warned:
-            ReductionModel._warned.add(kind)
+        if kind not in Reduction._warned:
+            Reduction._warned.add(kind)
             warnings.warn(
                 f"{kind.__name__} declares no order (fold_plan, position_free or sum_many): the rank-batched "
                 "engine reduces its items one at a time",
@@ -186,7 +186,7 @@ class ReductionModel(ABC):
     ) -> torch.Tensor:
         """`sum_many` written into every member row of ``out`` (``stacked``'s shape and dtype, any strides): what
         many independent all-reduces leave on their members, ``out[r] = sum_many(stacked, shape)`` for every
-        ``r``. Returns ``out``. A model may write the copies in the same pass (`simdist.reduce.gloo.Gloo`)."""
+        ``r``. Returns ``out``. A reduction may write the copies in the same pass (`simdist.reduce.gloo.Gloo`)."""
         return out.copy_(self.sum_many(stacked, shape))
 
     def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
@@ -194,7 +194,7 @@ class ReductionModel(ABC):
         a uniform plan), trimmed to the members' shape. `simdist.reduce.gloo.Gloo` adds its NaN bits here.
         The plain left fold (`fold_hops` not overridden) goes to the native kernel where it applies and no result
         is NaN (`simdist.reduce.native`; the same values, and the eager path's NaN bits)."""
-        if type(self).fold_hops is ReductionModel.fold_hops:
+        if type(self).fold_hops is Reduction.fold_hops:
             out = native.fold(plan, members, multiply, gloo_nan=False)
             if out is not None:
                 return out
@@ -202,13 +202,13 @@ class ReductionModel(ABC):
         return plan.trim(self.fold_hops(hops, multiply, plan.output(hops)), members)
 
     def _planned(self, tensors: Tensors, multiply: bool, what: str) -> torch.Tensor:
-        """`sum` / `product` through the model's plan."""
+        """`sum` / `product` through the reduction's plan."""
         n = len(tensors)
         first = tensors[0]
         plan = self.plan(n, first.numel(), first.dtype)
         if plan is None:
             if multiply:
-                raise UsageError(f"the {self.name} reduction model does not model ReduceOp.PRODUCT")
+                raise UsageError(f"the {self.name} reduction does not reduction ReduceOp.PRODUCT")
             raise NotImplementedError(f"{type(self).__name__} defines neither fold_plan nor {what.lower()}")
         if plan.is_uniform:
             return self.fold_hops_trimmed(plan, tensors, multiply)
@@ -222,7 +222,7 @@ class ReductionModel(ABC):
         return out if members is tensors else out.reshape(first.shape)
 
     def product(self, tensors: Tensors) -> torch.Tensor:
-        """Multiply the per-rank ``tensors`` in this model's order (its plan), rounding each partial product."""
+        """Multiply the per-rank ``tensors`` in this reduction's order (its plan), rounding each partial product."""
         return self._planned(tensors, multiply=True, what="PRODUCT")
 
     def reduce(self, tensors: Tensors, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -275,13 +275,13 @@ def may_hold_nan(t: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _cached_plan(model: ReductionModel, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
-    return model.fold_plan(n, numel, dtype)
+def _cached_plan(reduction: Reduction, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
+    return reduction.fold_plan(n, numel, dtype)
 
 
-def _plan_of(model: ReductionModel, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
-    """`ReductionModel.plan`: cached when the model is hashable (frozen dataclasses are), else built afresh."""
+def _plan_of(reduction: Reduction, n: int, numel: int, dtype: torch.dtype) -> FoldPlan | None:
+    """`Reduction.plan`: cached when the reduction is hashable (frozen dataclasses are), else built afresh."""
     try:
-        return _cached_plan(model, n, numel, dtype)
-    except TypeError:  # an unhashable model
-        return model.fold_plan(n, numel, dtype)
+        return _cached_plan(reduction, n, numel, dtype)
+    except TypeError:  # an unhashable reduction
+        return reduction.fold_plan(n, numel, dtype)

@@ -28,7 +28,7 @@ bytes each:
    float add rounded to nearest-even, which is what torch's bf16 add does.
 3. ``reduce_scatter_tensor`` on gloo clones the input, runs this same
    all-reduce on the whole ``N = n * block`` buffer and keeps block ``i`` on
-   rank ``i``, so the inherited `ReductionModel.reduce_scatter` (the matching
+   rank ``i``, so the inherited `Reduction.reduce_scatter` (the matching
    slices of `reduce` on the flat tensor) is already exact.
 
 Consequences: with 2 ranks every order gives the same value (only NaN bits
@@ -89,13 +89,13 @@ Evidence (torch 2.13.0+cpu, real gloo processes on 127.0.0.1, spawned with
 * fingerprints for n = 3..8: at every element one rank holds 1.0 and two others
   hold the half-ulp (bf16 ``2**-8``, fp32 ``2**-24``), the rest 0, cycling over
   every (big, small, small) triple; the result is ``1 + ulp`` exactly when both
-  small values meet before the 1.0. All elements matched this model for 20
+  small values meet before the 1.0. All elements matched this reduction for 20
   lengths from 1 to ``m * (2n+1) + 7`` (past the segment cap, so ``S > 2n``),
   in fp32 and bf16; rank-order folds differed at about 45 % of them.
 * random data for n = 2..8: normal values and ``normal * 2**k``, ``k`` uniform
   in ``[-60, 60]``, 20 lengths each (1 .. 100000 and random up to 200000),
-  fp32 and bf16: all-reduce and reduce_scatter_tensor equal to this model bit
-  for bit (``tests/integration/test_gloo_model.py`` repeats this for 2, 3 and 4 ranks).
+  fp32 and bf16: all-reduce and reduce_scatter_tensor equal to this reduction bit
+  for bit (``tests/integration/test_gloo_reduction.py`` repeats this for 2, 3 and 4 ranks).
   fp16 (``k`` in ``[-8, 8]``) and fp64 matched too, for n = 3, 4, 5, 8.
 * corner cases (`simdist.testing._internal.gloo_probe`, ``experiments/gloo_corners.py``,
   ``tests/integration/test_gloo_corners.py``): NaN payloads (quiet and signalling, both
@@ -120,7 +120,7 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.reduce import native
-from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors, may_hold_nan
+from simdist.reduce.base import AvgMode, ReduceOp, Reduction, Tensors, may_hold_nan
 from simdist.reduce.gloo_arith import arith_walk, compare_walk
 from simdist.reduce.gloo_layout import Rows, memory_rows, ring_view
 from simdist.reduce.gloo_schedule import (
@@ -147,14 +147,14 @@ __all__ = [
 
 
 @dataclass(frozen=True, repr=False)
-class Gloo(ReductionModel):
+class Gloo(Reduction):
     """gloo's ring all-reduce: per chunk, a walk that starts at rank ``c-1`` and goes down the ring.
 
     Every op follows the same walk; each hop combines the receiving rank's own
     value with the partial it received, as gloo's element-wise function does
     (see the module docstring for the chunk formula, the per-op semantics and
     the evidence). ``max_segment_bytes`` is gloo's segment cap (only change it
-    to model a gloo built or configured differently).
+    to reduction a gloo built or configured differently).
     """
 
     max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES
@@ -357,7 +357,7 @@ class Gloo(ReductionModel):
         return arith_walk(flat, multiply).view(out.shape)
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """`ReductionModel.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs); the
+        """`Reduction.sum_many` on the values gloo's kernels see (bool as bytes, complex as real pairs); the
         native kernel reads the stacked members in place (batch dimensions of any strides); without it, two
         members are one add and the NaN screen."""
         plan = self._native_plan(stacked, shape)
@@ -380,7 +380,7 @@ class Gloo(ReductionModel):
     def sum_many_into(
         self, stacked: torch.Tensor, out: torch.Tensor, shape: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """`ReductionModel.sum_many_into`: the native kernel writes every member's copy in the same pass."""
+        """`Reduction.sum_many_into`: the native kernel writes every member's copy in the same pass."""
         plan = self._native_plan(stacked, shape)
         if plan is not None and native.fold_into(plan, stacked, out):
             return out

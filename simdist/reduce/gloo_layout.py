@@ -3,7 +3,7 @@
 (`ring_view`: complex as real pairs, bool as bytes).
 
 Found against real gloo (torch 2.13); the evidence is in `simdist.reduce.gloo`. The simdist backend applies the
-same memory-order rule to every model (`simdist.world.collectives`).
+same memory-order rule to every reduction (`simdist.world.collectives`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def memory_rows(tensors: Tensors) -> tuple[Rows, Callable[[torch.Tensor], torch.
     permutation of a contiguous one, e.g. ``x.t()``) that is its storage in
     memory order, so chunks are cut in memory order; that is modelled, and the
     result comes back with the tensor's strides. A stacked ``[n, *shape]``
-    tensor is the model's own packing: its rows are read in row-major order.
+    tensor is the reduction's own packing: its rows are read in row-major order.
 
     Refused with ``ValueError`` (real gloo does not refuse them, it computes
     something else): a view with gaps or overlaps (``x[:, ::2]``), for which

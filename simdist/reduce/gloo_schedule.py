@@ -1,7 +1,7 @@
 """gloo's ring schedule, integers only: how the all-reduce and ``reduce`` cut a buffer into chunks and segments,
 where each chunk's walk starts, and the walk as a `FoldPlan` (`ring_plan`).
 
-The formulas and their evidence are in `simdist.reduce.gloo` (the model `Gloo`, which reads its order from here).
+The formulas and their evidence are in `simdist.reduce.gloo` (the reduction `Gloo`, which reads its order from here).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the NaN bits of `simdist.reduce.gloo_arith.nan_bits` (the eager path's own strat
 eager path stays the reference, and ``tests/unit/test_native_fold.py`` compares the two bit for bit (NaN
 payloads included) on adversarial values.
 
-What it computes, per dtype (the eager model's statements, written out in integer bit operations, never
+What it computes, per dtype (the eager reduction's statements, written out in integer bit operations, never
 left to the C compiler's NaN propagation, which treats ``+`` as commutative):
 
 * fp32 / fp64: one IEEE add (or multiply) in the type; a NaN result takes ``local``'s NaN quieted, else
@@ -23,14 +23,14 @@ The C source is built with flags that keep IEEE semantics (no ``-ffast-math``, `
 multiply-add) and refuses to compile where float expressions are evaluated in a wider format
 (``FLT_EVAL_METHOD != 0``, e.g. x87).
 
-The plain left folds (`Sequential`, `Ring`, any model that keeps `ReductionModel.fold_hops`) use it too
+The plain left folds (`Sequential`, `Ring`, any reduction that keeps `Reduction.fold_hops`) use it too
 (``gloo_nan=False``): their values are the same IEEE left fold, but their NaN bits are whatever torch's adds
 give, so the kernel declines any reduction with a NaN result and the eager path produces it.
 
 What it covers: `FoldPlan`s of SUM and PRODUCT on CPU tensors of those four dtypes, given as a list of ``n``
 contiguous members of one shape, or one stacked ``[n, *batch, *member]`` tensor whose member dimensions are
 contiguous (the batch dimensions may have any strides: the rank-batched gradient path's group views), optionally
-writing the result into every member row of an output view (`ReductionModel.sum_many_into`). Everything else
+writing the result into every member row of an output view (`Reduction.sum_many_into`). Everything else
 (other dtypes, ops, devices, layouts, empty tensors, members that require grad: the eager path's result
 would carry autograd history) returns None and the caller runs the eager path.
 
@@ -233,7 +233,7 @@ def fold(
     tensor (``member`` holding ``numel`` contiguous elements, the batch dimensions of any strides). The result
     is a new contiguous tensor of shape ``members[0].shape`` (`fold_into` writes it into every member row of a
     given tensor instead: an all-reduce's writes). ``gloo_nan=False`` is for a plain left fold whose NaN bits
-    are torch's (`ReductionModel.fold_hops`): its values are the same, and where a result is NaN the kernel
+    are torch's (`Reduction.fold_hops`): its values are the same, and where a result is NaN the kernel
     gives up (None) for the eager path to produce torch's bits.
     """
     kernel = _KERNEL

@@ -1,10 +1,10 @@
 """`Nccl`: the order in which NCCL's all-reduce sums, rebuilt from NCCL's source.
 
 **Not yet confirmed on hardware.** No GPU was available when this was written.
-The model follows the source; `experiments/nccl_fingerprint.py` is the check
-against real NCCL (it runs fingerprint inputs under torchrun and reports model
+The reduction follows the source; `experiments/nccl_fingerprint.py` is the check
+against real NCCL (it runs fingerprint inputs under torchrun and reports reduction
 == real per case). Until that has run, treat a bitwise claim about NCCL built
-on this model as a prediction.
+on this reduction as a prediction.
 
 Source followed: NCCL ``v2.30.7-1`` (commit ``73cf112295c3``; master at
 ``5067397c`` has the same text in every file below). The kernels, trees and
@@ -50,7 +50,7 @@ and symmetric-memory kernels off):
    ``pos(q) + 1`` round to ``q``, whatever the chunking; ``reduce`` to ``root``
    (ring only) folds from ``pos(root) + 1`` round to the root. Both depend on the
    channel split only through the rings, so with one ring for all channels
-   they are exact; with several rings this model assumes the same protocol
+   they are exact; with several rings this reduction assumes the same protocol
    knob for these calls.
 7. **Layout.** torch's NCCL backend passes NCCL the storage of a tensor that is
    contiguous in its suggested memory format, so a channels-last tensor is
@@ -62,7 +62,7 @@ the default Simple ring the chunks are ``roundup(ceil(N_channel / n), 16 / e)``
 elements, so up to ``n`` different starting ranks appear within a few hundred
 bytes; one channel's chunk starts repeat every ``n * K`` elements.
 
-What the model cannot know (explicit parameters, read them from
+What the reduction cannot know (explicit parameters, read them from
 ``NCCL_DEBUG=INFO`` logs or pin them with the environment): the channel count
 (``channels``; ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS``), the ring order of
 each channel (``rings``) and tree of each channel (``trees``), both from topology
@@ -84,7 +84,7 @@ from dataclasses import dataclass
 import torch
 
 from simdist.errors import UsageError
-from simdist.reduce.base import AvgMode, ReduceOp, ReductionModel, Tensors
+from simdist.reduce.base import AvgMode, ReduceOp, Reduction, Tensors
 from simdist.reduce.nccl_arith import StepArithmetic, combine_op, premul_scale
 from simdist.reduce.nccl_layout import storage_flat
 from simdist.reduce.nccl_schedule import (
@@ -108,7 +108,7 @@ from simdist.reduce.nccl_schedule import (
 
 
 @dataclass(frozen=True, repr=False)
-class Nccl(ReductionModel):
+class Nccl(Reduction):
     """NCCL's all-reduce order for pinned knobs (see the module docstring; unconfirmed on hardware).
 
     ``algorithm``/``protocol`` are ``NCCL_ALGO``/``NCCL_PROTO``; ``channels`` the
@@ -270,7 +270,7 @@ class Nccl(ReductionModel):
         return out
 
     def sum_many(self, stacked: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """`ReductionModel.sum_many`: many independent all-reduces at once, ``[n, *batch, *shape] -> [*batch, *shape]``.
+        """`Reduction.sum_many`: many independent all-reduces at once, ``[n, *batch, *shape] -> [*batch, *shape]``.
 
         Each batch item gets the bits `reduce` gives it alone (row-major members of ``prod(shape)`` elements):
         the schedule (channels, chunks, rings, trees) is that of one member, and every operation is element-wise
@@ -358,7 +358,7 @@ Groups = tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...], torch.Tensor 
 
 
 @functools.lru_cache(maxsize=256)
-def _groups(model: Nccl, fn: str, count: int, element_size: int, n: int) -> Groups:
+def _groups(reduction: Nccl, fn: str, count: int, element_size: int, n: int) -> Groups:
     """The ring plan of a call grouped by fold order: ``(order, spans, column index or None)``.
 
     ``fn`` is ``all_reduce``, ``reduce_scatter`` (``count`` = the whole input)
@@ -366,17 +366,17 @@ def _groups(model: Nccl, fn: str, count: int, element_size: int, n: int) -> Grou
     """
     plan: list[tuple[int, int, tuple[int, ...], int]] = []
     if fn == "all_reduce":
-        plan = [(o, ln, model.ring_of(c, n), s) for o, ln, c, s in model.ring_plan(count, element_size, n)]
+        plan = [(o, ln, reduction.ring_of(c, n), s) for o, ln, c, s in reduction.ring_plan(count, element_size, n)]
     elif fn == "reduce_scatter":
         block = count // n
-        for channel, offset, part in model.parts(block, element_size, n, traffic_per_byte=n,
+        for channel, offset, part in reduction.parts(block, element_size, n, traffic_per_byte=n,
                                                  nbytes=count * element_size):  # fmt: skip
-            ring = model.ring_of(channel, n)
+            ring = reduction.ring_of(channel, n)
             plan.extend((q * block + offset, part, ring, (ring.index(q) + 1) % n) for q in range(n))
     else:
         root = int(fn.split(":")[1])
-        for channel, offset, part in model.parts(count, element_size, n, traffic_per_byte=1):
-            ring = model.ring_of(channel, n)
+        for channel, offset, part in reduction.parts(count, element_size, n, traffic_per_byte=1):
+            ring = reduction.ring_of(channel, n)
             plan.append((offset, part, ring, (ring.index(root) + 1) % n))
     by_order: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for offset, length, ring, start in plan:

@@ -85,7 +85,7 @@ GRAIN_BYTES = {"simple": 512, "ll": 16, "ll128": 32 * 8 // 16 * 15 * 8}
 MIN_TRAFFIC_PER_CHANNEL = 32 << 10
 """Smallest traffic a channel is given (NCCL 2.29 and later; 16 KiB in 2.26-2.28)."""
 VERSIONS: tuple[tuple[int, int], ...] = ((2, 26), (2, 27), (2, 28), (2, 29), (2, 30))
-"""NCCL releases whose source this model was checked against (the ordering code is the same in all)."""
+"""NCCL releases whose source this reduction was checked against (the ordering code is the same in all)."""
 MAX_CHANNELS = 64
 _DEFAULT_THREADS = {"simple": 512, "ll": 512, "ll128": 640}
 _THREAD_THRESHOLD = {"simple": 64, "ll": 8, "ll128": 8}

@@ -1,6 +1,6 @@
 """Fold plans: a reduction order, precomputed once, applied as one copy, one strided view and the adds.
 
-Every rank-fold order simdist models (rank order, gloo's ring, the textbook ring) has one shape: the flat
+Every rank-fold order simdist reductions (rank order, gloo's ring, the textbook ring) has one shape: the flat
 tensor is cut into chunks of ``length`` elements, ``period`` consecutive chunks form a cycle that repeats
 along the tensor, and chunk ``p`` of a cycle (``p = (e // length) % period``) is the left fold of the members
 ``rows[h + p]`` for the hops ``h = 0, 1, ..., n-1`` (``n-1, ..., 0`` when ``descending``). ``rows`` has
@@ -24,7 +24,7 @@ A plan holds a handful of integers (``rows`` has at most ``2n - 1``) and at most
 device, the chunk rows per batch size: at most `ROW_GATHER_LIMIT` entries, 128 KiB), never a per-element index
 of an unbounded tensor, so its memory does not grow with the tensor (at most about 0.5 MiB a plan, 128 MiB for
 the two plan caches of `PLAN_CACHE_SIZE` entries);
-`simdist.reduce.base.ReductionModel.plan` caches at most `PLAN_CACHE_SIZE` of them. `FoldPlan.index`
+`simdist.reduce.base.Reduction.plan` caches at most `PLAN_CACHE_SIZE` of them. `FoldPlan.index`
 writes the order out per element (``[n, numel]``) for inspection only.
 """
 

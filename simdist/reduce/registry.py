@@ -1,8 +1,8 @@
-"""Reduction models by name: what ``--reduction`` and per-group settings accept.
+"""Reductions by name: what ``--reduction`` and per-group settings accept.
 
-`Reduction` is the registry: one member per model, its name and its class. Adding a model is one
-`ReductionModel` subclass and one member here; `MODELS` (the ``{name: class}`` table), `MODEL_NAMES` and
-`make_model` follow from it.
+`ReductionName` is the registry: one member per reduction, its name and its class. Adding a reduction is one
+`Reduction` subclass and one member here; `REDUCTIONS` (the ``{name: class}`` table), `REDUCTION_NAMES` and
+`make_reduction` follow from it.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from __future__ import annotations
 import enum
 
 from simdist.errors import UsageError
-from simdist.reduce.base import ReductionModel
+from simdist.reduce.base import Reduction
 from simdist.reduce.gloo import Gloo
-from simdist.reduce.models import Ring, Sequential, Tree, Upcast
 from simdist.reduce.nccl import Nccl
+from simdist.reduce.textbook import Ring, Sequential, Tree, Upcast
 
 
-class Reduction(enum.StrEnum):
-    """The registered reduction models: each member is a model's name (its value) and its class (``model``)."""
+class ReductionName(enum.StrEnum):
+    """The registered reductions: each member is a reduction's name (its value) and its class (``reduction``)."""
 
     _value_: str
-    model: type[ReductionModel]
+    reduction: type[Reduction]
 
     SEQUENTIAL = "sequential", Sequential
     RING = "ring", Ring
@@ -29,22 +29,22 @@ class Reduction(enum.StrEnum):
     GLOO = "gloo", Gloo
     NCCL = "nccl", Nccl
 
-    def __new__(cls, name: str, model: type[ReductionModel]) -> Reduction:
+    def __new__(cls, name: str, reduction: type[Reduction]) -> ReductionName:
         member = str.__new__(cls, name)
         member._value_ = name
-        member.model = model
+        member.reduction = reduction
         return member
 
 
-MODELS: dict[str, type[ReductionModel]] = {member.value: member.model for member in Reduction}
-"""The ``{name: class}`` table `make_model` reads."""
+REDUCTIONS: dict[str, type[Reduction]] = {member.value: member.reduction for member in ReductionName}
+"""The ``{name: class}`` table `make_reduction` reads."""
 
-MODEL_NAMES: tuple[str, ...] = tuple(MODELS)
+REDUCTION_NAMES: tuple[str, ...] = tuple(REDUCTIONS)
 
 
-def make_model(name: str, **params) -> ReductionModel:
-    """Build a reduction model by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``, ``nccl``)."""
-    model = MODELS.get(name)
-    if model is None:
-        raise UsageError(f"unknown reduction model {name!r}; valid: {', '.join(MODEL_NAMES)}")
-    return model(**params)
+def make_reduction(name: str, **params) -> Reduction:
+    """Build a reduction by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``, ``nccl``)."""
+    reduction = REDUCTIONS.get(name)
+    if reduction is None:
+        raise UsageError(f"unknown reduction {name!r}; valid: {', '.join(REDUCTION_NAMES)}")
+    return reduction(**params)

@@ -16,8 +16,8 @@ import torch
 
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.moe import MoEConfig, MoEGradients
 from simdist.policies.catalogue import get_policy
+from simdist.sources.moe import MoEConfig, MoEGradients
 from simdist.studies.dumps import DUMP_STAGES, write_rank_dump
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 

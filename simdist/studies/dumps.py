@@ -6,7 +6,7 @@ corrected grad, hp grad, DP-reduced grad, FP32 master, Adam m and v) per step
 and micro-step, under keys ``param|stage|s{step}|m{micro}`` (``mb`` for the
 step boundary), and its metadata as JSON under the ``simdist`` key: spec,
 policy, steps, gas, seed, marker, update path, model config, shapes, plus
-where it ran (world, backend, device, reduction model), which may differ
+where it ran (world, backend, device, reduction), which may differ
 between two dumps of the same run.
 
 `compare_dumps` checks first that two dumps describe the same run (else

@@ -1,7 +1,7 @@
 """The #8913 simulator study at production shapes: shipped (``bf16_writeback``) and the fix (``fp32_staging``)
 next to the independent FP32 oracle, one MoE layer of each catalogue model, for many steps and several seeds.
 
-Shapes come from `simdist.models.production` (`layer_params`: routers and norms at full size). The training
+Shapes come from `simdist.sources.production` (`layer_params`: routers and norms at full size). The training
 is the growth study's: `simdist.gradpath.batched.BatchedPath` (the gradient path batched over ``[seed,
 rank]``, bit-identical to `train_rank`) and the oracle `simdist.gradpath.oracle.Oracle` (FP32
 TP-then-DP per-parameter reducer, TP correction every micro-step, ``torch.optim.AdamW``), fed the growth
@@ -30,10 +30,10 @@ from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
 from simdist.gradpath.oracle import Oracle
 from simdist.gradpath.path import PathConfig
-from simdist.models.production import CATALOGUE, get_shape, layer_params
-from simdist.models.synthetic import InitialWeights
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.production import CATALOGUE, get_shape, layer_params
+from simdist.sources.synthetic import InitialWeights
 from simdist.studies.growth.stream import BatchedGradients
 from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
@@ -107,13 +107,13 @@ def study_model(
     seed_list = [seed + i for i in range(seeds)]
     stream = BatchedGradients(spec, params, seed_list)
     initial = [InitialWeights(spec, s) for s in seed_list]
-    model = make_model(DEFAULT_REDUCTION)
+    model = make_reduction(DEFAULT_REDUCTION)
     stacked = {
         (r, p.name): torch.stack([init(r, p).to(torch.bfloat16) for init in initial])
         for r in range(spec.world_size)
         for p in params
     }
-    oracle = Oracle(spec, params, stacked, tp_model=model, dp_model=model)
+    oracle = Oracle(spec, params, stacked, tp_reduction=model, dp_reduction=model)
     paths = [
         BatchedPath(
             spec,
@@ -320,7 +320,7 @@ def repro_production(
         from dataclasses import asdict
 
         return json.dumps([asdict(r) for r in rows], indent=2), rows
-    from simdist.models.production import SLICE_NOTE
+    from simdist.sources.production import SLICE_NOTE
 
     head = (
         f"#8913 at production shapes ({', '.join(models)}): one MoE layer, layout {spec.describe()}, GAS {gas}, "

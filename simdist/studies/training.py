@@ -1,7 +1,7 @@
 """Training the folded MoE block: a policy against an oracle, step by step.
 
-`train` runs ``steps x gas`` micro-steps of `simdist.models.moe.MoEGradients` under
-any policy and reduction model, and next to it the same run under an oracle
+`train` runs ``steps x gas`` micro-steps of `simdist.sources.moe.MoEGradients` under
+any policy and reduction, and next to it the same run under an oracle
 policy (FP32 TP-then-DP by default). The two runs are two `SimWorld` runs in
 lockstep: each rank's gradient source publishes what it sees at every
 micro-step -- its BF16 local gradients, its loss, and at the start of a step
@@ -32,10 +32,10 @@ from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
-from simdist.models.moe import MoEConfig, MoEGradients
 from simdist.numerics.compare import Difference, difference
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import ReductionModel, make_model
+from simdist.reduce import Reduction, make_reduction
+from simdist.sources.moe import MoEConfig, MoEGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -165,7 +165,7 @@ def train(
     steps: int = 10,
     gas: int = 1,
     seed: int = 0,
-    reduction: ReductionModel | str = "gloo",
+    reduction: Reduction | str = "gloo",
     marker: str = "deepspeed",
     update_path: str = "epilogue",
     oracle: Policy = MATCHED_FP32,
@@ -175,12 +175,12 @@ def train(
 ) -> list[StepRecord]:
     """Train the folded MoE block ``steps x gas`` under ``policy``; one `StepRecord` per step against ``oracle``.
 
-    The oracle run uses the same spec, model, data, seed and reduction model,
+    The oracle run uses the same spec, model, data, seed and reduction,
     with the TP correction on every micro-step (``marker="per_micro_step"``),
     as the #8913 oracle does.
     """
     policy = get_policy(policy) if isinstance(policy, str) else policy
-    model_ = make_model(reduction) if isinstance(reduction, str) else reduction
+    model_ = make_reduction(reduction) if isinstance(reduction, str) else reduction
     source = MoEGradients(spec, model or MoEConfig(), seed, gas)
     lockstep = _Lockstep(steps, spec.world_size, lag, progress)
     runs = {

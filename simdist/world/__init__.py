@@ -2,9 +2,9 @@
 rendezvous where rank threads meet (`rendezvous`, each rank's wake-up semaphore in `baton`), a rank's side of a
 collective and its call site (`calls`), the observers every collective tells (`observers`), the errors
 (`errors`), every collective's checks and completion written once (`reductions`, `data_movement`; reduce ops
-and the sums through the reduction model in `reduce_ops`; gloo's refusals and memory rules in `gloo_rules`),
+and the sums through the reduction in `reduce_ops`; gloo's refusals and memory rules in `gloo_rules`),
 and the two front ends over them: SimWorld's `Comm` (`simworld`) and the ``torch.distributed`` backend
-``simdist`` (`backend`; registered by `plugin`; which group uses which reduction model: `modelmap`; in-process
+``simdist`` (`backend`; registered by `plugin`; which group uses which reduction: `reduction_map`; in-process
 `inproc.spawn_threads` with per-rank process-global state `isolation` and `rank_rngs`, scripts' own
 ``init_process_group`` in `attach`, gloo's name-based decisions `gloo_names`; `process` mode). Real
 torch.distributed process groups as a `Comm` (`torch_comm`) and the launchers: the one launcher `simdist.run`

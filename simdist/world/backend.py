@@ -1,4 +1,4 @@
-"""The ``simdist`` backend of ``torch.distributed``: unmodified code, collectives computed by reduction models.
+"""The ``simdist`` backend of ``torch.distributed``: unmodified code, collectives computed by reductions.
 
 `SimProcessGroup` is a ``torch.distributed.ProcessGroup`` written in Python.
 ``torch.distributed`` (``dist.all_reduce``, ``new_group``, DeviceMesh),
@@ -22,8 +22,8 @@ a *transport* brings the calls together:
   the members' calls over an inner gloo group and runs ``complete`` for itself.
 
 Both run the same ``complete`` on the same inputs, so both give the same bits.
-What gloo's dispatch does around the model, found by experiment against real
-gloo (torch 2.13, 4 processes), applies where the group's model has
+What gloo's dispatch does around the reduction, found by experiment against real
+gloo (torch 2.13, 4 processes), applies where the group's reduction has
 ``gloo_rules`` (`simdist.world.gloo_rules` and the collectives say which checks):
 
 * ``all_reduce_coalesced`` (and the functional ``all_reduce_coalesced``) is
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world import data_movement as dm
 from simdist.world import reduce_ops as ops
 from simdist.world import reductions as red
@@ -142,7 +142,7 @@ def _untracked(tree):
 
 
 class SimProcessGroup(dist.ProcessGroup):
-    """One rank's handle on one simulated group; collectives go through a `Transport` to the group's model.
+    """One rank's handle on one simulated group; collectives go through a `Transport` to the group's reduction.
 
     ``ranks`` are the group's global ranks in group-rank order (torch sorts
     them); ``label`` names the group in error messages.
@@ -155,7 +155,7 @@ class SimProcessGroup(dist.ProcessGroup):
         ranks: tuple[int, ...],
         name: str,
         label: str,
-        model: ReductionModel,
+        reduction: Reduction,
         transport: Transport,
     ) -> None:
         # torch's stub lists only (store, rank, size); the binding also takes (rank, size), as the backend API uses
@@ -165,10 +165,10 @@ class SimProcessGroup(dist.ProcessGroup):
         self.ranks = ranks
         self._name = name
         self.label = label
-        self.model = model
+        self.reduction = reduction
         self.transport = transport
         self.global_rank = ranks[rank]
-        self.gloo_rules = model.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
+        self.gloo_rules = reduction.gloo_rules  # refuse what torch's gloo backend refuses (shape rules, PREMUL_SUM)
         self.checked: dict = {}  # reductions.all_reduce_one's checks, per (op, shape, dtype)
         self._done = DoneWork()  # the Work of c10d's synchronous all_reduce (see `allreduce`)
 
@@ -192,7 +192,8 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._name
 
     def __repr__(self) -> str:
-        return f"SimProcessGroup({self.label}, rank {self._group_rank} of {self._group_size}, model={self.model.name})"
+        rank = f"rank {self._group_rank} of {self._group_size}"
+        return f"SimProcessGroup({self.label}, {rank}, reduction={self.reduction.name})"
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -358,11 +359,11 @@ class SimProcessGroup(dist.ProcessGroup):
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
         """``group.monitored_barrier()`` called on the group object, as gloo's groups answer it (a barrier of
         the members; in process mode gloo's own on the inner group, which names the ranks that did not arrive).
-        Refused, as c10d refuses it, where the group's model is not gloo's."""
+        Refused, as c10d refuses it, where the group's reduction is not gloo's."""
         if not self.gloo_rules:
             raise RuntimeError(
-                f"monitored_barrier on {self.label}: only gloo implements it, and this group's model is "
-                f"{self.model.name}"
+                f"monitored_barrier on {self.label}: only gloo implements it, and this group's reduction is "
+                f"{self.reduction.name}"
             )
         inner = getattr(self.transport, "inner", None)
         if inner is None:  # rank threads: the rendezvous names the ranks that do not arrive

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from simdist.reduce import ReductionModel
+    from simdist.reduce import Reduction
 
 _WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -167,8 +167,8 @@ class Members(Protocol):
     """What a collective needs to know of its group (a `SimProcessGroup`, or SimComm's view of a `Group`)."""
 
     label: str  # the group in error messages and call signatures
-    model: ReductionModel
-    gloo_rules: bool  # refuse what torch's gloo backend refuses (the model's ``gloo_rules``)
+    reduction: Reduction
+    gloo_rules: bool  # refuse what torch's gloo backend refuses (the reduction's ``gloo_rules``)
     ranks: tuple[int, ...]  # global ranks in group-rank order
     checked: dict  # `all_reduce_one`'s cache: checks passed, signature and completion per (op, shape, dtype)
 

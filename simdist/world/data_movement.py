@@ -6,7 +6,7 @@ Each function takes the group (`simdist.world.calls.Members`), the calling
 rank's global rank and frame and the tensors, runs the checks a real backend
 makes at the call, and returns the rank's `Call` and a ``complete(calls,
 targets)`` that writes the members' outputs (exact copies: no arithmetic).
-Where the model has ``gloo_rules`` the checks and the memory gloo reads are
+Where the reduction has ``gloo_rules`` the checks and the memory gloo reads are
 `simdist.world.gloo_rules`'.
 """
 

@@ -1,4 +1,4 @@
-"""Where torch decides by the backend's *name* that a group is gloo, a simdist group with gloo's model is gloo.
+"""Where torch decides by the backend's *name* that a group is gloo, a simdist group with gloo's reduction is gloo.
 
 ``dist.get_backend(group)`` of a simdist group is ``"simdist"`` (it must stay
 so: ``new_group`` creates its groups with the default group's backend name).
@@ -6,7 +6,7 @@ Two decisions torch takes on that name change what a gloo program does, found
 by reading torch 2.13 and checked against real gloo by tests/integration/test_isolation.py:
 
 * ``dist.monitored_barrier`` runs only on gloo (``ValueError`` elsewhere): on a
-  simdist group whose model is gloo it is a barrier of the group's members (in
+  simdist group whose reduction is gloo it is a barrier of the group's members (in
   process mode gloo's own ``monitored_barrier`` on the inner group, which names
   the ranks that did not arrive; in threads the rendezvous names them);
 * ZeroRedundancyOptimizer's DDP overlap (``hook_with_zero_step`` and

@@ -1,9 +1,9 @@
 """torch's gloo backend's rules, found by experiment against real gloo (torch 2.13).
 
-On groups whose model has ``gloo_rules``: what gloo refuses at the call
+On groups whose reduction has ``gloo_rules``: what gloo refuses at the call
 (`GLOO_DTYPES`, layouts, the list reduce_scatter's and scatter's shapes) and
 how it sends a scatter entry, its ``numel`` elements from its data pointer
-(`memory_order`; the reduction model's own `simdist.reduce.gloo.memory_rows` is
+(`memory_order`; the reduction's own `simdist.reduce.gloo.memory_rows` is
 the rule `refuse_layouts` applies). On every group: a bool result keeps its
 bytes, as gloo writes it (`write_bytes`, the reductions' one write).
 """
@@ -24,7 +24,7 @@ GLOO_DTYPES = frozenset(
 """The dtypes torch's gloo backend has collective kernels for (found by experiment, torch 2.13); others raise
 ``RuntimeError("Invalid scalar type")`` at the call. Complex tensors reach it as ``view_as_real`` where torch's
 Python layer converts them (all_reduce, broadcast, all_gather, scatter, all_to_all); ``reduce`` and the
-reduce_scatters take complex SUM/AVG themselves (the model reduces the real view); ``gather`` refuses complex."""
+reduce_scatters take complex SUM/AVG themselves (the reduction reduces the real view); ``gather`` refuses complex."""
 
 
 def refuse_gloo_dtypes(name: str, label: str, tensors: Sequence[torch.Tensor], complex_ok: bool = True) -> None:
@@ -40,7 +40,7 @@ def refuse_gloo_dtypes(name: str, label: str, tensors: Sequence[torch.Tensor], c
 def refuse_layouts(name: str, label: str, tensors: Sequence[torch.Tensor]) -> None:
     """Raise for views whose memory gloo would move differently from their elements (it does not refuse them).
 
-    The rule is the reduction model's (`simdist.reduce.gloo.memory_rows`): gloo
+    The rule is the reduction's (`simdist.reduce.gloo.memory_rows`): gloo
     moves a tensor's ``numel`` elements from its data pointer in memory order,
     which is copying element by element only for dense tensors of one layout.
     """

@@ -13,7 +13,7 @@ Inside ``fn`` the default process group is initialised with the ``simdist``
 backend, so ``dist.get_rank()``, ``new_group``, ``new_subgroups``,
 ``init_device_mesh``, DTensor, FSDP2's ``fully_shard`` and the functional
 collectives work as under torchrun. Collectives are computed by the reduction
-model chosen for the group (`simdist.world.modelmap`), on the rendezvous
+chosen for the group (`simdist.world.reduction_map`), on the rendezvous
 `simdist.world.rendezvous.Rendezvous`; a mismatch, a deadlock or an exception on any
 rank stops every rank quickly and names each rank's call site.
 
@@ -57,8 +57,8 @@ from simdist.world.backend import BACKEND_NAME, DoneWork, SimProcessGroup
 from simdist.world.calls import Call
 from simdist.world.frameworks import install as refuse_frameworks
 from simdist.world.isolation import RankIsolation
-from simdist.world.modelmap import Chooser, ModelChoice
 from simdist.world.options import check_timeout
+from simdist.world.reduction_map import Chooser, ReductionChoice
 from simdist.world.rendezvous import Rendezvous
 from simdist.world.spec import ParallelSpec
 
@@ -233,7 +233,7 @@ def _uninstall() -> None:
 
 
 class _Context:
-    """What the backend's group factory needs on a rank thread: the rendezvous, the rank, the model chooser."""
+    """What the backend's group factory needs on a rank thread: the rendezvous, the rank, the reduction chooser."""
 
     local = threading.local()
     tokens = itertools.count(1)
@@ -343,10 +343,10 @@ class ThreadTransport:
 
 def thread_group(ctx: _Context, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str):
     """The backend's group for a rank thread of `spawn_threads`."""
-    kind, model = ctx.chooser(ranks)
+    kind, reduction = ctx.chooser(ranks)
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
     transport = ThreadTransport(ctx.rendezvous, ctx.rendezvous.intern((name, ranks)))
-    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, transport)
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, reduction, transport)
 
 
 def spawn_threads(
@@ -354,7 +354,7 @@ def spawn_threads(
     world_size: int,
     args: tuple,
     kwargs: dict,
-    reduction: ModelChoice,
+    reduction: ReductionChoice,
     spec: ParallelSpec | None,
     timeout_s: float | None,
     one_cpu: bool,
@@ -379,10 +379,10 @@ _spawn_lock = threading.Lock()
 
 
 def _spawn(
-    fn, world_size, args, kwargs, model, spec, timeout_s, one_cpu, intra_op_threads, report_backend
+    fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
 ) -> list[Any]:
     # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
-    chooser = Chooser(model, world_size, spec)
+    chooser = Chooser(reduction, world_size, spec)
     isolation = RankIsolation(world_size, _current_rank)
     rendezvous = Rendezvous(world_size, label="simdist.run", switch=isolation)
     store = dist.HashStore()

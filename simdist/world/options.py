@@ -1,8 +1,8 @@
-"""What every launcher of rank programs shares: where ranks live, what they are handed, the reduction model's
+"""What every launcher of rank programs shares: where ranks live, what they are handed, the reduction's
 spelling and default, and the default deadline (`simdist.world.runner.run` and its older names).
 
-One spelling, ``reduction=``, chooses how collectives sum: a model name (``"gloo"``), a `Reduction` member
-(``Reduction.GLOO``), a `ReductionModel` (``Gloo()``) or, where per-group choices make sense, a mapping from
+One spelling, ``reduction=``, chooses how collectives sum: a reduction name (``"gloo"``), a `ReductionName` member
+(``ReductionName.GLOO``), a `Reduction` (``Gloo()``) or, where per-group choices make sense, a mapping from
 group kind to one of those (``{"tp": "ring", "default": "gloo"}``). It is the only spelling: the older
 keywords (``model=``, ``models=``, ``default_model=``, the ``SIMDIST_MODEL`` variable) were removed before 0.1.0
 and are unknown keywords now (``TypeError``). `pick_reduction` turns "not given" into `DEFAULT_REDUCTION`.
@@ -15,10 +15,10 @@ import math
 from typing import Any
 
 from simdist.errors import UsageError
-from simdist.reduce import Reduction
+from simdist.reduce import ReductionName
 
-DEFAULT_REDUCTION: Reduction = Reduction.GLOO
-"""The one default reduction model of every launcher: gloo's order, found by experiment against real gloo.
+DEFAULT_REDUCTION: ReductionName = ReductionName.GLOO
+"""The one default reduction of every launcher: gloo's order, found by experiment against real gloo.
 
 Why gloo and not the rank-order fold (`Sequential`, once `SimWorld`'s default): a simulated run is a stand-in
 for a real one, and on CPU the real one is gloo; with this default a program gives the same bits on simulated
@@ -39,12 +39,12 @@ class Where(enum.StrEnum):
     """Where the ranks of a run live."""
 
     THREADS = "threads"
-    """One thread per rank in this process; collectives by the reduction model (`simdist.world.inproc`)."""
+    """One thread per rank in this process; collectives by the reduction (`simdist.world.inproc`)."""
     PROCESSES = "processes"
     """One process per rank, ``torch.distributed`` backend ``simdist`` in process mode: gloo transport, the
-    reduction model's arithmetic (`simdist.world.process`). For frameworks with per-rank module globals."""
+    reduction's arithmetic (`simdist.world.process`). For frameworks with per-rank module globals."""
     GLOO = "gloo"
-    """One process per rank on real ``torch.distributed`` gloo: the real thing the models are checked against."""
+    """One process per rank on real ``torch.distributed`` gloo: the real thing the reductions are checked against."""
 
 
 class Api(enum.StrEnum):

@@ -1,25 +1,25 @@
 """Process mode: the ``simdist`` backend in real processes (torchrun, ``simdist.run(where="processes")``).
 
     torchrun --nproc-per-node 4 train.py      # train.py: import simdist; dist.init_process_group("simdist")
-    SIMDIST_REDUCTION=ring torchrun ...       # another reduction model (default: gloo)
+    SIMDIST_REDUCTION=ring torchrun ...       # another reduction (default: gloo)
 
 Each ``simdist`` group owns an inner gloo group over the same store. A
 collective first all-gathers every member's call description (op, shapes,
 dtypes, split sizes, source line) and checks that they match, raising
 `CollectiveMismatchError` with every member's call site on every rank if not;
 then the members' input tensors travel as bytes (their memory footprint, so
-strided inputs reach the model with their strides): one broadcast per member
+strided inputs reach the reduction with their strides): one broadcast per member
 into a kept buffer; for a broadcast only the root's, for a scatter each
 member's own entries from the root (one message each). Each rank then runs the
 same ``complete`` as in-process mode for itself alone. The arithmetic is
-therefore the reduction model's, bit for bit the same as `simdist.run`, and
+therefore the reduction's, bit for bit the same as `simdist.run`, and
 module-global framework state (DeepSpeed's ``groups``, Megatron's
 ``parallel_state``) lives in each process as usual. Point-to-point messages
 and barriers go straight over the inner gloo group.
 
-The model is chosen per process: the model `use_reduction` installed in this process (the launcher
-`simdist.run` does, for a `ReductionModel` it was given), else the environment's ``SIMDIST_REDUCTION`` (a
-model name), else gloo; the removed spelling ``SIMDIST_MODEL`` is refused, not read. Hangs are bounded by the
+The reduction is chosen per process: the reduction `use_reduction` installed in this process (the launcher
+`simdist.run` does, for a `Reduction` it was given), else the environment's ``SIMDIST_REDUCTION`` (a
+reduction name), else gloo; the removed spelling ``SIMDIST_MODEL`` is refused, not read. Hangs are bounded by the
 group's timeout.
 """
 
@@ -32,39 +32,39 @@ import torch
 import torch.distributed as dist
 
 from simdist.errors import UsageError
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world.backend import SimProcessGroup
 from simdist.world.calls import Call
 from simdist.world.errors import CollectiveMismatchError
-from simdist.world.modelmap import as_model
+from simdist.world.reduction_map import as_reduction
 
 REDUCTION_ENV = "SIMDIST_REDUCTION"
-"""The environment variable naming process mode's reduction model."""
+"""The environment variable naming process mode's reduction."""
 REMOVED_ENV = "SIMDIST_MODEL"
 """`REDUCTION_ENV`'s spelling before 0.1.0: refused (a `UsageError`) rather than silently ignored."""
 
 
 class _Chosen:
-    """The reduction model installed in this rank process by its launcher (`use_reduction`), if any."""
+    """The reduction installed in this rank process by its launcher (`use_reduction`), if any."""
 
-    model: ReductionModel | None = None
+    reduction: Reduction | None = None
 
 
-def use_reduction(model: ReductionModel | None) -> None:
-    """Make every ``simdist`` group created later in this process use ``model`` (``None``: the environment's).
+def use_reduction(reduction: Reduction | None) -> None:
+    """Make every ``simdist`` group created later in this process use ``reduction`` (``None``: the environment's).
 
-    Called by the launcher in each rank process it starts, before the process's groups exist; a model object
+    Called by the launcher in each rank process it starts, before the process's groups exist; a reduction object
     cannot travel in an environment variable."""
-    _Chosen.model = model
+    _Chosen.reduction = reduction
 
 
-def process_reduction() -> ReductionModel:
-    """This process's reduction model (see the module docstring)."""
-    if _Chosen.model is not None:
-        return _Chosen.model
+def process_reduction() -> Reduction:
+    """This process's reduction (see the module docstring)."""
+    if _Chosen.reduction is not None:
+        return _Chosen.reduction
     if os.environ.get(REMOVED_ENV):
         raise UsageError(f"{REMOVED_ENV} was renamed {REDUCTION_ENV} (same values): set {REDUCTION_ENV} instead")
-    return as_model(os.environ.get(REDUCTION_ENV) or "gloo", REDUCTION_ENV)
+    return as_reduction(os.environ.get(REDUCTION_ENV) or "gloo", REDUCTION_ENV)
 
 
 def _flatten(tree) -> list[torch.Tensor]:
@@ -313,10 +313,10 @@ def _bytes(data: bytes) -> torch.Tensor:
 def process_group(store, group_rank: int, group_size: int, ranks: tuple[int, ...], name: str, timeout):
     """The backend's group in a real process: an inner gloo group on the same store carries the calls."""
     inner = dist.ProcessGroupGloo(dist.PrefixStore("simdist-inner/", store), group_rank, group_size, timeout)
-    model = process_reduction()
+    reduction = process_reduction()
     world = int(os.environ.get("WORLD_SIZE", len(ranks)))
     kind = "world" if len(ranks) == world else "group"
     label = f"{kind}{{{','.join(map(str, ranks))}}}" + ("" if kind == "world" else f"#{name}")
     # torch's stub derives ProcessGroupGloo from a Backend stub without the collectives the C++ class binds
     transport = ProcessTransport(inner, group_rank, group_size)  # type: ignore[arg-type]
-    return SimProcessGroup(group_rank, group_size, ranks, name, label, model, transport)
+    return SimProcessGroup(group_rank, group_size, ranks, name, label, reduction, transport)

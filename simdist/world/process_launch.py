@@ -3,7 +3,7 @@
 `spawn_processes` starts ``n`` rank processes on this machine, forked from a forkserver that has torch and the
 launch's ``preload`` imported (`simdist.world.forkservers`), each running `simdist.world.rank_process.rank_main`:
 it joins a process group of ``backend`` (``gloo``: real gloo; ``simdist``: process mode, gloo's transport and a
-reduction model's arithmetic, `simdist.world.process`) through a TCP store this process hosts on a free
+reduction's arithmetic, `simdist.world.process`) through a TCP store this process hosts on a free
 127.0.0.1 port, with one intra-op thread, and runs the rank function. Results come back in rank order. A launch
 never hangs: a rank that raises stops the run and its traceback is re-raised here as `RankFailure`, naming the
 rank, and at the deadline every rank is killed and ``TimeoutError`` names the ranks that had not finished, with
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from simdist.errors import UsageError
-from simdist.reduce import Reduction, ReductionModel
+from simdist.reduce import Reduction, ReductionName
 from simdist.world.forkservers import rank_context
-from simdist.world.modelmap import as_model
 from simdist.world.options import check_timeout
 from simdist.world.rank_process import rank_main, ready
+from simdist.world.reduction_map import as_reduction
 from simdist.world.spec import ParallelSpec
 from simdist.world.supervise import RankFailure, kill_descendants, remove_build_locks_since, supervise
 
@@ -83,7 +83,7 @@ def spawn_processes(
     results in rank order. Called by `simdist.world.runner.run`, which checks and documents the arguments.
 
     ``fn`` gets a `simdist.world.torch_comm.TorchComm` of ``spec`` when ``spec`` is given, else its rank.
-    ``reduction`` is process mode's model (a name, `Reduction` member or `ReductionModel`; ``None``:
+    ``reduction`` is process mode's reduction (a name, `ReductionName` member or `Reduction`; ``None``:
     ``SIMDIST_REDUCTION`` or gloo, `simdist.world.process`); real gloo accepts only gloo's own.
     ``preload``: modules every rank needs (a framework), imported once in the launch's forkserver instead of once
     per rank; the ranks carry no other framework (`simdist.world.forkservers`). When ``timings`` is a list, this
@@ -93,7 +93,7 @@ def spawn_processes(
     assert timeout is not None
     if backend not in ("gloo", "simdist"):
         raise UsageError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
-    model = _process_model(reduction, backend)
+    reduction = _process_model(reduction, backend)
     preload = tuple(preload)
     began = time.time()
     store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
@@ -108,7 +108,7 @@ def spawn_processes(
                     warm.join()
                 started = time.time()
                 for r in range(n):
-                    rank_args = (r, n, store.port, fn, spec, args, outdir, timeout, backend, model, kwargs, preload)
+                    rank_args = (r, n, store.port, fn, spec, args, outdir, timeout, backend, reduction, kwargs, preload)
                     procs.append(
                         ctx.Process(
                             target=rank_main,
@@ -143,19 +143,19 @@ def spawn_processes(
             del store
 
 
-def _process_model(reduction: Any, backend: str) -> ReductionModel | None:
-    """The model the ranks install (`simdist.world.process.use_reduction`); ``None`` for real gloo."""
-    if isinstance(reduction, Mapping) or (callable(reduction) and not isinstance(reduction, ReductionModel)):
+def _process_model(reduction: Any, backend: str) -> Reduction | None:
+    """The reduction the ranks install (`simdist.world.process.use_reduction`); ``None`` for real gloo."""
+    if isinstance(reduction, Mapping) or (callable(reduction) and not isinstance(reduction, Reduction)):
         raise TypeError(
-            "in processes every group of a rank uses one reduction model (a name, a Reduction member or a "
-            f"ReductionModel); per-kind tables and callables need where='threads', got {type(reduction).__name__}"
+            "in processes every group of a rank uses one reduction (a name, a ReductionName member or a "
+            f"Reduction); per-kind tables and callables need where='threads', got {type(reduction).__name__}"
         )
-    model = None if reduction is None else as_model(reduction, "reduction")
+    reduction = None if reduction is None else as_reduction(reduction, "reduction")
     if backend == "gloo":
-        if model is not None and model.name != Reduction.GLOO:  # the model's name, not its class
+        if reduction is not None and reduction.name != ReductionName.GLOO:  # the reduction's name, not its class
             raise UsageError(
-                f"reduction={reduction!r} with real gloo: real gloo sums in its own order; a reduction model is "
+                f"reduction={reduction!r} with real gloo: real gloo sums in its own order; a reduction is "
                 "simulated with where='threads' or where='processes'"
             )
         return None
-    return model
+    return reduction

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from simdist.reduce import ReductionModel
+from simdist.reduce import Reduction
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.process import use_reduction
@@ -54,7 +54,7 @@ def rank_main(
     outdir: str,
     timeout_s: float,
     backend: str = "gloo",
-    reduction: ReductionModel | None = None,
+    reduction: Reduction | None = None,
     kwargs: dict | None = None,
     preload: tuple[str, ...] = (),
     report_backend: bool = False,

@@ -1,15 +1,15 @@
-"""A collective's reduce op, resolved once per call, and the sums it names through the group's reduction model.
+"""A collective's reduce op, resolved once per call, and the sums it names through the group's reduction.
 
 `resolve_op` (c10d's ``ReduceOp``) and `named_op` (simdist's `ReduceOp`, as a
 `Comm` passes it) give an `Op`; `check_op` refuses at the call what the group
-refuses. The sums are the group's `ReductionModel` (the members' tensors are
-handed to it as they are): `reduce_all` is ``model.reduce``, `reduce_blocks`
-``model.reduce_scatter``, `reduce_root` ``model.reduce_to`` (if the model has
-it), `reduce_list` ``model.reduce_scatter_list`` (if it has it). SUM, AVG,
-PRODUCT, MIN, MAX are the model's (it refuses what it does not model);
+refuses. The sums are the group's `Reduction` (the members' tensors are
+handed to it as they are): `reduce_all` is ``reduction.reduce``, `reduce_blocks`
+``reduction.reduce_scatter``, `reduce_root` ``reduction.reduce_to`` (if the reduction has
+it), `reduce_list` ``reduction.reduce_scatter_list`` (if it has it). SUM, AVG,
+PRODUCT, MIN, MAX are the reduction's (it refuses what it does not model);
 BAND/BOR/BXOR are element-wise on integer and bool tensors (exact, order
-free); PREMUL_SUM (models without gloo's rules) multiplies every input by the
-factor in the tensor dtype, then takes the model's SUM.
+free); PREMUL_SUM (reductions without gloo's rules) multiplies every input by the
+factor in the tensor dtype, then takes the reduction's SUM.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from simdist.reduce import ReduceOp, ReductionModel
+from simdist.reduce import ReduceOp, Reduction
 
 _BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
 
@@ -80,7 +80,7 @@ def named_op(op: ReduceOp | str) -> Op:
     return found
 
 
-def check_op(model: ReductionModel, op: Op, tensors: Sequence[torch.Tensor]) -> None:
+def check_op(reduction: Reduction, op: Op, tensors: Sequence[torch.Tensor]) -> None:
     """Refuse, at the call and with gloo's error type, what real gloo refuses before communicating."""
     if op.reduce_op is not None:
         return
@@ -88,12 +88,12 @@ def check_op(model: ReductionModel, op: Op, tensors: Sequence[torch.Tensor]) -> 
         for t in tensors:
             if t.is_floating_point() or t.is_complex():
                 raise RuntimeError(f"Cannot use ReduceOp.{op.name} with non-integral dtype")
-    elif op.name == "PREMUL_SUM" and model.gloo_rules:
+    elif op.name == "PREMUL_SUM" and reduction.gloo_rules:
         raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
 
 
 def _model_op(op: Op) -> ReduceOp:
-    """simdist's `ReduceOp` for ``op``; the model refuses the ops it does not model (``ValueError``)."""
+    """simdist's `ReduceOp` for ``op``; the reduction refuses the ops it does not model (``ValueError``)."""
     return op.reduce_op if op.reduce_op is not None else ReduceOp.coerce(op.name)
 
 
@@ -101,39 +101,39 @@ def _premul(tensors: Sequence[torch.Tensor], op: Op) -> list[torch.Tensor]:
     return [t * torch.as_tensor(op.factor, dtype=t.dtype, device=t.device) for t in tensors]
 
 
-def reduce_all(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
+def reduce_all(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
     """The all-reduce of the members' ``tensors`` under ``op``."""
     if op.reduce_op is not None:
-        return model.reduce(tensors, op.reduce_op)
+        return reduction.reduce(tensors, op.reduce_op)
     if op.name in _BITWISE:
         return functools.reduce(_BITWISE[op.name], tensors).clone()
     if op.name == "PREMUL_SUM":
-        return model.reduce(_premul(tensors, op), ReduceOp.SUM)
-    return model.reduce(tensors, _model_op(op))
+        return reduction.reduce(_premul(tensors, op), ReduceOp.SUM)
+    return reduction.reduce(tensors, _model_op(op))
 
 
-def reduce_root(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Op, root: int) -> torch.Tensor:
+def reduce_root(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op, root: int) -> torch.Tensor:
     """What ``reduce`` leaves on group rank ``root``."""
-    reduce_to = getattr(model, "reduce_to", None)
+    reduce_to = getattr(reduction, "reduce_to", None)
     if op.name in _BITWISE or op.name == "PREMUL_SUM" or reduce_to is None:
-        return reduce_all(model, tensors, op)
+        return reduce_all(reduction, tensors, op)
     return reduce_to(tensors, _model_op(op), root)
 
 
-def reduce_blocks(model: ReductionModel, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
+def reduce_blocks(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
     """reduce_scatter_tensor: ``[n, numel / n]`` blocks, block ``i`` for group rank ``i``."""
     n = len(tensors)
     if op.name in _BITWISE:
-        return reduce_all(model, [t.reshape(-1) for t in tensors], op).reshape(n, -1)
+        return reduce_all(reduction, [t.reshape(-1) for t in tensors], op).reshape(n, -1)
     if op.name == "PREMUL_SUM":
-        return model.reduce_scatter(_premul(tensors, op), ReduceOp.SUM)
-    return model.reduce_scatter(tensors, _model_op(op))
+        return reduction.reduce_scatter(_premul(tensors, op), ReduceOp.SUM)
+    return reduction.reduce_scatter(tensors, _model_op(op))
 
 
-def reduce_list(model: ReductionModel, lists: Sequence[Sequence[torch.Tensor]], op: Op) -> list[torch.Tensor]:
+def reduce_list(reduction: Reduction, lists: Sequence[Sequence[torch.Tensor]], op: Op) -> list[torch.Tensor]:
     """List reduce_scatter: entry ``i`` of every member's list reduced, for group rank ``i``."""
-    method = getattr(model, "reduce_scatter_list", None)
+    method = getattr(reduction, "reduce_scatter_list", None)
     if method is not None and op.name not in _BITWISE and op.name != "PREMUL_SUM":
         return list(method(lists, _model_op(op)))
     n = len(lists)
-    return [reduce_all(model, [lst[i] for lst in lists], op) for i in range(n)]
+    return [reduce_all(reduction, [lst[i] for lst in lists], op) for i in range(n)]

@@ -6,7 +6,7 @@ takes the group (`simdist.world.calls.Members`), the calling rank's global rank
 and frame, the tensors and the op, runs the checks a real backend makes at the
 call (raising on the calling rank), and returns the rank's `Call` and a
 ``complete(calls, targets)`` (`simdist.world.calls.Complete`). The sums are
-`simdist.world.reduce_ops`'; where the model has ``gloo_rules`` the checks are
+`simdist.world.reduce_ops`'; where the reduction has ``gloo_rules`` the checks are
 `simdist.world.gloo_rules`'.
 """
 
@@ -24,22 +24,22 @@ from simdist.world.reduce_ops import Op, check_op, reduce_all, reduce_blocks, re
 
 def all_reduce(m: Members, rank: int, frame: Any, tensors: Sequence[torch.Tensor], op: Op) -> Prepared:
     """Reduce each of ``tensors`` across the group in place (the hot path of every training step)."""
-    model, label = m.model, m.label
+    reduction, label = m.reduction, m.label
     if op.reduce_op is None:
-        check_op(model, op, tensors)
+        check_op(reduction, op, tensors)
     if m.gloo_rules:
         refuse_gloo_dtypes("all_reduce", label, tensors)
     count = len(tensors)
 
-    into = getattr(model, "reduce_into", None) if op.reduce_op is not None else None
+    into = getattr(reduction, "reduce_into", None) if op.reduce_op is not None else None
 
     def complete(calls: list[Call], targets: Sequence[int]) -> None:
         for k in range(count):
             members = [c.inputs[k] for c in calls]
             if into is not None and into(members, op.reduce_op, [members[i] for i in targets]):
-                continue  # one pass: each member read once, each target written once (the model's bits)
+                continue  # one pass: each member read once, each target written once (the reduction's bits)
             try:
-                result = reduce_all(model, members, op)
+                result = reduce_all(reduction, members, op)
             except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
                 written = getattr(exc, "written", None)
                 if written is not None:
@@ -83,8 +83,8 @@ def all_reduce_one(m: Members, rank: int, frame: Any, tensor: torch.Tensor, op: 
 
 def all_reduce_coalesced(m: Members, rank: int, frame: Any, tensors: Sequence[torch.Tensor], op: Op) -> Prepared:
     """ONE all-reduce of the concatenation of the flat tensors (gloo's ``all_reduce_coalesced``, by experiment)."""
-    model, label = m.model, m.label
-    check_op(model, op, tensors)
+    reduction, label = m.reduction, m.label
+    check_op(reduction, op, tensors)
     if m.gloo_rules:
         refuse_gloo_dtypes("all_reduce_coalesced", label, tensors)
     if len({t.dtype for t in tensors}) > 1:
@@ -93,7 +93,7 @@ def all_reduce_coalesced(m: Members, rank: int, frame: Any, tensors: Sequence[to
 
     def complete(calls: list[Call], targets: Sequence[int]) -> None:
         flat = [torch.cat([t.reshape(-1) for t in c.inputs]) for c in calls]
-        pieces = reduce_all(model, flat, op).split(sizes)
+        pieces = reduce_all(reduction, flat, op).split(sizes)
         for i in targets:
             for t, piece in zip(calls[i].inputs, pieces, strict=True):
                 t.copy_(piece.view(t.shape))
@@ -105,27 +105,27 @@ def all_reduce_coalesced(m: Members, rank: int, frame: Any, tensors: Sequence[to
 def reduce(m: Members, rank: int, frame: Any, tensors: Sequence[torch.Tensor], op: Op, root: int) -> Prepared:
     """Reduce each of ``tensors`` to group rank ``root`` in place.
 
-    Where the model says what every member's tensor holds afterwards
+    Where the reduction says what every member's tensor holds afterwards
     (``reduce_buffers``, gloo's non-root partial sums) every target gets it;
     otherwise only the root's tensor is written.
     """
-    model, label = m.model, m.label
-    check_op(model, op, tensors)
+    reduction, label = m.reduction, m.label
+    check_op(reduction, op, tensors)
     if m.gloo_rules:
         refuse_gloo_dtypes("reduce", label, tensors)
-    buffers = getattr(model, "reduce_buffers", None) if op.reduce_op is not None else None
+    buffers = getattr(reduction, "reduce_buffers", None) if op.reduce_op is not None else None
     count = len(tensors)
 
     def complete(calls: list[Call], targets: Sequence[int]) -> None:
         for k in range(count):
             members = [c.inputs[k] for c in calls]
-            if buffers is not None:  # the model says what every member's tensor holds afterwards
+            if buffers is not None:  # the reduction says what every member's tensor holds afterwards
                 results = buffers(members, op.reduce_op, root)
                 for i in targets:
                     write_bytes(calls[i].inputs[k], results[i])
                 continue
-            # computed for non-root targets too (process mode), so a model's refusal reaches every rank
-            result = reduce_root(model, members, op, root)
+            # computed for non-root targets too (process mode), so a reduction's refusal reaches every rank
+            result = reduce_root(reduction, members, op, root)
             if root in targets:
                 write_bytes(calls[root].inputs[k], result)
 
@@ -144,8 +144,8 @@ def reduce_scatter_tensors(
 ) -> Prepared:
     """reduce_scatter_tensor (and its coalesced form, one per pair): group rank ``i`` gets block ``i`` of the
     flat result of each input."""
-    model, label, n = m.model, m.label, len(m.ranks)
-    check_op(model, op, inputs)
+    reduction, label, n = m.reduction, m.label, len(m.ranks)
+    check_op(reduction, op, inputs)
     if m.gloo_rules:
         refuse_gloo_dtypes(name, label, inputs)
         if any(out.dim() == 0 for out in outputs):
@@ -169,7 +169,7 @@ def reduce_scatter_tensors(
 
     def complete(calls: list[Call], targets: Sequence[int]) -> None:
         for k in range(count):
-            blocks = reduce_blocks(model, [c.inputs[k] for c in calls], op)  # as laid out: gloo reads memory
+            blocks = reduce_blocks(reduction, [c.inputs[k] for c in calls], op)  # as laid out: gloo reads memory
             for i in targets:
                 out = calls[i].outputs[k]
                 out.copy_(blocks[i].view(out.shape))
@@ -188,9 +188,9 @@ def reduce_scatter_list(
 ) -> Prepared:
     """List reduce_scatter: entry ``i`` of every member's list ``k`` reduced into group rank ``i``'s
     ``outputs[k]``; with gloo's rules every entry must have the output's shape (`refuse_entry_shapes`)."""
-    model, label, gloo_rules, n = m.model, m.label, m.gloo_rules, len(m.ranks)
+    reduction, label, gloo_rules, n = m.reduction, m.label, m.gloo_rules, len(m.ranks)
     flat = [t for lst in input_lists for t in lst]
-    check_op(model, op, flat)
+    check_op(reduction, op, flat)
     for lst in input_lists:
         if len(lst) != n:
             raise ValueError(f"reduce_scatter on {label}: need {n} input tensors, got {len(lst)}")
@@ -202,7 +202,7 @@ def reduce_scatter_list(
         for k in range(count):
             if gloo_rules:
                 refuse_entry_shapes(calls, k, label)
-            blocks = reduce_list(model, [c.inputs[k] for c in calls], op)
+            blocks = reduce_list(reduction, [c.inputs[k] for c in calls], op)
             for i in targets:
                 write_bytes(calls[i].outputs[k], blocks[i])
 
@@ -217,7 +217,7 @@ def all_reduce_sparse(m: Members, rank: int, frame: Any, tensor: torch.Tensor, o
     bitwise against real gloo): each member coalesces its tensor; the members' coalesced tensors are summed
     as sparse tensors in group-rank order, ``((s0 + s1) + s2) + ...``, and the sum is coalesced; every member's
     tensor is replaced by the result (coalesced, indices sorted). Only ``SUM`` (gloo's ``RuntimeError``
-    otherwise), and only under a model with gloo's rules: no other backend's sparse path is modelled."""
+    otherwise), and only under a reduction with gloo's rules: no other backend's sparse path is modelled."""
     label = m.label
     if op.name != "SUM":
         raise RuntimeError(
@@ -226,8 +226,8 @@ def all_reduce_sparse(m: Members, rank: int, frame: Any, tensor: torch.Tensor, o
         )
     if not m.gloo_rules:
         raise RuntimeError(
-            f"sparse all_reduce on {label}: simdist models gloo's sparse all_reduce only; this group's model is "
-            f"{m.model.name} (use the gloo model, or a dense tensor)"
+            f"sparse all_reduce on {label}: simdist models gloo's sparse all_reduce only; this group's reduction is "
+            f"{m.reduction.name} (use the gloo reduction, or a dense tensor)"
         )
     local = tensor.detach().coalesce()
     size = tuple(tensor.shape)

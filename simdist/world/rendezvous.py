@@ -7,7 +7,7 @@ describes a collective as a `simdist.world.calls.Call` per rank and a
 ``complete(calls, targets)`` function; the rendezvous matches the calls and
 runs ``complete`` once, on the last member to arrive, over the calls in
 group-rank order with every member as a target. Results therefore depend only
-on the inputs and the reduction model, never on which thread arrived first.
+on the inputs and the reduction, never on which thread arrived first.
 
 Matching: the n-th call a rank makes on a group (identified by a key, by
 default the group itself) is matched with the n-th call of every other member.
@@ -24,7 +24,7 @@ Failure is loud and quick:
 * a rank that returns while a peer waits for it, or a state where every live
   rank waits (collective or receive), raises `CollectiveDeadlockError` naming
   each waiting rank's call;
-* an error raised by ``complete`` (e.g. a reduction model refusing AVG on
+* an error raised by ``complete`` (e.g. a reduction refusing AVG on
   integers) is raised by every member from its own call, like a real backend;
 * an optional ``timeout_s`` turns a rank stuck outside collectives into
   `SimTimeoutError`.

@@ -59,10 +59,10 @@ def run(
     """Run ``fn(rank or comm, *args, **kwargs)`` on every rank of ``world``; return the results in rank order.
 
     ``world``: a world size, or a `ParallelSpec` (needed for ``api="comm"`` layouts other than a flat world,
-    and for per-kind reduction tables). ``reduction``: a model name, a `Reduction` member or a
-    `ReductionModel` for every group; in threads also a mapping from group kind to one of those (with a
-    ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> ReductionModel``
-    (`simdist.world.modelmap`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
+    and for per-kind reduction tables). ``reduction``: a reduction name, a `ReductionName` member or a
+    `Reduction` for every group; in threads also a mapping from group kind to one of those (with a
+    ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> Reduction``
+    (`simdist.world.reduction_map`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
     bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank
     (in processes as `simdist.world.supervise.RankFailure`, with the rank's traceback).
 

@@ -11,7 +11,7 @@ running `rank_main`: the script's ``dist.init_process_group`` -- whatever backen
 per launch (`simdist.world.attach`), ``new_group``'s backend names are served by simdist too, and
 ``dist.get_backend()`` answers ``"simdist"`` or, with ``--report-backend``, the name the script asked
 for. Then the script runs as ``python script.py args`` would run it (``__main__``, ``sys.argv``, its
-folder first on ``sys.path``). The reduction model is ``SIMDIST_REDUCTION`` (`simdist.world.process`).
+folder first on ``sys.path``). The reduction is ``SIMDIST_REDUCTION`` (`simdist.world.process`).
 
 The launch returns the first failing rank's exit status (the others are then stopped), else 0; a launch
 that outlives ``timeout_s`` is stopped and returns 124.
@@ -34,8 +34,8 @@ from simdist.errors import UsageError
 from simdist.world.attach import Attachment
 from simdist.world.attach import install as install_attach
 from simdist.world.backend import BACKEND_NAME
-from simdist.world.modelmap import as_model
 from simdist.world.process import REDUCTION_ENV
+from simdist.world.reduction_map import as_reduction
 
 REPORT_ENV = "SIMDIST_REPORT_BACKEND"
 """Set to ``1`` in the ranks' environment by ``--report-backend``."""
@@ -61,7 +61,7 @@ def launch(
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     if not Path(script).is_file():
         raise UsageError(f"script {script!r} is not a file")
-    as_model(reduction, "--reduction")  # a bad name is one line now, not N tracebacks later
+    as_reduction(reduction, "--reduction")  # a bad name is one line now, not N tracebacks later
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), REDUCTION_ENV: reduction})
     env[REPORT_ENV] = "1" if report_backend else "0"

@@ -7,7 +7,7 @@ on each with a `SimComm`, and returns the per-rank results in rank order.
 `simdist.world.reductions` or `simdist.world.data_movement` (a `Call` plus a
 ``complete`` function), handed to the `simdist.world.rendezvous.Rendezvous`, exactly as the
 ``torch.distributed`` backend (`simdist.world.backend`, `simdist.run`) does:
-same checks (gloo's rules where the group's model has ``gloo_rules``), same
+same checks (gloo's rules where the group's reduction has ``gloo_rules``), same
 completion, same bits. `simdist.world.rendezvous` says how
 calls are matched, how results stay independent of thread arrival order, and
 how mismatches, deadlocks, exceptions and timeouts are reported (every rank's
@@ -24,13 +24,12 @@ from typing import Any
 import torch
 
 from simdist.errors import UsageError
-from simdist.reduce import ReduceOp, ReductionModel
+from simdist.reduce import ReduceOp, Reduction
 from simdist.world import data_movement as dm
 from simdist.world import reduce_ops as ops
 from simdist.world import reductions as red
 from simdist.world.calls import Prepared
 from simdist.world.groups import Group, group_for, world_group
-from simdist.world.modelmap import as_model
 from simdist.world.observers import Observers, observed
 from simdist.world.options import (
     _UNSET,
@@ -39,6 +38,7 @@ from simdist.world.options import (
     check_timeout,
     pick_reduction,
 )
+from simdist.world.reduction_map import as_reduction
 from simdist.world.rendezvous import Rendezvous
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 
@@ -47,14 +47,14 @@ class _Members:
     """SimComm's view of one `Group` for the collectives (a `simdist.world.calls.Members`), built once per group
     and communicator."""
 
-    __slots__ = ("checked", "gloo_rules", "group", "key", "kind", "label", "model", "ranks", "size")
+    __slots__ = ("checked", "gloo_rules", "group", "key", "kind", "label", "ranks", "reduction", "size")
 
-    def __init__(self, group: Group, model: ReductionModel, key: int) -> None:
+    def __init__(self, group: Group, reduction: Reduction, key: int) -> None:
         self.group = group
         self.kind = group.kind
         self.label = str(group)
-        self.model = model
-        self.gloo_rules = model.gloo_rules
+        self.reduction = reduction
+        self.gloo_rules = reduction.gloo_rules
         self.ranks = group.ranks
         self.size = len(group.ranks)
         self.key = key  # the call sequence on the rendezvous: `Rendezvous.intern` of the ranks
@@ -102,8 +102,8 @@ class SimComm:
             raise UsageError(f"rank {self._rank} called a collective on {resolved}, which it is not a member of")
         if list(resolved.ranks) != sorted(resolved.ranks):  # torch sorts a group's ranks: group rank i = i-th smallest
             resolved = Group(resolved.kind, tuple(sorted(resolved.ranks)))
-        model = self._world_obj.model_for(resolved.kind)
-        found = self._members[group] = _Members(resolved, model, self._rendezvous.intern(resolved.ranks))
+        reduction = self._world_obj.reduction_for(resolved.kind)
+        found = self._members[group] = _Members(resolved, reduction, self._rendezvous.intern(resolved.ranks))
         return found
 
     def _run(self, members: _Members, prepared: Prepared) -> None:
@@ -119,7 +119,7 @@ class SimComm:
     # -- collectives ---------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
-        """Reduce ``tensor`` across ``group`` in place with the group's reduction model."""
+        """Reduce ``tensor`` across ``group`` in place with the group's reduction."""
         m = self._resolve(group)
         self._run(m, red.all_reduce_one(m, self._rank, sys._getframe(1), tensor, ops.named_op(op)))
 
@@ -131,8 +131,8 @@ class SimComm:
         self._run(m, red.reduce_scatter_tensors(m, self._rank, sys._getframe(1), (output,), (input,), ops.named_op(op)))
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
-        """Reduce ``tensor`` across ``group`` to global rank ``dst``, in place: the root gets the model's result;
-        with a model that says what the others hold (gloo's) every other member's tensor holds that afterwards
+        """Reduce ``tensor`` across ``group`` to global rank ``dst``, in place: the root gets the reduction's result;
+        with a reduction that says what the others hold (gloo's) every other member's tensor holds that afterwards
         (gloo's partial sums), as on the real backend."""
         m = self._resolve(group)
         root = m.group.rank_of(dst)
@@ -187,8 +187,8 @@ class SimComm:
 class SimWorld:
     """Runs a rank function on every rank of ``spec``, one thread per rank, in this process.
 
-    ``reduction`` chooses the `ReductionModel` of each group's collectives: a model name, a `Reduction`
-    member or a model for every group, or a mapping from group kind (``tp``, ``dp``, ``ep``, ``etp``,
+    ``reduction`` chooses the `Reduction` of each group's collectives: a reduction name, a `ReductionName`
+    member or a reduction for every group, or a mapping from group kind (``tp``, ``dp``, ``ep``, ``etp``,
     ``edp``, ``pp``, ``world``) to one of those, kinds not named using its ``"default"`` entry. The default is
     `simdist.world.options.DEFAULT_REDUCTION` (gloo's order; it was a rank-order fold, `Sequential`, before
     every launcher shared one default: pass ``reduction="sequential"`` for that).
@@ -215,14 +215,14 @@ class SimWorld:
         intra_op_threads: int | None = 1,
     ) -> None:
         self.spec = spec
-        self.models, self.default_model = reduction_table(reduction)
+        self.reductions, self.default_reduction = reduction_table(reduction)
         self.timeout_s = check_timeout(timeout_s)
         self.one_cpu = one_cpu and hasattr(os, "sched_setaffinity")
         self.intra_op_threads = intra_op_threads
 
-    def model_for(self, kind: GroupKind | str) -> ReductionModel:
-        """The reduction model used by groups of ``kind``."""
-        return self.models.get(kind, self.default_model)
+    def reduction_for(self, kind: GroupKind | str) -> Reduction:
+        """The reduction used by groups of ``kind``."""
+        return self.reductions.get(kind, self.default_reduction)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(comm, *args, **kwargs)`` on every rank; return the results in rank order."""
@@ -235,15 +235,16 @@ class SimWorld:
         )
 
 
-ReductionChoice = str | ReductionModel | Mapping[str, str | ReductionModel]
-"""What `SimWorld` accepts as ``reduction=``: a name or `Reduction` member, a model, or a kind -> either table."""
+ReductionChoice = str | Reduction | Mapping[str, str | Reduction]
+"""What `SimWorld` accepts as ``reduction=``: a name or `ReductionName` member, a reduction, or a kind -> either
+table."""
 
 SIMWORLD_KINDS: tuple[str, ...] = (*GROUP_KINDS, GroupKind.WORLD, "default")
-"""The keys of a `SimWorld` kind -> model table."""
+"""The keys of a `SimWorld` kind -> reduction table."""
 
 
-def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, ReductionModel], ReductionModel]:
-    """``({kind: model}, default model)`` from ``reduction=``; nothing given (``None`` or unset) is
+def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, Reduction], Reduction]:
+    """``({kind: reduction}, default reduction)`` from ``reduction=``; nothing given (``None`` or unset) is
     `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched gradient path
     (`simdist.gradpath.batched.BatchedOps`), so both read the keyword alike."""
     per_kind = kind_models(pick_reduction(_UNSET if reduction is None else reduction))
@@ -251,19 +252,19 @@ def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, ReductionModel],
     return per_kind, default
 
 
-def kind_models(choice: ReductionChoice) -> dict[str, ReductionModel]:
-    """``{kind: model}`` with a ``"default"`` entry from a `ReductionChoice`; unknown kinds and names are errors."""
-    if isinstance(choice, str | ReductionModel):
-        return {"default": as_model(choice, "reduction")}
+def kind_models(choice: ReductionChoice) -> dict[str, Reduction]:
+    """``{kind: reduction}`` with a ``"default"`` entry from a `ReductionChoice`; unknown kinds and names are errors."""
+    if isinstance(choice, str | Reduction):
+        return {"default": as_reduction(choice, "reduction")}
     if isinstance(choice, Mapping):
         unknown = [k for k in choice if k not in SIMWORLD_KINDS]
         if unknown:
             raise UsageError(f"reduction: unknown group kind(s) {unknown}; valid: {', '.join(SIMWORLD_KINDS)}")
-        table = {str(k): as_model(m, f"reduction[{k!r}]") for k, m in choice.items()}
-        table.setdefault("default", as_model(DEFAULT_REDUCTION))
+        table = {str(k): as_reduction(m, f"reduction[{k!r}]") for k, m in choice.items()}
+        table.setdefault("default", as_reduction(DEFAULT_REDUCTION))
         return table
     raise TypeError(
-        "reduction must be a model name, a Reduction member, a ReductionModel or a mapping from group kind to one "
+        "reduction must be a reduction name, a ReductionName member, a Reduction or a mapping from group kind to one "
         f"of those (SimWorld has no per-rank-tuple callable: use simdist.run), got {type(choice).__name__} "
         f"{choice!r}"
     )

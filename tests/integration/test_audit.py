@@ -15,24 +15,24 @@ from hypothesis import strategies as st
 
 import simdist
 import simdist.gradpath.kernel
-import simdist.models.synthetic
+import simdist.sources.synthetic
 from simdist.audit import AuditReport, audit, audited, narrows
 from simdist.cli import build_parser
 from simdist.cli.audit import run_audit
 from simdist.cli.configs import AuditCommand
 from simdist.cli.options import from_args
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.studies.repro import run
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 HERE = str(Path(__file__).resolve())
 GRADPATH = str(Path(simdist.gradpath.kernel.__file__).resolve())  # the stage logic (casts, optimizer)
-SYNTHETIC = str(Path(simdist.models.synthetic.__file__).resolve())
+SYNTHETIC = str(Path(simdist.sources.synthetic.__file__).resolve())
 SPEC = ParallelSpec(4, tp=2, ep=2)
 
 
@@ -146,7 +146,7 @@ def test_reported_error_is_the_largest_relative_rounding_error(values):
 
 def test_skip_attributes_a_record_to_the_next_frame_outward():
     grads = SyntheticGradients(SPEC)
-    with audit() as inside, audit(skip=("simdist.models.synthetic",)) as outside:
+    with audit() as inside, audit(skip=("simdist.sources.synthetic",)) as outside:
         grads(0, 0, 0, DEFAULT_PARAMS[0])  # here
     assert {s.function for s in inside.report().sites} == {"_normal"}
     assert {s.file for s in inside.report().sites} == {SYNTHETIC}
@@ -376,7 +376,7 @@ import sys
 import torch
 import torch.distributed as dist
 import simdist
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -393,7 +393,7 @@ def backend_rank(rank):
     return x
 
 
-SimWorld(ParallelSpec(2, tp=2, ep=1), reduction=make_model("upcast")).run(sim_rank)  # sums in FP32
+SimWorld(ParallelSpec(2, tp=2, ep=1), reduction=make_reduction("upcast")).run(sim_rank)  # sums in FP32
 simdist.run(backend_rank, 2)
 code = sys.argv[1] if sys.argv[1:] else None
 sys.exit(int(code) if code and code.isdigit() else code)
@@ -410,7 +410,7 @@ def test_cli_reports_collectives_of_simworld_and_the_simdist_backend_and_passes_
     assert captured.err.strip().splitlines()[-1] == "the script's own message"  # sys.exit("msg"): printed, status 1
     sites = {line.split()[2]: line for line in captured.out.splitlines() if line.split()[1:2] == ["collective"]}
     assert set(sites) == {"comm.all_reduce", "dist.all_reduce"}
-    # the upcast model's FP32 -> BF16 rounding runs on the rank that completes the collective, paused: not charged
+    # the upcast reduction's FP32 -> BF16 rounding runs on the rank that completes the collective, paused: not charged
     assert "2 sites, 4 events, ranks 0-1" in captured.out
     comm, backend = sites["comm.all_reduce"], sites["dist.all_reduce"]
     assert f"{_at(str(script), '# SimWorld')} in sim_rank" in comm and "bf16" in comm

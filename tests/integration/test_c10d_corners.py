@@ -189,7 +189,7 @@ def _sparse_and_monitored(rank: int, which: str) -> None:
 
 @pytest.mark.parametrize("which", ["sparse", "monitored_barrier"])
 def test_sparse_all_reduce_and_group_monitored_barrier_are_refused_under_another_model(which):
-    """Only gloo's sparse all_reduce and monitored_barrier are modelled: another reduction model refuses them."""
+    """Only gloo's sparse all_reduce and monitored_barrier are modelled: another reduction refuses them."""
     simdist.run(_sparse_and_monitored, 2, args=(which,))  # the default model is gloo's: answered
-    with pytest.raises(RuntimeError, match="model is sequential" if which == "sparse" else "only gloo implements"):
+    with pytest.raises(RuntimeError, match="reduction is sequential" if which == "sparse" else "only gloo implements"):
         simdist.run(_sparse_and_monitored, 2, args=(which,), reduction="sequential")

@@ -19,9 +19,9 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
 from simdist.cases import case_names, get_case
 from simdist.cases.deepspeed_8913 import CONTROLS, Config, judge, run_real, tp4_config
 from simdist.gradpath.oracle import DEEPSPEED_STRATEGY, correction
-from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
+from simdist.sources.synthetic import DEFAULT_PARAMS
 
 pytestmark = pytest.mark.gloo
 

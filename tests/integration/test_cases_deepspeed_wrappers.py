@@ -27,9 +27,9 @@ from simdist.cases.deepspeed_engine import EngineCapture, EngineRun, HelperCall
 from simdist.cases.deepspeed_wrappers import CLIP, SMALL_RUNS, run, run_real, run_small
 from simdist.cases.deepspeed_wrappers_checks import CONTROLS, findings, power_checks
 from simdist.cases.deepspeed_wrappers_oracle import BF16_LEVEL, _global_norm, judge_run, oracle
-from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, synthetic_gradients
 from simdist.numerics.floats import bits
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS, Inputs, synthetic_gradients
 from simdist.world.spec import ParallelSpec
 
 pytestmark = pytest.mark.gloo
@@ -76,11 +76,11 @@ def test_oracle_norm_counts_each_distinct_shard_once():
 
 def test_oracle_tp_sum_is_gloos_order_at_tp4_and_other_orders_differ():
     """The oracle's TP sums run in gloo's order (the real engine's): on rounding inputs at TP4 each router value
-    is the gloo model's sum of the four peers in group-rank order (``/4`` for the averaged router), bit for bit,
+    is the gloo reduction's sum of the four peers in group-rank order (``/4`` for the averaged router), bit for bit,
     while a rank-order loop and gloo's order over the reversed peers differ in some elements (the order shows)."""
     spec = ParallelSpec(4, tp=4, ep=2)
     step = oracle(spec, EngineRun(gas=4))[0]
-    gloo = make_model("gloo")
+    gloo = make_reduction("gloo")
     rank_order = reversed_order = 0
     for name, divide in (("router.weight", 4), ("router_partial.weight", 1)):
         for micro in range(4):

@@ -4,10 +4,10 @@ import pytest
 
 import simdist
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from simdist.cli import main
 from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.path import PathConfig
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.floats import bits, ulp_distance
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.studies.growth import (
     COLUMNS,
     FILES,

@@ -54,7 +54,7 @@ def test_a_worker_that_initialises_its_own_group_runs_on_threads(backend, init_m
         assert torch.equal(bits(seen[rank]["total"]), bits(plain[rank]["total"]))
         assert torch.equal(bits(seen[rank]["gathered"]), bits(torch.stack([p["x"] for p in plain])))
         assert seen[rank]["initialised_after"] is False
-    # power: the reduction model reaches the worker's group (another order changes the sum's bits)
+    # power: the reduction reaches the worker's group (another order changes the sum's bits)
     ring = simdist.run(programs.tutorial_worker, n, args=(n, init_method, backend), reduction="sequential")
     assert not all(torch.equal(bits(s["total"]), bits(r["total"])) for s, r in zip(seen, ring, strict=True))
     assert not dist.is_initialized()

@@ -51,18 +51,18 @@ def test_a_mutation_is_killed_and_the_tree_restored(tmp_path):
     """End to end on a private tree: the Sequential model folded backwards dies in the test that pins the
     one-chunk fold order, an edit of a docstring survives, and the mutated file is restored after each run."""
     tree = mutations.make_tree(tmp_path / "tree")
-    original = (tree / "simdist/reduce/models.py").read_text()
+    original = (tree / "simdist/reduce/textbook.py").read_text()
     killer = next(m for m in mutations.CATALOGUE if m.name == "sequential-reversed")
-    pinned = "tests/integration/test_gloo_model.py::test_small_lengths_fold_in_descending_rank_order"
+    pinned = "tests/integration/test_gloo_reduction.py::test_small_lengths_fold_in_descending_rank_order"
     killed = mutations.run_one(killer, tree, (pinned,), 600)
     assert killed.status == "killed" and killed.killed_by == [pinned], killed
-    assert (tree / "simdist/reduce/models.py").read_text() == original
+    assert (tree / "simdist/reduce/textbook.py").read_text() == original
     comment = mutations.Mutation(
-        "comment", "a docstring word", "simdist/reduce/models.py", "textbook", "schoolbook", ("tests",)
+        "comment", "a docstring word", "simdist/reduce/textbook.py", "textbook", "schoolbook", ("tests",)
     )
     survived = mutations.run_one(comment, tree, ("tests/unit/test_reduction.py",), 600)
     assert survived.status == "survived", survived
-    assert (tree / "simdist/reduce/models.py").read_text() == original
+    assert (tree / "simdist/reduce/textbook.py").read_text() == original
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from simdist.cli import main as cli_main
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
 from simdist.studies.growth.run import GrowthConfig, run_growth
 from simdist.studies.repro import ReproConfig, run
 
@@ -86,7 +86,7 @@ def _repro_fingerprint(gas: int) -> str:
     config = ReproConfig(gas=gas)
     path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker=config.marker)
     oracle_path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker="per_micro_step")
-    model = make_model(config.reduction)
+    model = make_reduction(config.reduction)
     traces = {"oracle": run(config.spec, MATCHED_FP32, oracle_path, model)}
     for name in config.policies:
         traces[name] = run(config.spec, get_policy(name), path, model)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import simdist
 from simdist.errors import UsageError
-from simdist.reduce import Gloo, Reduction, Ring, Sequential
+from simdist.reduce import Gloo, ReductionName, Ring, Sequential
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
 from simdist.world.runner import split_keywords
 from simdist.world.simworld import SimWorld
@@ -82,7 +82,7 @@ def test_threads_dist_with_args_kwargs_and_every_reduction_spelling():
     ran = simdist.run(dist_sum, N, args=(64,), kwargs={"scale": 0.5})
     assert len(ran) == N
     assert same_bits(ran, [Gloo().reduce([values(r) * 0.5 for r in range(N)])] * N)  # default: gloo's order
-    ring = [simdist.run(dist_sum, N, args=[64], reduction=choice) for choice in ("ring", Reduction.RING, Ring())]
+    ring = [simdist.run(dist_sum, N, args=[64], reduction=choice) for choice in ("ring", ReductionName.RING, Ring())]
     assert all(same_bits(r, simdist.run(dist_sum, N, args=(64,), reduction="ring")) for r in ring)
     seq = simdist.run(dist_sum, SPEC, args=(64,), reduction={"world": "sequential", "default": "gloo"})
     assert same_bits(seq, [left_fold(64)] * N)
@@ -110,7 +110,7 @@ def test_one_default_reduction_and_timeout_across_the_launchers():
 
     assert DEFAULT_REDUCTION == "gloo" and DEFAULT_TIMEOUT_S == 300.0
     assert SimWorld(SPEC).timeout_s == DEFAULT_TIMEOUT_S
-    assert isinstance(SimWorld(SPEC).default_model, Gloo)
+    assert isinstance(SimWorld(SPEC).default_reduction, Gloo)
     assert inspect.signature(simdist.run).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S
 
 
@@ -119,8 +119,8 @@ def test_one_default_reduction_and_timeout_across_the_launchers():
     [
         ({"where": "thread"}, ValueError, r"where='thread' is unknown; valid: 'threads', 'processes', 'gloo'"),
         ({"api": "torch"}, ValueError, r"api='torch' is unknown; valid: 'dist', 'comm'"),
-        ({"reduction": "rign"}, ValueError, r"unknown reduction model 'rign'; valid names: sequential"),
-        ({"reduction": 3}, TypeError, r"model must be a model name"),
+        ({"reduction": "rign"}, ValueError, r"unknown reduction 'rign'; valid names: sequential"),
+        ({"reduction": 3}, TypeError, r"reduction must be a reduction name"),
         ({"reduction": "ring", "where": "gloo"}, ValueError, r"real gloo sums in its own order"),
         ({"reduction": {"tp": "ring"}, "where": "processes"}, TypeError, r"per-kind tables and callables need"),
         ({"reduction": {"tpp": "ring"}, "api": "comm"}, ValueError, r"unknown group kind\(s\) \['tpp'\]"),
@@ -175,7 +175,7 @@ def test_reduction_is_the_one_spelling_the_removed_ones_are_unknown_keywords(mon
     monkeypatch.setenv("SIMDIST_MODEL", "ring")
     with pytest.raises(UsageError, match="SIMDIST_MODEL was renamed SIMDIST_REDUCTION"):
         process_reduction()
-    with pytest.raises(TypeError, match=r"reduction must be a model name"):
+    with pytest.raises(TypeError, match=r"reduction must be a reduction name"):
         SimWorld(SPEC, reduction=lambda ranks: Ring())
 
 
@@ -188,7 +188,7 @@ def test_group_kinds_are_a_str_enum_that_equals_the_strings():
 
 
 def test_the_package_exports_its_public_names():
-    assert set(simdist.__all__) >= {"run", "SimWorld", "ParallelSpec", "GroupKind", "Reduction", "blame"}
+    assert set(simdist.__all__) >= {"run", "SimWorld", "ParallelSpec", "GroupKind", "ReductionName", "blame"}
     assert sorted(simdist.__all__) == sorted(["DISTRIBUTION", *simdist._LAZY])
     for name in simdist.__all__:
         assert getattr(simdist, name) is not None
@@ -214,7 +214,7 @@ def test_processes_and_gloo_match_threads_bit_for_bit_and_report_timings():
     assert same_bits(ring, named)
     assert same_bits(ring, simdist.run(dist_sum, N, args=(64,), reduction="ring"))
     real = simdist.run(summed_on, N, where="gloo", args=(64,))
-    assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo model (which gives the same bits)
+    assert {name for name, _ in real} == {"gloo"}  # real gloo, not the gloo reduction (which gives the same bits)
     assert same_bits([t for _, t in real], simdist.run(dist_sum, N, where="gloo", args=(64,)))
     assert {name for name, _ in simdist.run(summed_on, 2, where="processes", args=(4,))} == {"simdist"}
     comm = simdist.run(comm_sums, SPEC, api="comm", where="processes", args=(64,), timings=timings)

@@ -137,8 +137,8 @@ def test_each_case_of_a_batch_gets_the_bits_it_gets_alone(case):
             alone,
             steps=steps,
             gas=gas,
-            tp_model=Sequential(),
-            dp_model=Sequential(),
+            tp_reduction=Sequential(),
+            dp_reduction=Sequential(),
             keep=OPTIMIZER_STAGES,
         )
         assert staging.keys() == engine.keys() == oracle.keys() == reference.keys()

@@ -16,7 +16,7 @@ from simdist import cli
 from simdist.cases.world import WORLDS, World
 from simdist.cli import configs
 from simdist.cli.options import add_options, choices, from_args, option_defaults
-from simdist.reduce import Reduction
+from simdist.reduce import ReductionName
 from simdist.studies.growth import GrowthConfig
 from simdist.studies.repro import REPRO_SPEC, ReproConfig
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
@@ -99,7 +99,7 @@ def test_every_option_is_set_from_the_command_line():
         inputs="narrow",
     )
     assert tree.study.source == "moe" and tree.study.code == "deepspeed" and tree.study.inputs == "narrow"
-    assert tree.study.reduction is Reduction.RING  # the enum member, not its string
+    assert tree.study.reduction is ReductionName.RING  # the enum member, not its string
     assert (tree.policy_module, tree.no_progress, tree.expect, tree.json) == (("m.py", "n"), True, "fixed", True)
     assert (tree.shape, tree.all_tensors) == ("production", True)
     assert _tree(["repro", "8913", "--diff-only"]).all_tensors is False
@@ -231,8 +231,8 @@ def test_a_field_name_used_twice_and_a_true_flag_are_refused():
 
 
 def test_choices_are_the_enum_values():
-    assert choices(Reduction) == [m.value for m in Reduction]
-    assert choices(Reduction, skip=("upcast",)) == [m.value for m in Reduction if m != Reduction.UPCAST]
+    assert choices(ReductionName) == [m.value for m in ReductionName]
+    assert choices(ReductionName, skip=("upcast",)) == [m.value for m in ReductionName if m != ReductionName.UPCAST]
     assert choices(World) == list(WORLDS) == ["gloo", "simdist", "threads"]
 
 

@@ -246,7 +246,7 @@ def _own_order(comm):
     from simdist.reduce import Ring
 
     (x,) = _inputs(comm.get_rank(), 1, 12)
-    return x, CommOps(comm, 0).all_reduce(x.view(3, 4), "tp", model=Ring(chunk_size=1))
+    return x, CommOps(comm, 0).all_reduce(x.view(3, 4), "tp", reduction=Ring(chunk_size=1))
 
 
 def test_a_policys_own_tp_order_runs_on_a_gloo_world():

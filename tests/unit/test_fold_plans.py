@@ -1,7 +1,7 @@
 """Fold plans against plain loops: every planned order equals its documented order, restated element by element.
 
 The restatements below are written from the models' documented orders (the module docstrings of
-`simdist.reduce.models` and `simdist.reduce.gloo`), not from their code: for each element they list the ranks
+`simdist.reduce.textbook` and `simdist.reduce.gloo`), not from their code: for each element they list the ranks
 in fold order with a formula of their own, then add one element at a time (0-d tensors, one rounding per add).
 They never touch `FoldPlan`, the models' chunk functions or `fold`. Each property compares raw bits
 (`.view(int)`): signed zeros, infinities, subnormals, ties and empty tensors included. NaN bits are compared
@@ -46,11 +46,11 @@ def gloo_order(n: int, numel: int, element_size: int, max_segment_bytes: int, e:
     return [(c - 1 - j) % n for j in range(n)]
 
 
-def ring_order(model: Ring, n: int, e: int) -> list[int]:
+def ring_order(reduction: Ring, n: int, e: int) -> list[int]:
     """Chunk ``c`` starts at ring position ``(c + shift) mod n`` and visits every position once."""
-    ring = list(range(n)) if model.ring is None else list(model.ring)
-    c = e // model.chunk_size
-    return [ring[(c + model.shift + j) % n] for j in range(n)]
+    ring = list(range(n)) if reduction.ring is None else list(reduction.ring)
+    c = e // reduction.chunk_size
+    return [ring[(c + reduction.shift + j) % n] for j in range(n)]
 
 
 def tree_sum(values: list[torch.Tensor]) -> torch.Tensor:
@@ -78,17 +78,17 @@ def gloo_nan(local: torch.Tensor, acc: torch.Tensor) -> int:
     return -quiet  # x86's default NaN: sign set, quiet bit set
 
 
-def restated(model, x: torch.Tensor) -> torch.Tensor:
+def restated(reduction, x: torch.Tensor) -> torch.Tensor:
     """``model``'s SUM of ``x`` (``[n, numel]``), one element and one hop at a time."""
     n, numel = x.shape
     out = torch.empty(numel, dtype=x.dtype)
     for e in range(numel):
         column = [x[r, e] for r in range(n)]
-        if isinstance(model, Gloo):
+        if isinstance(reduction, Gloo):
             if n == 1:
                 out[e] = column[0]
                 continue
-            order = gloo_order(n, numel, x.element_size(), model.max_segment_bytes, e)
+            order = gloo_order(n, numel, x.element_size(), reduction.max_segment_bytes, e)
             acc = column[order[0]]
             for r in order[1:]:
                 local = column[r]
@@ -96,17 +96,17 @@ def restated(model, x: torch.Tensor) -> torch.Tensor:
                 if value.isnan():
                     value = torch.tensor(gloo_nan(local, acc), dtype=INT[x.dtype]).view(x.dtype)
                 acc = value
-        elif isinstance(model, Ring):
-            order = ring_order(model, n, e)
+        elif isinstance(reduction, Ring):
+            order = ring_order(reduction, n, e)
             acc = column[order[0]].clone()
             for r in order[1:]:
                 acc = acc + column[r]
-        elif isinstance(model, Tree):
+        elif isinstance(reduction, Tree):
             acc = tree_sum(column)
-        elif isinstance(model, Upcast):
-            acc = column[0].to(model.acc_dtype)
+        elif isinstance(reduction, Upcast):
+            acc = column[0].to(reduction.acc_dtype)
             for r in range(1, n):
-                acc = acc + column[r].to(model.acc_dtype)
+                acc = acc + column[r].to(reduction.acc_dtype)
             acc = acc.to(x.dtype)  # one rounding (acc_dtype is chosen below so that .to rounds once, correctly)
         else:  # Sequential
             acc = column[0].clone()
@@ -129,7 +129,7 @@ def same_bits(got: torch.Tensor, want: torch.Tensor, nan_bits: bool) -> bool:
 # -- inputs -------------------------------------------------------------------------------------------------------
 
 
-def models(dtype: torch.dtype):
+def reductions(dtype: torch.dtype):
     acc = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
     return st.one_of(
         st.just(Sequential()),
@@ -152,8 +152,8 @@ def groups(draw, count: int | None = None):
     """``(model, x)``: ``x`` is ``[n, numel]`` (or ``[n, count, numel]``) with NaN payloads (quiet and signalling,
     both signs), signed zeros, infinities, subnormals and ties."""
     dtype = draw(st.sampled_from(DTYPES))
-    model = draw(models(dtype))
-    n = 4 if isinstance(model, Ring) and model.ring is not None else draw(st.integers(1, 6))
+    reduction = draw(reductions(dtype))
+    n = 4 if isinstance(reduction, Ring) and reduction.ring is not None else draw(st.integers(1, 6))
     top = 40 if count is None else 16
     numel = draw(st.one_of(st.integers(0, top), st.sampled_from([n * 2, n * 4, 12, 16])))  # whole chunks, often
     shape = (n, numel) if count is None else (n, count, numel)
@@ -165,15 +165,15 @@ def groups(draw, count: int | None = None):
     nan = x.isnan().reshape(-1)
     raw = x.view(INT[dtype]).reshape(-1)
     raw[nan] ^= torch.tensor(payloads, dtype=INT[dtype])[nan]  # other payloads; some signalling
-    return model, x
+    return reduction, x
 
 
-def claims_nan_bits(model, dtype: torch.dtype) -> bool:
+def claims_nan_bits(reduction, dtype: torch.dtype) -> bool:
     """Gloo's NaN bits always; the others' where torch's add gives one NaN in every loop (fp32, fp64), and not
     `Upcast`'s (its one rounding of a NaN back to the dtype keeps a payload torch's ``.to`` would not)."""
-    if isinstance(model, Gloo):
+    if isinstance(reduction, Gloo):
         return True
-    return dtype in (torch.float32, torch.float64) and not isinstance(model, Upcast)
+    return dtype in (torch.float32, torch.float64) and not isinstance(reduction, Upcast)
 
 
 # -- properties ---------------------------------------------------------------------------------------------------
@@ -183,27 +183,27 @@ def claims_nan_bits(model, dtype: torch.dtype) -> bool:
 @example((Gloo(max_segment_bytes=4), torch.tensor([[1.0, -0.0, 5.0], [2.0**-24, -0.0, 2.0**-149], [2.0**-24, 0, 1]])))
 def test_the_planned_sum_is_the_documented_order_element_by_element(group):
     """`sum` (a sequence and a stacked tensor) == the plain-loop restatement, bit for bit."""
-    model, x = group
-    want = restated(model, x)
-    nan_bits = claims_nan_bits(model, x.dtype)
-    assert same_bits(model.sum(x), want, nan_bits), model
-    assert same_bits(model.sum(list(x.unbind(0))), want, nan_bits), model
+    reduction, x = group
+    want = restated(reduction, x)
+    nan_bits = claims_nan_bits(reduction, x.dtype)
+    assert same_bits(reduction.sum(x), want, nan_bits), reduction
+    assert same_bits(reduction.sum(list(x.unbind(0))), want, nan_bits), reduction
 
 
 @given(groups(count=3))
 def test_the_batched_sum_is_the_documented_order_for_every_item(group):
     """`sum_many` (the rank-batched engine's path) == the restatement of each item, bit for bit."""
-    model, x = group
-    got = batched_sum(model, x, (x.shape[2],))
+    reduction, x = group
+    got = batched_sum(reduction, x, (x.shape[2],))
     for i in range(x.shape[1]):
-        assert same_bits(got[i], restated(model, x[:, i]), claims_nan_bits(model, x.dtype)), (model, i)
+        assert same_bits(got[i], restated(reduction, x[:, i]), claims_nan_bits(reduction, x.dtype)), (reduction, i)
 
 
 @given(groups(), st.sampled_from(["items outer", "elements outer", "members outer"]))
 def test_a_batch_in_any_layout_gives_the_same_bits(group, layout):
     """The engine hands `sum_many` strided views (its groups are views of the rank dimension): the members'
     memory layout does not change a bit."""
-    model, x = group
+    reduction, x = group
     items = [x, -x, x * 2]
     if layout == "items outer":  # the engine's "blocks" layout: [item, member, element] in memory
         members = torch.stack(items).transpose(0, 1)
@@ -211,9 +211,9 @@ def test_a_batch_in_any_layout_gives_the_same_bits(group, layout):
         members = torch.stack(items, dim=-1).permute(0, 2, 1)
     else:
         members = torch.stack(items, dim=1)
-    got = batched_sum(model, members, (x.shape[1],))
+    got = batched_sum(reduction, members, (x.shape[1],))
     for i in range(3):
-        assert same_bits(got[i], restated(model, items[i]), claims_nan_bits(model, x.dtype)), (model, i)
+        assert same_bits(got[i], restated(reduction, items[i]), claims_nan_bits(reduction, x.dtype)), (reduction, i)
 
 
 def test_the_restatements_see_a_wrong_order():
@@ -230,7 +230,7 @@ def test_a_new_model_is_one_class_batched_through_its_plan_and_an_undeclared_ord
     rewrites `sum` without stating its order is not batched with its parent's plan (it warns and goes item by item)."""
     import warnings
 
-    from simdist.reduce import MODELS, FoldPlan, PerItemWarning, Reduction, make_model
+    from simdist.reduce import REDUCTIONS, FoldPlan, PerItemWarning, ReductionName, make_reduction
 
     class Descending(Sequential):
         def fold_plan(self, n, numel, dtype):
@@ -253,5 +253,5 @@ def test_a_new_model_is_one_class_batched_through_its_plan_and_an_undeclared_ord
     assert any(issubclass(w.category, PerItemWarning) for w in caught)
     assert torch.equal(got[0], restated(Sequential(), x.flip(0)))
     assert not torch.equal(got[0], restated(Sequential(), x))  # the parent's order would differ here
-    assert {m.value: m.model for m in Reduction} == MODELS
-    assert all(type(make_model(name)) is cls for name, cls in MODELS.items())
+    assert {m.value: m.reduction for m in ReductionName} == REDUCTIONS
+    assert all(type(make_reduction(name)) is cls for name, cls in REDUCTIONS.items())

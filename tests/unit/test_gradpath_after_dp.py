@@ -4,7 +4,7 @@
 of a TP2 x DP2 router gradient in different pairings; with gradients over 33 binades the FP32 sums round, so
 the pairing shows in the bits. The expected values are computed here from the local gradients with explicit
 loops over the spec's groups (no kernel, no Policy stage list); every two-member sum is one IEEE addition, so
-no reduction model's order is involved.
+no reduction's order is involved.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.probes import BOUNDARY
-from simdist.models.synthetic import InitialWeights, SyntheticGradients
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -28,7 +28,7 @@ def test_megatron_reduces_over_dp_before_the_tp_correction():
     grads = SyntheticGradients(SPEC, seed=5, spread=16)
     policy = get_policy("megatron_grad_reduce_fp32")
     config = PathConfig(steps=1, gas=1, seed=5, marker="per_micro_step")
-    traces = SimWorld(SPEC, reduction=make_model("gloo")).run(
+    traces = SimWorld(SPEC, reduction=make_reduction("gloo")).run(
         train_rank, [ROUTER], InitialWeights(SPEC, 5), grads, policy, config
     )
     local = {r: grads(0, 0, r, ROUTER).float() for r in range(SPEC.world_size)}

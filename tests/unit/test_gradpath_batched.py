@@ -7,7 +7,7 @@ compared on raw bits: every step, rank, seed and captured tensor (every stage
 of every micro-step and of the boundary), and the gradient norm.
 
 The default suite runs a representative subset (every policy and the oracle,
-every layout, every reduction model, both update paths, both markers,
+every layout, every reduction, both update paths, both markers,
 clipping); the whole cross product is marked slow (``pytest --run-slow``, run by ``.ci/run``).
 """
 
@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from simdist.gradpath.batched import BatchedPath, batched_sum
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import same_bits
 from simdist.policies.catalogue import get_policy, policy_names
-from simdist.reduce import MODEL_NAMES, Ring, Sequential, make_model
+from simdist.reduce import REDUCTION_NAMES, Ring, Sequential, make_reduction
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.studies.growth import BatchedGradients
 from simdist.testing.strategies import float_values
 from simdist.world.simworld import SimWorld
@@ -47,7 +47,7 @@ def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", m
     """Run ``name`` both ways on ``spec`` with every group reducing in ``model_name``; count compared tensors."""
     policy = MATCHED_FP32 if name == "matched_fp32" else get_policy(name)
     marker = "per_micro_step" if name == "matched_fp32" else "deepspeed"
-    model = make_model(model_name)
+    reduction = make_reduction(model_name)
     stream = BatchedGradients(spec, DEFAULT_PARAMS, list(SEEDS))
     configs = [
         PathConfig(steps=steps, gas=gas, seed=s, marker=marker, update_path=update_path, max_norm=max_norm)
@@ -60,14 +60,14 @@ def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", m
         configs[0],
         [InitialWeights(spec, s) for s in SEEDS],
         SEEDS,
-        reduction=model,
+        reduction=reduction,
         keep=None,
         norm=True,
     )
     trace = batched.run(stream.draw)
     compared = 0
     for item, seed in enumerate(SEEDS):
-        threads = SimWorld(spec, reduction=model).run(
+        threads = SimWorld(spec, reduction=reduction).run(
             train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, seed), stream.local(item), policy, configs[item]
         )
         for rank, (expected, got) in enumerate(zip(threads, trace.rank_traces(item), strict=True)):
@@ -84,15 +84,21 @@ def compare(spec, name, model_name, *, gas=2, steps=2, update_path="epilogue", m
 # Every policy once, cycling through layouts and models so that each layout and each model meets several
 # policies; update path, clipping and GAS vary too.
 REPRESENTATIVE = [
-    (name, layout, MODEL_NAMES[i % len(MODEL_NAMES)], "hooks" if i % 3 == 2 else "epilogue", 0.01 if i % 2 else 0.0)
+    (
+        name,
+        layout,
+        REDUCTION_NAMES[i % len(REDUCTION_NAMES)],
+        "hooks" if i % 3 == 2 else "epilogue",
+        0.01 if i % 2 else 0.0,
+    )
     for i, (name, layout) in enumerate(zip(POLICIES, itertools.cycle(LAYOUTS), strict=False))
 ]
 
 
-@pytest.mark.parametrize(("name", "layout", "model", "update_path", "max_norm"), REPRESENTATIVE)
-def test_rank_batched_equals_per_rank_threads(name, layout, model, update_path, max_norm):
+@pytest.mark.parametrize(("name", "layout", "reduction", "update_path", "max_norm"), REPRESENTATIVE)
+def test_rank_batched_equals_per_rank_threads(name, layout, reduction, update_path, max_norm):
     """Every captured tensor of every step, micro-step, rank and seed, and the gradient norm, bit for bit."""
-    assert compare(LAYOUTS[layout], name, model, update_path=update_path, max_norm=max_norm) > 0
+    assert compare(LAYOUTS[layout], name, reduction, update_path=update_path, max_norm=max_norm) > 0
 
 
 def test_clipping_that_does_not_bind_changes_no_bit():
@@ -105,16 +111,16 @@ def test_clipping_that_does_not_bind_changes_no_bit():
 def test_the_representative_subset_covers_every_policy_layout_and_model():
     assert {c[0] for c in REPRESENTATIVE} == set(POLICIES)
     assert {c[1] for c in REPRESENTATIVE} == set(LAYOUTS)
-    assert {c[2] for c in REPRESENTATIVE} == set(MODEL_NAMES)
+    assert {c[2] for c in REPRESENTATIVE} == set(REDUCTION_NAMES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("model", MODEL_NAMES)
+@pytest.mark.parametrize("reduction", REDUCTION_NAMES)
 @pytest.mark.parametrize("name", POLICIES)
-def test_rank_batched_equals_per_rank_threads_everywhere(name, layout, model):
-    """The whole cross product: every policy and the oracle x layouts x reduction models (GAS 2, clipping)."""
-    assert compare(LAYOUTS[layout], name, model, max_norm=0.01) > 0
+def test_rank_batched_equals_per_rank_threads_everywhere(name, layout, reduction):
+    """The whole cross product: every policy and the oracle x layouts x reductions (GAS 2, clipping)."""
+    assert compare(LAYOUTS[layout], name, reduction, max_norm=0.01) > 0
 
 
 def test_the_comparison_is_not_vacuous():
@@ -143,7 +149,7 @@ class _Reversed(Sequential):
         return super().sum(list(tensors)[::-1])
 
 
-BATCHED_MODELS = [make_model(n) for n in MODEL_NAMES] + [
+BATCHED_MODELS = [make_reduction(n) for n in REDUCTION_NAMES] + [
     Ring(chunk_size=3, shift=2),
     Ring(chunk_size=1, ring=(2, 0, 1, 3)),
     Gloo(max_segment_bytes=16),
@@ -151,20 +157,20 @@ BATCHED_MODELS = [make_model(n) for n in MODEL_NAMES] + [
 ]
 
 
-@pytest.mark.parametrize("model", BATCHED_MODELS, ids=repr)
+@pytest.mark.parametrize("reduction", BATCHED_MODELS, ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_sum_is_each_reduction_in_turn(model, dtype):
+def test_batched_sum_is_each_reduction_in_turn(reduction, dtype):
     """``batched_sum`` over ``M`` reductions == ``model.reduce`` of each, bit for bit (any group size, shape)."""
     gen = torch.Generator().manual_seed(0)
-    sizes = (4,) if isinstance(model, Ring) and model.ring is not None else (1, 2, 3, 4, 5, 8)
+    sizes = (4,) if isinstance(reduction, Ring) and reduction.ring is not None else (1, 2, 3, 4, 5, 8)
     for k in sizes:
         for shape in [(1,), (3,), (4, 16), (7, 5), (0,), (16, 32)]:
             x = torch.randn(k, 6, *shape, generator=gen) * torch.exp2(
                 torch.randint(-20, 20, (k, 6, *shape), generator=gen).float()
             )
             x = x.to(dtype)
-            expected = torch.stack([model.reduce(x[:, i]) for i in range(6)])
-            assert same_bits(batched_sum(model, x), expected), (k, shape)
+            expected = torch.stack([reduction.reduce(x[:, i]) for i in range(6)])
+            assert same_bits(batched_sum(reduction, x), expected), (k, shape)
 
 
 @pytest.mark.parametrize(
@@ -179,8 +185,10 @@ def test_batched_sum_is_each_reduction_in_turn(model, dtype):
     ],
     ids=lambda s: s.describe(),
 )
-@pytest.mark.parametrize("model", [make_model("gloo"), make_model("ring"), make_model("tree")], ids=repr)
-def test_batched_all_reduce_is_the_simworld_all_reduce_for_every_group_kind(spec, model):
+@pytest.mark.parametrize(
+    "reduction", [make_reduction("gloo"), make_reduction("ring"), make_reduction("tree")], ids=repr
+)
+def test_batched_all_reduce_is_the_simworld_all_reduce_for_every_group_kind(spec, reduction):
     """Blocks, strided and irregular group tables (PP, ETP, TP-lane-major EP, odd sizes): per rank, the bits of
     ``comm.all_reduce`` on SimWorld threads."""
     from simdist.gradpath.batched import BatchedOps
@@ -189,14 +197,14 @@ def test_batched_all_reduce_is_the_simworld_all_reduce_for_every_group_kind(spec
     x = torch.randn(2, spec.world_size, 5, 7, generator=gen) * torch.exp2(
         torch.randint(-30, 30, (2, spec.world_size, 5, 7), generator=gen).float()
     )
-    ops = BatchedOps(spec, [0, 1], reduction=model)
+    ops = BatchedOps(spec, [0, 1], reduction=reduction)
     for kind in ("tp", "dp", "edp", "ep"):
         got = ops.all_reduce(x, kind)
 
         def program(comm, kind=kind):
             return [_reduced(comm, x[b, comm.get_rank()], kind) for b in range(2)]
 
-        per_rank = SimWorld(spec, reduction=model).run(program)
+        per_rank = SimWorld(spec, reduction=reduction).run(program)
         for rank, values in enumerate(per_rank):
             for b, value in enumerate(values):
                 assert same_bits(got[b, rank], value), (kind, rank, b)

@@ -9,10 +9,10 @@ from simdist.gradpath.batched import BatchedPath
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy, policy_names
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.studies.growth import BatchedGradients
 from simdist.world.spec import ParallelSpec
 

@@ -65,7 +65,7 @@ def test_policies_with_different_settings_print_different_chains():
                     "master",
                     "moments",
                     "grad_dtype",
-                    "tp_model",
+                    "tp_reduction",
                 )
                 if getattr(first, f) != getattr(other, f)
             ]

@@ -14,9 +14,9 @@ import math
 from simdist.gradpath.families import Family
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.probes import BOUNDARY
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -27,7 +27,7 @@ def test_the_global_norm_counts_each_family_as_deepspeed_does():
     for spec in (ParallelSpec(4, tp=2, ep=2), ParallelSpec(8, tp=2, ep=4)):
         grads = SyntheticGradients(spec, seed=2)
         config = PathConfig(steps=1, gas=1, seed=2, marker="per_micro_step")
-        traces = SimWorld(spec, reduction=make_model("gloo")).run(
+        traces = SimWorld(spec, reduction=make_reduction("gloo")).run(
             train_rank, list(DEFAULT_PARAMS), InitialWeights(spec, 2), grads, get_policy("fp32_staging"), config
         )
 

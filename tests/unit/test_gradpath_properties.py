@@ -23,7 +23,7 @@ from simdist.gradpath.path import PathConfig
 from simdist.gradpath.probes import BOUNDARY, first_divergence
 from simdist.numerics.floats import bitwise_equal, float_format, unit_roundoff
 from simdist.policies.catalogue import get_policy, policy_names
-from simdist.reduce import ReductionModel, Ring, Sequential, Tree
+from simdist.reduce import Reduction, Ring, Sequential, Tree
 from simdist.reduce.gloo import Gloo
 from simdist.testing._internal.case_batches import oracle_case_batches
 from simdist.testing._internal.compact import (
@@ -49,12 +49,14 @@ from simdist.world.spec import ParallelSpec
 PER_MICRO = "per_micro_step"
 BF16 = torch.bfloat16
 SEQUENTIAL = Sequential()
-MODELS = [Sequential(), Tree(), Ring(chunk_size=1, shift=1), Gloo()]
+REDUCTIONS = [Sequential(), Tree(), Ring(chunk_size=1, shift=1), Gloo()]
 
 
-def run(spec, policy, grads, config, keep=None, *, model=SEQUENTIAL, params=PARAMS, norm=True):
+def run(spec, policy, grads, config, keep=None, *, reduction=SEQUENTIAL, params=PARAMS, norm=True):
     """Every rank's `Trace` of ``policy`` on ``spec`` (rank-batched engine), every group reducing with ``model``."""
-    return run_batched(spec, policy, grads, config, keep=keep, reduction=model, params=params, norm=norm).rank_traces(0)
+    return run_batched(
+        spec, policy, grads, config, keep=keep, reduction=reduction, params=params, norm=norm
+    ).rank_traces(0)
 
 
 def assert_bitwise(traces, oracle, stages) -> None:
@@ -333,27 +335,27 @@ def test_every_policy_captures_exactly_the_stages_of_its_chain(policy, family, d
 TP4_SPECS = [ParallelSpec(4, tp=4, ep=2), ParallelSpec(8, tp=4, ep=2)]
 
 
-@given(st.sampled_from(TP4_SPECS), st.sampled_from(MODELS), st.integers(1, 2), st.data())
-def test_fp32_staging_matches_the_oracle_under_the_same_reduction_model(spec, model, gas, data):
-    """TP4: with one reduction model for both runs, fp32_staging equals the independent oracle bit for bit."""
+@given(st.sampled_from(TP4_SPECS), st.sampled_from(REDUCTIONS), st.integers(1, 2), st.data())
+def test_fp32_staging_matches_the_oracle_under_the_same_reduction_model(spec, reduction, gas, data):
+    """TP4: with one reduction for both runs, fp32_staging equals the independent oracle bit for bit."""
     grads = data.draw(gradient_batches(spec, PARAMS, 1, gas))
     config = PathConfig(steps=1, gas=gas, marker=PER_MICRO)
-    staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, model=model)
-    oracle = run_oracle(spec, grads, 1, gas, keep=OPTIMIZER_STAGES, reduction=model)
+    staging = run(spec, get_policy("fp32_staging"), grads, config, OPTIMIZER_STAGES, reduction=reduction)
+    oracle = run_oracle(spec, grads, 1, gas, keep=OPTIMIZER_STAGES, reduction=reduction)
     assert_bitwise(staging, oracle, OPTIMIZER_STAGES)
 
 
-@given(st.sampled_from(TP4_SPECS), st.sampled_from(MODELS), st.sampled_from(MODELS), st.data())
-def test_a_different_reduction_order_stays_within_the_summation_bound(spec, model, oracle_model, data):
-    """TP4, GAS 1: fp32_staging under one reduction model and the oracle under another each compute the
+@given(st.sampled_from(TP4_SPECS), st.sampled_from(REDUCTIONS), st.sampled_from(REDUCTIONS), st.data())
+def test_a_different_reduction_order_stays_within_the_summation_bound(spec, reduction, oracle_model, data):
+    """TP4, GAS 1: fp32_staging under one reduction and the oracle under another each compute the
     corrected value within the recursive-summation bound ``(tp-1) * u_fp32 * sum|x_i|`` of the exact TP sum
     (divided by ``tp`` for AVERAGE: the division by 4 is exact), so they differ by at most twice that; the hp
     buffer (``0 + corrected``) inherits the same bound."""
     grads = data.draw(gradient_batches(spec, PARAMS, 1, 1))
     config = PathConfig(steps=1, gas=1, marker=PER_MICRO)
     keep = frozenset({"corrected", "hp"})
-    staging = run(spec, get_policy("fp32_staging"), grads, config, keep, model=model)
-    oracle = run(spec, MATCHED_FP32, grads, config, keep, model=oracle_model)
+    staging = run(spec, get_policy("fp32_staging"), grads, config, keep, reduction=reduction)
+    oracle = run(spec, MATCHED_FP32, grads, config, keep, reduction=oracle_model)
     u = Fraction(unit_roundoff(torch.float32))
     for param in PARAMS:
         correction = param.family.correction(spec.tp)
@@ -385,8 +387,8 @@ def reduced_by_loops(
     gas: int,
     *,
     dtype: torch.dtype,
-    tp_model: ReductionModel,
-    dp_model: ReductionModel,
+    tp_reduction: Reduction,
+    dp_reduction: Reduction,
 ) -> dict[tuple[int, str], torch.Tensor]:
     """``{(rank, param): DP-reduced gradient}`` for one step, by explicit TP-then-DP reduction in ``dtype``: loops
     over the TP and DP groups, no rank program, no gradient-path code (the family table's correction rule aside)."""
@@ -399,7 +401,7 @@ def reduced_by_loops(
             staged = {r: local_grads(step, micro, r, p).to(dtype) for r in range(spec.world_size)}
             for group in spec.groups("tp"):
                 if correction.reduces:
-                    total = tp_model.reduce([staged[r] for r in group])
+                    total = tp_reduction.reduce([staged[r] for r in group])
                     corrected = {r: total for r in group}
                 else:
                     corrected = {r: staged[r] for r in group}
@@ -408,7 +410,7 @@ def reduced_by_loops(
                     hp[r] += value
         kind = "edp" if p.family is Family.EXPERT else "dp"
         for group in spec.groups(kind):
-            reduced = dp_model.reduce([hp[r] for r in group]) * (1.0 / spec.dp)
+            reduced = dp_reduction.reduce([hp[r] for r in group]) * (1.0 / spec.dp)
             for r in group:
                 result[(r, p.name)] = reduced
     return result
@@ -423,16 +425,18 @@ REFERENCE_SPECS = [
 ]
 
 
-@given(st.sampled_from(REFERENCE_SPECS), st.sampled_from(MODELS), st.integers(1, 3), st.data())
-def test_gradient_path_dp_reduced_gradients_equal_a_transcription_by_loops(spec, model, gas, data):
+@given(st.sampled_from(REFERENCE_SPECS), st.sampled_from(REDUCTIONS), st.integers(1, 3), st.data())
+def test_gradient_path_dp_reduced_gradients_equal_a_transcription_by_loops(spec, reduction, gas, data):
     """fp32_staging's DP-reduced gradients (correction every micro-step) equal `reduced_by_loops`,
     which loops over the TP and DP groups explicitly with no rank program, bit for bit, for every step."""
     steps = 2
     grads = data.draw(gradient_batches(spec, PARAMS, steps, gas))
     config = PathConfig(steps=steps, gas=gas, marker=PER_MICRO)
-    traces = run(spec, get_policy("fp32_staging"), grads, config, frozenset({"dp_reduced"}), model=model)
+    traces = run(spec, get_policy("fp32_staging"), grads, config, frozenset({"dp_reduced"}), reduction=reduction)
     for step in range(steps):
-        expected = reduced_by_loops(spec, PARAMS, grads, step, gas, dtype=torch.float32, tp_model=model, dp_model=model)
+        expected = reduced_by_loops(
+            spec, PARAMS, grads, step, gas, dtype=torch.float32, tp_reduction=reduction, dp_reduction=reduction
+        )
         for (rank, name), value in expected.items():
             assert bitwise_equal(traces[rank].get(step, BOUNDARY, name, "dp_reduced"), value), (step, rank, name)
 

@@ -7,8 +7,8 @@ import zlib
 import pytest
 import torch
 
-from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.kernels import kernel_family
+from simdist.sources.synthetic import DEFAULT_PARAMS
 from simdist.studies.growth import BatchedGradients
 from simdist.world.spec import ParallelSpec
 

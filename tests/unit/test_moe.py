@@ -22,10 +22,10 @@ from simdist.gradpath import families
 from simdist.gradpath.families import Correction, Family
 from simdist.gradpath.matched_policy import MATCHED_FP64
 from simdist.gradpath.path import PathConfig, train_rank
-from simdist.models.moe import MoEConfig, MoEGradients, batch, gradient_errors, partition, replica_of
 from simdist.numerics.floats import bitwise_equal, unit_roundoff
 from simdist.policies.catalogue import get_policy
 from simdist.reduce.gloo import Gloo
+from simdist.sources.moe import MoEConfig, MoEGradients, batch, gradient_errors, partition, replica_of
 from simdist.studies.training import format_records, train
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec

@@ -6,7 +6,7 @@ operations). Compared on raw bits, NaN payloads included: every dtype the kernel
 1 to 8 members, lengths from 0 past several of gloo's segments (a small ``max_segment_bytes`` makes segments
 of a few elements), values drawn from a palette of adversarial bit patterns (NaNs of both signs with any
 payload, quiet and signalling, signed zeros, infinities, subnormals, the largest finite values) or built as
-rounding ties; and the rank-batched layouts (`ReductionModel.sum_many`, `sum_many_into` on strided group
+rounding ties; and the rank-batched layouts (`Reduction.sum_many`, `sum_many_into` on strided group
 views). Each instruction-set variant the machine has is checked (``variant``).
 """
 
@@ -124,15 +124,15 @@ def test_reduce_into_writes_the_eager_bits_into_the_targets_in_place(case, segme
     path's bits; the members that are not targets keep theirs; where the kernel declines (short chunks, an
     empty tensor) nothing is written."""
     dtype, xs = case
-    model = Gloo(max_segment_bytes=segment)
-    expected = eager(lambda: model.reduce([x.clone() for x in xs], op))
+    reduction = Gloo(max_segment_bytes=segment)
+    expected = eager(lambda: reduction.reduce([x.clone() for x in xs], op))
     targets = data.draw(st.lists(st.integers(0, len(xs) - 1), unique=True, max_size=len(xs)))
     outside = data.draw(st.integers(0, 2))  # targets that are not members (process mode's buffers)
     ys = [x.clone() for x in xs]
     extra = [torch.full_like(xs[0], 7.0) for _ in range(outside)]
-    plan = model.plan(len(xs), xs[0].numel(), dtype)
+    plan = reduction.plan(len(xs), xs[0].numel(), dtype)
     with on_variant(variant):
-        applied = model.reduce_into(ys, op, [ys[i] for i in targets] + extra)
+        applied = reduction.reduce_into(ys, op, [ys[i] for i in targets] + extra)
     short = plan.length < 8 and plan.period > 1  # the kernel's element-by-element path: not covered
     assert applied == (xs[0].numel() > 0 and not short)
     for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
@@ -170,32 +170,32 @@ def test_reduce_scatter_of_listed_members_gives_the_stacked_eager_bits(case, seg
     """`Gloo.reduce_scatter` of a list (folded in place, no stacked copy) against the eager path on the stacked
     members; a size the group does not divide still raises."""
     _, xs = case
-    model = Gloo(max_segment_bytes=segment)
+    reduction = Gloo(max_segment_bytes=segment)
     n, numel = len(xs), xs[0].numel()
     if numel % n:
         with pytest.raises(ValueError):
-            model.reduce_scatter(xs, op)
+            reduction.reduce_scatter(xs, op)
         return
-    expected = eager(lambda: model.reduce_scatter(torch.stack(xs), op))
-    assert_same_bits(model.reduce_scatter(xs, op), expected)
+    expected = eager(lambda: reduction.reduce_scatter(torch.stack(xs), op))
+    assert_same_bits(reduction.reduce_scatter(xs, op), expected)
 
 
 @needs_kernel
 def test_reduce_into_refuses_outs_it_cannot_write_in_one_pass():
     """An out overlapping a member partly (or another out), not contiguous, or of another dtype or size: False,
     nothing written (the caller then reduces and copies)."""
-    model = Gloo()
+    reduction = Gloo()
     base = torch.arange(128.0)
     before = base.clone()
-    assert not model.reduce_into([base[:64], base[64:]], ReduceOp.SUM, [base[32:96]])  # partial overlap
-    assert not model.reduce_into([base[:64], base[64:]], ReduceOp.SUM, [base[:64], base[:64]])  # the same out twice
+    assert not reduction.reduce_into([base[:64], base[64:]], ReduceOp.SUM, [base[32:96]])  # partial overlap
+    assert not reduction.reduce_into([base[:64], base[64:]], ReduceOp.SUM, [base[:64], base[:64]])  # the same out twice
     assert torch.equal(base, before)
     xs = [torch.ones(64), torch.ones(64)]
-    assert not model.reduce_into(xs, ReduceOp.SUM, [torch.zeros(128)[::2]])
-    assert not model.reduce_into(xs, ReduceOp.SUM, [torch.zeros(64, dtype=torch.float64)])
-    assert not model.reduce_into(xs, ReduceOp.SUM, [torch.zeros(65)])
-    assert not model.reduce_into(xs, ReduceOp.AVG, xs)  # AVG divides afterwards: reduce's path
-    assert model.reduce_into(xs, ReduceOp.SUM, xs) and torch.equal(xs[1], torch.full((64,), 2.0))
+    assert not reduction.reduce_into(xs, ReduceOp.SUM, [torch.zeros(128)[::2]])
+    assert not reduction.reduce_into(xs, ReduceOp.SUM, [torch.zeros(64, dtype=torch.float64)])
+    assert not reduction.reduce_into(xs, ReduceOp.SUM, [torch.zeros(65)])
+    assert not reduction.reduce_into(xs, ReduceOp.AVG, xs)  # AVG divides afterwards: reduce's path
+    assert reduction.reduce_into(xs, ReduceOp.SUM, xs) and torch.equal(xs[1], torch.full((64,), 2.0))
 
 
 @needs_kernel
@@ -213,14 +213,14 @@ def test_the_kernel_gives_the_eager_bits(case, segment, op, stacked, variant):
 
 def check_reduce(case, segment, op, stacked) -> None:
     dtype, xs = case
-    model = Gloo(max_segment_bytes=segment)
+    reduction = Gloo(max_segment_bytes=segment)
     given_members = torch.stack(xs) if stacked else xs
-    plan = model.plan(len(xs), xs[0].numel(), dtype)
+    plan = reduction.plan(len(xs), xs[0].numel(), dtype)
     kernel = native.fold(plan, given_members, op is ReduceOp.PRODUCT)
     assert (kernel is None) == (xs[0].numel() == 0)  # the kernel covers every non-empty case drawn here
-    assert_same_bits(model.reduce(given_members, op), eager(lambda: model.reduce(given_members, op)))
+    assert_same_bits(reduction.reduce(given_members, op), eager(lambda: reduction.reduce(given_members, op)))
     if kernel is not None:
-        assert_same_bits(kernel, eager(lambda: model.reduce(xs, op)))
+        assert_same_bits(kernel, eager(lambda: reduction.reduce(xs, op)))
 
 
 @needs_kernel
@@ -234,16 +234,16 @@ def check_reduce(case, segment, op, stacked) -> None:
     st.booleans(),
     st.sampled_from(VARIANTS),
 )
-def test_plain_left_folds_give_the_eager_bits(case, model, op, stacked, variant):
+def test_plain_left_folds_give_the_eager_bits(case, reduction, op, stacked, variant):
     """`Sequential` and `Ring` (the base class's left fold, torch's NaN bits): the kernel gives the same values
     and declines wherever a result is NaN, so the eager path gives those bits."""
     _, xs = case
     given_members = torch.stack(xs) if stacked else xs
     with on_variant(variant):
-        assert_same_bits(model.reduce(given_members, op), eager(lambda: model.reduce(given_members, op)))
+        assert_same_bits(reduction.reduce(given_members, op), eager(lambda: reduction.reduce(given_members, op)))
         if len(xs) > 1 and xs[0].numel():
             batch = torch.stack(xs).unsqueeze(1).expand(len(xs), 3, xs[0].numel())
-            assert_same_bits(model.sum_many(batch), eager(lambda: model.sum_many(batch)))
+            assert_same_bits(reduction.sum_many(batch), eager(lambda: reduction.sum_many(batch)))
 
 
 @needs_kernel
@@ -270,11 +270,11 @@ def check_batched(case, segment, batch, groups, data) -> None:
         stacked = value.view(batch, k, groups, *shape).movedim(1, 0)
     else:  # members outermost in memory, items innermost: batch dimensions of unusual strides
         stacked = value.view(batch, groups, k, *shape).permute(2, 1, 0, *range(3, 3 + len(shape)))
-    model = Gloo(max_segment_bytes=segment)
-    expected = eager(lambda: model.sum_many(stacked, shape))
-    assert_same_bits(model.sum_many(stacked, shape), expected)
+    reduction = Gloo(max_segment_bytes=segment)
+    expected = eager(lambda: reduction.sum_many(stacked, shape))
+    assert_same_bits(reduction.sum_many(stacked, shape), expected)
     out = torch.full(stacked.shape, 7.0, dtype=dtype)
-    assert model.sum_many_into(stacked, out, shape) is out
+    assert reduction.sum_many_into(stacked, out, shape) is out
     for r in range(k):
         assert_same_bits(out[r], expected)
 
@@ -298,8 +298,8 @@ def check_every_pattern(dtype, every, partners) -> None:
         other = torch.full_like(every.view(torch.int16), partner - (1 << 16) if partner >= 1 << 15 else partner)
         xs = [every, other.view(dtype)]
         for op in (ReduceOp.SUM, ReduceOp.PRODUCT):
-            for model in (Gloo(), Gloo(max_segment_bytes=2)):
-                assert_same_bits(model.reduce(xs, op), eager(lambda m=model, o=op, x=xs: m.reduce(x, o)))
+            for reduction in (Gloo(), Gloo(max_segment_bytes=2)):
+                assert_same_bits(reduction.reduce(xs, op), eager(lambda m=reduction, o=op, x=xs: m.reduce(x, o)))
 
 
 @needs_kernel
@@ -323,8 +323,8 @@ def test_every_combination_of_special_values_gives_the_eager_bits(n, dtype, vari
     xs = [table[row].view(dtype) for row in grid]
     with on_variant(variant):
         for op in (ReduceOp.SUM, ReduceOp.PRODUCT):
-            for model in (Gloo(), Gloo(max_segment_bytes=width // 8), Sequential(), Ring(), Ring(chunk_size=16)):
-                assert_same_bits(model.reduce(xs, op), eager(lambda m=model, o=op: m.reduce(xs, o)))
+            for reduction in (Gloo(), Gloo(max_segment_bytes=width // 8), Sequential(), Ring(), Ring(chunk_size=16)):
+                assert_same_bits(reduction.reduce(xs, op), eager(lambda m=reduction, o=op: m.reduce(xs, o)))
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "eager"])
@@ -338,11 +338,11 @@ def test_two_members_both_nan_keep_the_receiving_members_payload_in_each_chunk(k
     nans = torch.tensor([[0x7F800001] * 4, [0x7F800002] * 4], dtype=torch.int32).view(torch.float32)
     expected = torch.tensor([0x7FC00001, 0x7FC00001, 0x7FC00002, 0x7FC00002], dtype=torch.int32)
     stacked = nans.unsqueeze(1).expand(2, 3, 4)  # three items, as the rank-batched engine hands them
-    model = Gloo()
+    reduction = Gloo()
     with contextlib.nullcontext() if kernel else native.disabled():
-        results = [model.reduce(list(nans)), model.reduce(nans), *model.sum_many(stacked)]
+        results = [reduction.reduce(list(nans)), reduction.reduce(nans), *reduction.sum_many(stacked)]
         out = torch.empty(2, 3, 4)
-        results += [*model.sum_many_into(stacked, out, (4,)).flatten(0, 1)]
+        results += [*reduction.sum_many_into(stacked, out, (4,)).flatten(0, 1)]
     for result in results:
         assert torch.equal(result.view(torch.int32), expected), result.view(torch.int32)
 
@@ -351,20 +351,20 @@ def test_two_members_both_nan_keep_the_receiving_members_payload_in_each_chunk(k
 def test_what_the_kernel_does_not_cover_runs_the_eager_path():
     """Other dtypes, non-contiguous members, a non-CPU request or an empty tensor: None, and `Gloo` reduces
     them eagerly (the same answers as with the kernel disabled)."""
-    model = Gloo()
-    plan = model.plan(3, 6, torch.float32)
+    reduction = Gloo()
+    plan = reduction.plan(3, 6, torch.float32)
     permuted = [(torch.arange(6.0).view(2, 3) + r).t() for r in range(3)]  # dense, read in memory order
     assert native.fold(plan, permuted, flat=True) is None
-    assert_same_bits(model.reduce(permuted), eager(lambda: model.reduce(permuted)))
+    assert_same_bits(reduction.reduce(permuted), eager(lambda: reduction.reduce(permuted)))
     ints = [torch.arange(6, dtype=torch.int32) * r for r in range(3)]
-    assert native.fold(model.plan(3, 6, torch.int32), ints) is None
-    assert torch.equal(model.reduce(ints), eager(lambda: model.reduce(ints)))
+    assert native.fold(reduction.plan(3, 6, torch.int32), ints) is None
+    assert torch.equal(reduction.reduce(ints), eager(lambda: reduction.reduce(ints)))
     gappy = torch.arange(36.0).view(3, 2, 6)[:, :, ::2]  # member dimensions with gaps: not the kernel's layout
-    assert native.fold(model.plan(3, 6, torch.float32), gappy) is None
-    assert native.fold(model.plan(3, 0, torch.float32), [torch.zeros(0)] * 3) is None
+    assert native.fold(reduction.plan(3, 6, torch.float32), gappy) is None
+    assert native.fold(reduction.plan(3, 0, torch.float32), [torch.zeros(0)] * 3) is None
     tracked = [torch.ones(6, requires_grad=True) for _ in range(3)]  # the eager result carries autograd history
     assert native.fold(plan, tracked) is None and native.fold(plan, torch.stack(tracked)) is None
-    assert model.reduce(tracked).grad_fn is not None
+    assert reduction.reduce(tracked).grad_fn is not None
     with native.disabled():
         assert not native.available() and native.fold(plan, [torch.zeros(6)] * 3) is None
 

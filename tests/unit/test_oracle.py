@@ -17,10 +17,10 @@ from simdist.gradpath.families import _CORRECTIONS, Correction, Family
 from simdist.gradpath.oracle import CORRECTIONS, Oracle, correction, dp_kind
 from simdist.gradpath.path import AdamW
 from simdist.gradpath.probes import BOUNDARY
-from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.reduce import Sequential
 from simdist.reduce.gloo import Gloo
+from simdist.sources.synthetic import DEFAULT_PARAMS
 from simdist.studies.repro import ReproConfig, reproduce
 from simdist.testing._internal.compact import PARAMS, run_oracle
 from simdist.testing.strategies import float_values
@@ -99,15 +99,15 @@ def test_other_engine_perturbations_change_the_8913_verdict(monkeypatch, mutatio
     config = FAST
     if mutation.startswith("bf16 tp sum"):  # the engine sums TP in BF16 (and casts back): seen at TP2 and TP4
 
-        def all_reduce(value, kind, model=None, real=None, ops=None):
-            summed = real(value.to(torch.bfloat16) if kind == "tp" else value, kind, model)
+        def all_reduce(value, kind, reduction=None, real=None, ops=None):
+            summed = real(value.to(torch.bfloat16) if kind == "tp" else value, kind, reduction)
             return summed.to(value.dtype)
 
         original = kernel.GradPath.apply
 
         def apply(self, stage, value, key):
             if stage.kind == "all_reduce" and stage.group == "tp":
-                return all_reduce(value, "tp", self.policy.tp_model, real=self.ops.all_reduce)
+                return all_reduce(value, "tp", self.policy.tp_reduction, real=self.ops.all_reduce)
             return original(self, stage, value, key)
 
         monkeypatch.setattr(kernel.GradPath, "apply", apply)
@@ -130,14 +130,14 @@ def test_other_engine_perturbations_change_the_8913_verdict(monkeypatch, mutatio
 
 def test_the_oracle_refuses_to_clip():
     with pytest.raises(ValueError, match="does not clip"):
-        Oracle(ParallelSpec(2, tp=2, ep=1), [], {}, tp_model=Sequential(), dp_model=Sequential(), max_norm=1.0)
+        Oracle(ParallelSpec(2, tp=2, ep=1), [], {}, tp_reduction=Sequential(), dp_reduction=Sequential(), max_norm=1.0)
 
 
 def test_a_batch_item_gets_the_bits_it_gets_alone():
     """Seeds ride along as a leading dimension; gloo's order depends on the tensor size, so the oracle reduces each
     item on its own (reducing the batched tensor at once changes bits: the mutation this test kills)."""
     spec = ParallelSpec(8, tp=2, ep=2)
-    model = Gloo()
+    reduction = Gloo()
     gen = torch.Generator().manual_seed(3)
     grads = {
         (s, r, p.name): (
@@ -151,7 +151,7 @@ def test_a_batch_item_gets_the_bits_it_gets_alone():
 
     def run(seeds: list[int]) -> Oracle:
         start = {k: torch.stack([v] * len(seeds)) for k, v in initial.items()}
-        oracle = Oracle(spec, DEFAULT_PARAMS, start, tp_model=model, dp_model=model)
+        oracle = Oracle(spec, DEFAULT_PARAMS, start, tp_reduction=reduction, dp_reduction=reduction)
         for step in range(2):
             oracle.step(
                 step,

@@ -1,5 +1,5 @@
 """The oracle's fused step (every parameter's two-member group sums at once, `oracle_sums.FusedPairs`) gives
-the bits of its per-parameter step: masters, moments and BF16 parameters, every reduction model, NaN payloads,
+the bits of its per-parameter step: masters, moments and BF16 parameters, every reduction, NaN payloads,
 infinities, signed zeros and subnormals included, and the fused stages are really taken where they can be."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.oracle import Oracle
 from simdist.gradpath.oracle_sums import FusedPairs
-from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
-from simdist.reduce import MODEL_NAMES, make_model
+from simdist.reduce import REDUCTION_NAMES, make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS
 from simdist.world.spec import ParallelSpec
 
 SEEDS = 3
@@ -45,19 +45,19 @@ def _grads(spec: ParallelSpec, params, step: int, micro: int, special: bool) -> 
     return out
 
 
-def _run(spec, params, model, fused: bool, gas: int, special_steps: set[int], steps: int = 3) -> Oracle:
+def _run(spec, params, reduction, fused: bool, gas: int, special_steps: set[int], steps: int = 3) -> Oracle:
     initial = {
         (r, p.name): torch.full((SEEDS, *p.shape), 0.5 + 0.01 * r, dtype=torch.bfloat16)
         for r in range(spec.world_size)
         for p in params
     }
-    oracle = Oracle(spec, params, initial, tp_model=model, dp_model=model, fused=fused)
+    oracle = Oracle(spec, params, initial, tp_reduction=reduction, dp_reduction=reduction, fused=fused)
     for step in range(steps):
         oracle.step(step, gas, lambda micro, lp, step=step: _grads(spec, params, step, micro, step in special_steps))
     return oracle
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", REDUCTION_NAMES)
 @pytest.mark.parametrize(
     ("spec", "gas"),
     [(ParallelSpec(4, tp=2, ep=2), 2), (ParallelSpec(8, tp=2, ep=2), 1), (ParallelSpec(8, tp=4, ep=4), 1)],
@@ -81,10 +81,10 @@ def test_the_fused_step_gives_the_bits_of_the_per_parameter_step(name, spec, gas
 
     monkeypatch.setattr(FusedPairs, "micro_step", counted_micro)
     monkeypatch.setattr(FusedPairs, "boundary", counted_boundary)
-    model = make_model(name)
+    reduction = make_reduction(name)
     params = (*DEFAULT_PARAMS, FROZEN)
-    fused = _run(spec, params, model, True, gas, {1})
-    plain = _run(spec, params, model, False, gas, {1})
+    fused = _run(spec, params, reduction, True, gas, {1})
+    plain = _run(spec, params, reduction, False, gas, {1})
     for which in ("master", "m", "v", "lp"):
         assert bitwise_equal(fused.flat(which), plain.flat(which)), (name, which)
     tp_pairs = all(len(g) == 2 for g in spec.groups("tp"))
@@ -94,8 +94,8 @@ def test_the_fused_step_gives_the_bits_of_the_per_parameter_step(name, spec, gas
 
 def test_a_run_with_nans_in_every_step_falls_back_without_a_change():
     """Every step with NaNs: nothing is fused, and the bits are those of the per-parameter step."""
-    spec, model = ParallelSpec(4, tp=2, ep=2), make_model("gloo")
-    fused = _run(spec, DEFAULT_PARAMS, model, True, 1, {0, 1})
-    plain = _run(spec, DEFAULT_PARAMS, model, False, 1, {0, 1})
+    spec, reduction = ParallelSpec(4, tp=2, ep=2), make_reduction("gloo")
+    fused = _run(spec, DEFAULT_PARAMS, reduction, True, 1, {0, 1})
+    plain = _run(spec, DEFAULT_PARAMS, reduction, False, 1, {0, 1})
     for which in ("master", "m", "v", "lp"):
         assert bitwise_equal(fused.flat(which), plain.flat(which)), which

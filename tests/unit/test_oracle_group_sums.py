@@ -9,7 +9,7 @@ import torch
 
 from simdist.gradpath.oracle_sums import group_sum, group_sums
 from simdist.numerics.floats import bitwise_equal
-from simdist.reduce import MODEL_NAMES, make_model
+from simdist.reduce import REDUCTION_NAMES, make_reduction
 from simdist.world.spec import ParallelSpec
 
 SHAPE = (4, 16)  # a gloo member of 64 fp32 elements is cut into two chunks, whose walks start at different ranks
@@ -31,15 +31,15 @@ def _members(k: int, nan: bool) -> list[torch.Tensor]:
     return members
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", REDUCTION_NAMES)
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("nan", [False, True])
 def test_each_batch_item_gets_the_bits_it_gets_alone(name, k, nan):
-    model = make_model(name)
+    reduction = make_reduction(name)
     members = _members(k, nan)
-    together = group_sum(model, members, SHAPE)
+    together = group_sum(reduction, members, SHAPE)
     for i in range(members[0].shape[0]):
-        assert bitwise_equal(together[i], model.reduce([m[i] for m in members])), (name, k, i)
+        assert bitwise_equal(together[i], reduction.reduce([m[i] for m in members])), (name, k, i)
 
 
 def test_one_flat_adamw_parameter_gives_each_piece_the_bits_of_its_own_parameter():
@@ -64,18 +64,18 @@ def test_one_flat_adamw_parameter_gives_each_piece_the_bits_of_its_own_parameter
             assert bitwise_equal(one.state[flat][key][:, r, a:b].contiguous(), many.state[piece][key])
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", REDUCTION_NAMES)
 @pytest.mark.parametrize("kind", ["tp", "dp"])
 @pytest.mark.parametrize("nan", [False, True])
 def test_two_member_groups_summed_together_give_each_group_its_own_bits(name, kind, nan):
     """`oracle_sums.group_sums` sums every two-member group's pair at once (TP groups are blocks of the rank
     dimension, DP groups strided): each rank of each item gets its own group's sum, NaN payloads included."""
-    model = make_model(name)
+    reduction = make_reduction(name)
     spec = ParallelSpec(4, tp=2, ep=2)
     value = torch.stack(_members(4, nan), dim=1)  # [item, rank, *shape]
-    out = group_sums(spec, model, kind, value, SHAPE)
+    out = group_sums(spec, reduction, kind, value, SHAPE)
     for group in spec.groups(kind):
         for i in range(value.shape[0]):
-            alone = model.reduce([value[i, r] for r in group])
+            alone = reduction.reduce([value[i, r] for r in group])
             for r in group:
                 assert bitwise_equal(out[i, r], alone), (name, kind, group, i, r)

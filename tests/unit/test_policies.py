@@ -9,10 +9,10 @@ from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy, dtype_name, register
 from simdist.gradpath.probes import Divergence
-from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy, policy_names
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS
 from simdist.studies.repro import CORRECTION_MARKER, ReproConfig, findings, reproduce, run
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
@@ -107,7 +107,7 @@ def test_the_default_repro_reproduces_8913(default_repro):
 
 
 def _traces(name: str):
-    return run(ParallelSpec(4, tp=2, ep=2), get_policy(name), PathConfig(steps=2), make_model("gloo"))
+    return run(ParallelSpec(4, tp=2, ep=2), get_policy(name), PathConfig(steps=2), make_reduction("gloo"))
 
 
 def test_stochastic_writeback_is_reproducible_and_differs_from_round_to_nearest():
@@ -127,7 +127,7 @@ def test_stochastic_writeback_is_reproducible_and_differs_from_round_to_nearest(
 
 
 def test_a_policy_can_carry_its_own_tp_reduction_order():
-    """``Policy.tp_model`` replaces the world's order for the TP all-reduce, and only there."""
+    """``Policy.tp_reduction`` replaces the world's order for the TP all-reduce, and only there."""
     from simdist.reduce import Ring, Sequential
 
     spec = ParallelSpec(4, tp=4, ep=1)
@@ -147,7 +147,7 @@ def test_a_policy_can_carry_its_own_tp_reduction_order():
         traces = SimWorld(spec, reduction=world_model).run(train_rank, params, initial, grads, policy, config)
         return traces[0].get(0, 0, "r", "corrected")
 
-    own_order = corrected(Sequential(), Policy(**base, tp_model=Ring(chunk_size=1)))
+    own_order = corrected(Sequential(), Policy(**base, tp_reduction=Ring(chunk_size=1)))
     assert bitwise_equal(own_order, corrected(Ring(chunk_size=1), Policy(**base)))
     assert not bitwise_equal(own_order, corrected(Sequential(), Policy(**base)))
 
@@ -160,10 +160,10 @@ def test_deepspeed_marker_per_update_path(gas):
     spec = ParallelSpec(4, tp=2, ep=2)
     policy = get_policy("fp32_staging")  # no writeback: any difference from the oracle is the marker's
     oracle_path = PathConfig(steps=2, gas=gas, marker="per_micro_step")
-    oracle = run(spec, policy, oracle_path, make_model("gloo"))
+    oracle = run(spec, policy, oracle_path, make_reduction("gloo"))
     for update_path, equal in (("hooks", True), ("epilogue", False)):
         config = PathConfig(steps=2, gas=gas, marker="deepspeed", update_path=update_path)
-        traces = run(spec, policy, config, make_model("gloo"))
+        traces = run(spec, policy, config, make_reduction("gloo"))
         hp_equal = [
             bitwise_equal(t.values[k], o.values[k])
             for t, o in zip(traces, oracle, strict=True)
@@ -239,7 +239,7 @@ def test_error_relative_to_the_sum_of_terms_is_bounded_by_the_bf16_unit_roundoff
         ({"dp_scale": "half"}, "dp_scale='half'; valid: 'postscale', 'prescale', 'pre_post_divide'"),
         ({"dp_at": "end"}, "dp_at='end'; valid: 'boundary', 'micro_step'"),
         ({"expert_in_grad_dtype": "yes"}, "expert_in_grad_dtype='yes'; valid: True, False"),
-        ({"tp_model": "ring"}, "tp_model='ring' is not a ReductionModel"),
+        ({"tp_reduction": "ring"}, "tp_reduction='ring' is not a Reduction"),
         ({"name": "a,b"}, "Policy.name='a,b': expected a non-empty string without commas or spaces"),
         ({"name": ""}, "Policy.name='': expected a non-empty string"),
         ({"summary": None}, "summary=None must be a string"),

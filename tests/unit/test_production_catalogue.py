@@ -5,7 +5,7 @@ import math
 import pytest
 
 from simdist.gradpath.families import Family
-from simdist.models.production import CATALOGUE, get_shape, layer_params
+from simdist.sources.production import CATALOGUE, get_shape, layer_params
 
 REQUIRED = {"Mixtral-8x7B", "DeepSeek-V3", "Qwen3-30B-A3B", "OLMoE-1B-7B", "GPT-OSS-20B"}
 

@@ -1,4 +1,4 @@
-"""Reduction models: documented orders, exactness, error bounds, consistency."""
+"""Reductions: documented orders, exactness, error bounds, consistency."""
 
 from fractions import Fraction
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from simdist.numerics.floats import bits, bitwise_equal, float_format, round_exact, unit_roundoff
 from simdist.numerics.rounding import round_to
-from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
+from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_reduction
 from simdist.testing.strategies import float_values, rank_tensors
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -22,7 +22,7 @@ def models_for(n: int, chunk: int = 3, shift: int = 1):
         Ring(chunk_size=chunk, shift=shift),
         Upcast(torch.float32),
         Upcast(torch.float64),
-        make_model("gloo"),
+        make_reduction("gloo"),
     ]
 
 
@@ -49,10 +49,10 @@ def test_every_model_is_within_the_recursive_summation_bound(group, chunk, shift
     u = Fraction(unit_roundoff(dtype))
     exact = exact_sums(per_rank)
     magnitude = exact_sums([t.abs() for t in per_rank])
-    for model in models_for(n, chunk, shift):
-        got = model.reduce(torch.stack(per_rank), ReduceOp.SUM).double().tolist()
+    for reduction in models_for(n, chunk, shift):
+        got = reduction.reduce(torch.stack(per_rank), ReduceOp.SUM).double().tolist()
         for g, s, m in zip(got, exact, magnitude, strict=True):
-            assert abs(Fraction(g) - s) <= (n - 1) * u * m, (model, g, s)
+            assert abs(Fraction(g) - s) <= (n - 1) * u * m, (reduction, g, s)
 
 
 @given(st.sampled_from(DTYPES), st.integers(1, 8), st.integers(1, 40), st.data())
@@ -60,8 +60,8 @@ def test_small_integers_sum_exactly_under_every_model(dtype, n, numel, data):
     per_rank = [data.draw(st.lists(st.integers(-16, 16), min_size=numel, max_size=numel)) for _ in range(n)]
     tensors = [torch.tensor(v, dtype=dtype) for v in per_rank]
     expected = torch.tensor([sum(col) for col in zip(*per_rank, strict=True)], dtype=dtype)
-    for model in models_for(n):
-        assert bitwise_equal(model.reduce(torch.stack(tensors)) + 0.0, expected + 0.0), model
+    for reduction in models_for(n):
+        assert bitwise_equal(reduction.reduce(torch.stack(tensors)) + 0.0, expected + 0.0), reduction
 
 
 @st.composite
@@ -89,16 +89,16 @@ def test_reduce_scatter_blocks_are_slices_of_the_reduction(group, chunk, shift, 
     _, per_rank = group
     n = len(per_rank)
     flat = torch.stack([torch.cat([t] * n) for t in per_rank])  # numel divisible by n
-    for model in models_for(n, chunk, shift):
-        blocks = model.reduce_scatter(flat, op)
-        assert bitwise_equal(blocks.reshape(-1), model.reduce(flat, op)), model
+    for reduction in models_for(n, chunk, shift):
+        blocks = reduction.reduce_scatter(flat, op)
+        assert bitwise_equal(blocks.reshape(-1), reduction.reduce(flat, op)), reduction
 
 
 @given(groups(), st.integers(1, 5), st.integers(0, 7))
 def test_a_list_of_rank_tensors_and_their_stack_give_the_same_bits(group, chunk, shift):
     _, per_rank = group
-    for model in models_for(len(per_rank), chunk, shift):
-        assert bitwise_equal(model.reduce(per_rank), model.reduce(torch.stack(per_rank))), model
+    for reduction in models_for(len(per_rank), chunk, shift):
+        assert bitwise_equal(reduction.reduce(per_rank), reduction.reduce(torch.stack(per_rank))), reduction
 
 
 def ring_reference(per_rank: list[torch.Tensor], chunk: int, shift: int, ring: list[int]) -> torch.Tensor:
@@ -177,17 +177,17 @@ def test_reduce_op_accepts_torch_distributed_ops_and_names():
 
 def test_unknown_model_names_the_valid_ones():
     with pytest.raises(ValueError, match="valid: sequential, ring, tree, upcast, gloo"):
-        make_model("butterfly")
+        make_reduction("butterfly")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @given(groups(), st.integers(1, 5), st.integers(0, 7))
 def test_models_give_the_same_bits_on_cuda(group, chunk, shift):
     _, per_rank = group
-    for model in models_for(len(per_rank), chunk, shift):
-        cpu = model.reduce(per_rank)
-        gpu = model.reduce([t.cuda() for t in per_rank]).cpu()
-        assert torch.equal(bits(cpu), bits(gpu)), model
+    for reduction in models_for(len(per_rank), chunk, shift):
+        cpu = reduction.reduce(per_rank)
+        gpu = reduction.reduce([t.cuda() for t in per_rank]).cpu()
+        assert torch.equal(bits(cpu), bits(gpu)), reduction
 
 
 @given(st.floats(allow_nan=False, allow_infinity=False, width=64), st.sampled_from([torch.bfloat16, torch.float16]))

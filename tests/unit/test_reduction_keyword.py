@@ -1,4 +1,4 @@
-"""One spelling of the reduction model: ``reduction=`` on the rank-batched engine, the compact workload and the
+"""One spelling of the reduction: ``reduction=`` on the rank-batched engine, the compact workload and the
 pytest fixture; the spellings removed before 0.1.0 (``models=``, ``default_model=``, ``model=``,
 ``SIMDIST_MODEL``) are unknown keywords (``TypeError``) or a refused variable; one default
 (`simdist.world.options.DEFAULT_REDUCTION`).
@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from simdist.gradpath.batched import BatchedOps, BatchedPath
 from simdist.gradpath.path import PathConfig
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import same_bits
 from simdist.policies.catalogue import get_policy
 from simdist.pytest_plugin import SimdistWorld
 from simdist.reduce import Gloo, Ring, Sequential
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.studies.growth import BatchedGradients
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
@@ -54,7 +54,7 @@ def test_batched_ops_reads_reduction_by_name_model_or_kind_table():
 
 def test_batched_default_is_the_one_default_and_the_removed_spellings_are_unknown():
     ops = BatchedOps(SPEC, [0, 1])
-    assert DEFAULT_REDUCTION == "gloo" and type(ops.default_model) is Gloo and not ops.models
+    assert DEFAULT_REDUCTION == "gloo" and type(ops.default_reduction) is Gloo and not ops.reductions
     assert same_bits(_reduce(ops), _reduce(BatchedOps(SPEC, [0, 1], reduction=Gloo())))
     assert not same_bits(_reduce(ops), _reduce(BatchedOps(SPEC, [0, 1], reduction=Sequential())))
     with pytest.raises(TypeError, match="unexpected keyword argument 'default_model'"):

@@ -140,10 +140,10 @@ def test_a_512_rank_nccl_ring_all_reduce_is_the_plain_loop_restatement_bit_for_b
     one); 2300 are 288 chunks of 8 (``ceil(2300 / 512) = 5`` rounded up to 16 bytes), the last one short."""
     x = _inputs(N, numel, seed=1)
     ring = torch.randperm(N, generator=torch.Generator().manual_seed(2)).tolist()
-    model = Nccl("ring", rings=(tuple(ring),))
+    reduction = Nccl("ring", rings=(tuple(ring),))
     expected, adds = ring_restated(x.numpy(), ring)
-    assert bitwise_equal(model.reduce(x), torch.from_numpy(expected))
-    assert torch.equal(model.element_orders(numel, 4, N), torch.from_numpy(adds))
+    assert bitwise_equal(reduction.reduce(x), torch.from_numpy(expected))
+    assert torch.equal(reduction.element_orders(numel, 4, N), torch.from_numpy(adds))
     # the order matters here: a plain rank-order fold differs in most elements
     plain = x[0].clone()
     for r in range(1, N):
@@ -160,21 +160,21 @@ def test_a_512_rank_nccl_tree_all_reduce_is_the_plain_loop_restatement_bit_for_b
     x = _inputs(N, numel, seed=3)
     if tree == "heap_of_chains":
         down = heap_of_chains(64, 8)
-        model = Nccl("tree", trees=(tuple(tuple(d) for d in down),))
+        reduction = Nccl("tree", trees=(tuple(tuple(d) for d in down),))
     elif tree == "nccl_double_binary":
         trees = double_binary_trees([list(range(k * 8, k * 8 + 8)) for k in range(64)])
         restated = nccl_double_binary_restated(64, 8)
         assert [[list(d) for d in t] for t in trees] == list(restated)
         down = restated[0]
-        model = Nccl("tree", trees=trees)
+        reduction = Nccl("tree", trees=trees)
     else:
         down = [[r + 1] if r + 1 < N else [] for r in range(N)]
-        model = Nccl("tree")
-    assert bitwise_equal(model.reduce(x), torch.from_numpy(tree_restated(x.numpy(), down)))
+        reduction = Nccl("tree")
+    assert bitwise_equal(reduction.reduce(x), torch.from_numpy(tree_restated(x.numpy(), down)))
 
 
 @pytest.mark.parametrize(
-    ("n", "model", "shape"),
+    ("n", "reduction", "shape"),
     [
         (N, Nccl("ring"), (40, 9)),
         (24, Nccl("ring", channels=4, protocol="ll"), (40, 9)),
@@ -184,14 +184,14 @@ def test_a_512_rank_nccl_tree_all_reduce_is_the_plain_loop_restatement_bit_for_b
     ],
     ids=["ring-512", "ring-24-ll", "ring-6", "tree-512"],
 )
-def test_the_batched_engine_reduces_nccl_groups_as_each_alone(n, model, shape):
+def test_the_batched_engine_reduces_nccl_groups_as_each_alone(n, reduction, shape):
     """`batched_sum` (the rank-batched engine's collective) gives every group and seed the bits `Nccl.reduce`
     gives it alone: the plan is one member's, never that of the batch's flat length."""
     stacked = _inputs(n, 3 * 2 * math.prod(shape), seed=4).view(n, 3, 2, *shape)
-    together = batched_sum(model, stacked, shape)
+    together = batched_sum(reduction, stacked, shape)
     for b in range(3):
         for g in range(2):
-            assert bitwise_equal(together[b, g], model.reduce(stacked[:, b, g])), (b, g)
+            assert bitwise_equal(together[b, g], reduction.reduce(stacked[:, b, g])), (b, g)
 
 
 def _bench():
@@ -251,22 +251,22 @@ def test_the_ring_models_cached_plans_hold_no_per_element_index():
     from simdist.reduce import Ring, native
     from simdist.reduce.plan import ROW_GATHER_LIMIT
 
-    model = Ring()
+    reduction = Ring()
     for numel in (8, 900, 4096, 16_384):  # whole chunks (gathered chunk by chunk) and many-chunk members
         stacked = _inputs(512, 2 * numel, seed=numel).view(512, 2, numel)
         with native.disabled():  # the eager path's index tensors (the native kernel reads the plan's rows only)
-            assert torch.equal(model.sum_many(stacked, (numel,))[1], model.reduce(stacked[:, 1]))
-        plan = model.plan(512, numel, torch.float32)
+            assert torch.equal(reduction.sum_many(stacked, (numel,))[1], reduction.reduce(stacked[:, 1]))
+        plan = reduction.plan(512, numel, torch.float32)
         held = sum(t.numel() * t.element_size() for t in plan._index.values())
         assert 0 < held <= 4 * ROW_GATHER_LIMIT * 8
     assert 4 * ROW_GATHER_LIMIT * 8 < 8 * 512 * 16_384 // 100  # the bound is far below a per-element index
     # one plan, many batch sizes: each size gathers with its own chunk-row index (1024 * count rows here), and
     # the plan keeps the last few, not one per size ever seen (16 sizes: 1.1 MB held without the bound)
-    plan = model.plan(512, 2, torch.float32)
+    plan = reduction.plan(512, 2, torch.float32)
     for count in range(1, 17):
         stacked = _inputs(512, 2 * count, seed=count).view(512, count, 2)
         with native.disabled():  # the eager path's per-batch-size indexes are what is bounded here
-            assert torch.equal(model.sum_many(stacked, (2,))[count - 1], model.reduce(stacked[:, count - 1]))
+            assert torch.equal(reduction.sum_many(stacked, (2,))[count - 1], reduction.reduce(stacked[:, count - 1]))
     chunk_rows = [t for key, t in plan._index.items() if isinstance(key, tuple)]  # (count, device) keys
     assert 1 <= len(chunk_rows) <= 4
     assert sum(t.numel() * t.element_size() for t in chunk_rows) <= 4 * ROW_GATHER_LIMIT * 8

@@ -16,7 +16,7 @@ from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2, ep=2)
-MODELS = [Sequential(), Tree(), Ring(chunk_size=2), Upcast(torch.float64), Gloo()]
+REDUCTIONS = [Sequential(), Tree(), Ring(chunk_size=2), Upcast(torch.float64), Gloo()]
 
 
 def _values(comm, seed: int, numel: int, dtype) -> torch.Tensor:
@@ -35,23 +35,23 @@ def reduce_everywhere(comm, seed, numel, dtype, kind):
 @given(
     parallel_specs(max_world_size=8),
     st.sampled_from(["tp", "dp", "ep", "edp", "world"]),
-    st.sampled_from(MODELS),
+    st.sampled_from(REDUCTIONS),
     st.integers(0, 2**16),
     st.integers(1, 50),
     st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_all_reduce_gives_every_member_the_models_bits_in_group_order(spec, kind, model, seed, numel, dtype):
-    results = SimWorld(spec, reduction=model).run(reduce_everywhere, seed, numel, dtype, kind)
+def test_all_reduce_gives_every_member_the_models_bits_in_group_order(spec, kind, reduction, seed, numel, dtype):
+    results = SimWorld(spec, reduction=reduction).run(reduce_everywhere, seed, numel, dtype, kind)
     groups = [tuple(range(spec.world_size))] if kind == "world" else spec.groups(kind)
     for group in groups:
-        expected = model.reduce([results[r][0] for r in group])
+        expected = reduction.reduce([results[r][0] for r in group])
         for r in group:
             assert bitwise_equal(results[r][1], expected)
 
 
-@given(st.sampled_from(MODELS), st.integers(0, 2**16), st.integers(1, 8))
-def test_repeated_runs_give_identical_bits(model, seed, blocks):
-    world = SimWorld(ParallelSpec(4, tp=2, ep=2), reduction=model)
+@given(st.sampled_from(REDUCTIONS), st.integers(0, 2**16), st.integers(1, 8))
+def test_repeated_runs_give_identical_bits(reduction, seed, blocks):
+    world = SimWorld(ParallelSpec(4, tp=2, ep=2), reduction=reduction)
     first = world.run(reduce_everywhere, seed, blocks * 4, torch.bfloat16, "world")
     second = world.run(reduce_everywhere, seed, blocks * 4, torch.bfloat16, "world")
     assert all(bitwise_equal(a[1], b[1]) for a, b in zip(first, second, strict=True))
@@ -68,21 +68,21 @@ def scatter_then_gather(comm, seed, blocks, dtype, op):
 
 
 @given(
-    st.sampled_from(MODELS),
+    st.sampled_from(REDUCTIONS),
     st.integers(0, 2**16),
     st.integers(1, 8),
     st.sampled_from([torch.float32, torch.bfloat16]),
     st.sampled_from(list(ReduceOp)),
 )
-def test_all_gather_of_reduce_scatter_equals_all_reduce(model, seed, blocks, dtype, op):
-    for gathered, reduced in SimWorld(SPEC, reduction=model).run(scatter_then_gather, seed, blocks, dtype, op):
+def test_all_gather_of_reduce_scatter_equals_all_reduce(reduction, seed, blocks, dtype, op):
+    for gathered, reduced in SimWorld(SPEC, reduction=reduction).run(scatter_then_gather, seed, blocks, dtype, op):
         assert bitwise_equal(gathered, reduced)
 
 
 def test_groups_may_carry_their_own_models():
     spec = ParallelSpec(8, tp=4, ep=2)
-    models = {"tp": Upcast(torch.float64), "world": Ring(chunk_size=1)}
-    world = SimWorld(spec, reduction={**models, "default": Sequential()})
+    reductions = {"tp": Upcast(torch.float64), "world": Ring(chunk_size=1)}
+    world = SimWorld(spec, reduction={**reductions, "default": Sequential()})
 
     def fn(comm):
         # 1.0 on the first rank of each group and 2**-8 elsewhere: in bf16 a rank-order fold loses every 2**-8
@@ -94,11 +94,11 @@ def test_groups_may_carry_their_own_models():
         return x, tp, everyone
 
     results = world.run(fn)
-    for kind, model in (("tp", models["tp"]), ("world", models["world"])):
+    for kind, reduction in (("tp", reductions["tp"]), ("world", reductions["world"])):
         groups = spec.groups("tp") if kind == "tp" else [tuple(range(8))]
         position = 1 if kind == "tp" else 2
         for group in groups:
-            expected = model.reduce([results[r][0] for r in group])
+            expected = reduction.reduce([results[r][0] for r in group])
             assert not bitwise_equal(expected, Sequential().reduce([results[r][0] for r in group])), kind
             assert all(bitwise_equal(results[r][position], expected) for r in group), kind
 

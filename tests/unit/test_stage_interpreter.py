@@ -14,9 +14,9 @@ from simdist.gradpath.kernel import GradPath, apply_stage
 from simdist.gradpath.path import PathConfig
 from simdist.gradpath.policy import Stage
 from simdist.gradpath.probes import BOUNDARY
-from simdist.models.synthetic import DEFAULT_PARAMS
 from simdist.policies.catalogue import get_policy, policy_names
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
+from simdist.sources.synthetic import DEFAULT_PARAMS
 
 
 class Recording:
@@ -51,9 +51,9 @@ def test_apply_stage_runs_each_kind_and_asks_the_ranks_only_for_a_reduction():
     assert not torch.equal(apply_stage(Stage("scale", divisor=3), five), five / 3)
     with pytest.raises(ValueError, match="needs their ops"):
         apply_stage(Stage("all_reduce", group="dp"), x)
-    ops, tree = Recording(), make_model("tree")
-    apply_stage(Stage("all_reduce", group="tp"), x, ops, tp_model=tree)
-    apply_stage(Stage("all_reduce", group="edp"), x, ops, tp_model=tree)
+    ops, tree = Recording(), make_reduction("tree")
+    apply_stage(Stage("all_reduce", group="tp"), x, ops, tp_reduction=tree)
+    apply_stage(Stage("all_reduce", group="edp"), x, ops, tp_reduction=tree)
     apply_stage(Stage("cast", dtype=torch.bfloat16, rounding="stochastic"), x, ops, key=(1, 2, 3))
     assert ops.reduced == [("tp", tree), ("edp", None), ("stochastic", (1, 2, 3))]
     with pytest.raises(ValueError, match="unknown stage kind"):
@@ -64,7 +64,7 @@ def _policies():
     for name in policy_names():
         policy = get_policy(name)
         for correct_at in ("micro_step", "boundary", "after_dp"):
-            yield dataclasses.replace(policy, correct_at=correct_at, tp_model=None)
+            yield dataclasses.replace(policy, correct_at=correct_at, tp_reduction=None)
 
 
 @pytest.mark.parametrize("policy", list(_policies()), ids=lambda p: f"{p.name}-{p.correct_at}")

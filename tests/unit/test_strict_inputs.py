@@ -13,7 +13,7 @@ import torch
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import make_model
+from simdist.reduce import make_reduction
 from simdist.studies.crosscheck import CrossCheck
 from simdist.studies.growth import GrowthConfig
 from simdist.studies.repro import ReproConfig
@@ -54,7 +54,7 @@ def good(step: int, micro: int, rank: int, param: ParamSpec) -> torch.Tensor:
         (lambda: ReproConfig(code="real"), "unknown code 'real'; valid: 'transcribed', 'deepspeed'"),
         (lambda: GrowthConfig(marker="deepspeed "), "unknown marker 'deepspeed '"),
         (lambda: CrossCheck(update_path="hook"), "unknown update path 'hook'"),
-        (lambda: make_model("glooo"), "unknown reduction model 'glooo'; valid: sequential, ring"),
+        (lambda: make_reduction("glooo"), "unknown reduction 'glooo'; valid: sequential, ring"),
     ],
 )
 def test_a_typo_in_an_option_raises_and_lists_the_valid_values(build, message):

@@ -19,7 +19,7 @@ from simdist.cli.case import run_case_command
 from simdist.cli.configs import CaseRunCommand
 from simdist.gradpath.families import Family
 from simdist.gradpath.oracle import Control, oracle_traces
-from simdist.models.synthetic import DEFAULT_PARAMS, Inputs, SyntheticGradients, synthetic_gradients
+from simdist.sources.synthetic import DEFAULT_PARAMS, Inputs, SyntheticGradients, synthetic_gradients
 from simdist.studies import repro
 from simdist.studies.power import CONTROLS, PowerCheck, power_line, shows_power
 from simdist.studies.repro import REPRO_SPEC, ReproConfig, meets, reproduce
@@ -140,11 +140,11 @@ def test_the_exact_reference_is_the_correctly_rounded_sum_and_the_oracle_is_with
     import math
 
     from simdist.gradpath.probes import BOUNDARY, Capture
-    from simdist.reduce import make_model
+    from simdist.reduce import make_reduction
     from simdist.studies.repro import run_oracle
 
     config = ReproConfig(steps=1)
-    exact = run_oracle(config, make_model("gloo"), dtype=torch.float64)
+    exact = run_oracle(config, make_reduction("gloo"), dtype=torch.float64)
     grads = synthetic_gradients(REPRO_SPEC, 0, Inputs.ROUNDING)
     params = {p.family: p for p in DEFAULT_PARAMS}
     for family, kind in ((Family.ROUTER_GATE_REPLICATED, "dp"), (Family.EXPERT, "edp")):

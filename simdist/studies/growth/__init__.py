@@ -3,7 +3,7 @@
 What is run
 -----------
 `run_growth` trains the synthetic gradient stream (`BatchedGradients`, the
-same per-rank structure as `simdist.models.synthetic`: dense gradients identical on
+same per-rank structure as `simdist.sources.synthetic`: dense gradients identical on
 TP peers, routers ``tp x`` their own slice, shards and experts local) under
 each policy and under the FP32 TP-then-DP oracle, for ``steps`` optimizer
 steps and ``seeds`` independent seeds, and records per step and seed how far
@@ -22,7 +22,7 @@ every seed sits in one tensor with leading ``[seed, rank]`` dimensions:
   element-wise, so applying them to a batched tensor gives each element the
   bits it gets in a rank's own tensor (batch-invariance of element-wise ops);
 * a collective gathers each group's members along the rank dimension and
-  applies the group's reduction model (``reduction``, default ``gloo``) to the
+  applies the group's reduction (``reduction``, default ``gloo``) to the
   stacked members, with the model's per-element order of one member's tensor
   -- so any group size and layout (DP4 on 8 ranks, TP4, ...) gives the bits a
   real run in that order gives;
@@ -32,11 +32,11 @@ every seed sits in one tensor with leading ``[seed, rank]`` dimensions:
 What batching changes: nothing in the bits of masters, moments or BF16
 params (``tests/unit/test_gradpath_batched.py`` proves rank-batched == `train_rank`
 on `SimWorld` threads at every step, rank, seed and captured tensor, for every
-registered policy and the oracle, several layouts and every reduction model;
+registered policy and the oracle, several layouts and every reduction;
 ``tests/integration/test_growth.py`` that a seed gives the same bits alone and inside an
 ensemble). Not recorded: the gradient-norm scalar (growth runs use
 ``max_norm = 0``, the `PathConfig` default, so no norm is computed). The
-stream has the distribution of `simdist.models.synthetic.SyntheticGradients`
+stream has the distribution of `simdist.sources.synthetic.SyntheticGradients`
 but its own draws (one generator call per seed and step instead of one per
 rank and parameter). ``bench/growth.py`` prints the cost of 8 seeds against one
 and of world 8 against world 4.
@@ -82,7 +82,7 @@ weights), so the loss panel is omitted for ``source="synthetic"``.
 ``source="moe"``: the folded MoE block, unbatched
 -------------------------------------------------
 For every seed (sequentially) and policy, `simdist.studies.training.train` runs the
-folded MoE block (`simdist.models.moe.MoEGradients`, default `MoEConfig`) under the
+folded MoE block (`simdist.sources.moe.MoEGradients`, default `MoEConfig`) under the
 policy next to the FP32 oracle, in lockstep on `SimWorld`, for ``steps``
 steps. What it records is what the rows hold (`MOE_COLUMNS`): both losses and
 their difference ``|loss_policy - loss_oracle|`` (the loss of step ``t`` is

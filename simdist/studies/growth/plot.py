@@ -223,7 +223,7 @@ def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from simdist.models.moe import MoEConfig
+    from simdist.sources.moe import MoEConfig
 
     steps = np.arange(1, metrics.shape[0] + 1)
     fig, axes = plt.subplots(2, 2, figsize=(13, 10), sharex=True)

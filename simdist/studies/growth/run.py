@@ -16,11 +16,11 @@ from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.kernel import Marker, coerce
 from simdist.gradpath.oracle import Oracle
 from simdist.gradpath.path import PathConfig
-from simdist.models import GradientModel
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.numerics.compare import Difference
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import Reduction, make_model
+from simdist.reduce import ReductionName, make_reduction
+from simdist.sources import GradientSource
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights
 from simdist.studies.growth.files import atomic_write, write_text
 from simdist.studies.growth.metrics import (
     COLUMNS,
@@ -59,15 +59,15 @@ class GrowthConfig:
         default=Marker.DEEPSPEED,
         metadata={"help": "when the correction-once marker is cleared (matters for --gas >= 2)"},
     )
-    source: GradientModel = field(
-        default=GradientModel.SYNTHETIC,
+    source: GradientSource = field(
+        default=GradientSource.SYNTHETIC,
         metadata={
             "help": "where the gradients come from: the synthetic stream (batched over seeds) or the folded MoE "
             "block (each seed and policy run in turn next to the FP32 oracle; resumes per run)"
         },
     )
     spec: ParallelSpec = field(default=DEFAULT_SPEC, metadata={"etp": False})
-    reduction: Reduction = field(default=DEFAULT_REDUCTION, metadata={"cli": False})
+    reduction: ReductionName = field(default=DEFAULT_REDUCTION, metadata={"cli": False})
     checkpoint_every: int = field(default=500, metadata={"help": "steps between checkpoints", "minimum": 1})
     metrics_dense: int = field(
         default=1000,
@@ -84,8 +84,8 @@ class GrowthConfig:
     def __post_init__(self) -> None:
         # strings are accepted and checked: a typo raises instead of running as a default
         object.__setattr__(self, "marker", coerce(Marker, self.marker, "marker"))
-        object.__setattr__(self, "source", coerce(GradientModel, self.source, "source"))
-        object.__setattr__(self, "reduction", coerce(Reduction, self.reduction, "reduction model"))
+        object.__setattr__(self, "source", coerce(GradientSource, self.source, "source"))
+        object.__setattr__(self, "reduction", coerce(ReductionName, self.reduction, "reduction"))
         object.__setattr__(self, "policies", tuple(self.policies))
 
     def identity(self) -> dict:
@@ -102,8 +102,8 @@ class GrowthConfig:
             raise UsageError(f"metrics_dense must be >= 0, got {self.metrics_dense}")
         for name in self.policies:
             get_policy(name)
-        if self.source == GradientModel.MOE:
-            from simdist.models.moe import MoEConfig
+        if self.source == GradientSource.MOE:
+            from simdist.sources.moe import MoEConfig
 
             MoEConfig().validate(self.spec)
 
@@ -164,7 +164,7 @@ def run_growth(
     write_text(config_path, json.dumps(identity, indent=2, sort_keys=True))
 
     ckpt = out / FILES["checkpoint"]
-    if config.source == GradientModel.MOE:
+    if config.source == GradientSource.MOE:
         metrics = _run_moe(config, ckpt, key, progress, stop_after)
     else:
         metrics = _run_synthetic(config, ckpt, key, progress, stop_after)
@@ -187,7 +187,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
     stream = BatchedGradients(spec, params, seeds)
     policies = [get_policy(n) for n in config.policies]
     initial = [InitialWeights(spec, seed) for seed in seeds]
-    model = make_model(config.reduction)
+    model = make_reduction(config.reduction)
 
     buffers: dict[torch.dtype, torch.Tensor] = {}  # one initial buffer per dtype, not per policy (slow at world 512)
 
@@ -282,7 +282,7 @@ class _OracleRun:
             for r in range(spec.world_size)
             for p in params
         }
-        self.oracle = Oracle(spec, params, stacked, tp_model=model, dp_model=model)
+        self.oracle = Oracle(spec, params, stacked, tp_reduction=model, dp_reduction=model)
         self.spec, self.params, self.gas, self.step = spec, params, gas, 0
 
     def run_step(self, draw) -> None:
@@ -328,7 +328,7 @@ def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_af
     """
     from safetensors.torch import load_file, save_file
 
-    from simdist.models.moe import MoEConfig
+    from simdist.sources.moe import MoEConfig
     from simdist.studies.training import train
 
     spec = config.spec

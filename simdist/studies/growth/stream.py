@@ -17,7 +17,7 @@ class BatchedGradients:
 
     For each ``(seed, step, micro)`` one generator draws, for every parameter,
     one value per *owner* (TP group for dense parameters, rank otherwise) with
-    the distribution of `simdist.models.synthetic._normal`: ``randn * scale *
+    the distribution of `simdist.sources.synthetic._normal`: ``randn * scale *
     2**randint(-3, 3)``, rounded to BF16 (one draw for all parameters, then
     split). `local` gives one rank's tensor for `train_rank`.
     """

@@ -3,7 +3,7 @@
 TP4/EP2/ETP1 on 8 simulated ranks by default (`REPRO_SPEC`: TP4 x DP2, EP2 x EDP4,
 so every group kind differs and a group mix-up or a BF16 TP sum changes bits), 3 BF16
 updates, seeded local gradients from the ``rounding`` distribution
-(`simdist.models.synthetic.Inputs`: sums round, so order, group and dtype show) that
+(`simdist.sources.synthetic.Inputs`: sums round, so order, group and dtype show) that
 differ between TP peers for the router (identical peers hide the defect), every
 parameter family present. For every tensor of every rank
 -- local gradient, corrected gradient, high-precision gradient, FP32 master,
@@ -30,11 +30,11 @@ from simdist.gradpath.oracle import Control, oracle_traces
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace, first_divergence, path_order
-from simdist.models import GradientModel
-from simdist.models.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, synthetic_gradients
 from simdist.numerics.compare import Pair, compare
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import ReductionModel, make_model
+from simdist.reduce import Reduction, make_reduction
+from simdist.sources import GradientSource
+from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, Inputs, synthetic_gradients
 from simdist.studies.power import PowerCheck, power_checks
 from simdist.studies.repro.config import (
     COMPARED,
@@ -91,12 +91,12 @@ __all__ = [
 
 
 def workload(
-    name: GradientModel | str, spec: ParallelSpec, seed: int, gas: int, inputs: Inputs | str = Inputs.ROUNDING
+    name: GradientSource | str, spec: ParallelSpec, seed: int, gas: int, inputs: Inputs | str = Inputs.ROUNDING
 ):
     """``(params, initial, gradients)`` of the training model ``name`` (synthetic gradients drawn from ``inputs``)."""
-    if coerce(GradientModel, name, "model") == GradientModel.SYNTHETIC:
+    if coerce(GradientSource, name, "model") == GradientSource.SYNTHETIC:
         return DEFAULT_PARAMS, InitialWeights(spec, seed), synthetic_gradients(spec, seed, inputs)
-    from simdist.models.moe import MoEGradients
+    from simdist.sources.moe import MoEGradients
 
     source = MoEGradients(spec, seed=seed, gas=gas)
     return tuple(source.params), source.initial, source
@@ -106,13 +106,13 @@ def run(
     spec: ParallelSpec,
     policy: Policy,
     config: PathConfig,
-    model: ReductionModel,
-    training_model: GradientModel | str = GradientModel.SYNTHETIC,
+    model: Reduction,
+    training_model: GradientSource | str = GradientSource.SYNTHETIC,
     inputs: Inputs | str = Inputs.ROUNDING,
 ) -> list[Trace]:
     """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``model``.
 
-    ``training_model`` picks where the local gradients come from (`GradientModel`), ``inputs`` their distribution.
+    ``training_model`` picks where the local gradients come from (`GradientSource`), ``inputs`` their distribution.
     """
     params, initial, grads = workload(training_model, spec, config.seed, config.gas, inputs)
     world = SimWorld(spec, reduction=model, timeout_s=None)  # a long study has no deadline
@@ -121,7 +121,7 @@ def run(
 
 def run_oracle(
     config: ReproConfig,
-    model: ReductionModel,
+    model: Reduction,
     magnitudes: bool = False,
     control: Control | None = None,
     dtype: torch.dtype = torch.float32,
@@ -141,8 +141,8 @@ def run_oracle(
         _Magnitudes(grads) if magnitudes else grads,
         steps=config.steps,
         gas=config.gas,
-        tp_model=model,
-        dp_model=model,
+        tp_reduction=model,
+        dp_reduction=model,
         control=control,
         dtype=dtype,
     )
@@ -189,14 +189,14 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     done = progress or (lambda label: None)
     spec = config.spec
     policies = [get_policy(name) for name in config.policies]
-    model = make_model(config.reduction)
+    model = make_reduction(config.reduction)
     path = PathConfig(
         steps=config.steps, gas=config.gas, seed=config.seed, marker=config.marker, update_path=config.update_path
     )
     oracle = run_oracle(config, model)
     done("oracle")
     magnitudes = None
-    if config.source == GradientModel.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
+    if config.source == GradientSource.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
         magnitudes = run_oracle(config, model, magnitudes=True)
         done("|terms|")
     families = {p.name: p.family for p in workload(config.source, spec, config.seed, config.gas, config.inputs)[0]}
@@ -227,7 +227,7 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     verdict = findings(config, reports, families)
     power: tuple[PowerCheck, ...] = ()
     exact: tuple[ExactDistance, ...] = ()
-    if config.source == GradientModel.SYNTHETIC:
+    if config.source == GradientSource.SYNTHETIC:
         power = power_checks(spec, oracle, lambda control: run_oracle(config, model, control=control), POWER_STAGES)
         exact = exact_distances(run_oracle(config, model, dtype=torch.float64), {"oracle": oracle, **kept})
         done("power checks")
@@ -246,4 +246,4 @@ def _real_traces(config: ReproConfig) -> dict[str, list[Trace]]:
 def run_count(config: ReproConfig) -> int:
     """How many runs `reproduce` makes (its ``progress`` calls): the oracle, the |terms| run, the policies, the
     power checks (one call for all)."""
-    return 1 + 2 * (config.source == GradientModel.SYNTHETIC) + len(config.policies)
+    return 1 + 2 * (config.source == GradientSource.SYNTHETIC) + len(config.policies)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.probes import Capture, Divergence
-from simdist.models import GradientModel
-from simdist.models.synthetic import Inputs
 from simdist.numerics.compare import Comparison
-from simdist.reduce import Reduction
+from simdist.reduce import ReductionName
+from simdist.sources import GradientSource
+from simdist.sources.synthetic import Inputs
 from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.spec import ParallelSpec
 
@@ -29,7 +29,7 @@ COMPARED: tuple[Capture, ...] = (
 
 ORACLE_SUMMARY = (
     "independent FP32 TP-then-DP per-parameter reducer (simdist.gradpath.oracle), every group summed in the "
-    "chosen reduction model's order (default: gloo's, as found by experiment and pinned to real gloo), TP "
+    "chosen reduction's order (default: gloo's, as found by experiment and pinned to real gloo), TP "
     "correction on every micro-step, torch.optim.AdamW on FP32 masters"
 )
 """How the report names its oracle."""
@@ -77,7 +77,7 @@ class ReproConfig:
             "path, or every micro-step"
         },
     )
-    reduction: Reduction = field(
+    reduction: ReductionName = field(
         default=DEFAULT_REDUCTION,
         metadata={"help": "reduction of every group (the launchers' one default: gloo's order)", "skip": ("upcast",)},
     )
@@ -85,8 +85,8 @@ class ReproConfig:
         default=UpdatePath.EPILOGUE,
         metadata={"help": "when _update_hp_grad runs: after backward or from gradient hooks (immediate_grad_update)"},
     )
-    source: GradientModel = field(
-        default=GradientModel.SYNTHETIC,
+    source: GradientSource = field(
+        default=GradientSource.SYNTHETIC,
         metadata={"help": "where the local gradients come from: seeded synthetic ones or the folded MoE block"},
     )
     code: Code = field(
@@ -109,9 +109,9 @@ class ReproConfig:
         for name, kind in (
             ("inputs", Inputs),
             ("marker", Marker),
-            ("reduction", Reduction),
+            ("reduction", ReductionName),
             ("update_path", UpdatePath),
-            ("source", GradientModel),
+            ("source", GradientSource),
             ("code", Code),
         ):
             object.__setattr__(self, name, coerce(kind, getattr(self, name), name.replace("_", " ")))

@@ -17,7 +17,7 @@ def format_report(config: ReproConfig, reports: list[PolicyReport], verdict: Ver
     spec = config.spec
     out = [
         f"simdist repro 8913: {spec.describe()}, {config.steps} steps x GAS {config.gas}, seed {config.seed}, "
-        f"reduction model {config.reduction}, correction marker {config.marker}, update path {config.update_path}, "
+        f"reduction {config.reduction}, correction marker {config.marker}, update path {config.update_path}, "
         f"inputs {config.inputs}"
         + ("" if config.code == Code.TRANSCRIBED else f", code {config.code} (real code, gradients only)"),
         f"oracle: {ORACLE_SUMMARY}",

@@ -10,9 +10,9 @@ from simdist.errors import UsageError
 from simdist.gradpath.families import Family
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.probes import Capture, Divergence, Trace
-from simdist.models import GradientModel
-from simdist.models.synthetic import describe_inputs
 from simdist.numerics.floats import ulp_distance
+from simdist.sources import GradientSource
+from simdist.sources.synthetic import describe_inputs
 from simdist.studies.power import PowerCheck, shows_power
 from simdist.studies.repro.config import EXPECTATIONS, PolicyReport, ReproConfig
 
@@ -114,7 +114,7 @@ def exact_distances(exact: list[Trace], runs: dict[str, list[Trace]]) -> tuple[E
 def with_power(config: ReproConfig, verdict: Verdict, power: tuple[PowerCheck, ...]) -> Verdict:
     """``verdict`` with its input distribution and power checks, one line each after the findings."""
     shown = shows_power(power)
-    if config.source != GradientModel.SYNTHETIC:
+    if config.source != GradientSource.SYNTHETIC:
         inputs = f"the {config.source} model's own gradients"
         lines = ["power checks: not run (they need the synthetic workload)"]
     else:
@@ -239,10 +239,12 @@ def findings(config: ReproConfig, reports: list[PolicyReport], families: dict[st
     """
     marker = marker_finding(config, reports)
     if marker.shown:
-        writeback = writeback_beside_marker(reports, families, config.source != GradientModel.SYNTHETIC)
+        writeback = writeback_beside_marker(reports, families, config.source != GradientSource.SYNTHETIC)
     else:
         alone = (
-            verdict(reports, families) if config.source == GradientModel.SYNTHETIC else model_verdict(reports, families)
+            verdict(reports, families)
+            if config.source == GradientSource.SYNTHETIC
+            else model_verdict(reports, families)
         )
         writeback = Finding(WRITEBACK, alone.reproduced, alone.line)
     shown = (writeback, marker) if marker.applies else (writeback,)

@@ -26,9 +26,9 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Capture, Trace
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
-from simdist.reduce import ReductionModel, Sequential
-from simdist.world.modelmap import as_model
+from simdist.reduce import Reduction, Sequential
 from simdist.world.options import DEFAULT_REDUCTION
+from simdist.world.reduction_map import as_reduction
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))
@@ -62,9 +62,9 @@ def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.
     return initial_buffer(spec, params, [initial], torch.bfloat16)
 
 
-def _one_model(reduction: ReductionModel | None) -> ReductionModel:
+def _one_model(reduction: Reduction | None) -> Reduction:
     """``reduction``, or `DEFAULT_REDUCTION` if none was given."""
-    return reduction if reduction is not None else as_model(DEFAULT_REDUCTION)
+    return reduction if reduction is not None else as_reduction(DEFAULT_REDUCTION)
 
 
 def run_batched(
@@ -74,7 +74,7 @@ def run_batched(
     config: PathConfig,
     *,
     keep: frozenset[str] | None = None,
-    reduction: ReductionModel | None = None,
+    reduction: Reduction | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
     norm: bool = True,
     cases: int = 1,
@@ -132,13 +132,13 @@ def run_oracle(
     gas: int,
     *,
     keep: frozenset[str] | None = None,
-    reduction: ReductionModel | None = None,
+    reduction: Reduction | None = None,
     params: tuple[ParamSpec, ...] = PARAMS,
     dtype: torch.dtype = torch.float32,
 ) -> list[Trace]:
     """Every rank's `Trace` of the independent oracle (`simdist.gradpath.oracle`) on the compact workload,
     every group reducing with ``reduction`` (default `DEFAULT_REDUCTION`)."""
-    model = _one_model(reduction)
+    reduction = _one_model(reduction)
     return oracle_traces(
         spec,
         list(params),
@@ -146,8 +146,8 @@ def run_oracle(
         _oracle_source(grads),
         steps=steps,
         gas=gas,
-        tp_model=model,
-        dp_model=model,
+        tp_reduction=reduction,
+        dp_reduction=reduction,
         dtype=dtype,
         keep=keep,
     )
@@ -173,8 +173,8 @@ def staging_departs_from_oracle(spec: ParallelSpec, gas: int, steps: int, grads:
         _oracle_source(grads),
         steps=steps,
         gas=gas,
-        tp_model=sequential,
-        dp_model=sequential,
+        tp_reduction=sequential,
+        dp_reduction=sequential,
         keep=OPTIMIZER_STAGES,
     )
     return first_departure(staging.values, {key: value.unsqueeze(0) for key, value in oracle.items()}, one_case=True)
@@ -238,8 +238,8 @@ def run_cases(spec: ParallelSpec, gas: int, steps: int, grads) -> tuple[dict, di
         grads,
         steps=steps,
         gas=gas,
-        tp_model=sequential,
-        dp_model=sequential,
+        tp_reduction=sequential,
+        dp_reduction=sequential,
         keep=OPTIMIZER_STAGES,
     )
     return staging.values, oracle

@@ -164,19 +164,19 @@ def run_cases(rank: int, cases: Sequence[Case]) -> list[Outcome | None]:
     return out
 
 
-def model_outcomes(cases: Sequence[Case], world_size: int, model: Gloo | None = None) -> list[list[Outcome | None]]:
+def model_outcomes(cases: Sequence[Case], world_size: int, reduction: Gloo | None = None) -> list[list[Outcome | None]]:
     """Per global rank, what the `Gloo` model says each case leaves there (same shape as `run_cases` results)."""
-    model = model or Gloo()
+    reduction = reduction or Gloo()
     per_rank: list[list[Outcome | None]] = [[] for _ in range(world_size)]
     for case in cases:
         members = case.members(world_size)
-        got = _model_case(model, case, members)
+        got = _model_case(reduction, case, members)
         for r in range(world_size):
             per_rank[r].append(got.get(r) if r in members else None)
     return per_rank
 
 
-def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcome]:
+def _model_case(reduction: Gloo, case: Case, members: list[int]) -> dict[int, Outcome]:
     refused = None  # torch's gloo backend raises these at the call, leaving the tensors alone
     if case.op.startswith("PREMUL_SUM"):
         refused = "Cannot use ReduceOp.PREMUL_SUM with Gloo"
@@ -196,18 +196,18 @@ def _model_case(model: Gloo, case: Case, members: list[int]) -> dict[int, Outcom
                     kept = case.layout == "contiguous"
                     message = f"all_reduce does not support {op.name} on complex tensors"
                     return {r: Outcome(case.inputs[r] if kept else None, "ValueError", message) for r in members}
-                result = torch.view_as_complex(model.reduce([torch.view_as_real(t) for t in seen], op))
+                result = torch.view_as_complex(reduction.reduce([torch.view_as_real(t) for t in seen], op))
             else:
-                result = model.reduce(seen, op)
+                result = reduction.reduce(seen, op)
             return {r: Outcome(result) for r in members}
         if case.kind == "reduce":
             assert case.root is not None, "a reduce case names its root"
-            buffers = model.reduce_buffers([case.inputs[r] for r in members], op, members.index(case.root))
+            buffers = reduction.reduce_buffers([case.inputs[r] for r in members], op, members.index(case.root))
             return {r: Outcome(b) for r, b in zip(members, buffers, strict=True)}
         if case.kind == "reduce_scatter":
-            block_lists = model.reduce_scatter_list([list(case.inputs[r]) for r in members], op)
+            block_lists = reduction.reduce_scatter_list([list(case.inputs[r]) for r in members], op)
             return {r: Outcome(block_lists[i]) for i, r in enumerate(members)}
-        blocks = model.reduce_scatter([_layout_input(case.inputs[r], case.layout)[0] for r in members], op)
+        blocks = reduction.reduce_scatter([_layout_input(case.inputs[r], case.layout)[0] for r in members], op)
         shape = (case.inputs.shape[1] // len(members), *case.inputs.shape[2:])
         return {r: Outcome(blocks[i].view(shape)) for i, r in enumerate(members)}
     except (ValueError, RuntimeError) as exc:

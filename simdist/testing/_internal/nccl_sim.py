@@ -28,15 +28,17 @@ def _span(base: int, elem: int, rem: int, chunk: int, c: int) -> slice:
     return slice(lo, lo + max(0, min(chunk, rem - c * chunk)))
 
 
-def simulate_ring_allreduce(x: torch.Tensor, model: Nccl) -> list[torch.Tensor]:
+def simulate_ring_allreduce(x: torch.Tensor, reduction: Nccl) -> list[torch.Tensor]:
     """Every rank's output of the ring all-reduce of ``x`` (``[n, count]``, group-rank order)."""
     n, count = x.shape
     e = x.element_size()
     align = max(1, 16 // e)
     out = [torch.full((count,), float("nan"), dtype=x.dtype) for _ in range(n)]
-    full_chunk = ring_chunk_elements(model.protocol, e, model.buffsize, model.ll_buffsize, model.ll128_buffsize)
-    for channel, base, part in model.parts(count, e, n):
-        ring = model.ring_of(channel, n)
+    full_chunk = ring_chunk_elements(
+        reduction.protocol, e, reduction.buffsize, reduction.ll_buffsize, reduction.ll128_buffsize
+    )
+    for channel, base, part in reduction.parts(count, e, n):
+        ring = reduction.ring_of(channel, n)
         chunk = full_chunk
         loop = n * chunk
         for elem in range(0, part, loop):
@@ -62,14 +64,14 @@ def simulate_ring_allreduce(x: torch.Tensor, model: Nccl) -> list[torch.Tensor]:
     return out
 
 
-def simulate_ring_reduce_scatter(x: torch.Tensor, model: Nccl) -> torch.Tensor:
+def simulate_ring_reduce_scatter(x: torch.Tensor, reduction: Nccl) -> torch.Tensor:
     """``[n, count / n]``: block ``q`` as rank ``q`` receives it from the ring reduce-scatter."""
     n, count = x.shape
     block = count // n
     e = x.element_size()
     out = torch.empty(n, block, dtype=x.dtype)
-    for channel, base, part in model.parts(block, e, n, traffic_per_byte=n, nbytes=count * e):
-        ring = model.ring_of(channel, n)
+    for channel, base, part in reduction.parts(block, e, n, traffic_per_byte=n, nbytes=count * e):
+        ring = reduction.ring_of(channel, n)
         cols = [slice(q * block + base, q * block + base + part) for q in range(n)]
         # at step j, ring index i works on the block of the rank j places behind it.
         wire = [x[ring[i], cols[ring[(i - 1) % n]]].clone() for i in range(n)]
@@ -80,12 +82,12 @@ def simulate_ring_reduce_scatter(x: torch.Tensor, model: Nccl) -> torch.Tensor:
     return out
 
 
-def simulate_ring_reduce(x: torch.Tensor, model: Nccl, root: int) -> torch.Tensor:
+def simulate_ring_reduce(x: torch.Tensor, reduction: Nccl, root: int) -> torch.Tensor:
     """What rank ``root`` holds after NCCL's ring reduce (a pipeline from the rank after the root)."""
     n, count = x.shape
     out = torch.empty(count, dtype=x.dtype)
-    for channel, base, part in model.parts(count, x.element_size(), n, traffic_per_byte=1):
-        ring = model.ring_of(channel, n)
+    for channel, base, part in reduction.parts(count, x.element_size(), n, traffic_per_byte=1):
+        ring = reduction.ring_of(channel, n)
         cols = slice(base, base + part)
         i = (ring.index(root) + 1) % n
         wire = x[ring[i], cols].clone()
@@ -96,12 +98,12 @@ def simulate_ring_reduce(x: torch.Tensor, model: Nccl, root: int) -> torch.Tenso
     return out
 
 
-def simulate_tree_allreduce(x: torch.Tensor, model: Nccl) -> list[torch.Tensor]:
+def simulate_tree_allreduce(x: torch.Tensor, reduction: Nccl) -> list[torch.Tensor]:
     """Every rank's output of the tree all-reduce: reduce up each channel's tree, broadcast down."""
     n, count = x.shape
     out = [torch.full((count,), float("nan"), dtype=x.dtype) for _ in range(n)]
-    for channel, base, part in model.parts(count, x.element_size(), n):
-        down = model.tree_of(channel, n)
+    for channel, base, part in reduction.parts(count, x.element_size(), n):
+        down = reduction.tree_of(channel, n)
         up = {child: parent for parent in range(n) for child in down[parent]}
         cols = slice(base, base + part)
         inbox: dict[int, list[tuple[int, torch.Tensor]]] = {r: [] for r in range(n)}

@@ -48,8 +48,8 @@ Modules: `layout` (sizes, the one parameter table, initial weights, shards, batc
 unsharded FP64 reference and the error check against it).
 """
 
-from simdist.models.moe.block import folded_loss, partition, route
-from simdist.models.moe.layout import (
+from simdist.sources.moe.block import folded_loss, partition, route
+from simdist.sources.moe.layout import (
     MoEConfig,
     MoEInitialWeights,
     batch,
@@ -58,8 +58,8 @@ from simdist.models.moe.layout import (
     shard,
     unshard,
 )
-from simdist.models.moe.reference import gradient_errors, reference_gradients
-from simdist.models.moe.source import MoEGradients
+from simdist.sources.moe.reference import gradient_errors, reference_gradients
+from simdist.sources.moe.source import MoEGradients
 
 __all__ = [
     "MoEConfig",

@@ -1,4 +1,4 @@
-"""The `Gloo` reduction model against real gloo processes, bit for bit.
+"""The `Gloo` reduction against real gloo processes, bit for bit.
 
 The model tests at the top run in-process. The ``gloo`` tests spawn one real
 process group per world size (2, 4 and, marked slow, 3; module-scoped fixture) that runs every
@@ -15,7 +15,7 @@ import torch
 
 import simdist
 from simdist.numerics.floats import bits
-from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_model
+from simdist.reduce import ReduceOp, Ring, Sequential, Tree, Upcast, make_reduction
 from simdist.reduce.gloo import Gloo, chunk_length, chunk_start_ranks
 from simdist.testing._internal.gloo_probe import order_fingerprint
 from simdist.world.simworld import SimWorld
@@ -127,7 +127,7 @@ def test_model_keeps_shape_and_handles_views_and_ops():
     assert_bitwise(Gloo().reduce(x, ReduceOp.AVG), Gloo().sum(x) / 4, "avg is postdiv")
     assert_bitwise(Gloo().reduce(x, ReduceOp.MAX), x.amax(0), "max")
     assert Gloo().sum(torch.empty(3, 0)).shape == (0,)
-    assert make_model("gloo") == Gloo() and repr(Gloo()) == "gloo"
+    assert make_reduction("gloo") == Gloo() and repr(Gloo()) == "gloo"
 
 
 # -- against real gloo ------------------------------------------------------------
@@ -177,11 +177,11 @@ def test_every_model_agrees_with_gloo_on_two_ranks(gloo_run):
     n, results = gloo_run
     if n != 2:
         pytest.skip("one addition per element only on groups of 2")
-    models = [Gloo(), Sequential(), Tree(), Ring(), Ring(chunk_size=64, shift=0), Upcast(torch.float32)]
+    reductions = [Gloo(), Sequential(), Tree(), Ring(), Ring(chunk_size=64, shift=0), Upcast(torch.float32)]
     for i, (seed, numel, dtype, wide) in enumerate(random_cases(n)):
         stacked = random_ranks(seed, n, numel, dtype, wide)
-        for model in models:
-            assert_bitwise(model.sum(stacked), results[0]["all_reduce"][i], f"{model} numel={numel} {dtype}")
+        for reduction in reductions:
+            assert_bitwise(reduction.sum(stacked), results[0]["all_reduce"][i], f"{reduction} numel={numel} {dtype}")
 
 
 @pytest.mark.gloo

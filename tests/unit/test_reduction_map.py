@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import simdist
-from simdist.reduce import MODEL_NAMES, make_model
-from simdist.world.modelmap import MAP_KINDS, Chooser
+from simdist.reduce import REDUCTION_NAMES, make_reduction
+from simdist.world.reduction_map import MAP_KINDS, Chooser
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2)
@@ -29,16 +29,16 @@ def test_an_unknown_kind_is_an_error_listing_the_kinds(kind):
 
 def test_an_unknown_model_name_is_an_error_listing_the_names():
     for choice in ("rnig", {"tp": "rnig"}):
-        with pytest.raises(ValueError, match="unknown reduction model 'rnig'") as info:
+        with pytest.raises(ValueError, match="unknown reduction 'rnig'") as info:
             Chooser(choice, 4, SPEC)
-        assert all(name in str(info.value) for name in MODEL_NAMES)
+        assert all(name in str(info.value) for name in REDUCTION_NAMES)
 
 
 @pytest.mark.parametrize("choice", [3, None, {"tp": 3}, {"tp": torch.float32}, ["gloo"]])
 def test_a_wrong_type_is_a_type_error_naming_the_valid_values(choice):
     with pytest.raises(TypeError) as info:
         Chooser(choice, 4, SPEC)
-    assert "gloo" in str(info.value) and "ReductionModel" in str(info.value)
+    assert "gloo" in str(info.value) and "Reduction" in str(info.value)
 
 
 def test_spec_kinds_without_a_spec_are_an_error():
@@ -49,17 +49,17 @@ def test_spec_kinds_without_a_spec_are_an_error():
 
 def test_a_callable_must_return_a_model():
     chooser = Chooser(lambda ranks: "ring", 4)
-    with pytest.raises(TypeError, match="not a ReductionModel"):
+    with pytest.raises(TypeError, match="not a Reduction"):
         chooser((0, 1))
 
 
 def test_valid_maps_still_choose_per_kind():
-    chooser = Chooser({"tp": "sequential", "dp": make_model("tree")}, 4, SPEC)
-    assert chooser((0, 1)) == ("tp", chooser._models["tp"])
-    assert type(chooser((0, 1))[1]) is type(make_model("sequential"))
-    assert type(chooser((1, 3))[1]) is type(make_model("tree"))
+    chooser = Chooser({"tp": "sequential", "dp": make_reduction("tree")}, 4, SPEC)
+    assert chooser((0, 1)) == ("tp", chooser._reductions["tp"])
+    assert type(chooser((0, 1))[1]) is type(make_reduction("sequential"))
+    assert type(chooser((1, 3))[1]) is type(make_reduction("tree"))
     assert chooser((1, 3))[0] == "dp"
-    assert type(chooser((0, 1, 2, 3))[1]) is type(make_model("gloo"))  # the default
+    assert type(chooser((0, 1, 2, 3))[1]) is type(make_reduction("gloo"))  # the default
 
 
 def test_spawn_refuses_a_misspelt_kind_before_any_rank_runs():

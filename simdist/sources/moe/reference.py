@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from simdist.gradpath.probes import BOUNDARY
-from simdist.models.moe.block import LN_EPS, route
-from simdist.models.moe.layout import MoEConfig, batch, moe_params, shard, unshard
+from simdist.sources.moe.block import LN_EPS, route
+from simdist.sources.moe.layout import MoEConfig, batch, moe_params, shard, unshard
 from simdist.world.spec import ParallelSpec
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from simdist.gradpath.families import Family
-from simdist.models.moe.block import folded_loss
-from simdist.models.moe.layout import DEFAULT_CONFIG, MoEConfig, MoEInitialWeights, batch, moe_params, replica_of
+from simdist.sources.moe.block import folded_loss
+from simdist.sources.moe.layout import DEFAULT_CONFIG, MoEConfig, MoEInitialWeights, batch, moe_params, replica_of
 from simdist.world.spec import ParallelSpec
 
 

@@ -1,8 +1,8 @@
-"""The textbook reduction models: `Sequential` (rank order), `Tree` (pairwise), `Upcast` (sum in a wider
+"""The textbook reductions: `Sequential` (rank order), `Tree` (pairwise), `Upcast` (sum in a wider
 dtype, round once) and `Ring` (chunked ring with a rotating start rank).
 
 Each is a pure, vectorised function of the stacked per-rank tensors; every partial sum is rounded to the
-tensor dtype unless the model says otherwise (see `simdist.reduce.base` for the ops and the rounding facts).
+tensor dtype unless the reduction says otherwise (see `simdist.reduce.base` for the ops and the rounding facts).
 ``PRODUCT`` uses the same order as the sum, with multiplication.
 """
 
@@ -14,12 +14,12 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.numerics.rounding import round_to
-from simdist.reduce.base import AvgMode, ReductionModel, Tensors, as_stacked
+from simdist.reduce.base import AvgMode, Reduction, Tensors, as_stacked
 from simdist.reduce.plan import FoldPlan, Hops, fold
 
 
 @dataclass(frozen=True, repr=False)
-class Sequential(ReductionModel):
+class Sequential(Reduction):
     """Left fold in group-rank order: ``((x0 + x1) + x2) + ...``, each partial rounded."""
 
     avg: AvgMode = "postdiv"
@@ -33,7 +33,7 @@ class Sequential(ReductionModel):
 
 
 @dataclass(frozen=True, repr=False)
-class Tree(ReductionModel):
+class Tree(Reduction):
     """Balanced pairwise sum over ranks.
 
     Each level adds neighbours ``(x0+x1), (x2+x3), ...``; an odd one out is
@@ -65,7 +65,7 @@ class Tree(ReductionModel):
 
 
 @dataclass(frozen=True, repr=False)
-class Upcast(ReductionModel):
+class Upcast(Reduction):
     """Left fold in group-rank order in ``acc_dtype``, rounded once to the tensor dtype.
 
     With ``acc_dtype=torch.float64`` and inputs whose partial sums are exact
@@ -91,7 +91,7 @@ class Upcast(ReductionModel):
 
 
 @dataclass(frozen=True, repr=False)
-class Ring(ReductionModel):
+class Ring(Reduction):
     """NCCL-style ring: chunked, with a start rank that rotates with the chunk.
 
     The flat tensor is cut into chunks of ``chunk_size`` elements. Chunk ``c``

@@ -1,13 +1,13 @@
 """The folded forward of the block: route-full (every TP peer), partition-dispatch over EP, the experts,
-restore_combined over TP, then the TP-sharded MLP. See `simdist.models.moe` for the semantics."""
+restore_combined over TP, then the TP-sharded MLP. See `simdist.sources.moe` for the semantics."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from simdist.models.moe.collectives import AllToAll, CopyToTP, ReduceFromTP, RestoreGather
-from simdist.models.moe.layout import MoEConfig
+from simdist.sources.moe.collectives import AllToAll, CopyToTP, ReduceFromTP, RestoreGather
+from simdist.sources.moe.layout import MoEConfig
 from simdist.world.groups import Comm
 
 LN_EPS = 1e-5

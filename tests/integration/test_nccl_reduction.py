@@ -1,4 +1,4 @@
-"""The `Nccl` reduction model's own invariants, on CPU, bit for bit.
+"""The `Nccl` reduction's own invariants, on CPU, bit for bit.
 
 No GPU is involved: these tests pin what the model claims NCCL v2.30.7 does
 (see `simdist.reduce.nccl`), not that NCCL does it; `experiments/nccl_fingerprint.py`
@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simdist.numerics.floats import bits, float_format, round_exact, unit_roundoff
-from simdist.reduce import ReduceOp, Sequential, make_model
+from simdist.reduce import ReduceOp, Sequential, make_reduction
 from simdist.reduce.nccl import Nccl
 from simdist.reduce.nccl_arith import fma_round, premul_scale
 from simdist.reduce.nccl_schedule import (
@@ -69,7 +69,7 @@ def fold_rows(rows: torch.Tensor, order) -> torch.Tensor:
 
 
 @st.composite
-def models(draw, n: int) -> Nccl:
+def reductions(draw, n: int) -> Nccl:
     protocol = draw(st.sampled_from(PROTOCOLS))
     params: dict = {"protocol": protocol, "channels": draw(st.integers(1, 4))}
     key, sizes = SMALL_BUFFERS[protocol]
@@ -96,11 +96,11 @@ def inputs(n: int, count: int, dtype: torch.dtype, seed: int, spread: int = 12) 
 @st.composite
 def cases(draw):
     n = draw(st.integers(2, 6))
-    model = draw(models(n))
+    reduction = draw(reductions(n))
     dtype = draw(st.sampled_from(DTYPES))
     count = draw(st.one_of(st.integers(0, 70), st.integers(0, 12000)))
     spread = 12 if dtype == torch.float32 else 4
-    return n, model, inputs(n, count, dtype, draw(st.integers(0, 2**31)), spread)
+    return n, reduction, inputs(n, count, dtype, draw(st.integers(0, 2**31)), spread)
 
 
 # -- the ring against the literal simulation ------------------------------------------------
@@ -108,58 +108,58 @@ def cases(draw):
 
 @given(cases(), st.sampled_from([ReduceOp.SUM, ReduceOp.AVG]))
 def test_ring_allreduce_equals_literal_simulation_on_every_rank(case, op):
-    n, model, x = case
+    n, reduction, x = case
     pre = x * premul_scale(n, x.dtype) if op is ReduceOp.AVG else x
-    simulated = simulate_ring_allreduce(pre, model)
-    got = model.reduce(x, op)
+    simulated = simulate_ring_allreduce(pre, reduction)
+    got = reduction.reduce(x, op)
     for rank, result in enumerate(simulated):
-        assert_bitwise(got, result, f"{model} {op.name} n={n} N={x.shape[1]} {x.dtype} rank {rank}")
+        assert_bitwise(got, result, f"{reduction} {op.name} n={n} N={x.shape[1]} {x.dtype} rank {rank}")
 
 
 @given(cases())
 def test_every_element_is_a_fold_of_all_n_inputs_in_the_predicted_order(case):
-    n, model, x = case
+    n, reduction, x = case
     count = x.shape[1]
-    orders = model.element_orders(count, x.element_size(), n)
+    orders = reduction.element_orders(count, x.element_size(), n)
     assert torch.equal(orders.sort(dim=0).values, torch.arange(n).unsqueeze(1).expand(n, count))
-    got = model.sum(x)
+    got = reduction.sum(x)
     for order in {tuple(col) for col in orders.T.tolist()}:
         cols = (torch.tensor(order) == orders.T).all(dim=1)
-        assert_bitwise(got[cols], fold_rows(x[:, cols], order), f"{model} order {order}")
+        assert_bitwise(got[cols], fold_rows(x[:, cols], order), f"{reduction} order {order}")
 
 
 @given(cases())
 def test_reduce_scatter_equals_literal_simulation(case):
-    n, model, x = case
+    n, reduction, x = case
     count = x.shape[1] - x.shape[1] % n
     x = x[:, :count]
-    assert_bitwise(model.reduce_scatter(x), simulate_ring_reduce_scatter(x, model), f"{model} n={n}")
+    assert_bitwise(reduction.reduce_scatter(x), simulate_ring_reduce_scatter(x, reduction), f"{reduction} n={n}")
 
 
 @given(cases(), st.integers(0, 5))
 def test_reduce_to_root_equals_literal_simulation(case, root):
-    n, model, x = case
+    n, reduction, x = case
     root %= n
-    got = model.reduce_to(x, ReduceOp.SUM, root)
-    assert_bitwise(got, simulate_ring_reduce(x, model, root), f"{model} root {root}")
-    if x.shape[1] and (model.rings is None or len(set(model.rings)) == 1):
-        ring = model.ring_of(0, n)
+    got = reduction.reduce_to(x, ReduceOp.SUM, root)
+    assert_bitwise(got, simulate_ring_reduce(x, reduction, root), f"{reduction} root {root}")
+    if x.shape[1] and (reduction.rings is None or len(set(reduction.rings)) == 1):
+        ring = reduction.ring_of(0, n)
         start = ring.index(root) + 1
-        assert_bitwise(got, fold_rows(x, [ring[(start + j) % n] for j in range(n)]), f"{model} root {root}")
+        assert_bitwise(got, fold_rows(x, [ring[(start + j) % n] for j in range(n)]), f"{reduction} root {root}")
 
 
 @given(cases(), st.booleans())
 def test_tree_allreduce_equals_literal_simulation_on_every_rank(case, chains):
-    n, model, x = case
+    n, reduction, x = case
     trees = None
     if chains:
         trees = (chain_tree(range(n)), chain_tree(range(n - 1, -1, -1)))
     elif n >= 4:
         trees = double_binary_trees([[0, 1], list(range(2, n))])
-    model = Nccl(algorithm="tree", protocol=model.protocol, channels=model.channels, trees=trees,
-                 task_channels=model.task_channels)  # fmt: skip
-    for rank, result in enumerate(simulate_tree_allreduce(x, model)):
-        assert_bitwise(model.sum(x), result, f"{model} n={n} rank {rank}")
+    reduction = Nccl(algorithm="tree", protocol=reduction.protocol, channels=reduction.channels, trees=trees,
+                 task_channels=reduction.task_channels)  # fmt: skip
+    for rank, result in enumerate(simulate_tree_allreduce(x, reduction)):
+        assert_bitwise(reduction.sum(x), result, f"{reduction} n={n} rank {rank}")
 
 
 # -- small worlds, stacked vs list, dtypes ---------------------------------------------------
@@ -167,37 +167,39 @@ def test_tree_allreduce_equals_literal_simulation_on_every_rank(case, chains):
 
 @given(cases())
 def test_two_ranks_are_one_add_and_one_rank_a_copy(case):
-    _, model, x = case
-    assert_bitwise(model.sum(x[:2]), x[0] + x[1])
-    assert_bitwise(model.reduce(x[:2], ReduceOp.AVG), x[0] * premul_scale(2, x.dtype) + x[1] * premul_scale(2, x.dtype))
-    assert_bitwise(model.sum(x[:1]), x[0])
-    assert_bitwise(model.reduce(x[:1], ReduceOp.AVG), x[0])
+    _, reduction, x = case
+    assert_bitwise(reduction.sum(x[:2]), x[0] + x[1])
+    assert_bitwise(
+        reduction.reduce(x[:2], ReduceOp.AVG), x[0] * premul_scale(2, x.dtype) + x[1] * premul_scale(2, x.dtype)
+    )
+    assert_bitwise(reduction.sum(x[:1]), x[0])
+    assert_bitwise(reduction.reduce(x[:1], ReduceOp.AVG), x[0])
 
 
 @given(cases())
 def test_stacked_and_list_inputs_give_the_same_bits_and_shape_is_kept(case):
-    n, model, x = case
+    n, reduction, x = case
     if x.shape[1] % 2 == 0 and x.shape[1]:
         shaped = x.reshape(n, 2, -1)
-        assert_bitwise(model.sum(list(shaped)), model.sum(x).reshape(2, -1))
+        assert_bitwise(reduction.sum(list(shaped)), reduction.sum(x).reshape(2, -1))
 
 
 def test_tree_on_one_node_is_the_fold_from_the_tail_of_the_chain():
     x = inputs(5, 3000, torch.bfloat16, 1, spread=4)
     assert_bitwise(Nccl(algorithm="tree").sum(x), fold_rows(x, [4, 3, 2, 1, 0]))
     chain = (2, 0, 4, 1, 3)
-    model = Nccl(algorithm="tree", trees=(chain_tree(chain),))
-    assert_bitwise(model.sum(x), fold_rows(x, list(reversed(chain))))
-    assert not torch.equal(bits(model.sum(x)), bits(Sequential().sum(x)))
+    reduction = Nccl(algorithm="tree", trees=(chain_tree(chain),))
+    assert_bitwise(reduction.sum(x), fold_rows(x, list(reversed(chain))))
+    assert not torch.equal(bits(reduction.sum(x)), bits(Sequential().sum(x)))
 
 
 def test_tree_channels_each_use_their_own_tree():
     x = inputs(4, 40000, torch.float32, 2)
     trees = (chain_tree((0, 1, 2, 3)), chain_tree((3, 2, 1, 0)))
-    model = Nccl(algorithm="tree", channels=2, task_channels=2, trees=trees)
-    parts = model.parts(40000, 4, 4)
+    reduction = Nccl(algorithm="tree", channels=2, task_channels=2, trees=trees)
+    parts = reduction.parts(40000, 4, 4)
     assert [c for c, _, _ in parts] == [0, 1]
-    got = model.sum(x)
+    got = reduction.sum(x)
     for channel, offset, part in parts:
         order = [3, 2, 1, 0] if channel == 0 else [0, 1, 2, 3]
         assert_bitwise(got[offset : offset + part], fold_rows(x[:, offset : offset + part], order))
@@ -210,11 +212,11 @@ def test_multi_node_tree_adds_children_in_down_order():
     assert btree(3, 0) == (-1, -1, 2, 0) and btree(3, 2) == (0, 1, -1, 1) and btree(3, 1) == (2, -1, -1, 0)
     assert t0 == ((1, 4), (), (3,), (), (5, 2), ())
     x = inputs(6, 100, torch.float32, 3)
-    model = Nccl(algorithm="tree", trees=(t0,))
+    reduction = Nccl(algorithm="tree", trees=(t0,))
     node1 = x[2] + x[3]
     node2 = (x[4] + x[5]) + node1
     expected = (x[0] + x[1]) + node2
-    assert_bitwise(model.sum(x), expected)
+    assert_bitwise(reduction.sum(x), expected)
 
 
 def test_btree_matches_the_picture_of_fourteen_ranks_in_trees_cc():
@@ -324,14 +326,14 @@ def test_premul_scale_bits():
 
 @given(cases())
 def test_avg_is_the_sum_of_premultiplied_inputs(case):
-    n, model, x = case
-    assert_bitwise(model.reduce(x, ReduceOp.AVG), model.sum(x * premul_scale(n, x.dtype)))
+    n, reduction, x = case
+    assert_bitwise(reduction.reduce(x, ReduceOp.AVG), reduction.sum(x * premul_scale(n, x.dtype)))
 
 
 def test_avg_on_a_power_of_two_is_the_scaled_sum():
     x = inputs(4, 5000, torch.bfloat16, 7, spread=4)
-    model = Nccl()
-    assert_bitwise(model.reduce(x, ReduceOp.AVG), model.sum(x) * 0.25)
+    reduction = Nccl()
+    assert_bitwise(reduction.reduce(x, ReduceOp.AVG), reduction.sum(x) * 0.25)
 
 
 def test_avg_on_integers_truncates_the_sum():
@@ -367,20 +369,20 @@ def test_recursive_summation_bound_and_exact_small_integers(dtype, n, numel, dat
     u = Fraction(unit_roundoff(dtype))
     ints = torch.tensor(data.draw(st.lists(st.integers(-16, 16), min_size=n * numel, max_size=n * numel)))
     ints = ints.reshape(n, numel).to(dtype)
-    for model in (Nccl(), Nccl(protocol="ll", channels=3, task_channels=3), Nccl(algorithm="tree")):
-        got = model.sum(per_rank).double().tolist()
+    for reduction in (Nccl(), Nccl(protocol="ll", channels=3, task_channels=3), Nccl(algorithm="tree")):
+        got = reduction.sum(per_rank).double().tolist()
         for g, s, m in zip(got, exact, magnitude, strict=True):
-            assert abs(Fraction(g) - s) <= (n - 1) * u * m, (model, g, s)
-        assert_bitwise(model.sum(ints) + 0.0, ints.double().sum(0).to(dtype) + 0.0, str(model))
+            assert abs(Fraction(g) - s) <= (n - 1) * u * m, (reduction, g, s)
+        assert_bitwise(reduction.sum(ints) + 0.0, ints.double().sum(0).to(dtype) + 0.0, str(reduction))
 
 
 # -- registry and validation -----------------------------------------------------------------
 
 
 def test_registry_and_name():
-    model = make_model("nccl", algorithm="tree", protocol="ll128", channels=4)
-    assert isinstance(model, Nccl) and model.name == "nccl(tree, ll128, channels=4)"
-    assert make_model("nccl").name == "nccl(ring, simple, channels=2)"
+    reduction = make_reduction("nccl", algorithm="tree", protocol="ll128", channels=4)
+    assert isinstance(reduction, Nccl) and reduction.name == "nccl(tree, ll128, channels=4)"
+    assert make_reduction("nccl").name == "nccl(ring, simple, channels=2)"
 
 
 @pytest.mark.parametrize(
@@ -434,25 +436,25 @@ def test_fingerprint_script_dry_run(tmp_path):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_several_channels_loops_and_rings_against_the_simulation(protocol):
     key, sizes = SMALL_BUFFERS[protocol]
-    model = Nccl(protocol=protocol, channels=3, task_channels=3, rings=((0, 1, 2, 3, 4), (0, 3, 1, 4, 2)),
+    reduction = Nccl(protocol=protocol, channels=3, task_channels=3, rings=((0, 1, 2, 3, 4), (0, 3, 1, 4, 2)),
                  **{key: sizes[0]})  # fmt: skip
     x = inputs(5, 60011, torch.bfloat16, 8, spread=4)
-    parts = model.parts(60011, 2, 5)
-    chunk = ring_chunk_elements(protocol, 2, model.buffsize, model.ll_buffsize, model.ll128_buffsize)
+    parts = reduction.parts(60011, 2, 5)
+    chunk = ring_chunk_elements(protocol, 2, reduction.buffsize, reduction.ll_buffsize, reduction.ll128_buffsize)
     assert len(parts) == 3 and all(p > 5 * chunk for _, _, p in parts)  # three channels, several loops each
-    for rank, result in enumerate(simulate_ring_allreduce(x, model)):
-        assert_bitwise(model.sum(x), result, f"{protocol} rank {rank}")
+    for rank, result in enumerate(simulate_ring_allreduce(x, reduction)):
+        assert_bitwise(reduction.sum(x), result, f"{protocol} rank {rank}")
 
 
 def test_channels_last_tensors_are_reduced_in_memory_order():
     g = torch.Generator().manual_seed(9)
     per_rank = [torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last) for _ in range(3)]
-    model = Nccl()
-    got = model.sum(per_rank)
+    reduction = Nccl()
+    got = reduction.sum(per_rank)
     assert got.shape == (2, 3, 4, 5) and got.is_contiguous(memory_format=torch.channels_last)
     in_memory = torch.stack([t.permute(0, 2, 3, 1).reshape(-1) for t in per_rank])
-    assert_bitwise(got.permute(0, 2, 3, 1).reshape(-1), model.sum(in_memory))
-    logical = model.sum(torch.stack([t.contiguous() for t in per_rank]))
+    assert_bitwise(got.permute(0, 2, 3, 1).reshape(-1), reduction.sum(in_memory))
+    logical = reduction.sum(torch.stack([t.contiguous() for t in per_rank]))
     assert not torch.equal(bits(got.contiguous()), bits(logical))  # chunk boundaries fall elsewhere
 
 
@@ -494,12 +496,12 @@ def test_fma_round_ties_and_specials():
 
 @given(cases())
 def test_fused_premultiply_folds_exactly_in_the_element_order(case):
-    n, model, x = case
+    n, reduction, x = case
     count = min(x.shape[1], 64)
     x = x[:, :count]
-    fused = Nccl(**{**_params(model), "premul_fma": True})
+    fused = Nccl(**{**_params(reduction), "premul_fma": True})
     got = fused.reduce(x, ReduceOp.AVG).double().tolist()
-    orders = model.element_orders(count, x.element_size(), n).T.tolist()
+    orders = reduction.element_orders(count, x.element_size(), n).T.tolist()
     s = Fraction(premul_scale(n, x.dtype).item())
     values = x.double().T.tolist()
     for e in range(count):
@@ -523,23 +525,23 @@ def test_fused_premultiply_matters_only_when_the_product_rounds():
     assert_bitwise(Nccl(premul_fma=True).sum(x), Nccl().sum(x))  # SUM has no premultiply
 
 
-def _params(model: Nccl) -> dict:
-    return {f: getattr(model, f) for f in model.__dataclass_fields__}
+def _params(reduction: Nccl) -> dict:
+    return {f: getattr(reduction, f) for f in reduction.__dataclass_fields__}
 
 
 def test_list_reduce_scatter_is_one_reduce_scatter_of_the_flattened_lists():
     x = inputs(3, 3 * 20, torch.bfloat16, 12, spread=4)
     lists = [list(row.reshape(3, 4, 5).unbind(0)) for row in x]
-    model = Nccl(rings=((0, 2, 1),))
-    got = model.reduce_scatter_list(lists)
-    blocks = model.reduce_scatter(x)
+    reduction = Nccl(rings=((0, 2, 1),))
+    got = reduction.reduce_scatter_list(lists)
+    blocks = reduction.reduce_scatter(x)
     for i in range(3):
         assert got[i].shape == (4, 5)
         assert_bitwise(got[i].reshape(-1), blocks[i])
     uneven = [[row[:5], row[5:12], row[12:]] for row in x]
-    got = model.reduce_scatter_list(uneven)
+    got = reduction.reduce_scatter_list(uneven)
     for i in range(3):
-        assert_bitwise(got[i], model.reduce_to([lst[i] for lst in uneven], ReduceOp.SUM, i))
+        assert_bitwise(got[i], reduction.reduce_to([lst[i] for lst in uneven], ReduceOp.SUM, i))
 
 
 def _collectives(rank: int) -> dict:
@@ -560,14 +562,14 @@ def _collectives(rank: int) -> dict:
 def test_the_simdist_backend_runs_the_nccl_model_end_to_end():
     import simdist
 
-    model = Nccl(channels=2, rings=((0, 2, 3, 1),))
-    results = simdist.run(_collectives, 4, reduction=model)
+    reduction = Nccl(channels=2, rings=((0, 2, 3, 1),))
+    results = simdist.run(_collectives, 4, reduction=reduction)
     x = inputs(4, 3000, torch.bfloat16, 13, spread=4)
-    blocks = model.reduce_scatter(x)
+    blocks = reduction.reduce_scatter(x)
     for rank, out in enumerate(results):
-        assert_bitwise(out["sum"], model.sum(x))
-        assert_bitwise(out["avg"], model.reduce(x, ReduceOp.AVG))
+        assert_bitwise(out["sum"], reduction.sum(x))
+        assert_bitwise(out["avg"], reduction.reduce(x, ReduceOp.AVG))
         assert_bitwise(out["rs"], blocks[rank])
         assert_bitwise(out["rs_list"], blocks[rank])
-    assert_bitwise(results[2]["root"], model.reduce_to(x, ReduceOp.SUM, 2))
-    assert not torch.equal(bits(model.sum(x)), bits(model.reduce_to(x, ReduceOp.SUM, 2)))
+    assert_bitwise(results[2]["root"], reduction.reduce_to(x, ReduceOp.SUM, 2))
+    assert not torch.equal(bits(reduction.sum(x)), bits(reduction.reduce_to(x, ReduceOp.SUM, 2)))
