@@ -36,7 +36,7 @@ def oracle_values(
     dtype: torch.dtype = torch.float32,
     adam=None,
     keep: frozenset[str] | None = None,
-    world_model: Reduction | None = None,
+    world_reduction: Reduction | None = None,
     control: Control | None = None,
 ) -> Values:
     """The oracle's captures over ``steps`` optimizer steps (unbatched), every rank's in one ``[rank, *shape]``
@@ -45,7 +45,7 @@ def oracle_values(
     ``local_grads`` is a ``(step, micro, rank, param) -> BF16 gradient`` function; or an object whose
     ``stacked(step, micro)`` gives ``{name: [rank, *shape]}`` (every rank's gradients at once); or a gradient
     source with ``backward(comm, step, micro, lp, deliver, hooks)`` (a model: its gradients depend on the
-    oracle's own parameters), which then runs on a `SimWorld` whose groups use ``world_model`` (default
+    oracle's own parameters), which then runs on a `SimWorld` whose groups use ``world_reduction`` (default
     ``dp_reduction``).
     """
     values: Values = {}
@@ -68,7 +68,7 @@ def oracle_values(
     source: Callable[[int, Mapping[Key, torch.Tensor]], Mapping]
     for step in range(steps):
         if hasattr(local_grads, "backward"):
-            source = _SourceGrads(spec, params, local_grads, step, world_model or dp_reduction)
+            source = _SourceGrads(spec, params, local_grads, step, world_reduction or dp_reduction)
         elif hasattr(local_grads, "stacked"):
 
             def source(micro, lp, step=step):

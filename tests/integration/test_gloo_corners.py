@@ -36,7 +36,7 @@ from simdist.testing._internal.gloo_probe import (
     compare,
     corner_cases,
     from_bits,
-    model_outcomes,
+    reduction_outcomes,
     run_cases,
     special_columns,
     spread,
@@ -141,7 +141,7 @@ def _failures(rows) -> list[str]:
 
 def test_the_gloo_model_gives_real_gloos_bits_or_errors_in_every_corner(corners):
     cases, real = corners
-    rows = compare(cases, real, model_outcomes(cases, WORLD))
+    rows = compare(cases, real, reduction_outcomes(cases, WORLD))
     failures = _failures(rows)
     assert not failures, "\n".join(failures)
     verdicts = {r.verdict for r in rows}
@@ -163,7 +163,7 @@ def test_real_gloo_reduces_memory_outside_a_strided_view_and_simdist_refuses_it(
         base = real[0][i].tensor  # [a, 2b]: the view is the even columns, -x sits in the odd ones
         outside = base[:, 1::2]
         assert not torch.equal(bits(outside), bits(-case.inputs[0])), f"{case.name}: gloo left the gaps alone"
-        refused = model_outcomes([case], WORLD)[0][0]
+        refused = reduction_outcomes([case], WORLD)[0][0]
         assert refused.error == "ValueError" and "outside the view" in refused.message
 
 
@@ -204,7 +204,7 @@ def _big_nan_cases(world: int) -> list[Case]:
 def test_larger_worlds_and_segmented_lengths_with_special_values(world):
     cases = corner_cases(world) + _big_nan_cases(world)
     real = simdist.run(run_cases, world, where="gloo", args=(cases,), timeout_s=600)
-    failures = _failures(compare(cases, real, model_outcomes(cases, world)))
+    failures = _failures(compare(cases, real, reduction_outcomes(cases, world)))
     assert not failures, "\n".join(failures)
 
 

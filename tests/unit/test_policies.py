@@ -143,8 +143,8 @@ def test_a_policy_can_carry_its_own_tp_reduction_order():
     base = dict(name="tp_model_probe", summary="-", staging=torch.float32, writeback=None, expert_in_grad_dtype=False)
     config = PathConfig(steps=1)
 
-    def corrected(world_model, policy):
-        traces = SimWorld(spec, reduction=world_model).run(train_rank, params, initial, grads, policy, config)
+    def corrected(world_reduction, policy):
+        traces = SimWorld(spec, reduction=world_reduction).run(train_rank, params, initial, grads, policy, config)
         return traces[0].get(0, 0, "r", "corrected")
 
     own_order = corrected(Sequential(), Policy(**base, tp_reduction=Ring(chunk_size=1)))

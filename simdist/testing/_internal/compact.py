@@ -62,7 +62,7 @@ def _initial_buffer(spec: ParallelSpec, params: tuple[ParamSpec, ...]) -> torch.
     return initial_buffer(spec, params, [initial], torch.bfloat16)
 
 
-def _one_model(reduction: Reduction | None) -> Reduction:
+def _one_reduction(reduction: Reduction | None) -> Reduction:
     """``reduction``, or `DEFAULT_REDUCTION` if none was given."""
     return reduction if reduction is not None else as_reduction(DEFAULT_REDUCTION)
 
@@ -83,7 +83,7 @@ def run_batched(
     `DEFAULT_REDUCTION`). ``cases`` > 1 runs that many independent cases
     as batch items (``grads.batch`` then gives ``[cases, rank, ...]``, as a
     `simdist.testing._internal.case_batches.CaseBatch` does), every one from the same initial weights."""
-    reduction = _one_model(reduction)
+    reduction = _one_reduction(reduction)
     params = tuple(params)
     batch = getattr(grads, "batch", None)
     if batch is None:
@@ -138,7 +138,7 @@ def run_oracle(
 ) -> list[Trace]:
     """Every rank's `Trace` of the independent oracle (`simdist.gradpath.oracle`) on the compact workload,
     every group reducing with ``reduction`` (default `DEFAULT_REDUCTION`)."""
-    reduction = _one_model(reduction)
+    reduction = _one_reduction(reduction)
     return oracle_traces(
         spec,
         list(params),

@@ -7,7 +7,7 @@ layout, and every global rank's input. `run_cases` is an ordinary
 ``torch.distributed`` rank program: run it on real gloo processes
 (``simdist.run(where="gloo")``) and on the simdist backend
 (`simdist.run`, thread ranks) and compare the per-rank `Outcome` lists with
-`compare`; `model_outcomes` gives the same lists straight from the `Gloo`
+`compare`; `reduction_outcomes` gives the same lists straight from the `Gloo`
 model, without any backend. ``experiments/gloo_corners.py`` prints the table;
 ``tests/integration/test_gloo_corners.py`` asserts it.
 
@@ -164,19 +164,21 @@ def run_cases(rank: int, cases: Sequence[Case]) -> list[Outcome | None]:
     return out
 
 
-def model_outcomes(cases: Sequence[Case], world_size: int, reduction: Gloo | None = None) -> list[list[Outcome | None]]:
-    """Per global rank, what the `Gloo` model says each case leaves there (same shape as `run_cases` results)."""
+def reduction_outcomes(
+    cases: Sequence[Case], world_size: int, reduction: Gloo | None = None
+) -> list[list[Outcome | None]]:
+    """Per global rank, what the `Gloo` reduction says each case leaves there (same shape as `run_cases` results)."""
     reduction = reduction or Gloo()
     per_rank: list[list[Outcome | None]] = [[] for _ in range(world_size)]
     for case in cases:
         members = case.members(world_size)
-        got = _model_case(reduction, case, members)
+        got = _reduction_case(reduction, case, members)
         for r in range(world_size):
             per_rank[r].append(got.get(r) if r in members else None)
     return per_rank
 
 
-def _model_case(reduction: Gloo, case: Case, members: list[int]) -> dict[int, Outcome]:
+def _reduction_case(reduction: Gloo, case: Case, members: list[int]) -> dict[int, Outcome]:
     refused = None  # torch's gloo backend raises these at the call, leaving the tensors alone
     if case.op.startswith("PREMUL_SUM"):
         refused = "Cannot use ReduceOp.PREMUL_SUM with Gloo"
