@@ -25,7 +25,7 @@ loading the plugin, which pytest does in every session, imports no torch)."""
 class SimdistWorld:
     """Runs rank functions on fresh simulated worlds; ``reduction`` and ``timeout_s`` are the defaults of each run.
 
-    ``reduction`` is what `simdist.run` takes (a name, a `Reduction`, a kind -> model table, ...);
+    ``reduction`` is what `simdist.run` takes (a name, a `Reduction`, a kind -> reduction table, ...);
     ``None`` leaves it to `simdist.run`'s default, `simdist.world.options.DEFAULT_REDUCTION` (gloo's order).
     A call's own ``reduction=`` wins over the default.
     ``timeout_s`` left unset is the launcher's one deadline, `simdist.world.options.DEFAULT_TIMEOUT_S`."""

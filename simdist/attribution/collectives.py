@@ -4,7 +4,7 @@
 every collective of both front ends passes; the audit's `simdist.audit.world_hooks` subscribes there too). For a
 collective of the backend the observer replaces the event's ``complete`` with one that, before the group's
 reduction runs, sums the members' input tensors in FP64 (and their absolute values: ``sum |terms|``), lets
-the model compute the result as usual, and then compares every member's output with the exact value
+the reduction compute the result as usual, and then compares every member's output with the exact value
 (`simdist.attribution.measure.errors`). The reference shares no code with the reductions it judges: it is
 ``torch.stack(inputs).double().sum(0)``.
 

@@ -82,7 +82,7 @@ that entered it and nothing else.
   the same report, tagged with the rank parsed from SimWorld's thread names
   (``simdist-rank-N``); SimWorld's and the simdist backend's collectives are
   recorded by `simdist.audit.world_hooks`, which pauses the rank's audit while
-  the collective runs, so the model's arithmetic is not charged to the
+  the collective runs, so the reduction's arithmetic is not charged to the
   completing rank either. A followed thread that outlives the audit keeps a
   mode that only passes ops through; one that ends pops its mode first, and
   the audit waits (Linux) until its finished threads are gone from the OS, so

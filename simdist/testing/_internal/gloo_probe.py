@@ -1,4 +1,4 @@
-"""Corner cases that pin the `Gloo` model to real gloo, and a rank program that runs them anywhere.
+"""Corner cases that pin the `Gloo` reduction to real gloo, and a rank program that runs them anywhere.
 
 A `Case` is plain data: a collective (``all_reduce``, ``reduce``, list
 ``reduce_scatter`` or ``reduce_scatter_tensor``), a group as given to
@@ -8,11 +8,11 @@ layout, and every global rank's input. `run_cases` is an ordinary
 (``simdist.run(where="gloo")``) and on the simdist backend
 (`simdist.run`, thread ranks) and compare the per-rank `Outcome` lists with
 `compare`; `reduction_outcomes` gives the same lists straight from the `Gloo`
-model, without any backend. ``experiments/gloo_corners.py`` prints the table;
+reduction, without any backend. ``experiments/gloo_corners.py`` prints the table;
 ``tests/integration/test_gloo_corners.py`` asserts it.
 
 Outcomes hold raw bits (`bits`), so NaN payloads and signed zeros compare
-exactly. A case that the model refuses (a strided view: gloo would reduce
+exactly. A case that the reduction refuses (a strided view: gloo would reduce
 memory outside it) is expected to raise ``ValueError`` under simdist.
 """
 
@@ -243,7 +243,7 @@ class Row:
 def compare(cases: Sequence[Case], real: Sequence[Sequence[Outcome | None]], modelled) -> list[Row]:
     """Case by case: does every rank's modelled outcome agree with the real one?
 
-    A case that real gloo runs but the model refuses with ``ValueError`` (a
+    A case that real gloo runs but the reduction refuses with ``ValueError`` (a
     strided view) is ``refused``; it is ``DIFFERENT`` only if nothing else holds.
     """
     rows = []
