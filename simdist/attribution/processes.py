@@ -21,9 +21,7 @@ A promoted rerun is another launch with the promoted site keys handed to every r
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,13 +149,12 @@ def _blame_rank(rank: int, script: str, argv: list[str], promote: list, ops: lis
     """One rank process: run the script blamed as ``python script.py argv`` would run it (``__main__``, its
     ``sys.argv``, its folder first on ``sys.path``; its ``init_process_group`` attaches to the rank's simdist
     group); this rank's record (`merge`)."""
+    from simdist.cases.stdout import stdout_to_stderr as guard
+
     recorder = Recorder(promote=[tuple(k) for k in promote], ops=frozenset(ops))
     recorder.rank = rank
-    if to_stderr:
-        sys.stdout.flush()
-        os.dup2(2, 1)
     try:
-        with as_main(script, argv):
+        with guard() if to_stderr else contextlib.nullcontext(), as_main(script, argv):
             execute(lambda: run_main(script), recorder)
     except SystemExit as exc:
         status, message = exit_status(exc)

@@ -75,3 +75,35 @@ def test_json_commands_print_json_alone(argv):
     assert done.returncode == 0, done.stderr[-2000:]
     json.loads(done.stdout)  # the whole of stdout is one JSON document
     assert "[WARNING]" in done.stderr  # DeepSpeed did log: the test would see it if it went to stdout
+
+
+_PRINTING_RANKS = textwrap.dedent(
+    """
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print("rank", dist.get_rank(), "prints")  # a rank's own output: stderr under --json
+    os.write(1, b"a raw write on fd 1\\n")
+    x = torch.full((8,), 0.1, dtype=torch.bfloat16)
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_blame_json_in_rank_processes_prints_json_alone(tmp_path):
+    """The rank processes of ``blame --processes`` send their prints to stderr: stdout is the report alone."""
+    script = tmp_path / "printing_ranks.py"
+    script.write_text(_PRINTING_RANKS)
+    argv = ["blame", "--json", "--processes", "--nproc", "2", str(script)]
+    done = subprocess.run(
+        [sys.executable, "-m", "simdist.cli", *argv], capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    json.loads(done.stdout)
+    assert "rank 0 prints" in done.stderr and "rank 1 prints" in done.stderr
+    assert done.stderr.count("a raw write on fd 1") == 2
