@@ -85,7 +85,7 @@ _PRINTING_RANKS = textwrap.dedent(
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    print("rank", dist.get_rank(), "prints")  # a rank's own output: stderr under --json
+    print(f"rank {dist.get_rank()} prints")  # a rank's own output: stderr under --json (one write per rank)
     os.write(1, b"a raw write on fd 1\\n")
     x = torch.full((8,), 0.1, dtype=torch.bfloat16)
     dist.all_reduce(x)
