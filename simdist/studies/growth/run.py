@@ -63,7 +63,7 @@ class GrowthConfig:
         default=GradientSource.SYNTHETIC,
         metadata={
             "help": "where the gradients come from: the synthetic stream (batched over seeds) or the folded MoE "
-            "block (each seed and policy run in turn next to the FP32 oracle; resumes per run)"
+            "block (each seed and policy run in turn next to the matched FP32 policy; resumes per run)"
         },
     )
     spec: ParallelSpec = field(default=DEFAULT_SPEC, metadata={"etp": False})
@@ -325,10 +325,10 @@ def _moe_rows(records, steps: int) -> np.ndarray:
     for record in records:
         row = {
             "loss": record.loss,
-            "oracle_loss": record.oracle_loss,
-            "loss_diff": abs(record.loss - record.oracle_loss),
+            "matched_loss": record.matched_loss,
+            "loss_diff": abs(record.loss - record.matched_loss),
             "grad_norm": record.grad_norm,
-            "oracle_grad_norm": record.oracle_grad_norm,
+            "matched_grad_norm": record.matched_grad_norm,
         }
         for kind, prefix in (("param", "param"), ("local grad", "grad")):
             pooled = Difference.pool(d for (_, k), d in record.tensors.items() if k == kind)
