@@ -1,4 +1,5 @@
-"""Per-step divergence metrics of a policy from the oracle, and the metrics file. See `simdist.studies.growth`."""
+"""Per-step divergence metrics of a policy from the oracle (the matched FP32 policy for the MoE source), and the
+metrics file. See `simdist.studies.growth`."""
 
 from __future__ import annotations
 
