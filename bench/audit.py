@@ -81,18 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         "no errors": audited(train_rank, errors=False),
         "empty mode": _empty_mode,
     }
-    wall: dict[str, list[float]] = {name: [] for name in variants}
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
-    for fn in variants.values():  # warm-up: op tables, site caches, lazy imports
-        world.run(fn, *args)
-    for _ in range(ns.repeats):
-        for name, fn in variants.items():
-            start, start_cpu = time.perf_counter(), time.process_time()
-            world.run(fn, *args)
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
-    median = {name: statistics.median(t) for name, t in wall.items()}
-    median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
+    median, median_cpu = _time(world, args, variants, ns.repeats)
     _, report = world.run(variants["audited"], *args)[0]
     print(
         f"gradient path, {SPEC.describe()}, bf16_writeback, {ns.steps} step(s), {len(DEFAULT_PARAMS)} params, "
@@ -111,22 +100,45 @@ def main(argv: list[str] | None = None) -> None:
         "CPU time is this process's own); target: audited <= 3x plain"
     )
     if ns.json:
-        table = Table(
-            f"One gradient-path step, {SPEC.describe()}, bf16_writeback, {ns.steps} step(s), "
-            f"{len(DEFAULT_PARAMS)} parameters",
-            ["variant", "wall ms", "wall / plain", "CPU ms", "CPU / plain"],
-        )
-        for name in variants:
-            t, c = median[name], median_cpu[name]
-            table.add(name, 1e3 * t, t / median["plain"], 1e3 * c, c / median_cpu["plain"])
-        table.notes = (
-            f"Medians of {ns.repeats} interleaved rounds of one `world.run` (thread start-up included); rank 0 "
-            f"records {report.total} events at {len(report.sites)} sites per run. *audited*: every rank under "
-            "`simdist.audit` with rounding errors measured; *no errors*: the same without them; *empty mode*: a "
-            "dispatch mode that only calls each op (the floor of any dispatch-mode audit). Target: audited <= 3x "
-            "plain. CPU time is this process's own; wall time includes other jobs' load."
-        )
-        write(ns.json, [table], machine_text=started_on)
+        write(ns.json, [_table(ns, median, median_cpu, report)], machine_text=started_on)
+
+
+def _time(world: SimWorld, args: tuple, variants: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Each variant's median wall and CPU seconds of one ``world.run`` over ``repeats`` interleaved rounds, after
+    one warm-up run each."""
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():  # warm-up: op tables, site caches, lazy imports
+        world.run(fn, *args)
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            world.run(fn, *args)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    median = {name: statistics.median(t) for name, t in wall.items()}
+    median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
+    return median, median_cpu
+
+
+def _table(ns: argparse.Namespace, median: dict[str, float], median_cpu: dict[str, float], report) -> Table:
+    """The figures as bench/report.py's `Table`."""
+    table = Table(
+        f"One gradient-path step, {SPEC.describe()}, bf16_writeback, {ns.steps} step(s), "
+        f"{len(DEFAULT_PARAMS)} parameters",
+        ["variant", "wall ms", "wall / plain", "CPU ms", "CPU / plain"],
+    )
+    for name in median:
+        t, c = median[name], median_cpu[name]
+        table.add(name, 1e3 * t, t / median["plain"], 1e3 * c, c / median_cpu["plain"])
+    table.notes = (
+        f"Medians of {ns.repeats} interleaved rounds of one `world.run` (thread start-up included); rank 0 "
+        f"records {report.total} events at {len(report.sites)} sites per run. *audited*: every rank under "
+        "`simdist.audit` with rounding errors measured; *no errors*: the same without them; *empty mode*: a "
+        "dispatch mode that only calls each op (the floor of any dispatch-mode audit). Target: audited <= 3x "
+        "plain. CPU time is this process's own; wall time includes other jobs' load."
+    )
+    return table
 
 
 if __name__ == "__main__":

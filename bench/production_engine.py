@@ -242,63 +242,71 @@ def deepspeed_copies(setup, shape: MoEShape, args) -> dict[str, dict]:
     """``{"shipped": ..., "fixed": ...}``: each a real ``BF16_Optimizer`` (wrapping ``torch.optim.AdamW``) over
     its own copy of the layer's BF16 parameters, with a stand-in engine whose folding pass and DP reduction are
     DeepSpeedEngine's own methods; ``fixed`` has the #8913 fix bound in."""
+    init = _init(shape, setup.local, args.expert_rows, args.seed, setup.tp_rank)
+    families = {name: _family_of(name) for name in init}
+    return {variant: _deepspeed_copy(variant, init, families, setup) for variant in ("shipped", "fixed")}
+
+
+def _deepspeed_copy(variant: str, init: dict[str, torch.Tensor], families: dict, setup) -> dict:
+    """One copy of `deepspeed_copies`: its parameters, its ``BF16_Optimizer`` and its stand-in engine."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config
     from deepspeed.utils import groups
 
     from simdist.cases.deepspeed_harness import _staged_update_hp_grad, mark_family
     from simdist.gradpath.families import Family
 
-    init = _init(shape, setup.local, args.expert_rows, args.seed, setup.tp_rank)
-    families = {name: _family_of(name) for name in init}
-    copies: dict[str, dict] = {}
-    for variant in ("shipped", "fixed"):
-        params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
-        for n, p in params.items():
-            mark_family(p, families[n], EP)
-        dense = [p for n, p in params.items() if families[n] is not Family.EXPERT]
-        experts = [p for n, p in params.items() if families[n] is Family.EXPERT]
-        optimizer = BF16_Optimizer(
-            torch.optim.AdamW(
-                [{"params": dense}, {"params": experts, "moe": True, "name": f"ep_size_{EP}"}], foreach=False, **ADAM
-            ),
-            {p: n for n, p in params.items()},
-            DeepSpeedBF16Config(enabled=True),
-            dp_process_group=groups.get_data_parallel_group(),
-            grad_acc_dtype=torch.float32,
-            has_moe_layers=True,
-            mpu=groups,
-        )
-        optimizer.configure_autoep_folding_tp_gradient_reduction(setup.folding)
-        if variant == "fixed":
-            optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, optimizer)
-        engine = types.SimpleNamespace(
-            _autoep_folding_spec=setup.folding,
-            optimizer=optimizer,
-            module=_module(params),
-            zero_optimization_partition_weights=lambda: False,
-            has_moe_layers=True,
-            pipeline_parallelism=False,
-            sequence_parallel_size=1,
-            communication_data_type=torch.float32,
-            gradient_average=True,
-            postscale_gradients=lambda: True,
-            gradient_predivide_factor=lambda: 1.0,
-        )
-        engine.flatten, engine.unflatten = _flatten_dense_tensors, _unflatten_dense_tensors
-        for method in (
-            "allreduce_bucket",
-            "allreduce_and_copy",
-            "allreduce_no_retain",
-            "_reduce_non_expert_gradients",
-            "_reduce_expert_gradients",
-            "buffered_allreduce_fallback",
-            "_reduce_autoep_folding_tp_replicated_gradients",
-        ):
-            setattr(engine, method, types.MethodType(getattr(DeepSpeedEngine, method), engine))
-        copies[variant] = {"params": params, "optimizer": optimizer, "engine": engine}
-    return copies
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    for n, p in params.items():
+        mark_family(p, families[n], EP)
+    dense = [p for n, p in params.items() if families[n] is not Family.EXPERT]
+    experts = [p for n, p in params.items() if families[n] is Family.EXPERT]
+    optimizer = BF16_Optimizer(
+        torch.optim.AdamW(
+            [{"params": dense}, {"params": experts, "moe": True, "name": f"ep_size_{EP}"}], foreach=False, **ADAM
+        ),
+        {p: n for n, p in params.items()},
+        DeepSpeedBF16Config(enabled=True),
+        dp_process_group=groups.get_data_parallel_group(),
+        grad_acc_dtype=torch.float32,
+        has_moe_layers=True,
+        mpu=groups,
+    )
+    optimizer.configure_autoep_folding_tp_gradient_reduction(setup.folding)
+    if variant == "fixed":
+        optimizer._update_hp_grad = types.MethodType(_staged_update_hp_grad, optimizer)
+    return {"params": params, "optimizer": optimizer, "engine": _stand_in_engine(setup, optimizer, params)}
+
+
+def _stand_in_engine(setup, optimizer, params: dict[str, torch.nn.Parameter]) -> types.SimpleNamespace:
+    """The attributes DeepSpeedEngine's folding pass and DP reduction read, with those methods bound to it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    engine = types.SimpleNamespace(
+        _autoep_folding_spec=setup.folding,
+        optimizer=optimizer,
+        module=_module(params),
+        zero_optimization_partition_weights=lambda: False,
+        has_moe_layers=True,
+        pipeline_parallelism=False,
+        sequence_parallel_size=1,
+        communication_data_type=torch.float32,
+        gradient_average=True,
+        postscale_gradients=lambda: True,
+        gradient_predivide_factor=lambda: 1.0,
+    )
+    engine.flatten, engine.unflatten = _flatten_dense_tensors, _unflatten_dense_tensors
+    for method in (
+        "allreduce_bucket",
+        "allreduce_and_copy",
+        "allreduce_no_retain",
+        "_reduce_non_expert_gradients",
+        "_reduce_expert_gradients",
+        "buffered_allreduce_fallback",
+        "_reduce_autoep_folding_tp_replicated_gradients",
+    ):
+        setattr(engine, method, types.MethodType(getattr(DeepSpeedEngine, method), engine))
+    return engine
 
 
 def deepspeed_micro_step(c: dict, shape: MoEShape, stand_ins, setup, x, probes, gas: int, boundary: bool) -> None:
@@ -314,19 +322,14 @@ def deepspeed_micro_step(c: dict, shape: MoEShape, stand_ins, setup, x, probes, 
 
 
 def _rank(rank: int, args, model: str, results) -> None:
+    """One rank: the three copies of ``model``'s layer trained side by side; rank 0 appends the record."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     torch.set_num_threads(1)
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    from simdist.gradpath.families import Family
-
     spec = ParallelSpec(args.world_size, tp=args.tp, ep=EP)
     shape = get_shape(model)
     setup = setup_ranks(rank, spec, shape)
-    tp_group, dp_group, edp_group = setup.tp_group, setup.dp_group, setup.edp_group
-    tp_rank, dp_rank, local = setup.tp_rank, setup.dp_rank, setup.local
-    init = _init(shape, local, args.expert_rows, args.seed, tp_rank)
+    init = _init(shape, setup.local, args.expert_rows, args.seed, setup.tp_rank)
     stand_ins = _stand_ins(shape, args.expert_rows, args.seed)
     probes = _probes(shape, args.tokens, args.seed, args.expert_rows)
     families = {name: _family_of(name) for name in init}
@@ -340,41 +343,17 @@ def _rank(rank: int, args, model: str, results) -> None:
         started = time.perf_counter()
         accumulated = {n: torch.zeros_like(m) for n, m in masters.items()}
         for micro in range(args.gas):
-            x = _tokens(shape, args.tokens, args.seed, step, micro, dp_rank)
+            x = _tokens(shape, args.tokens, args.seed, step, micro, setup.dp_rank)
             if step == 0 and micro == 0:
                 stats = {"x_rms": float(x.float().pow(2).mean().sqrt()), "x_absmax": float(x.float().abs().max())}
             for c in copies.values():
                 deepspeed_micro_step(c, shape, stand_ins, setup, x, probes, args.gas, micro == args.gas - 1)
             low = {n: m.detach().to(torch.bfloat16).requires_grad_() for n, m in masters.items()}
-            (
-                Layer(shape, low, stand_ins, local, shape.top_k.value).loss(x, probes, tp_rank, args.tp) / args.gas
-            ).backward()
-            for n, lp in low.items():
-                grad = lp.grad.float()
-                corrected = args.marker == "per_micro_step" or micro == 0  # ``--marker deepspeed``: micro-step 0
-                if families[n] is Family.EXPERT and corrected:
-                    grad = grad / args.tp
-                elif families[n] is not Family.MODEL_PARALLEL and corrected:
-                    # router and norms: FP32 TP all-reduce, then /tp
-                    dist.all_reduce(grad, group=tp_group)
-                    grad = grad / args.tp
-                accumulated[n] += grad
-        for n, grad in accumulated.items():
-            dist.all_reduce(grad, group=edp_group if families[n] is Family.EXPERT else dp_group)
-            masters[n].grad = grad * (1.0 / spec.dp)
-        oracle_adam.step()
-        oracle_adam.zero_grad(set_to_none=True)
-        entry: dict[str, object] = {"step": step + 1}
-        oracle_now = {n: m.detach().clone() for n, m in masters.items()}
-        for variant in ("shipped", "fixed"):
-            c = copies[variant]
-            c["optimizer"].step()
-            c["optimizer"].clear_lp_grads()
-            full = {}
-            for n, p in c["params"].items():
-                value = safe_get_full_fp32_param(p)
-                full[n] = value.detach().clone()
-            entry[variant] = _compare(full, oracle_now)
+            layer = Layer(shape, low, stand_ins, setup.local, shape.top_k.value)
+            (layer.loss(x, probes, setup.tp_rank, args.tp) / args.gas).backward()
+            _oracle_accumulate(accumulated, low, families, setup, args, micro)
+        _oracle_update(masters, accumulated, families, setup, oracle_adam)
+        entry = _deepspeed_update(copies, masters, step)
         record.append(entry)
         if rank == 0:
             router = entry["shipped"]["router.weight"]  # type: ignore[index]
@@ -402,6 +381,52 @@ def _rank(rank: int, args, model: str, results) -> None:
         c["optimizer"].destroy()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _oracle_accumulate(accumulated: dict, low: dict, families: dict, setup, args, micro: int) -> None:
+    """The oracle's micro-step: each BF16 local gradient widened to FP32, TP-corrected per family in FP32 (under
+    ``--marker deepspeed`` only at micro-step 0), added to ``accumulated``."""
+    from simdist.gradpath.families import Family
+
+    for n, lp in low.items():
+        grad = lp.grad.float()
+        corrected = args.marker == "per_micro_step" or micro == 0  # ``--marker deepspeed``: micro-step 0
+        if families[n] is Family.EXPERT and corrected:
+            grad = grad / args.tp
+        elif families[n] is not Family.MODEL_PARALLEL and corrected:
+            # router and norms: FP32 TP all-reduce, then /tp
+            dist.all_reduce(grad, group=setup.tp_group)
+            grad = grad / args.tp
+        accumulated[n] += grad
+
+
+def _oracle_update(masters: dict, accumulated: dict, families: dict, setup, oracle_adam) -> None:
+    """The oracle's boundary: the FP32 DP average of ``accumulated`` (all-reduce, then ``* 1/dp``), AdamW's step."""
+    from simdist.gradpath.families import Family
+
+    for n, grad in accumulated.items():
+        dist.all_reduce(grad, group=setup.edp_group if families[n] is Family.EXPERT else setup.dp_group)
+        masters[n].grad = grad * (1.0 / setup.spec.dp)
+    oracle_adam.step()
+    oracle_adam.zero_grad(set_to_none=True)
+
+
+def _deepspeed_update(copies: dict[str, dict], masters: dict, step: int) -> dict[str, object]:
+    """Each DeepSpeed copy's optimizer step; the step's record entry: its FP32 masters against the oracle's."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    entry: dict[str, object] = {"step": step + 1}
+    oracle_now = {n: m.detach().clone() for n, m in masters.items()}
+    for variant in ("shipped", "fixed"):
+        c = copies[variant]
+        c["optimizer"].step()
+        c["optimizer"].clear_lp_grads()
+        full = {}
+        for n, p in c["params"].items():
+            value = safe_get_full_fp32_param(p)
+            full[n] = value.detach().clone()
+        entry[variant] = _compare(full, oracle_now)
+    return entry
 
 
 def _module(params: dict[str, torch.nn.Parameter]) -> torch.nn.Module:

@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import production_engine as pe
 
-from simdist.sources.production import get_shape
+from simdist.sources.production import MoEShape, get_shape
 from simdist.world.spec import ParallelSpec
 
 KINDS = ("grad", "master", "exp_avg", "exp_avg_sq")
@@ -90,40 +92,77 @@ def _megatron_optimizer(params: dict[str, torch.nn.Parameter]):
         torch.tensor = real_tensor  # type: ignore[assignment]
 
 
+@dataclass
+class _Workload:
+    """What the four implementations on one rank share: the layer, the layout, the tokens' settings."""
+
+    args: argparse.Namespace
+    shape: MoEShape
+    spec: ParallelSpec
+    setup: types.SimpleNamespace
+    stand_ins: dict
+    probes: dict
+
+    def local_of(self, r: int) -> range:
+        """The experts rank ``r`` holds."""
+        per_ep = self.shape.experts.value // pe.EP
+        ep_rank = self.spec.group_of("ep", r).index(r)
+        return range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
+
+    def init_of(self, r: int) -> dict[str, torch.Tensor]:
+        """Rank ``r``'s BF16 initial weights."""
+        a = self.args
+        return pe._init(self.shape, self.local_of(r), a.expert_rows, a.seed, self.spec.group_of("tp", r).index(r))
+
+    def tokens(self, step: int, dp_rank: int) -> torch.Tensor:
+        return pe._tokens(self.shape, self.args.tokens, self.args.seed, step, 0, dp_rank)
+
+    def layer(self, weights: dict, local: range) -> pe.Layer:
+        return pe.Layer(self.shape, weights, self.stand_ins, local, self.shape.top_k.value)
+
+
 def _rank(rank: int, args, results) -> None:
+    """One rank: the four implementations trained side by side; its rows (one per Megatron tensor) appended."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
     torch.set_num_threads(1)
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
-
-    from simdist.gradpath.families import Family, ParamSpec
-    from simdist.gradpath.oracle import AdamWSettings, Oracle
-    from simdist.gradpath.probes import Capture
-    from simdist.reduce import make_reduction
-
     shape = get_shape(args.model)
     spec = ParallelSpec(4, tp=2, ep=pe.EP)
     setup = pe.setup_ranks(rank, spec, shape)
     copies = pe.deepspeed_copies(setup, shape, args)
     probes = pe._probes(shape, args.tokens, args.seed, args.expert_rows)
     stand_ins = pe._stand_ins(shape, args.expert_rows, args.seed)
-    per_ep = shape.experts.value // pe.EP
-
-    def local_of(r: int) -> range:
-        ep_rank = spec.group_of("ep", r).index(r)
-        return range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
-
-    def init_of(r: int) -> dict[str, torch.Tensor]:
-        return pe._init(shape, local_of(r), args.expert_rows, args.seed, spec.group_of("tp", r).index(r))
-
-    init = init_of(rank)
+    work = _Workload(args, shape, spec, setup, stand_ins, probes)
+    init = work.init_of(rank)
     families = {n: pe._family_of(n) for n in init}
-    # Megatron oracle
     megatron_params = {n: _CudaTyped(t.clone()) for n, t in init.items()}
     megatron = _megatron_optimizer(megatron_params)
-    # simdist oracle (every rank simulated in this process; this rank's slice is compared)
+    oracle, specs = _simdist_oracle(work, init, families)
+
+    captured: dict[tuple[int, str, str, str], torch.Tensor] = {}
+    for step in range(args.steps):
+        x = work.tokens(step, setup.dp_rank)
+        _deepspeed_update(captured, step, copies, work, x)
+        _megatron_update(captured, step, megatron, megatron_params, families, work, x)
+        _simdist_update(captured, step, oracle, specs, work, init, rank)
+        if rank == 0:
+            print(f"[validation] update {step + 1}/{args.steps} done", file=sys.stderr, flush=True)
+    results.extend(_rows(captured, rank))
+    for c in copies.values():
+        c["optimizer"].destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _simdist_oracle(work: _Workload, init: dict[str, torch.Tensor], families: dict):
+    """The simdist oracle over every rank, simulated in this process (this rank's slice is compared), and its
+    parameters' specs."""
+    from simdist.gradpath.families import ParamSpec
+    from simdist.gradpath.oracle import AdamWSettings, Oracle
+    from simdist.reduce import make_reduction
+
     specs = [ParamSpec(n, families[n], tuple(t.shape)) for n, t in init.items()]
-    initial = {(r, n): t for r in range(4) for n, t in init_of(r).items()}
+    initial = {(r, n): t for r in range(4) for n, t in work.init_of(r).items()}
     adam = AdamWSettings(
         lr=pe.ADAM["lr"],
         beta1=pe.ADAM["betas"][0],
@@ -132,69 +171,85 @@ def _rank(rank: int, args, results) -> None:
         weight_decay=pe.ADAM["weight_decay"],
     )
     oracle = Oracle(
-        spec, specs, initial, tp_reduction=make_reduction("gloo"), dp_reduction=make_reduction("gloo"), adam=adam
+        work.spec, specs, initial, tp_reduction=make_reduction("gloo"), dp_reduction=make_reduction("gloo"), adam=adam
     )
+    return oracle, specs
 
-    captured: dict[tuple[int, str, str, str], torch.Tensor] = {}
-    for step in range(args.steps):
-        x = pe._tokens(shape, args.tokens, args.seed, step, 0, setup.dp_rank)
-        for variant, c in copies.items():
-            pe.deepspeed_micro_step(c, shape, stand_ins, setup, x, probes, gas=1, boundary=True)
-            for n, p in c["params"].items():
-                captured[(step, variant, n, "grad")] = safe_get_full_grad(p).detach().clone()
-            c["optimizer"].step()
-            c["optimizer"].clear_lp_grads()
-            for n, p in c["params"].items():
-                captured[(step, variant, n, "master")] = safe_get_full_fp32_param(p).detach().clone()
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    captured[(step, variant, n, kind)] = safe_get_full_optimizer_state(p, kind).detach().clone()
-        # Megatron oracle: the same forward, the explicit FP32 TP-then-DP per-parameter reducer, its optimizer
-        layer = pe.Layer(shape, dict(megatron_params), stand_ins, setup.local, shape.top_k.value)
-        layer.loss(x, probes, setup.tp_rank, spec.tp).backward()
-        for n, p in megatron_params.items():
-            grad = p.grad.float()
-            if families[n] is Family.EXPERT:
-                grad = grad / spec.tp
-            elif families[n] is not Family.MODEL_PARALLEL:
-                dist.all_reduce(grad, group=setup.tp_group)
-                grad = grad / spec.tp
-            dist.all_reduce(grad, group=setup.edp_group if families[n] is Family.EXPERT else setup.dp_group)
-            p.main_grad = grad * (1.0 / spec.dp)
-            captured[(step, "megatron", n, "grad")] = p.main_grad.clone()
-        megatron.step()
-        for n, p in megatron_params.items():
-            main = p.main_param
-            state = megatron.optimizer.state[main]
-            captured[(step, "megatron", n, "master")] = main.detach().clone()
-            captured[(step, "megatron", n, "exp_avg")] = state["exp_avg"].clone()
-            captured[(step, "megatron", n, "exp_avg_sq")] = state["exp_avg_sq"].clone()
-            p.grad = None
-            del p.main_grad
 
-        # simdist oracle
-        def local_grads(_micro, lp, step=step):
-            out = {}
-            for r in range(4):
-                dp_r, tp_r = spec.group_of("dp", r).index(r), spec.group_of("tp", r).index(r)
-                xr = pe._tokens(shape, args.tokens, args.seed, step, 0, dp_r)
-                weights = {n: lp[(r, n)].detach().clone().requires_grad_() for n in init}
-                pe.Layer(shape, weights, stand_ins, local_of(r), shape.top_k.value).loss(xr, probes, tp_r, 2).backward()
-                out.update({(r, n): w.grad for n, w in weights.items()})
-            return out
+def _deepspeed_update(captured: dict, step: int, copies: dict[str, dict], work: _Workload, x) -> None:
+    """Each DeepSpeed copy's micro-step and update; its reduced gradients, masters and moments captured."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
-        def capture(s, micro, name, stage, value, step=step):
-            if stage == Capture.DP_REDUCED:
-                captured[(step, "simdist", name, "grad")] = value[..., rank, *([slice(None)] * (value.dim() - 1))]
+    for variant, c in copies.items():
+        pe.deepspeed_micro_step(c, work.shape, work.stand_ins, work.setup, x, work.probes, gas=1, boundary=True)
+        for n, p in c["params"].items():
+            captured[(step, variant, n, "grad")] = safe_get_full_grad(p).detach().clone()
+        c["optimizer"].step()
+        c["optimizer"].clear_lp_grads()
+        for n, p in c["params"].items():
+            captured[(step, variant, n, "master")] = safe_get_full_fp32_param(p).detach().clone()
+            for kind in ("exp_avg", "exp_avg_sq"):
+                captured[(step, variant, n, kind)] = safe_get_full_optimizer_state(p, kind).detach().clone()
 
-        oracle.step(step, 1, local_grads, capture)
-        master = oracle.master[0].detach()
-        state = oracle.optimizer.state[oracle.master[0]]
-        for p in specs:
-            captured[(step, "simdist", p.name, "master")] = oracle.part(master, p)[rank].clone()
-            captured[(step, "simdist", p.name, "exp_avg")] = oracle.part(state["exp_avg"], p)[rank].clone()
-            captured[(step, "simdist", p.name, "exp_avg_sq")] = oracle.part(state["exp_avg_sq"], p)[rank].clone()
-        if rank == 0:
-            print(f"[validation] update {step + 1}/{args.steps} done", file=sys.stderr, flush=True)
+
+def _megatron_update(captured: dict, step: int, megatron, params: dict, families: dict, work: _Workload, x) -> None:
+    """The Megatron oracle: the same forward, the explicit FP32 TP-then-DP per-parameter reducer, its optimizer."""
+    from simdist.gradpath.families import Family
+
+    spec, setup = work.spec, work.setup
+    work.layer(dict(params), setup.local).loss(x, work.probes, setup.tp_rank, spec.tp).backward()
+    for n, p in params.items():
+        grad = p.grad.float()
+        if families[n] is Family.EXPERT:
+            grad = grad / spec.tp
+        elif families[n] is not Family.MODEL_PARALLEL:
+            dist.all_reduce(grad, group=setup.tp_group)
+            grad = grad / spec.tp
+        dist.all_reduce(grad, group=setup.edp_group if families[n] is Family.EXPERT else setup.dp_group)
+        p.main_grad = grad * (1.0 / spec.dp)
+        captured[(step, "megatron", n, "grad")] = p.main_grad.clone()
+    megatron.step()
+    for n, p in params.items():
+        main = p.main_param
+        state = megatron.optimizer.state[main]
+        captured[(step, "megatron", n, "master")] = main.detach().clone()
+        captured[(step, "megatron", n, "exp_avg")] = state["exp_avg"].clone()
+        captured[(step, "megatron", n, "exp_avg_sq")] = state["exp_avg_sq"].clone()
+        p.grad = None
+        del p.main_grad
+
+
+def _simdist_update(captured: dict, step: int, oracle, specs: list, work: _Workload, init: dict, rank: int) -> None:
+    """The simdist oracle's step, fed every rank's local gradients; this rank's slice captured."""
+    from simdist.gradpath.probes import Capture
+
+    spec = work.spec
+
+    def local_grads(_micro, lp):
+        out = {}
+        for r in range(4):
+            dp_r, tp_r = spec.group_of("dp", r).index(r), spec.group_of("tp", r).index(r)
+            xr = work.tokens(step, dp_r)
+            weights = {n: lp[(r, n)].detach().clone().requires_grad_() for n in init}
+            work.layer(weights, work.local_of(r)).loss(xr, work.probes, tp_r, 2).backward()
+            out.update({(r, n): w.grad for n, w in weights.items()})
+        return out
+
+    def capture(s, micro, name, stage, value):
+        if stage == Capture.DP_REDUCED:
+            captured[(step, "simdist", name, "grad")] = value[..., rank, *([slice(None)] * (value.dim() - 1))]
+
+    oracle.step(step, 1, local_grads, capture)
+    master = oracle.master[0].detach()
+    state = oracle.optimizer.state[oracle.master[0]]
+    for p in specs:
+        captured[(step, "simdist", p.name, "master")] = oracle.part(master, p)[rank].clone()
+        captured[(step, "simdist", p.name, "exp_avg")] = oracle.part(state["exp_avg"], p)[rank].clone()
+        captured[(step, "simdist", p.name, "exp_avg_sq")] = oracle.part(state["exp_avg_sq"], p)[rank].clone()
+
+
+def _rows(captured: dict, rank: int) -> list[dict]:
+    """One row per Megatron tensor: how many elements of each other implementation's differ from it, bit for bit."""
     rows = []
     for (step, impl, name, kind), value in captured.items():
         if impl != "megatron":
@@ -204,11 +259,7 @@ def _rank(rank: int, args, results) -> None:
             theirs = captured[(step, other, name, kind)].reshape(value.shape)
             row[other] = int((theirs.float().view(torch.int32) != value.float().view(torch.int32)).sum())
         rows.append(row)
-    results.extend(rows)
-    for c in copies.values():
-        c["optimizer"].destroy()
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,29 +3,35 @@
     simdist repro 8913 [--world-size 8 --tp 4 --ep 2 --etp 1 --steps 3 --gas 1 --seed 0 --inputs rounding
                         --policies bf16_writeback,fp32_staging --marker deepspeed --update-path epilogue
                         --reduction gloo --source synthetic --code transcribed --shape toy --json
-                        --expect reproduced|fixed]
+                        --expect reproduced|fixed --diff-only|--all-tensors --policy-module M --no-progress]
     simdist policies [--policy-module my_policies.py]
-    simdist compare DUMP_A DUMP_B [--tolerance-ulp 0]
-    simdist audit [--json] path/to/script.py [args...]
-    simdist blame [--json] [--promote SITE]... [--promote-top K] [--figure PNG]
+    simdist compare DUMP_A DUMP_B [--tolerance-ulp 0 --no-progress]
+    simdist audit [--json] [--skip PREFIX] [--no-errors] [--main-thread-only] [--top N] [--records]
+                  path/to/script.py [args...]
+    simdist blame [--json] [--top N] [--promote SITE]... [--promote-top K] [--ops OPS] [--figure PNG]
                   [--nproc N [--processes]] script.py [args...]
-    simdist run --nproc N [--reduction gloo] script.py [args...]
-    simdist growth --policies bf16_writeback,fp32_staging,bf16_only --steps 10000 --seeds 8 --out runs/NAME
-                   [--source synthetic --seed 0 --gas 1 --marker deepspeed --checkpoint-every 500 --force]
-    simdist case list | run NAME [--where gloo|simdist|threads] | export production DIR
+    simdist run --nproc N [--reduction gloo] [--report-backend] [--timeout S] script.py [args...]
+    simdist growth --out runs/NAME [--policies bf16_writeback,fp32_staging,bf16_only --steps 10000 --seeds 8
+                   --source synthetic --seed 0 --gas 1 --marker deepspeed --world-size 4 --tp 2 --ep 2
+                   --checkpoint-every 500 --metrics-dense 1000 --metrics-every 10 --policy-module M
+                   --force --no-progress]
+    simdist case list | run NAME [--where gloo|simdist|threads] [--json] [--expect ok|not-ok]
+                      | export production DIR [--only NAME]
     simdist doctor
 
 Every command's options, defaults and help are generated (`simdist.cli.options`) from its configuration
-dataclass (`simdist.cli.configs`, whose study sections are the studies' own configurations); each command runs in
-its own module of this package (`_dispatch`).
+dataclass (`simdist.cli.configs`, whose study sections are the studies' own configurations); `_dispatch`
+runs each command from a module of this package (``repro``, ``growth``, ``audit``, ``blame``, ``case``,
+``policies``; ``tools`` for ``compare``, ``run`` and ``doctor``).
 
 Exit status (`EXIT_CODES`, also in every ``--help``): 0 ok / equal, 1 differs beyond the
 tolerance (``compare``), the case's verdict is not ok (``case run``) or the verdict is not the one
 ``--expect`` names (``repro``, ``case run``; `EXPECT_CODES`), 2 bad input. Bad input
 -- an unknown policy, an invalid layout, a size above its limit, a missing, unreadable or
-corrupt file -- prints one line naming the file or option and what is wrong, never a
-traceback, and writes nothing. ``audit`` and ``blame`` exit with the script's own status. An
-unexpected exception (a bug) prints its traceback and exits 3.
+corrupt file (a `simdist.errors.UsageError` or an ``OSError``) -- prints one line naming the file or
+option and what is wrong, never a traceback, and writes nothing. ``audit`` and ``blame`` exit with the
+script's own status. An unexpected exception (a bug) prints its traceback and exits 3. Ctrl-C prints one
+line and exits 130; a closed stdout (``| head``) exits 141 quietly.
 """
 
 from __future__ import annotations

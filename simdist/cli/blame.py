@@ -114,10 +114,43 @@ def _script_target(script: str, argv: tuple[str, ...], nproc: int | None):
 
 def run_blame(command: BlameCommand) -> int:
     """Run ``command.script`` blamed and print the report; returns the script's exit status."""
-    from simdist.attribution.api import SiteNotFound, blame_target
-    from simdist.attribution.arithmetic import op_names
+    from simdist.attribution.api import SiteNotFound
     from simdist.cases.stdout import stdout_to_stderr
     from simdist.world.supervise import RankFailure
+
+    processes = _checked_where(command)
+    guard = stdout_to_stderr() if command.json else contextlib.nullcontext(sys.stdout)
+    try:
+        with guard as out:
+            report = _blame(command, processes)
+            if command.figure:
+                report.figure().savefig(command.figure, dpi=100)
+            if command.json:
+                print(report.to_json(), file=out)
+    except RankFailure as exc:  # a rank raised: its traceback, named by rank
+        print(exc, file=sys.stderr)
+        return 1
+    except ScriptExit as exc:
+        if exc.message is not None:
+            print(exc.message, file=sys.stderr)
+        return exc.status
+    except (SiteNotFound, TorchrunStyle):
+        raise
+    except Exception:
+        traceback.print_exc()
+        return 1
+    if not command.json:
+        print(f"simdist blame {command.script}")
+        print(report.format(limit=command.top))
+        if command.figure:
+            print(f"wrote {command.figure}")
+    return 0
+
+
+def _checked_where(command: BlameCommand) -> bool:
+    """Check the script, the figure path and the ops before the run; whether the ranks run as processes
+    (``--processes``, or ``--nproc`` on a script that imports a framework with module-global groups)."""
+    from simdist.attribution.arithmetic import op_names
 
     script = command.script
     check_script(script)
@@ -137,40 +170,22 @@ def run_blame(command: BlameCommand) -> int:
                 file=sys.stderr,
             )
             processes = True
-    guard = stdout_to_stderr() if command.json else contextlib.nullcontext(sys.stdout)
-    try:
-        with guard as out:
-            if processes:
-                from simdist.attribution.processes import blame_processes
+    return processes
 
-                assert command.nproc is not None  # --processes without --nproc was refused above
 
-                report = blame_processes(
-                    script, list(command.script_args), command.nproc, promote=command.promote,
-                    promote_top=command.promote_top, ops=command.ops, stdout_to_stderr=command.json,
-                )  # fmt: skip
-            else:
-                target = _script_target(script, command.script_args, command.nproc)
-                report = blame_target(target, promote=command.promote, promote_top=command.promote_top, ops=command.ops)
-            if command.figure:
-                report.figure().savefig(command.figure, dpi=100)
-            if command.json:
-                print(report.to_json(), file=out)
-    except RankFailure as exc:  # a rank raised: its traceback, named by rank
-        print(exc, file=sys.stderr)
-        return 1
-    except ScriptExit as exc:
-        if exc.message is not None:
-            print(exc.message, file=sys.stderr)
-        return exc.status
-    except (SiteNotFound, TorchrunStyle):
-        raise
-    except Exception:
-        traceback.print_exc()
-        return 1
-    if not command.json:
-        print(f"simdist blame {script}")
-        print(report.format(limit=command.top))
-        if command.figure:
-            print(f"wrote {command.figure}")
-    return 0
+def _blame(command: BlameCommand, processes: bool):
+    """The blame report of ``command.script``: on rank processes, or on threads (one, or ``--nproc``)."""
+    from simdist.attribution.api import blame_target
+
+    script = command.script
+    if processes:
+        from simdist.attribution.processes import blame_processes
+
+        assert command.nproc is not None  # --processes without --nproc was refused by _checked_where
+
+        return blame_processes(
+            script, list(command.script_args), command.nproc, promote=command.promote,
+            promote_top=command.promote_top, ops=command.ops, stdout_to_stderr=command.json,
+        )  # fmt: skip
+    target = _script_target(script, command.script_args, command.nproc)
+    return blame_target(target, promote=command.promote, promote_top=command.promote_top, ops=command.ops)

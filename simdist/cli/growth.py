@@ -50,14 +50,17 @@ def run_growth_command(command: GrowthCommand) -> int:
 
 def _growth_line(info: dict, moe: bool) -> str:
     """One policy's final errors and growth exponent, as the summary holds them."""
+    from simdist.studies.growth.plot import MOE_BASELINE
+
     final = info["final_median"]
     exponent = info.get("master_rel_growth_exponent", info.get("param_rel_growth_exponent"))
-    if info["bitwise_equal_to_oracle"]:
-        return "bitwise equal to the oracle (error exactly 0 at every step and seed)"
+    if info["bitwise_equal_to_oracle"]:  # for source moe: to the matched FP32 policy (the summary's one key)
+        baseline = MOE_BASELINE if moe else "the oracle"
+        return f"bitwise equal to {baseline} (error exactly 0 at every step and seed)"
     if moe:
         growth = (
             f"bf16 weights rel {final['param_rel']:.3e} (max {final['param_ulp_max']:.0f} bf16 ulp), "
-            f"|loss - oracle loss| {final['loss_diff']:.3e} (max over steps {info['max_loss_diff']:.3e})"
+            f"|loss - matched loss| {final['loss_diff']:.3e} (max over steps {info['max_loss_diff']:.3e})"
         )
         if exponent is not None:
             growth += f", weights growth ~ t^{exponent:.2f}"

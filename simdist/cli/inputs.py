@@ -1,9 +1,10 @@
 """Checks of the CLI's input and output paths, before any work: one line naming the file and what is wrong.
 
-A failed check is a `BadInput` (a ``ValueError``: exit status 2). They cover what a user can get wrong or
-what a crash can leave behind -- a missing or non-directory dump, a truncated or corrupt safetensors file, a
-file that is not a simdist dump, a growth ``--out`` that is a file or not writable, a corrupt run file --
-so that none of them reaches a traceback, and none is confused with exit status 1 ("differs").
+A failed check is a `BadInput` (a `simdist.errors.UsageError`: one line, exit status 2). They cover what a
+user can get wrong or what a crash can leave behind -- a missing or non-directory dump, a truncated or corrupt
+safetensors file, a file that is not a simdist dump, a growth ``--out`` that is a file or not writable, a
+corrupt run file -- so that none of them reaches a traceback, and none is confused with exit status 1
+("differs").
 """
 
 from __future__ import annotations

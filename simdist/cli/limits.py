@@ -2,10 +2,10 @@
 
 Each size argument (world size, steps, GAS, seeds, ...) has a fixed ceiling, and the run as a whole has a
 memory estimate that must fit in the memory this machine has available. Both checks happen before the run
-starts; a violation is a `SizeError` (a one-line `ValueError`: exit status 2) that states the limit and
-the estimated memory.
+starts; a violation is a `SizeError` (a `simdist.errors.UsageError`: one line, exit status 2) that states
+the limit and the estimated memory.
 
-The estimates are linear models calibrated on this repository's default workloads (``DEFAULT_PARAMS``:
+The estimates are linear fits calibrated on this repository's default workloads (``DEFAULT_PARAMS``:
 1040 elements per rank); they are upper-end figures for resident memory, not exact accounting:
 
 * ``repro``: every rank keeps every captured stage of every step and micro-step for the oracle, the

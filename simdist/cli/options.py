@@ -21,8 +21,8 @@ What a field's type makes of it:
 Other metadata keys: ``help`` (the help text; `add_options` appends the default), ``flag`` (the option name,
 default ``--field-name``), ``positional`` (an argument, not an option), ``remainder`` (every argument after
 it, as ``argparse.REMAINDER``), ``metavar``, ``required``, ``off`` (the name of a second flag that clears a
-``bool`` field, in a mutually exclusive pair) and ``cli: False`` (not on the command line: the tree keeps the
-default).
+``bool`` field, in a mutually exclusive pair; ``off_help`` its help) and ``cli: False`` (not on the command
+line: the tree keeps the default).
 """
 
 from __future__ import annotations

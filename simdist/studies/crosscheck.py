@@ -1,9 +1,9 @@
-"""The cross-check rank program: train the folded MoE block and dump every tensor, in any world.
+"""The cross-check rank program: train the folded MoE block and dump every tensor, wherever its ranks run.
 
 `train_and_dump` is the rank program of ``experiments/crosscheck.py``: the
 same function runs on `SimWorld` and on real process groups (gloo, NCCL) and
 writes one safetensors dump per rank and policy (`simdist.studies.dumps`), which
-``simdist compare`` then compares across worlds.
+``simdist compare`` then compares across the places the runs ran.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 @dataclass(frozen=True)
 class CrossCheck:
-    """One cross-check run: layout, model, data, policies and engine semantics."""
+    """One cross-check run: layout, model (the MoE block's `MoEConfig`), data, policies, and the gradient path's
+    marker and update path."""
 
     spec: ParallelSpec = DEFAULT_SPEC
     steps: int = 3

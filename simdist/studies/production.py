@@ -106,34 +106,9 @@ def study_model(
     params = layer_params(get_shape(name)) if params is None else params
     seed_list = [seed + i for i in range(seeds)]
     stream = BatchedGradients(spec, params, seed_list)
-    initial = [InitialWeights(spec, s) for s in seed_list]
-    model = make_reduction(DEFAULT_REDUCTION)
-    stacked = {
-        (r, p.name): torch.stack([init(r, p).to(torch.bfloat16) for init in initial])
-        for r in range(spec.world_size)
-        for p in params
-    }
-    oracle = Oracle(spec, params, stacked, tp_reduction=model, dp_reduction=model)
-    paths = [
-        BatchedPath(
-            spec,
-            params,
-            policy,
-            PathConfig(steps=steps, gas=gas, marker=marker),
-            initial_buffer(spec, params, initial, policy.grad_dtype),
-            seed_list,
-            reduction=model,
-        )
-        for policy in (get_policy(n) for n in policies)
-    ]
-    slices = _slices(params)
-    families = list(slices)
-    # per recorded step, policy, family, seed: normwise relative error, and whether some element is > 1 BF16
-    # ulp off (checked every step until every seed has one)
-    recorded = record_steps(steps)
-    row_of = {int(t): i for i, t in enumerate(recorded)}
-    rel = np.zeros((len(recorded), len(paths), len(families), seeds))
-    first = np.zeros((len(paths), len(families), seeds), dtype=np.int64)  # 0: not yet
+    config = PathConfig(steps=steps, gas=gas, marker=marker)
+    oracle, paths = _oracle_and_paths(spec, params, seed_list, policies, config)
+    errors = _Errors(_slices(params), steps, len(paths), seeds)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -149,56 +124,104 @@ def study_model(
             oracle.step(step, gas, oracle_grads)
             for path in paths:
                 path.run_step(path_grads)
-            reference = oracle.flat("master")
-            row = row_of.get(step + 1)
-            for j, path in enumerate(paths):
-                master = path.path.master
-                for f, family in enumerate(families):
-                    if row is None and first[j, f].all():
-                        continue
-                    got = _family(master, slices[family]).double()
-                    want = _family(reference, slices[family]).double()
-                    error = (got - want).abs()
-                    if row is not None:
-                        norms = want.flatten(1).norm(dim=1).clamp_min(1e-300)
-                        rel[row, j, f] = (error.flatten(1).norm(dim=1) / norms).numpy()
-                    if not first[j, f].all():
-                        over = (error > bf16_ulp(want)).flatten(1).any(dim=1).numpy()
-                        first[j, f] = np.where((first[j, f] == 0) & over, step + 1, first[j, f])
+            errors.record(step, oracle.flat("master"), [path.path.master for path in paths])
             if progress is not None:
                 progress(step + 1)
     finally:
         torch.set_num_threads(threads)
+    return errors.rows(name, policies, [path.path.master for path in paths], oracle.flat("master"), steps)
 
-    rows = []
-    reference = oracle.flat("master")
-    steps_axis = recorded
-    for j, path in enumerate(paths):
-        for f, family in enumerate(families):
-            got = _family(path.path.master, slices[family])
-            want = _family(reference, slices[family])
-            differ = (got.view(torch.int32) != want.view(torch.int32)).flatten(1).sum(dim=1).double().mean()
-            relative = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-300)).flatten()
-            median = np.median(rel[:, j, f], axis=1)
-            late = (steps_axis >= max(10, steps // 10)) & (median > 0)
-            slope = _slope(steps_axis[late], median[late]) if late.sum() >= 3 else None
-            hits = first[j, f][first[j, f] > 0]
-            beyond = (got.double() - want.double()).abs() > bf16_ulp(want)
-            rows.append(
-                FamilyRow(
-                    model=name,
-                    policy=policies[j],
-                    family=family.value,
-                    elements=sum(s.stop - s.start for s in slices[family]),
-                    differ=float(differ),
-                    max_rel=float(relative.max()),
-                    median_rel=float(relative.median()),
-                    growth_exponent=slope,
-                    first_step_over_bf16_ulp=int(hits.min()) if hits.size else None,
-                    over_bf16_ulp=float(beyond.flatten(1).sum(dim=1).double().mean()),
+
+def _oracle_and_paths(
+    spec: ParallelSpec, params: tuple[ParamSpec, ...], seeds: list[int], policies: tuple[str, ...], config: PathConfig
+) -> tuple[Oracle, list[BatchedPath]]:
+    """The oracle and one batched gradient path per policy, from the same BF16 initial weights, all reducing in
+    the default reduction's order."""
+    initial = [InitialWeights(spec, s) for s in seeds]
+    reduction = make_reduction(DEFAULT_REDUCTION)
+    stacked = {
+        (r, p.name): torch.stack([init(r, p).to(torch.bfloat16) for init in initial])
+        for r in range(spec.world_size)
+        for p in params
+    }
+    oracle = Oracle(spec, params, stacked, tp_reduction=reduction, dp_reduction=reduction)
+    paths = [
+        BatchedPath(
+            spec,
+            params,
+            policy,
+            config,
+            initial_buffer(spec, params, initial, policy.grad_dtype),
+            seeds,
+            reduction=reduction,
+        )
+        for policy in (get_policy(n) for n in policies)
+    ]
+    return oracle, paths
+
+
+class _Errors:
+    """The masters' errors against the oracle's as the study runs, per policy, family and seed: the normwise
+    relative error at the recorded steps (`record_steps`), and the first step some element is more than one BF16
+    ulp off (checked every step until every seed has one)."""
+
+    def __init__(self, slices: dict[Family, list[slice]], steps: int, policies: int, seeds: int) -> None:
+        self.slices = slices
+        self.families = list(slices)
+        self.recorded = record_steps(steps)
+        self.row_of = {int(t): i for i, t in enumerate(self.recorded)}
+        self.rel = np.zeros((len(self.recorded), policies, len(self.families), seeds))
+        self.first = np.zeros((policies, len(self.families), seeds), dtype=np.int64)  # 0: not yet
+
+    def record(self, step: int, reference: torch.Tensor, masters: list[torch.Tensor]) -> None:
+        """After 0-based ``step``: each policy's ``[seed, rank, N]`` masters against the oracle's ``reference``."""
+        row = self.row_of.get(step + 1)
+        first = self.first
+        for j, master in enumerate(masters):
+            for f, family in enumerate(self.families):
+                if row is None and first[j, f].all():
+                    continue
+                got = _family(master, self.slices[family]).double()
+                want = _family(reference, self.slices[family]).double()
+                error = (got - want).abs()
+                if row is not None:
+                    norms = want.flatten(1).norm(dim=1).clamp_min(1e-300)
+                    self.rel[row, j, f] = (error.flatten(1).norm(dim=1) / norms).numpy()
+                if not first[j, f].all():
+                    over = (error > bf16_ulp(want)).flatten(1).any(dim=1).numpy()
+                    first[j, f] = np.where((first[j, f] == 0) & over, step + 1, first[j, f])
+
+    def rows(
+        self, name: str, policies: tuple[str, ...], masters: list[torch.Tensor], reference: torch.Tensor, steps: int
+    ) -> list[FamilyRow]:
+        """One `FamilyRow` per policy and family after the last step."""
+        rows = []
+        for j, master in enumerate(masters):
+            for f, family in enumerate(self.families):
+                got = _family(master, self.slices[family])
+                want = _family(reference, self.slices[family])
+                differ = (got.view(torch.int32) != want.view(torch.int32)).flatten(1).sum(dim=1).double().mean()
+                relative = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-300)).flatten()
+                median = np.median(self.rel[:, j, f], axis=1)
+                late = (self.recorded >= max(10, steps // 10)) & (median > 0)
+                slope = _slope(self.recorded[late], median[late]) if late.sum() >= 3 else None
+                hits = self.first[j, f][self.first[j, f] > 0]
+                beyond = (got.double() - want.double()).abs() > bf16_ulp(want)
+                rows.append(
+                    FamilyRow(
+                        model=name,
+                        policy=policies[j],
+                        family=family.value,
+                        elements=sum(s.stop - s.start for s in self.slices[family]),
+                        differ=float(differ),
+                        max_rel=float(relative.max()),
+                        median_rel=float(relative.median()),
+                        growth_exponent=slope,
+                        first_step_over_bf16_ulp=int(hits.min()) if hits.size else None,
+                        over_bf16_ulp=float(beyond.flatten(1).sum(dim=1).double().mean()),
+                    )
                 )
-            )
-    return rows
+        return rows
 
 
 def record_steps(steps: int) -> np.ndarray:

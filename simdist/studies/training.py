@@ -1,8 +1,9 @@
-"""Training the folded MoE block: a policy against an oracle, step by step.
+"""Training the folded MoE block: a policy next to a matched policy, step by step.
 
 `train` runs ``steps x gas`` micro-steps of `simdist.sources.moe.MoEGradients` under
-any policy and reduction, and next to it the same run under an oracle
-policy (FP32 TP-then-DP by default). The two runs are two `SimWorld` runs in
+any policy and reduction, and next to it the same run under a matched policy
+(`simdist.gradpath.matched_policy`: the oracle's FP32 TP-then-DP staging run
+through the gradient path, `MATCHED_FP32` by default). The two runs are two `SimWorld` runs in
 lockstep: each rank's gradient source publishes what it sees at every
 micro-step -- its BF16 local gradients, its loss, and at the start of a step
 the BF16 weights the previous update produced -- and the matching rank of the
@@ -13,7 +14,7 @@ update. The gradient norms come from the runs' traces (scalars only).
 
 Recorded per step (`StepRecord`): the loss (mean over DP replicas and
 micro-steps of the per-replica loss) and gradient norm of both runs, and for
-every parameter the divergence from the oracle (max ulp, max relative error,
+every parameter the divergence from the matched run (max ulp, max relative error,
 fraction of elements differing) of its local gradient and of its BF16 weight
 after the step's update. FP32 masters and Adam moments stay private to the
 gradient path (`train_rank` does not expose them while it runs); the per-rank
@@ -42,18 +43,18 @@ from simdist.world.spec import ParallelSpec
 
 @dataclass
 class StepRecord:
-    """One optimizer step of the policy run next to the oracle run.
+    """One optimizer step of the policy run next to the matched run.
 
     ``tensors`` maps ``(param, kind)`` with kind ``local grad`` (the BF16
     gradient the model produced this step) or ``param`` (the BF16 weight
-    after this step's update) to its divergence from the oracle.
+    after this step's update) to its divergence from the matched run's.
     """
 
     step: int
     loss: float = math.nan
-    oracle_loss: float = math.nan
+    matched_loss: float = math.nan
     grad_norm: float = math.nan
-    oracle_grad_norm: float = math.nan
+    matched_grad_norm: float = math.nan
     tensors: dict[tuple[str, str], Difference] = field(default_factory=dict)
 
     @property
@@ -69,7 +70,7 @@ class _Lockstep:
     def __init__(self, steps: int, world_size: int, lag: int, progress: bool) -> None:
         self.cond = threading.Condition()
         self.lag = lag
-        self.at = {(side, r): -1 for side in ("policy", "oracle") for r in range(world_size)}
+        self.at = {(side, r): -1 for side in ("policy", "matched") for r in range(world_size)}
         self.pending: dict[tuple, dict[str, torch.Tensor]] = {}
         self.records = [StepRecord(s) for s in range(steps)]
         self.sums: dict[tuple, list] = {}  # (step, param, kind) -> [((rank, micro), Difference)]
@@ -83,7 +84,7 @@ class _Lockstep:
 
     def arrive(self, side: str, rank: int, step: int) -> None:
         """Note that ``side``'s ``rank`` reached ``step``; wait while it is more than ``lag`` steps ahead."""
-        other = "oracle" if side == "policy" else "policy"
+        other = "matched" if side == "policy" else "policy"
         with self.cond:
             if step > self.at[(side, rank)]:
                 self.at[(side, rank)] = step
@@ -102,8 +103,8 @@ class _Lockstep:
             if mine is None:
                 self.pending[slot] = tensors
                 return
-        policy, oracle = (tensors, mine) if side == "policy" else (mine, tensors)
-        diffs = {name: difference(policy[name], oracle[name]) for name in tensors}
+        policy, matched = (tensors, mine) if side == "policy" else (mine, tensors)
+        diffs = {name: difference(policy[name], matched[name]) for name in tensors}
         with self.cond:
             for name, d in diffs.items():
                 self.sums.setdefault((step, name, kind), []).append(((rank, micro), d))
@@ -127,7 +128,7 @@ class _Lockstep:
             # pooled in (rank, micro) order, not arrival order, so the float sums are the same every run
             self.records[step].tensors[(name, kind)] = Difference.pool(d for _, d in sorted(parts, key=lambda p: p[0]))
         for (side, step), (total, n) in self.losses.items():
-            setattr(self.records[step], "loss" if side == "policy" else "oracle_loss", total / n)
+            setattr(self.records[step], "loss" if side == "policy" else "matched_loss", total / n)
         return self.records
 
 
@@ -168,19 +169,20 @@ def train(
     reduction: Reduction | str = "gloo",
     marker: str = "deepspeed",
     update_path: str = "epilogue",
-    oracle: Policy = MATCHED_FP32,
+    matched: Policy = MATCHED_FP32,
     model: MoEConfig | None = None,
     lag: int = 2,
     progress: bool = False,
 ) -> list[StepRecord]:
-    """Train the folded MoE block ``steps x gas`` under ``policy``; one `StepRecord` per step against ``oracle``.
+    """Train the folded MoE block ``steps x gas`` under ``policy``; one `StepRecord` per step against the run of
+    ``matched`` (a matched policy: the oracle's FP32 staging run through the gradient path, by default).
 
-    The oracle run uses the same spec, model, data, seed and reduction,
+    The matched run uses the same spec, model, data, seed and reduction,
     with the TP correction on every micro-step (``marker="per_micro_step"``),
     as the #8913 oracle does.
     """
     policy = get_policy(policy) if isinstance(policy, str) else policy
-    model_ = make_reduction(reduction) if isinstance(reduction, str) else reduction
+    reduction = make_reduction(reduction) if isinstance(reduction, str) else reduction
     source = MoEGradients(spec, model or MoEConfig(), seed, gas)
     lockstep = _Lockstep(steps, spec.world_size, lag, progress)
     runs = {
@@ -194,15 +196,33 @@ def train(
                 update_path=coerce(UpdatePath, update_path, "update_path"),
             ),
         ),
-        "oracle": (oracle, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker=Marker.PER_MICRO_STEP)),
+        "matched": (matched, PathConfig(steps=steps + 1, gas=gas, seed=seed, marker=Marker.PER_MICRO_STEP)),
     }
+    traces = _run_side_by_side(spec, reduction, source, lockstep, runs, steps)
+    records = lockstep.finish()
+    for record in records:
+        record.grad_norm = traces["policy"][0].scalars[(record.step, "grad_norm")]
+        record.matched_grad_norm = traces["matched"][0].scalars[(record.step, "grad_norm")]
+    return records
+
+
+def _run_side_by_side(
+    spec: ParallelSpec,
+    reduction: Reduction,
+    source: MoEGradients,
+    lockstep: _Lockstep,
+    runs: dict[str, tuple[Policy, PathConfig]],
+    steps: int,
+) -> dict[str, list]:
+    """The two `SimWorld` runs of ``runs`` in lockstep: ``matched`` on a helper thread, ``policy`` on this one;
+    each side's traces. The first exception of either side stops both and is raised."""
     traces: dict[str, list] = {}
     errors: list[BaseException] = []
 
     def run(side: str) -> None:
         chosen, config = runs[side]
         try:
-            world = SimWorld(spec, reduction=model_, intra_op_threads=None, timeout_s=None)  # as long as it trains
+            world = SimWorld(spec, reduction=reduction, intra_op_threads=None, timeout_s=None)  # as long as it trains
             probe = _Probe(source, lockstep, side, steps)
             traces[side] = world.run(train_rank, source.params, source.initial, probe, chosen, config, frozenset())
         except BaseException as exc:
@@ -212,7 +232,7 @@ def train(
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)  # both runs share the process: one intra-op setting for both, set once
     try:
-        helper = threading.Thread(target=run, args=("oracle",), name="simdist-oracle-run", daemon=True)
+        helper = threading.Thread(target=run, args=("matched",), name="simdist-matched-run", daemon=True)
         helper.start()
         run("policy")
         helper.join()
@@ -220,16 +240,12 @@ def train(
         torch.set_num_threads(threads_before)
     if errors:
         raise errors[0]
-    records = lockstep.finish()
-    for record in records:
-        record.grad_norm = traces["policy"][0].scalars[(record.step, "grad_norm")]
-        record.oracle_grad_norm = traces["oracle"][0].scalars[(record.step, "grad_norm")]
-    return records
+    return traces
 
 
 def format_records(records: list[StepRecord]) -> str:
-    """A table: loss and grad norm of both runs, and the worst tensor of each step."""
-    out = [f"{'step':>4} {'loss':>10} {'oracle':>10} {'grad norm':>10} {'oracle':>10}  worst tensor vs oracle"]
+    """A table: loss and grad norm of the policy's and the matched run, and the worst tensor of each step."""
+    out = [f"{'step':>4} {'loss':>10} {'matched':>10} {'grad norm':>10} {'matched':>10}  worst tensor vs matched"]
     for r in records:
         worst = r.worst
         text = (
@@ -241,10 +257,7 @@ def format_records(records: list[StepRecord]) -> str:
             )
         )
         out.append(
-            f"{r.step:>4} {r.loss:>10.6f} {r.oracle_loss:>10.6f} {r.grad_norm:>10.6f} "
-            f"{r.oracle_grad_norm:>10.6f}  {text}"
+            f"{r.step:>4} {r.loss:>10.6f} {r.matched_loss:>10.6f} {r.grad_norm:>10.6f} "
+            f"{r.matched_grad_norm:>10.6f}  {text}"
         )
     return "\n".join(out)
-
-
-# -- the cross-check rank program ----------------------------------------------------------------------------

@@ -58,3 +58,16 @@ def test_library_validation_reaches_the_cli_as_usage(argv, capsys):
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.startswith("simdist: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_closed_stdout_is_141_without_a_traceback(monkeypatch, capsys):
+    """``simdist ... | head``: the reader went away; no traceback, no "error" line (the module docstring's 141)."""
+    _dispatching(monkeypatch, BrokenPipeError())
+    assert cli.main(["policies"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_an_unreadable_file_is_one_line_naming_it_with_exit_status_2(monkeypatch, capsys):
+    _dispatching(monkeypatch, FileNotFoundError(2, "No such file or directory", "dumps/a"))
+    assert cli.main(["policies"]) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == "simdist: error: dumps/a: No such file or directory\n"

@@ -1,5 +1,7 @@
 """The #8913 production study on a tiny layer (the full-shape run is slow; its table is in docs/production.md)."""
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,8 @@ def test_shipped_rounds_only_the_router_and_the_fix_equals_the_oracle():
     for family in ("router_gate_replicated", "dense", "model_parallel", "expert"):
         fixed = rows[("fp32_staging", family)]
         assert fixed.differ == 0 and fixed.max_rel == 0 and fixed.first_step_over_bf16_ulp is None
+        assert fixed.growth_exponent is None  # no error to fit (a fit through log 0 would be NaN)
+    assert shipped.growth_exponent is not None and math.isfinite(shipped.growth_exponent)
     assert "| tiny | bf16_writeback | router_gate_replicated | 256 |" in format_table(list(rows.values()))
 
 
@@ -102,3 +106,17 @@ def test_cli_shape_states_its_layout_and_honours_expect_and_policies(capsys):
     assert "needs bf16_writeback" in capsys.readouterr().err
     assert main([*args, "--code", "deepspeed"]) == 2
     assert "--code deepspeed is not supported there" in capsys.readouterr().err
+
+
+def test_the_first_step_over_one_bf16_ulp_agrees_with_shorter_runs_last_step():
+    """``first_step_over_bf16_ulp`` is tracked step by step; ``over_bf16_ulp`` is counted once, after the last
+    step. A run of exactly that many steps ends with some master over one ulp; a run one step shorter, none."""
+
+    def router(steps: int):
+        rows = study_model("tiny", steps, 1, params=TINY, policies=("bf16_writeback",))
+        return next(r for r in rows if r.family == "router_gate_replicated")
+
+    first = router(12).first_step_over_bf16_ulp
+    assert first is not None and first > 1  # the property needs a step before it
+    assert router(first).over_bf16_ulp > 0
+    assert router(first - 1).over_bf16_ulp == 0

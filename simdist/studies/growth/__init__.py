@@ -1,5 +1,7 @@
 """Error growth over many steps: each policy next to the FP32 oracle, batched over seeds, resumable.
 
+(``source="moe"`` compares each policy with the matched FP32 policy instead; see its section below.)
+
 What is run
 -----------
 `run_growth` trains the synthetic gradient stream (`BatchedGradients`, the
@@ -23,7 +25,7 @@ every seed sits in one tensor with leading ``[seed, rank]`` dimensions:
   bits it gets in a rank's own tensor (batch-invariance of element-wise ops);
 * a collective gathers each group's members along the rank dimension and
   applies the group's reduction (``reduction``, default ``gloo``) to the
-  stacked members, with the model's per-element order of one member's tensor
+  stacked members, with the reduction's per-element order of one member's tensor
   -- so any group size and layout (DP4 on 8 ranks, TP4, ...) gives the bits a
   real run in that order gives;
 * nothing reduces over the seed dimension inside the arithmetic; only the
@@ -47,8 +49,8 @@ The gradient stream is counter-based: step ``t`` of seed ``s`` is drawn from a
 generator seeded by ``(s, t, micro)``, so there is no RNG position to save and
 a resumed run draws exactly what an uninterrupted run draws.
 
-What the curves show (the random-walk model)
---------------------------------------------
+What the curves show (a random walk)
+------------------------------------
 If each step added an independent, zero-mean rounding error of similar size
 to a quantity that keeps everything it is given, its error would grow like a
 random walk: ``err(t) ~ err(t0) * sqrt(t / t0)``. The plot draws that line on
@@ -83,16 +85,18 @@ weights), so the loss panel is omitted for ``source="synthetic"``.
 -------------------------------------------------
 For every seed (sequentially) and policy, `simdist.studies.training.train` runs the
 folded MoE block (`simdist.sources.moe.MoEGradients`, default `MoEConfig`) under the
-policy next to the FP32 oracle, in lockstep on `SimWorld`, for ``steps``
+policy next to the matched FP32 policy (`simdist.gradpath.matched_policy.MATCHED_FP32`:
+the oracle's FP32 staging run through the gradient path, TP correction every
+micro-step), in lockstep on `SimWorld`, for ``steps``
 steps. What it records is what the rows hold (`MOE_COLUMNS`): both losses and
-their difference ``|loss_policy - loss_oracle|`` (the loss of step ``t`` is
+their difference ``|loss_policy - loss_matched|`` (the loss of step ``t`` is
 computed before step ``t``'s update, so step 1's difference is always 0), both
 gradient norms, and the divergence of the BF16 weights after the step's update
 and of the BF16 local gradients, pooled over parameters and ranks (normwise
 relative error, max BF16 ulps, fraction of elements differing). FP32 masters
 and Adam moments are private to `train_rank` while it runs, so they are not
-recorded. Each (policy, seed) run also reruns the oracle: about 50 ms per step
-for a policy and its oracle together (default `MoEConfig`, 4 ranks, CPU).
+recorded. Each (policy, seed) run also reruns the matched policy: about 50 ms per step
+for a policy and its matched run together (default `MoEConfig`, 4 ranks, CPU).
 
 Resume for MoE is per (policy, seed) run, not per step: the checkpoint holds
 the rows of every finished run and is rewritten after each; a killed process

@@ -1,4 +1,5 @@
-"""Per-step divergence metrics of a policy from the oracle, and the metrics file. See `simdist.studies.growth`."""
+"""Per-step divergence metrics of a policy from the oracle (the matched FP32 policy for the MoE source), and the
+metrics file. See `simdist.studies.growth`."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ the elements that differ (0 when none), max FP32-ulp distance, fraction of eleme
 
 MOE_COLUMNS = (
     "loss",
-    "oracle_loss",
+    "matched_loss",
     "loss_diff",
     "grad_norm",
-    "oracle_grad_norm",
+    "matched_grad_norm",
     "param_rel",
     "param_ulp_max",
     "param_differ",
@@ -40,10 +41,10 @@ MOE_COLUMNS = (
     "grad_ulp_max",
     "grad_differ",
 )
-"""``source="moe"``, per step, seed and policy: the policy's and the oracle's loss, ``|loss - oracle_loss|``,
-both gradient norms, and for the BF16 weights after the update (``param``) and the BF16 local gradients
-(``grad``), pooled over parameters, ranks and micro-steps: normwise relative error, max BF16-ulp distance,
-fraction of elements that differ."""
+"""``source="moe"``, per step, seed and policy: the policy's loss and the matched FP32 policy's (the run it is
+compared with, `simdist.studies.training.train`), ``|loss - matched_loss|``, both gradient norms, and for the
+BF16 weights after the update (``param``) and the BF16 local gradients (``grad``), pooled over parameters, ranks
+and micro-steps: normwise relative error, max BF16-ulp distance, fraction of elements that differ."""
 
 
 _MOE_DIVERGENCE = ("loss_diff", "param_rel", "param_ulp_max", "param_differ", "grad_rel", "grad_ulp_max", "grad_differ")
@@ -285,7 +286,9 @@ def summarise(config: GrowthConfig, metrics: np.ndarray) -> dict:
     """Final-step medians per policy, and the fitted growth exponent of the master error (log-log slope).
 
     ``source="moe"``: the exponent is that of the BF16 weights' error (``param_rel_growth_exponent``), and
-    ``bitwise_equal_to_oracle`` means every divergence column and the loss difference are 0 at every step.
+    ``bitwise_equal_to_oracle`` means every divergence column and the loss difference are 0 at every step (there
+    the run compared with is the matched FP32 policy's, `simdist.studies.training.train`; the key is the
+    synthetic source's).
     """
     out: dict = {"config": config.identity(), "policies": {}}
     steps = metric_steps(config)

@@ -25,6 +25,10 @@ def random_walk(steps: np.ndarray, median: np.ndarray, anchor: int = 10) -> np.n
     return median[t0] * np.sqrt(steps / steps[t0])
 
 
+MOE_BASELINE = "the matched FP32 policy"
+"""What ``source="moe"``'s errors are measured against: the run of `MATCHED_FP32` next to each policy's."""
+
+
 def plot_growth(config: GrowthConfig, metrics: np.ndarray, path: str | Path) -> None:
     """Write `growth_figure` to ``path`` (PNG, atomically)."""
     _save_figure(growth_figure(config, metrics), path)
@@ -34,7 +38,8 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     """Panels of the relative and ulp error of masters, m, v against step (log x, symlog y so that an exact 0
     is drawn): median, band over seeds (`band`), sqrt(t) line; a policy equal to the oracle is a line at 0.
 
-    ``source="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error.
+    ``source="moe"``: BF16 weights' relative and max-ulp error, the loss difference and the local gradients' error,
+    against the matched FP32 policy (`MOE_BASELINE`: what `simdist.studies.training.train` compares with).
     Panels are spaced so that no y label or tick label overlaps the panel to its left (`_make_room`).
     """
     if config.source == "moe":
@@ -79,15 +84,19 @@ def growth_figure(config: GrowthConfig, metrics: np.ndarray):
     return fig
 
 
-def _panel(ax, steps: np.ndarray, errors: np.ndarray, policies, colours, walk: bool) -> None:
+def _panel(
+    ax, steps: np.ndarray, errors: np.ndarray, policies, colours, walk: bool, baseline: str = "the oracle"
+) -> None:
     """One error panel: each policy's band over seeds (``errors[step, policy, seed]``) on a log step axis that
-    spans every step (an all-zero panel draws only horizontal lines) and a symlog error axis."""
+    spans every step (an all-zero panel draws only horizontal lines) and a symlog error axis. ``baseline``: what
+    the errors are measured against, in the labels (the oracle; the matched FP32 policy for ``source="moe"``)."""
     zero = [
-        _draw_band(ax, steps, errors[:, j, :], colours[j % len(colours)], name, walk) for j, name in enumerate(policies)
+        _draw_band(ax, steps, errors[:, j, :], colours[j % len(colours)], name, walk, baseline)
+        for j, name in enumerate(policies)
     ]
     ax.set_xscale("log")
     ax.set_xlim(1, max(2, int(steps[-1])))
-    _error_axis(ax, errors, any(zero))
+    _error_axis(ax, errors, any(zero), baseline)
     ax.grid(True, which="major", alpha=0.3)
 
 
@@ -157,12 +166,14 @@ def band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
     return values.min(axis=1), values.max(axis=1), f"min–max band, {seeds} seed{'s' if seeds != 1 else ''}"
 
 
-def _draw_band(ax, steps: np.ndarray, values: np.ndarray, colour, name: str, walk: bool) -> bool:
+def _draw_band(
+    ax, steps: np.ndarray, values: np.ndarray, colour, name: str, walk: bool, baseline: str = "the oracle"
+) -> bool:
     """Median and band over seeds (``values[step, seed]``); returns whether every value is exactly zero.
 
     The axis is symlog (`_error_axis`), so exact zeros are drawn at the bottom (0) instead of vanishing as
     they would on a log axis. A policy whose error is zero at every step and seed is drawn as a line at 0
-    and labelled as bitwise equal to the oracle.
+    and labelled as bitwise equal to ``baseline``.
     """
     if not (values != 0).any():
         ax.axhline(
@@ -170,7 +181,7 @@ def _draw_band(ax, steps: np.ndarray, values: np.ndarray, colour, name: str, wal
             color=colour,
             linewidth=2.5,
             alpha=0.8,
-            label=f"{name}: bitwise equal to the oracle (error exactly 0 at every step and seed)",
+            label=f"{name}: bitwise equal to {baseline} (error exactly 0 at every step and seed)",
         )
         return True
     med = np.median(values, axis=1)
@@ -183,11 +194,11 @@ def _draw_band(ax, steps: np.ndarray, values: np.ndarray, colour, name: str, wal
     return False
 
 
-def _error_axis(ax, values: np.ndarray, any_zero_policy: bool) -> None:
+def _error_axis(ax, values: np.ndarray, any_zero_policy: bool, baseline: str = "the oracle") -> None:
     """A symlog y axis: logarithmic above the smallest non-zero error, linear from it down to an exact 0.
 
     ``values`` are every value drawn on the panel. With no non-zero value at all the axis is linear on [0, 1].
-    A panel where some policy is bitwise equal to the oracle gets a note at its bottom line.
+    A panel where some policy is bitwise equal to ``baseline`` gets a note at its bottom line.
     """
     finite = values[np.isfinite(values)]
     positive = finite[finite > 0]
@@ -206,7 +217,7 @@ def _error_axis(ax, values: np.ndarray, any_zero_policy: bool) -> None:
         ax.set_ylim(-0.05, 1.0)
     if any_zero_policy:
         ax.annotate(
-            "0 = bitwise equal to the oracle",
+            f"0 = bitwise equal to {baseline}",
             xy=(0.01, 0.0),
             xycoords=("axes fraction", "data"),
             xytext=(0, 3),
@@ -234,14 +245,14 @@ def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
         (
             "loss_diff",
             "loss difference (loss of step t, before its update)",
-            "|loss_policy − loss_oracle|  (loss units: MSE)",
+            "|loss_policy − loss_matched|  (loss units: MSE)",
             False,
         ),
         ("grad_rel", "BF16 local gradients (model backward)", "normwise relative error  ‖p − o‖₂ / ‖o‖₂  (1)", False),
     )
     for ax, (column, title, unit, walk) in zip(axes.flat, panels, strict=True):
         k = MOE_COLUMNS.index(column)
-        _panel(ax, steps, metrics[:, :, :, k], config.policies, colours, walk)
+        _panel(ax, steps, metrics[:, :, :, k], config.policies, colours, walk, baseline=MOE_BASELINE)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(unit, fontsize=9)
     for ax in axes[1]:
@@ -250,7 +261,7 @@ def _moe_figure(config: GrowthConfig, metrics: np.ndarray):
     cfg = MoEConfig()
     fig.suptitle(
         y=0.99,
-        t=f"Error growth vs the FP32 oracle — {config.spec.describe()}, source moe (folded "
+        t=f"Error growth vs the matched FP32 policy — {config.spec.describe()}, source moe (folded "
         f"MoE block: hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.top_k}, {cfg.tokens} tokens/rank; "
         f"BF16 weights and local grads), {config.seeds} seeds, GAS {config.gas}\n{_dtypes(config)}",
         fontsize=9,

@@ -63,7 +63,7 @@ class GrowthConfig:
         default=GradientSource.SYNTHETIC,
         metadata={
             "help": "where the gradients come from: the synthetic stream (batched over seeds) or the folded MoE "
-            "block (each seed and policy run in turn next to the FP32 oracle; resumes per run)"
+            "block (each seed and policy run in turn next to the matched FP32 policy; resumes per run)"
         },
     )
     spec: ParallelSpec = field(default=DEFAULT_SPEC, metadata={"etp": False})
@@ -179,56 +179,15 @@ def run_growth(
 def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
     """The batched synthetic run, checkpointed every ``checkpoint_every`` steps; ``metrics[row, policy, seed]``, one
     row per step of `metric_steps`."""
-    from safetensors.torch import load_file, save_file
-
-    spec = config.spec
     seeds = [config.seed + i for i in range(config.seeds)]
-    params = DEFAULT_PARAMS
-    stream = BatchedGradients(spec, params, seeds)
-    policies = [get_policy(n) for n in config.policies]
-    initial = [InitialWeights(spec, seed) for seed in seeds]
-    model = make_reduction(config.reduction)
-
-    buffers: dict[torch.dtype, torch.Tensor] = {}  # one initial buffer per dtype, not per policy (slow at world 512)
-
-    def batched(policy, marker: Marker) -> BatchedPath:
-        path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
-        if policy.grad_dtype not in buffers:
-            buffers[policy.grad_dtype] = initial_buffer(spec, params, initial, policy.grad_dtype)
-        return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, reduction=model)
-
-    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, model)
-    paths = [batched(p, config.marker) for p in policies]
+    stream = BatchedGradients(config.spec, DEFAULT_PARAMS, seeds)
+    oracle_run, paths = _synthetic_runs(config, seeds)
     runs: list[_OracleRun | BatchedPath] = [oracle_run, *paths]
     recorded = metric_steps(config)  # the 1-based steps whose metrics are recorded, one row each
     row_of = {int(t): i for i, t in enumerate(recorded)}
-    metrics = np.zeros((len(recorded), len(policies), config.seeds, len(COLUMNS)), dtype=np.float64)
-    start = 0
-    if ckpt.exists():
-        loaded = load_file(str(ckpt))
-        if loaded["key"].numpy().tobytes().decode() == key:
-            start = int(loaded["step"].item())
-            for i, run in enumerate(runs):
-                run.load({k: loaded[f"run{i}.{k}"] for k in ("master", "adam_m", "adam_v", "lp")}, start)
-            rows = int(np.searchsorted(recorded, start, side="right"))
-            metrics[:rows] = loaded["metrics"].numpy()[:rows]
-
-    def save_checkpoint(step: int) -> None:
-        tensors = {
-            "step": torch.tensor(step, dtype=torch.int64),
-            "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
-            "metrics": torch.from_numpy(metrics[: int(np.searchsorted(recorded, step, side="right"))].copy()),
-        }
-        for i, run in enumerate(runs):
-            for k, t in run.state().items():
-                tensors[f"run{i}.{k}"] = t.contiguous()
-        atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, initial=start, desc="growth", unit="step")
+    metrics = np.zeros((len(recorded), len(paths), config.seeds, len(COLUMNS)), dtype=np.float64)
+    start = _resume_synthetic(ckpt, key, runs, recorded, metrics)
+    bar = _bar(progress, config.steps, start, "growth")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: threading costs more than it saves
 
@@ -257,7 +216,7 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
                 bar.update(1)
             done = step + 1
             if done % config.checkpoint_every == 0 or done == config.steps:
-                save_checkpoint(done)
+                _save_synthetic(ckpt, key, done, runs, metrics[: int(np.searchsorted(recorded, done, side="right"))])
             if stop_after is not None and done - start >= stop_after and done < config.steps:
                 raise _Interrupted(f"stopped after step {done}")
     finally:
@@ -268,6 +227,66 @@ def _run_synthetic(config: GrowthConfig, ckpt: Path, key: str, progress: bool, s
     return metrics
 
 
+def _synthetic_runs(config: GrowthConfig, seeds: list[int]) -> tuple[_OracleRun, list[BatchedPath]]:
+    """The oracle and one batched gradient path per policy, batched over ``seeds``, all in ``config``'s reduction."""
+    spec, params = config.spec, DEFAULT_PARAMS
+    initial = [InitialWeights(spec, seed) for seed in seeds]
+    reduction = make_reduction(config.reduction)
+    buffers: dict[torch.dtype, torch.Tensor] = {}  # one initial buffer per dtype, not per policy (slow at world 512)
+
+    def batched(policy, marker: Marker) -> BatchedPath:
+        path = PathConfig(steps=config.steps, gas=config.gas, marker=marker)
+        if policy.grad_dtype not in buffers:
+            buffers[policy.grad_dtype] = initial_buffer(spec, params, initial, policy.grad_dtype)
+        return BatchedPath(spec, params, policy, path, buffers[policy.grad_dtype], seeds, reduction=reduction)
+
+    policies = [get_policy(n) for n in config.policies]
+    oracle_run = _OracleRun(spec, params, initial, len(seeds), config.gas, reduction)
+    return oracle_run, [batched(p, config.marker) for p in policies]
+
+
+def _resume_synthetic(ckpt: Path, key: str, runs: list, recorded: np.ndarray, metrics: np.ndarray) -> int:
+    """Load ``ckpt`` into ``runs`` and ``metrics`` when it belongs to this run (``key``); the step it resumes at
+    (0: from the start)."""
+    from safetensors.torch import load_file
+
+    if not ckpt.exists():
+        return 0
+    loaded = load_file(str(ckpt))
+    if loaded["key"].numpy().tobytes().decode() != key:
+        return 0
+    start = int(loaded["step"].item())
+    for i, run in enumerate(runs):
+        run.load({k: loaded[f"run{i}.{k}"] for k in ("master", "adam_m", "adam_v", "lp")}, start)
+    rows = int(np.searchsorted(recorded, start, side="right"))
+    metrics[:rows] = loaded["metrics"].numpy()[:rows]
+    return start
+
+
+def _save_synthetic(ckpt: Path, key: str, step: int, runs: list, metrics: np.ndarray) -> None:
+    """The checkpoint after ``step``: every run's state and the metrics rows recorded so far."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "step": torch.tensor(step, dtype=torch.int64),
+        "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+        "metrics": torch.from_numpy(metrics.copy()),
+    }
+    for i, run in enumerate(runs):
+        for k, t in run.state().items():
+            tensors[f"run{i}.{k}"] = t.contiguous()
+    atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def _bar(progress: bool, total: int, initial: int, desc: str):
+    """A tqdm bar in steps, or None without ``progress``."""
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step")
+
+
 KINDS = ("master", "m", "v")
 """The state tensors whose divergence from the oracle the metrics record (`COLUMNS`' master, adam_m, adam_v)."""
 
@@ -276,13 +295,13 @@ class _OracleRun:
     """The independent FP32 oracle (`simdist.gradpath.oracle.Oracle`) batched over seeds, stepped like a
     `BatchedPath`: ``run_step(draw)``, ``state()``, ``load(state, step)``."""
 
-    def __init__(self, spec, params, initial, seeds: int, gas: int, model) -> None:
+    def __init__(self, spec, params, initial, seeds: int, gas: int, reduction) -> None:
         stacked = {
             (r, p.name): torch.stack([init(r, p).to(torch.bfloat16) for init in initial])
             for r in range(spec.world_size)
             for p in params
         }
-        self.oracle = Oracle(spec, params, stacked, tp_reduction=model, dp_reduction=model)
+        self.oracle = Oracle(spec, params, stacked, tp_reduction=reduction, dp_reduction=reduction)
         self.spec, self.params, self.gas, self.step = spec, params, gas, 0
 
     def run_step(self, draw) -> None:
@@ -306,10 +325,10 @@ def _moe_rows(records, steps: int) -> np.ndarray:
     for record in records:
         row = {
             "loss": record.loss,
-            "oracle_loss": record.oracle_loss,
-            "loss_diff": abs(record.loss - record.oracle_loss),
+            "matched_loss": record.matched_loss,
+            "loss_diff": abs(record.loss - record.matched_loss),
             "grad_norm": record.grad_norm,
-            "oracle_grad_norm": record.oracle_grad_norm,
+            "matched_grad_norm": record.matched_grad_norm,
         }
         for kind, prefix in (("param", "param"), ("local grad", "grad")):
             pooled = Difference.pool(d for (_, k), d in record.tensors.items() if k == kind)
@@ -321,40 +340,19 @@ def _moe_rows(records, steps: int) -> np.ndarray:
 
 
 def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_after: int | None) -> np.ndarray:
-    """Each (policy, seed) run of the MoE block next to the FP32 oracle (`simdist.studies.training.train`), in turn.
+    """Each (policy, seed) run of the MoE block next to the matched FP32 policy
+    (`simdist.studies.training.train`), in turn.
 
     The checkpoint holds the rows of the finished runs (``done[policy, seed]``)
     and is rewritten after each; an unfinished run restarts from step 0.
     """
-    from safetensors.torch import load_file, save_file
-
     from simdist.sources.moe import MoEConfig
     from simdist.studies.training import train
 
-    spec = config.spec
     metrics = np.zeros((config.steps, len(config.policies), config.seeds, len(MOE_COLUMNS)), dtype=np.float64)
     done = np.zeros((len(config.policies), config.seeds), dtype=np.uint8)
-    if ckpt.exists():
-        loaded = load_file(str(ckpt))
-        if loaded["key"].numpy().tobytes().decode() == key and "done" in loaded:
-            done[:] = loaded["done"].numpy()
-            metrics[:] = loaded["metrics"].numpy()
-
-    def save_checkpoint() -> None:
-        tensors = {
-            "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
-            "done": torch.from_numpy(done.copy()),
-            "metrics": torch.from_numpy(metrics.copy()),
-        }
-        atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=done.size * config.steps, initial=int(done.sum()) * config.steps, desc="growth moe", unit="step"
-        )
+    _resume_moe(ckpt, key, done, metrics)
+    bar = _bar(progress, done.size * config.steps, int(done.sum()) * config.steps, "growth moe")
     finished = 0
     try:
         for s in range(config.seeds):
@@ -362,7 +360,7 @@ def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_af
                 if done[j, s]:
                     continue
                 records = train(
-                    spec,
+                    config.spec,
                     name,
                     steps=config.steps,
                     gas=config.gas,
@@ -372,7 +370,7 @@ def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_af
                 )
                 metrics[:, j, s] = _moe_rows(records, config.steps)
                 done[j, s] = 1
-                save_checkpoint()
+                _save_moe(ckpt, key, done, metrics)
                 if bar is not None:
                     bar.update(config.steps)
                 finished += 1
@@ -382,6 +380,29 @@ def _run_moe(config: GrowthConfig, ckpt: Path, key: str, progress: bool, stop_af
         if bar is not None:
             bar.close()
     return metrics
+
+
+def _resume_moe(ckpt: Path, key: str, done: np.ndarray, metrics: np.ndarray) -> None:
+    """Load ``ckpt``'s finished runs into ``done`` and ``metrics`` when it belongs to this run (``key``)."""
+    from safetensors.torch import load_file
+
+    if ckpt.exists():
+        loaded = load_file(str(ckpt))
+        if loaded["key"].numpy().tobytes().decode() == key and "done" in loaded:
+            done[:] = loaded["done"].numpy()
+            metrics[:] = loaded["metrics"].numpy()
+
+
+def _save_moe(ckpt: Path, key: str, done: np.ndarray, metrics: np.ndarray) -> None:
+    """The checkpoint after a finished (policy, seed) run: which runs are done and every row."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "key": torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8),
+        "done": torch.from_numpy(done.copy()),
+        "metrics": torch.from_numpy(metrics.copy()),
+    }
+    atomic_write(ckpt, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def clean(out: str | Path) -> None:

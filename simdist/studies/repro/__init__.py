@@ -93,8 +93,8 @@ __all__ = [
 def workload(
     name: GradientSource | str, spec: ParallelSpec, seed: int, gas: int, inputs: Inputs | str = Inputs.ROUNDING
 ):
-    """``(params, initial, gradients)`` of the training model ``name`` (synthetic gradients drawn from ``inputs``)."""
-    if coerce(GradientSource, name, "model") == GradientSource.SYNTHETIC:
+    """``(params, initial, gradients)`` of the gradient source ``name`` (synthetic gradients drawn from ``inputs``)."""
+    if coerce(GradientSource, name, "source") == GradientSource.SYNTHETIC:
         return DEFAULT_PARAMS, InitialWeights(spec, seed), synthetic_gradients(spec, seed, inputs)
     from simdist.sources.moe import MoEGradients
 
@@ -106,30 +106,30 @@ def run(
     spec: ParallelSpec,
     policy: Policy,
     config: PathConfig,
-    model: Reduction,
-    training_model: GradientSource | str = GradientSource.SYNTHETIC,
+    reduction: Reduction,
+    source: GradientSource | str = GradientSource.SYNTHETIC,
     inputs: Inputs | str = Inputs.ROUNDING,
 ) -> list[Trace]:
-    """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``model``.
+    """Every rank's trace of ``policy`` on ``spec`` in a SimWorld whose groups all use ``reduction``.
 
-    ``training_model`` picks where the local gradients come from (`GradientSource`), ``inputs`` their distribution.
+    ``source`` picks where the local gradients come from (`GradientSource`), ``inputs`` their distribution.
     """
-    params, initial, grads = workload(training_model, spec, config.seed, config.gas, inputs)
-    world = SimWorld(spec, reduction=model, timeout_s=None)  # a long study has no deadline
+    params, initial, grads = workload(source, spec, config.seed, config.gas, inputs)
+    world = SimWorld(spec, reduction=reduction, timeout_s=None)  # a long study has no deadline
     return world.run(train_rank, list(params), initial, grads, policy, config)
 
 
 def run_oracle(
     config: ReproConfig,
-    model: Reduction,
+    reduction: Reduction,
     magnitudes: bool = False,
     control: Control | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> list[Trace]:
     """The independent FP32 oracle (`simdist.gradpath.oracle`) on the run's workload: every group sums in
-    ``model``'s order, the TP correction runs on every micro-step, the step is ``torch.optim.AdamW``'s.
+    ``reduction``'s order, the TP correction runs on every micro-step, the step is ``torch.optim.AdamW``'s.
 
-    ``magnitudes`` runs it on ``|local gradients|`` (synthetic model only), which gives ``sum|terms|``;
+    ``magnitudes`` runs it on ``|local gradients|`` (synthetic source only), which gives ``sum|terms|``;
     ``control`` runs it with one deliberate error (a power check); ``dtype`` is its staging, accumulation,
     reduction and master dtype (``float64``: the exact reference of `exact_distances`).
     """
@@ -141,8 +141,8 @@ def run_oracle(
         _Magnitudes(grads) if magnitudes else grads,
         steps=config.steps,
         gas=config.gas,
-        tp_reduction=model,
-        dp_reduction=model,
+        tp_reduction=reduction,
+        dp_reduction=reduction,
         control=control,
         dtype=dtype,
     )
@@ -184,20 +184,20 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     """Run the oracle and every policy; return the per-policy reports and the verdict.
 
     ``progress`` (the CLI's bar) is called with a label after each run: the oracle, the |terms| run (synthetic
-    model only) and each policy -- `run_count` calls in all.
+    source only) and each policy -- `run_count` calls in all.
     """
     done = progress or (lambda label: None)
     spec = config.spec
     policies = [get_policy(name) for name in config.policies]
-    model = make_reduction(config.reduction)
+    reduction = make_reduction(config.reduction)
     path = PathConfig(
         steps=config.steps, gas=config.gas, seed=config.seed, marker=config.marker, update_path=config.update_path
     )
-    oracle = run_oracle(config, model)
+    oracle = run_oracle(config, reduction)
     done("oracle")
     magnitudes = None
     if config.source == GradientSource.SYNTHETIC:  # a model's gradients depend on its weights: no |terms| run for it
-        magnitudes = run_oracle(config, model, magnitudes=True)
+        magnitudes = run_oracle(config, reduction, magnitudes=True)
         done("|terms|")
     families = {p.name: p.family for p in workload(config.source, spec, config.seed, config.gas, config.inputs)[0]}
     reports = []
@@ -207,7 +207,7 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
         traces = (
             real[policy.name]
             if real
-            else run(spec, policy, path, model, training_model=config.source, inputs=config.inputs)
+            else run(spec, policy, path, reduction, source=config.source, inputs=config.inputs)
         )
         kept[policy.name] = traces
         rows = compare_with_oracle(traces, oracle, magnitudes)
@@ -228,8 +228,8 @@ def reproduce(config: ReproConfig, progress: Callable[[str], None] | None = None
     power: tuple[PowerCheck, ...] = ()
     exact: tuple[ExactDistance, ...] = ()
     if config.source == GradientSource.SYNTHETIC:
-        power = power_checks(spec, oracle, lambda control: run_oracle(config, model, control=control), POWER_STAGES)
-        exact = exact_distances(run_oracle(config, model, dtype=torch.float64), {"oracle": oracle, **kept})
+        power = power_checks(spec, oracle, lambda control: run_oracle(config, reduction, control=control), POWER_STAGES)
+        exact = exact_distances(run_oracle(config, reduction, dtype=torch.float64), {"oracle": oracle, **kept})
         done("power checks")
     return reports, replace(with_power(config, verdict, power), exact=exact)
 

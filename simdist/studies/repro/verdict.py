@@ -94,7 +94,7 @@ at the boundary leaves the micro-steps' hp buffers uncorrected) and show power t
 
 def exact_distances(exact: list[Trace], runs: dict[str, list[Trace]]) -> tuple[ExactDistance, ...]:
     """Each run's step-0 DP-reduced gradient against ``exact`` (the FP64 oracle's, rounded to FP32), in FP32 ulps;
-    runs that did not capture it (the real engines) are left out."""
+    runs that did not capture it (DeepSpeed's real code, ``--code deepspeed``) are left out."""
     out = []
     for name, traces in runs.items():
         worst = differing = compared = 0
@@ -150,7 +150,7 @@ def verdict(reports: list[PolicyReport], families: dict[str, Family]) -> Verdict
     differing = {(r.param, r.kind) for r in writeback.rows if not r.bitwise_equal}
     router_kinds = {k for p, k in differing if p in routers}
     others = {p for p, _ in differing if p not in routers}
-    captured = {r.kind for r in writeback.rows}  # the real engines capture gradients only
+    captured = {r.kind for r in writeback.rows}  # ``--code deepspeed`` captures gradients only
     reproduced = (
         "hp grad" in captured
         and {"hp grad", "fp32 master", "adam m", "adam v"} & captured <= router_kinds
