@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +12,8 @@ from simdist.attribution.arithmetic import op_names
 from simdist.attribution.report import CATEGORIES, BlameReport, Movement, Promotion
 from simdist.attribution.run import Recorder, execute, local
 from simdist.errors import UsageError
+from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S
+from simdist.world.spec import ParallelSpec
 
 SiteSpec = int | str
 """A site of the base run's table: its id (``3`` or ``"3"``) or ``"path:line"`` (every site on that line;
@@ -176,28 +178,43 @@ def blame_runs(
 
 def blame(
     fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
+    world: int | ParallelSpec,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     promote: Iterable[SiteSpec] = (),
     promote_top: int = 0,
     ops: str | Iterable[str] | None = None,
-    **spawn_kwargs: Any,
+    reduction: Any = DEFAULT_REDUCTION,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    one_cpu: bool = True,
+    intra_op_threads: int | None = 1,
 ) -> BlameReport:
-    """Run ``fn(rank, *args)`` on ``world_size`` rank threads (`simdist.run`) and blame its rounding, site by site.
+    """Run ``fn(rank, *args, **kwargs)`` on every rank of ``world`` as threads (`simdist.run`) and blame its
+    rounding, site by site.
 
     ``fn`` is unmodified ``torch.distributed`` code. For every reducing collective call site and every
     narrowing cast (file:line and function, over calls, ranks and steps) the report gives elements,
     calls, max ulp, max error / sum|terms| and max relative error against the exact result of the same
     inputs (an FP64 reduction of the members' tensors computed in the same run; the wide input of a cast),
     and each site's share of the run's error mass. ``promote`` / ``promote_top``: see `blame_target`.
-    ``spawn_kwargs`` (``reduction=``, ``spec=``, ``timeout_s=``, ``one_cpu=``, ``intra_op_threads=``) go to
-    `simdist.run`, every other keyword to ``fn`` (`simdist.world.runner.split_keywords`). ``report.results``
-    holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`); ``report.figure()``
-    draws the sites and their error per step.
+    ``world``, ``args``, ``kwargs``, ``reduction``, ``timeout_s``, ``one_cpu`` and ``intra_op_threads`` are
+    `simdist.run`'s (its keywords apart from ``fn``'s, as there; the ranks are always threads of this process).
+    ``report.results`` holds ``fn``'s per-rank results; ``ops`` adds arithmetic sites (see `blame_target`);
+    ``report.figure()`` draws the sites and their error per step.
     """
-    from simdist.world.runner import run, split_keywords
+    from simdist.world.runner import run
 
-    world, launch, fn_kwargs = split_keywords(world_size, spawn_kwargs)
-    return blame_target(
-        lambda: run(fn, world, args=args, kwargs=fn_kwargs, **launch), promote=promote, promote_top=promote_top, ops=ops
-    )
+    def launch() -> list[Any]:
+        return run(
+            fn,
+            world,
+            args=args,
+            kwargs=kwargs,
+            reduction=reduction,
+            timeout_s=timeout_s,
+            one_cpu=one_cpu,
+            intra_op_threads=intra_op_threads,
+        )
+
+    return blame_target(launch, promote=promote, promote_top=promote_top, ops=ops)

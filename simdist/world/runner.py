@@ -18,10 +18,10 @@ function is handed (`Api`: ``dist`` -- its rank, with the default ``torch.distri
 the launcher's keywords, as in ``torch.multiprocessing.spawn``: ``args=`` and ``kwargs=``. ``reduction=``
 (`simdist.world.options`) and ``timeout_s=`` have one default each, whatever ``where`` and ``api``.
 
-``SimWorld(spec).run`` is this function with ``where="threads"``, ``api="comm"``, on the same code path. APIs
-that take the rank function's keywords and the launcher's in one ``**kwargs`` (`simdist.blame`, the pytest
-fixture ``simdist_world``) part them with `split_keywords` and call this function. Process launches
-(``where="processes"`` or ``"gloo"``) are `simdist.world.process_launch.spawn_processes`.
+``SimWorld(spec).run`` is this function with ``where="threads"``, ``api="comm"``, on the same code path;
+`simdist.blame` and the pytest fixture ``simdist_world`` call it with their callers' ``args=``, ``kwargs=`` and
+launcher keywords. Process launches (``where="processes"`` or ``"gloo"``) are
+`simdist.world.process_launch.spawn_processes`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from simdist.world.process_launch import LaunchTimings, spawn_processes
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
-__all__ = ["Api", "Where", "run", "split_keywords"]
+__all__ = ["Api", "Where", "run"]
 
 
 def run(
@@ -102,19 +102,6 @@ def run(
     return spawn_processes(
         fn, size, comm_spec, args, kwargs, timeout, backend, reduction, tuple(preload), timings, report_backend
     )
-
-
-THREAD_KEYWORDS = ("reduction", "spec", "timeout_s", "one_cpu", "intra_op_threads")
-"""The launcher's keywords that `split_keywords` takes out of a mixed ``**kwargs`` (``spec`` becomes the world)."""
-
-
-def split_keywords(world_size: int, kwargs: Mapping[str, Any]) -> tuple[int | ParallelSpec, dict, dict]:
-    """``(world, launcher keywords, fn's keywords)`` of a call that mixes them, as ``fn(rank, *args, **kwargs)``
-    APIs do: the names of `THREAD_KEYWORDS` are the launcher's (``spec=``, when given, is the world), every other
-    name, ``model=`` included, is ``fn``'s."""
-    launch = {k: v for k, v in kwargs.items() if k in THREAD_KEYWORDS}
-    spec = launch.pop("spec", None)
-    return (world_size if spec is None else spec), launch, {k: v for k, v in kwargs.items() if k not in THREAD_KEYWORDS}
 
 
 def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:

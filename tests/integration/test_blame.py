@@ -96,7 +96,7 @@ def test_cast_error_is_measured_against_the_wide_input():
 @pytest.mark.slow
 def test_a_rerun_without_promotion_is_bitwise_the_base_run():
     """Promotion compares with the base run: that is sound only because two runs give the same bits."""
-    a, b = blame(train, 4, steps=2), blame(train, 4, steps=2)
+    a, b = blame(train, 4, kwargs={"steps": 2}), blame(train, 4, kwargs={"steps": 2})
     for category in a.state:
         assert a.state[category].keys() == b.state[category].keys()
         for name, t in a.state[category].items():
@@ -115,7 +115,7 @@ def _writeback_site(report):
 
 def test_8913_written_as_a_script_blames_the_writeback_by_end_to_end_effect():
     """No knowledge of DeepSpeed: promoting each site in turn, only the writeback moves the final state."""
-    report = blame(train, 4, steps=3, promote_top=len(blame(train, 4, steps=1).sites))
+    report = blame(train, 4, kwargs={"steps": 3}, promote_top=len(blame(train, 4, kwargs={"steps": 1}).sites))
     writeback = _writeback_site(report)
     ranked = report.ranked_promotions()
     assert ranked[0].sites == [writeback]
@@ -142,7 +142,7 @@ def _check_readme_block(report):
 @pytest.mark.slow
 def test_8913_without_the_writeback_nothing_is_left_to_blame_on_the_gradient_path():
     """The mutation: drop the writeback and its site leaves the table; no promotion moves the final state."""
-    report = blame(train, 4, steps=2, writeback=False, promote_top=6)
+    report = blame(train, 4, kwargs={"steps": 2, "writeback": False}, promote_top=6)
     line = next(
         i
         for i, text in enumerate((ROOT / "experiments/blame_8913.py").read_text().splitlines(), 1)
@@ -204,7 +204,7 @@ def test_collective_figures_equal_an_exact_rational_reference(n, data):
     values = data.draw(
         rank_tensors(n, 3, torch.float32, float_values(torch.float32, min_exponent=-30, max_exponent=30))
     )
-    report = blame(_reduce_and_return, n, values, reduction="gloo")
+    report = blame(_reduce_and_return, n, args=(values,), reduction="gloo")
     (site,) = report.sites
     rel, scaled = 0.0, 0.0
     for result in report.results:

@@ -169,6 +169,45 @@ def test_bad_promote_options_are_refused_before_the_run(options, message):
     assert ran == []
 
 
+def _arguments(rank: int, label: str, *, scale: float) -> tuple:
+    """A rank function with a positional and a keyword-only argument of its own."""
+    return rank, label, scale, dist.get_world_size()
+
+
+def test_fns_arguments_travel_in_args_and_kwargs_apart_from_blames_keywords():
+    """As `simdist.run`: ``fn``'s arguments in ``args=``/``kwargs=``, the world a size or a `ParallelSpec`; a loose
+    keyword is blame's own or a ``TypeError`` (``model=`` was the reduction's spelling once), never ``fn``'s."""
+    from simdist.world.spec import ParallelSpec
+
+    report = blame(_arguments, 2, args=("x",), kwargs={"scale": 0.5})
+    assert report.results == [(0, "x", 0.5, 2), (1, "x", 0.5, 2)]
+    assert blame(_arguments, ParallelSpec(4, tp=2), args=("y",), kwargs={"scale": 1.0}).results[3] == (3, "y", 1.0, 4)
+    for loose in ({"scale": 0.5}, {"model": "ring"}, {"spec": ParallelSpec(2)}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(loose))}'"):
+            blame(_arguments, 2, args=("x",), **loose)
+
+
+def test_the_launchers_keywords_reach_simdist_run(monkeypatch):
+    """Every launcher keyword blame takes is handed to `simdist.run` as given (a dropped one would run on the
+    default silently), and its defaults are the launcher's."""
+    import simdist.world.runner as runner
+
+    seen: list[dict] = []
+    real = runner.run
+
+    def recording_run(fn, world, **kwargs):
+        seen.append({"world": world, **kwargs})
+        return real(fn, world, **kwargs)
+
+    monkeypatch.setattr(runner, "run", recording_run)
+    given = {"reduction": "ring", "timeout_s": 60.0, "one_cpu": False, "intra_op_threads": 2}
+    blame(_arguments, 2, args=("x",), kwargs={"scale": 1.0}, **given)
+    blame(_arguments, 2, args=("x",), kwargs={"scale": 1.0})
+    assert seen[0] == {"world": 2, "args": ("x",), "kwargs": {"scale": 1.0}, **given}
+    defaults = {k: p.default for k, p in inspect.signature(real).parameters.items() if k in given}
+    assert seen[1] == {"world": 2, "args": ("x",), "kwargs": {"scale": 1.0}, **defaults}
+
+
 def test_promoting_in_a_run_without_sites_says_so():
     with pytest.raises(SiteNotFound, match="this run has no sites") as raised:
         blame(lambda rank: None, 2, promote=[1])

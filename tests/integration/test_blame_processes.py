@@ -142,13 +142,13 @@ def _equal(a: dict, b: dict) -> bool:
 def test_a_promoted_writeback_reaches_the_wide_buffer_as_the_fix_does():
     line = inspect.getsourcelines(_writeback)[1] + WRITEBACK
     spec = f"test_blame_processes.py:{line}"
-    shipped = blame(_writeback, 2, "writeback", promote=[spec])
-    fixed = blame(_writeback, 2, "fix")
+    shipped = blame(_writeback, 2, args=("writeback",), promote=[spec])
+    fixed = blame(_writeback, 2, args=("fix",))
     (promotion,) = shipped.promotions
     assert promotion.events > 0
     assert not _equal(_bits(shipped.state), _bits(fixed.state))  # power: the writeback rounds
     assert _equal(_bits(promotion.state), _bits(fixed.state))
-    stale = blame(_writeback, 2, "stale", promote=[spec])  # the buffer changed: its widening is not replaced
+    stale = blame(_writeback, 2, args=("stale",), promote=[spec])  # the buffer changed: its widening is not replaced
     assert _equal(_bits(stale.promotions[0].state), _bits(stale.state))
     assert not math.isnan(stale.total_mass)
 

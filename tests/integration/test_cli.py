@@ -23,6 +23,14 @@ def test_repro_prints_the_reproduced_verdict(capsys):
     assert out.rstrip().splitlines()[-1].startswith("verdict: #8913 REPRODUCED")
     assert "bf16 -> fp32 -> all_reduce[tp] -> /4 -> bf16 -> fp32 -> +=hp" in out  # TP4 x DP2 x EP2 on 8 ranks
     assert "router.weight: first differs at 'hp' after 'written_back' (rank 0, step 0, micro-step 0)" in out
+    assert _readme_verdict_lines() == out.rstrip().splitlines()[-3:]  # README shows the run's last lines as they are
+
+
+def _readme_verdict_lines() -> list[str]:
+    """The output block README shows after "its last lines are:" (the front door's `simdist repro 8913`)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme[readme.index("its last lines are:") :].split("```")[1]
+    return block.strip().splitlines()
 
 
 def test_repro_json_has_every_tensor_of_every_rank(capsys):

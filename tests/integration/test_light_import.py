@@ -72,7 +72,7 @@ assert "torch" not in sys.modules
 import torch
 """
         + REGISTRATION
-        + "print(world.spawn(lambda rank: rank * 2, 2))\n"
+        + "print(world.run(lambda rank: rank * 2, 2))\n"
     )
     assert out.strip().splitlines() == ["simdist [1.5, -2.0] True", "[0, 2]"]
 

@@ -82,14 +82,41 @@ def test_the_readme_property_holds_for_a_correctly_rounded_mean():
     namespace["test_average_is_within_one_rounding"](SimdistWorld())
 
 
-def test_the_fixture_spawns_fresh_worlds(simdist_world):
+def test_the_fixture_runs_fresh_worlds(simdist_world):
     def rank_sum(rank):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t)
         return t
 
-    assert [float(t) for t in simdist_world.spawn(rank_sum, 3)] == [3.0] * 3
-    assert simdist_world.spawn(lambda rank: dist.get_world_size(), 2) == [2, 2]
+    assert [float(t) for t in simdist_world.run(rank_sum, 3)] == [3.0] * 3
+    assert simdist_world.run(lambda rank: dist.get_world_size(), 2) == [2, 2]
+
+
+def _labelled(rank, label, *, scale):
+    return rank, label, scale, dist.get_world_size()
+
+
+def test_the_fixture_runs_and_blames_as_the_launcher_and_blame_do(simdist_world, monkeypatch):
+    """``run``/``blame`` take what `simdist.run`/`simdist.blame` take (``fn``'s arguments in ``args=``/``kwargs=``),
+    with the fixture's defaults added where the call gave none; the launcher has one name: no ``spawn``."""
+    import simdist.world.runner as runner
+
+    expected = [(0, "x", 0.5, 2), (1, "x", 0.5, 2)]
+    assert simdist_world.run(_labelled, 2, args=("x",), kwargs={"scale": 0.5}) == expected
+    assert simdist_world.blame(_labelled, 2, args=("x",), kwargs={"scale": 0.5}).results == expected
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
+        simdist_world.run(_labelled, 2, args=("x",), scale=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        simdist_world.blame(_labelled, 2, args=("x",), kwargs={"scale": 0.5}, model="ring")
+    assert not hasattr(SimdistWorld, "spawn")
+
+    seen = []
+    real = runner.run
+    monkeypatch.setattr(runner, "run", lambda fn, world, **kw: seen.append(kw) or real(fn, world, **kw))
+    ring = SimdistWorld(reduction="ring", timeout_s=30.0)
+    ring.blame(_labelled, 2, args=("x",), kwargs={"scale": 0.5})
+    ring.blame(_labelled, 2, args=("x",), kwargs={"scale": 0.5}, reduction="gloo", timeout_s=None)
+    assert [(kw["reduction"], kw["timeout_s"]) for kw in seen] == [("ring", 30.0), ("gloo", None)]
 
 
 def test_the_plugin_is_declared_as_a_pytest11_entry_point():

@@ -18,7 +18,6 @@ import simdist
 from simdist.errors import UsageError
 from simdist.reduce import Gloo, ReductionName, Ring, Sequential
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
-from simdist.world.runner import split_keywords
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 from simdist.world.supervise import RankFailure
@@ -169,9 +168,6 @@ def test_reduction_is_the_one_spelling_the_removed_ones_are_unknown_keywords(mon
         simdist.run(dist_sum, N, args=(4,), model="ring")
     with pytest.raises(TypeError, match=r"dist_sum\(\) got an unexpected keyword argument 'model'"):  # fn's keyword
         simdist.run(dist_sum, N, args=(4,), kwargs={"model": "ring"})
-    world, launch, fn_kwargs = split_keywords(N, {"model": "ring", "reduction": "gloo", "spec": SPEC, "k": 1})
-    assert world is SPEC and launch == {"reduction": "gloo"} and fn_kwargs == {"model": "ring", "k": 1}
-    assert split_keywords(N, {"timeout_s": None}) == (N, {"timeout_s": None}, {})
     monkeypatch.setenv("SIMDIST_MODEL", "ring")
     with pytest.raises(UsageError, match="SIMDIST_MODEL was renamed SIMDIST_REDUCTION"):
         process_reduction()

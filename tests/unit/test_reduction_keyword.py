@@ -90,12 +90,12 @@ def _rank_sum(rank: int) -> torch.Tensor:
 
 
 def test_the_fixture_takes_reduction_and_a_call_may_override_it():
-    ring = torch.stack(SimdistWorld(reduction="ring").spawn(_rank_sum, 8))
+    ring = torch.stack(SimdistWorld(reduction="ring").run(_rank_sum, 8))
     assert SimdistWorld(reduction="ring").reduction == "ring"
-    gloo = torch.stack(SimdistWorld().spawn(_rank_sum, 8))
+    gloo = torch.stack(SimdistWorld().run(_rank_sum, 8))
     assert not same_bits(ring, gloo)
     # a call's own keyword wins over the fixture's default (once a TypeError: the fixture added model=)
-    assert same_bits(torch.stack(SimdistWorld(reduction="ring").spawn(_rank_sum, 8, reduction="gloo")), gloo)
+    assert same_bits(torch.stack(SimdistWorld(reduction="ring").run(_rank_sum, 8, reduction="gloo")), gloo)
     with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
         SimdistWorld(model="ring")
 
@@ -112,9 +112,9 @@ def test_the_fixture_leaves_the_deadline_to_the_launchers_one_default(monkeypatc
 
     run = runner.run
     monkeypatch.setattr(runner, "run", recording_run)
-    SimdistWorld().spawn(_rank_sum, 2)
-    SimdistWorld(timeout_s=7.5).spawn(_rank_sum, 2)
-    SimdistWorld(timeout_s=7.5).spawn(_rank_sum, 2, timeout_s=None)
+    SimdistWorld().run(_rank_sum, 2)
+    SimdistWorld(timeout_s=7.5).run(_rank_sum, 2)
+    SimdistWorld(timeout_s=7.5).run(_rank_sum, 2, timeout_s=None)
     assert seen == [DEFAULT_TIMEOUT_S, 7.5, None]
 
 
