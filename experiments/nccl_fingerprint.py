@@ -336,7 +336,7 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
             "knobs": asdict(knobs),
             "reduction": reduction.name,
             "nccl": _nccl_version(),
-            "model_follows": NCCL_VERSION,
+            "reduction_follows": NCCL_VERSION,
             "rings": rings,
             "trees": trees,
         }
@@ -404,7 +404,7 @@ def dry_run_job(n: int, knobs: Knobs, quick: bool, log_dir: Path) -> dict:
         "knobs": asdict(knobs),
         "reduction": reduction.name,
         "nccl": "simulation",
-        "model_follows": NCCL_VERSION,
+        "reduction_follows": NCCL_VERSION,
     }
     return {"meta": meta, "cases": rows}
 
@@ -416,8 +416,8 @@ def report(job: dict) -> int:
     """Print one line per case; return the number of mismatching cases."""
     meta = job["meta"]
     print(
-        f"# n={meta['n']} {meta['knobs']['name']}: {meta['model']} (NCCL {meta['nccl']}, model follows "
-        f"{meta['model_follows']})"
+        f"# n={meta['n']} {meta['knobs']['name']}: {meta['reduction']} (NCCL {meta['nccl']}, the reduction follows "
+        f"{meta['reduction_follows']})"
     )
     bad = 0
     for row in job["cases"]:
