@@ -36,7 +36,7 @@ def timed(config: GrowthConfig, out: str, progress: bool, cpu: list[float] | Non
 
 def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
     """Where a run's time goes: ``{part: (seconds, calls)}`` of one ``steps`` x ``seeds`` run, timed by wrapping
-    the parts in place (a few microseconds per call of overhead): the gradient draw, the three policies' engine
+    the parts in place (a few microseconds per call of overhead): the gradient draw, the three policies' gradient path
     steps and within them the reduction's ``sum_many`` (the two-member group sums), the oracle's steps and its
     reductions, the metrics, and the rest (checkpoints, CSV, plot)."""
     from simdist.gradpath.batched import BatchedPath
@@ -57,12 +57,12 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
 
         return wrapper
 
-    model = type(make_reduction(GrowthConfig().reduction))
+    reduction = type(make_reduction(GrowthConfig().reduction))
     patches = [
-        (BatchedPath, "run_step", "engine"),
-        (model, "sum_many", "engine: sum_many"),
+        (BatchedPath, "run_step", "gradient path"),
+        (reduction, "sum_many", "gradient path: sum_many"),
         (run._OracleRun, "run_step", "oracle"),
-        (model, "reduce", "oracle: reduce"),
+        (reduction, "reduce", "oracle: reduce"),
         (stream.BatchedGradients, "draw", "draw"),
         (run, "divergence_each", "metrics"),
         (run, "Reference", "metrics: reference"),
@@ -79,7 +79,10 @@ def split(steps: int, seeds: int) -> dict[str, tuple[float, int]]:
         shutil.rmtree(scratch, ignore_errors=True)
     out = {name: (seconds, calls) for name, (seconds, calls) in spent.items()}
     out["metrics"] = (out["metrics"][0] + out.pop("metrics: reference")[0], out["metrics"][1])
-    out["rest"] = (total - sum(out[k][0] for k in ("engine", "draw", "oracle", "metrics")), 1)  # checkpoints, CSV, plot
+    out["rest"] = (
+        total - sum(out[k][0] for k in ("gradient path", "draw", "oracle", "metrics")),
+        1,
+    )  # checkpoints, CSV, plot
     out["total"] = (total, 1)
     return out
 

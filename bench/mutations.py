@@ -8,7 +8,7 @@
     python bench/mutations.py --jobs 2             # two mutations at once (default 1: the machine is shared)
 
 Each `Mutation` is an exact source edit (``old`` -> ``new``, ``old`` occurring exactly ``count`` times in
-``path``) of one rule the project states: a policy stage, the engine's optimizer, the correction-once marker,
+``path``) of one rule the project states: a policy stage, the gradient path's optimizer, the correction-once marker,
 the DP normalisation and order, a reduction's order or NaN rule, the backend's write-back, a comparison.
 The edit is applied to a private copy of the source tree (``simdist/``, ``tests/`` and the
 files the tests read; the worktree is never touched), and pytest runs the mutation's tests in that copy with
@@ -230,7 +230,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "return self is Family.MODEL_PARALLEL",
         ("tests/unit/test_gradpath_norm.py", *GRADPATH, BATCHED),
     ),
-    # -- the engine (simdist/gradpath/kernel.py) ------------------------------------------------------------------
+    # -- the gradient path (simdist/gradpath/kernel.py) -----------------------------------------------------------
     Mutation(
         "kernel-accumulate-dtype",
         "the high-precision buffer is allocated in the gradient dtype (bf16) instead of the policy's accumulate",
@@ -273,8 +273,8 @@ CATALOGUE: tuple[Mutation, ...] = (
         "after every hook call\n            slot.marker = slot.marker",
         (*GRADPATH, "tests/integration/test_cases_gas_marker.py"),
     ),
-    # the engine's AdamW is torch's own functional adam (kernel.adamw_step); tests/unit/test_oracle.py judges it with
-    # the independent oracle (torch.optim.AdamW on FP32 masters, simdist.gradpath.oracle)
+    # the gradient path's AdamW is torch's own functional adam (kernel.adamw_step); tests/unit/test_oracle.py judges
+    # it with the independent oracle (torch.optim.AdamW on FP32 masters, simdist.gradpath.oracle)
     Mutation(
         "adamw-eps",
         "AdamW's epsilon is ten times too large",
@@ -514,7 +514,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         (POLICIES, VERDICTS),
     ),
     Mutation(
-        "engine-experts-over-dp-repro",
+        "gradpath-experts-over-dp-repro",
         "experts are reduced over the dense DP group instead of EDP, against the default repro only (TP4/DP2/EP2/EDP4 "
         "on 8 ranks; on TP2/EP2 on 4 ranks DP and EDP are the same groups)",
         "simdist/gradpath/families.py",

@@ -3,7 +3,7 @@
     python bench/properties.py [--examples 400] [--cases 8] [--layout tp2-ep2 | any] [--profile]
 
 Runs property (a) as ``tests/unit/test_gradpath_properties.py`` runs it (the same strategy and check, from
-`simdist.testing._internal.case_batches` and `simdist.testing._internal.compact`, on the rank-batched engine
+`simdist.testing._internal.case_batches` and `simdist.testing._internal.compact`, on the rank-batched gradient path
 against the independent oracle) under the ci profile's settings (derandomized, no deadline) with ``--examples``
 Hypothesis examples.
 Each example holds ``--cases`` independent cases (fewer where the layout is large: `cases_per_example`), run as
@@ -126,8 +126,8 @@ def main() -> None:
     table = Table(
         f"Property (a), fp32_staging bitwise equal to the FP32 oracle, layout {args.layout}, ci settings",
         ["cases per example", "examples", "cases", "seconds", "cases/s", "examples/s", "drawing %", "running %"],
-        notes="Each case is one layout, GAS, step count and gradient set, run through the rank-batched engine and "
-        "the independent oracle and judged bit for bit. *Drawing*: Hypothesis and decoding the gradient bytes; "
+        notes="Each case is one layout, GAS, step count and gradient set, run through the rank-batched gradient path "
+        "and the independent oracle and judged bit for bit. *Drawing*: Hypothesis and decoding the gradient bytes; "
         f"*running*: the two runs and the comparison. Goal: >= {GOAL:.0f} cases/s.",
     )
 

@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         from simdist.reduce import make_reduction
         from simdist.world.simworld import SimWorld
 
-        model = make_reduction(ns.reduction)
-        where = {"world": "sim", "backend": "simworld", "reduction": model.name}
-        written = SimWorld(spec, reduction=model).run(train_and_dump, check, ns.out, where)[0]
+        reduction = make_reduction(ns.reduction)
+        where = {"world": "sim", "backend": "simworld", "reduction": reduction.name}
+        written = SimWorld(spec, reduction=reduction).run(train_and_dump, check, ns.out, where)[0]
     elif ns.where == "gloo":
         where = {"world": "gloo", "backend": "gloo", "reduction": "gloo"}
         written = simdist.run(

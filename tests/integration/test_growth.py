@@ -1,4 +1,4 @@
-"""Error growth: batched runs at any layout, states are the batched engine's, runs resume bitwise; CLI."""
+"""Error growth: batched runs at any layout, states are the batched gradient path's, runs resume bitwise; CLI."""
 
 from __future__ import annotations
 

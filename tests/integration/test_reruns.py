@@ -78,18 +78,18 @@ def test_the_fingerprint_sees_every_bit():
 
 def _repro_fingerprint(gas: int) -> str:
     """Everything ``simdist repro 8913 [--gas 2]`` computes: the JSON it prints, and every captured tensor of
-    every rank of the oracle and of each policy."""
+    every rank of the matched policy and of each policy."""
     argv = ["repro", "8913", "--json", "--no-progress"] + (["--gas", str(gas)] if gas != 1 else [])
     out = io.StringIO()
     with redirect_stdout(out):
         assert cli_main(argv) == 0
     config = ReproConfig(gas=gas)
     path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker=config.marker)
-    oracle_path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker="per_micro_step")
-    model = make_reduction(config.reduction)
-    traces = {"oracle": run(config.spec, MATCHED_FP32, oracle_path, model)}
+    matched_path = PathConfig(steps=config.steps, gas=gas, seed=config.seed, marker="per_micro_step")
+    reduction = make_reduction(config.reduction)
+    traces = {"matched": run(config.spec, MATCHED_FP32, matched_path, reduction)}
     for name in config.policies:
-        traces[name] = run(config.spec, get_policy(name), path, model)
+        traces[name] = run(config.spec, get_policy(name), path, reduction)
     return fingerprint([out.getvalue(), traces])
 
 

@@ -217,9 +217,9 @@ def _line(fn, marker: str) -> int:
     return first + next(i for i, text in enumerate(lines) if marker in text)
 
 
-# A hang is found by the engine, not by a clock: it fails a run when a call cannot
+# A hang is found by the rendezvous, not by a clock: it fails a run when a call cannot
 # match (mismatch) or when every live rank waits (deadlock). The run is given a
-# 2 s bound that the engine enforces (SimTimeoutError); a hang detected only by
+# 2 s bound that the rendezvous enforces (SimTimeoutError); a hang detected only by
 # that bound would fail these tests on the exception type. No time is measured.
 HANG_BOUND_S = 2.0
 

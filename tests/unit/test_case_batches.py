@@ -113,8 +113,8 @@ def test_an_example_holds_as_many_cases_as_its_bytes_allow():
 @settings(max_examples=8)
 @given(oracle_case_batches(max_world_size=8, cases=3))
 def test_each_case_of_a_batch_gets_the_bits_it_gets_alone(case):
-    """Run together (the engine's batch items, the oracle's batch dimension), every case's captures are the bits
-    of that case run alone: the engine on one batch item (`run_batched`), the oracle unbatched."""
+    """Run together (the gradient path's batch items, the oracle's batch dimension), every case's captures are the bits
+    of that case run alone: the gradient path on one batch item (`run_batched`), the oracle unbatched."""
     spec, gas, steps, grads = case
     assert isinstance(grads, CaseBatch) and grads.cases == cases_per_example(spec, 3)
     staging, oracle = run_cases(spec, gas, steps, grads)

@@ -192,7 +192,7 @@ def test_the_planned_sum_is_the_documented_order_element_by_element(group):
 
 @given(groups(count=3))
 def test_the_batched_sum_is_the_documented_order_for_every_item(group):
-    """`sum_many` (the rank-batched engine's path) == the restatement of each item, bit for bit."""
+    """`sum_many` (the rank-batched gradient path's path) == the restatement of each item, bit for bit."""
     reduction, x = group
     got = batched_sum(reduction, x, (x.shape[2],))
     for i in range(x.shape[1]):
@@ -201,11 +201,11 @@ def test_the_batched_sum_is_the_documented_order_for_every_item(group):
 
 @given(groups(), st.sampled_from(["items outer", "elements outer", "members outer"]))
 def test_a_batch_in_any_layout_gives_the_same_bits(group, layout):
-    """The engine hands `sum_many` strided views (its groups are views of the rank dimension): the members'
-    memory layout does not change a bit."""
+    """The rank-batched gradient path hands `sum_many` strided views (its groups are views of the rank dimension):
+    the members' memory layout does not change a bit."""
     reduction, x = group
     items = [x, -x, x * 2]
-    if layout == "items outer":  # the engine's "blocks" layout: [item, member, element] in memory
+    if layout == "items outer":  # the gradient path's "blocks" layout: [item, member, element] in memory
         members = torch.stack(items).transpose(0, 1)
     elif layout == "elements outer":
         members = torch.stack(items, dim=-1).permute(0, 2, 1)

@@ -1,4 +1,4 @@
-"""One kernel, two adapters: the rank-batched engine gives `train_rank`'s bits on SimWorld threads.
+"""One kernel, two adapters: the rank-batched gradient path gives `train_rank`'s bits on SimWorld threads.
 
 `simdist.gradpath.batched.BatchedPath` runs every rank of a layout and a batch
 of seeds in one thread; `train_rank` runs one rank per thread with modelled
@@ -102,7 +102,7 @@ def test_rank_batched_equals_per_rank_threads(name, layout, reduction, update_pa
 
 
 def test_clipping_that_does_not_bind_changes_no_bit():
-    """A max_norm far above the gradient norm leaves every buffer alone on both engines (the rank-batched one
+    """A max_norm far above the gradient norm leaves every buffer alone on both adapters (the rank-batched one
     selects per rank whether to scale; scaling by a coefficient above 1 would change the bits)."""
     spec = LAYOUTS["tp2-ep2-on-4"]
     assert compare(spec, "bf16_writeback", "gloo", gas=1, steps=2, max_norm=1e6) > 0
@@ -124,7 +124,7 @@ def test_rank_batched_equals_per_rank_threads_everywhere(name, layout, reduction
 
 
 def test_the_comparison_is_not_vacuous():
-    """bf16_writeback departs from the oracle in the batched engine; fp32_staging does not."""
+    """bf16_writeback departs from the oracle in the batched gradient path; fp32_staging does not."""
     spec = LAYOUTS["tp2-ep2-on-4"]
     stream = BatchedGradients(spec, DEFAULT_PARAMS, [0, 1])
     initial = [InitialWeights(spec, s) for s in (0, 1)]

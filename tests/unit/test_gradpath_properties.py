@@ -1,6 +1,6 @@
 """Properties of the BF16 gradient path (DeepSpeed #8913) against the FP32 oracle, found and checked by Hypothesis.
 
-Every property runs the gradient path on the rank-batched engine
+Every property runs the gradient path on the rank-batched gradient path
 (`simdist.gradpath.batched.BatchedPath`: every rank in one thread, the same
 kernel `train_rank` runs, proven bitwise equal to it in
 ``tests/unit/test_gradpath_batched.py``) for a drawn topology and drawn BF16 local
@@ -53,7 +53,8 @@ REDUCTIONS = [Sequential(), Tree(), Ring(chunk_size=1, shift=1), Gloo()]
 
 
 def run(spec, policy, grads, config, keep=None, *, reduction=SEQUENTIAL, params=PARAMS, norm=True):
-    """Every rank's `Trace` of ``policy`` on ``spec`` (rank-batched engine), every group reducing with ``model``."""
+    """Every rank's `Trace` of ``policy`` on ``spec`` (rank-batched gradient path), each group summing in
+    ``reduction``."""
     return run_batched(
         spec, policy, grads, config, keep=keep, reduction=reduction, params=params, norm=norm
     ).rank_traces(0)

@@ -249,7 +249,7 @@ def test_plain_left_folds_give_the_eager_bits(case, reduction, op, stacked, vari
 @needs_kernel
 @given(members(max_n=4, max_numel=24), st.sampled_from(SEGMENTS), st.integers(1, 3), st.integers(1, 3), st.data())
 def test_batched_layouts_give_the_eager_bits(case, segment, batch, groups, data):
-    """`sum_many` and `sum_many_into` on the rank-batched engine's views: ``[k, batch, G, *shape]`` views of a
+    """`sum_many` and `sum_many_into` on the rank-batched gradient path's views: ``[k, batch, G, *shape]`` views of a
     ``[batch, rank, *shape]`` tensor (blocks: rank ``g * k + j``; strided: ``j * G + g``), and a permuted one."""
     with on_variant(data.draw(st.sampled_from(VARIANTS))):
         check_batched(case, segment, batch, groups, data)
@@ -337,7 +337,7 @@ def test_two_members_both_nan_keep_the_receiving_members_payload_in_each_chunk(k
         pytest.skip(f"native kernel: {native.STATUS}")
     nans = torch.tensor([[0x7F800001] * 4, [0x7F800002] * 4], dtype=torch.int32).view(torch.float32)
     expected = torch.tensor([0x7FC00001, 0x7FC00001, 0x7FC00002, 0x7FC00002], dtype=torch.int32)
-    stacked = nans.unsqueeze(1).expand(2, 3, 4)  # three items, as the rank-batched engine hands them
+    stacked = nans.unsqueeze(1).expand(2, 3, 4)  # three items, as the rank-batched gradient path hands them
     reduction = Gloo()
     with contextlib.nullcontext() if kernel else native.disabled():
         results = [reduction.reduce(list(nans)), reduction.reduce(nans), *reduction.sum_many(stacked)]

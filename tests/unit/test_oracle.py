@@ -1,7 +1,7 @@
-"""The independent oracle (`simdist.gradpath.oracle`) and the engine's AdamW against the real optimizer.
+"""The independent oracle (`simdist.gradpath.oracle`) and the gradient path's AdamW against the real optimizer.
 
-The oracle shares no code with the engine it judges, so breaking the engine must change the #8913 verdict;
-the engine's AdamW must be torch.optim.AdamW bit for bit.
+The oracle shares no code with the gradient path it judges, so breaking the gradient path must change the #8913 verdict;
+the gradient path's AdamW must be torch.optim.AdamW bit for bit.
 """
 
 import dataclasses
@@ -29,7 +29,7 @@ from simdist.world.spec import ParallelSpec
 FAST = ReproConfig(steps=2)
 
 
-@pytest.mark.slow  # in the default suite property (a) and the repro tests compare engine masters with the real one
+@pytest.mark.slow  # in the default suite property (a) and the repro tests compare the path's masters with the real one
 @given(
     st.sampled_from([1e-3, 3e-2]),
     st.sampled_from([(0.9, 0.999), (0.8, 0.95)]),
@@ -80,7 +80,7 @@ def _eps_doubled(p, g, m, v, step, h, real=kernel.adamw_step):
 
 
 def test_a_perturbed_engine_adamw_epsilon_changes_the_8913_verdict(monkeypatch):
-    """The oracle's step is torch.optim.AdamW, not the engine's: doubling the engine's epsilon is seen."""
+    """The oracle's step is torch.optim.AdamW, not the gradient path's: doubling the gradient path's epsilon is seen."""
     monkeypatch.setattr(kernel, "adamw_step", _eps_doubled)
     reports, verdict = reproduce(FAST)
     assert not verdict.reproduced
@@ -97,7 +97,7 @@ def _no_weight_decay(p, g, m, v, step, h, real=kernel.adamw_step):
 @pytest.mark.parametrize("mutation", ["weight decay", "family table", "accumulate", "bf16 tp sum", "bf16 tp sum tp4"])
 def test_other_engine_perturbations_change_the_8913_verdict(monkeypatch, mutation):
     config = FAST
-    if mutation.startswith("bf16 tp sum"):  # the engine sums TP in BF16 (and casts back): seen at TP2 and TP4
+    if mutation.startswith("bf16 tp sum"):  # the gradient path sums TP in BF16 (and casts back): seen at TP2 and TP4
 
         def all_reduce(value, kind, reduction=None, real=None, ops=None):
             summed = real(value.to(torch.bfloat16) if kind == "tp" else value, kind, reduction)
@@ -115,9 +115,9 @@ def test_other_engine_perturbations_change_the_8913_verdict(monkeypatch, mutatio
             config = dataclasses.replace(FAST, spec=ParallelSpec(4, tp=4, ep=2))
     elif mutation == "weight decay":
         monkeypatch.setattr(kernel, "adamw_step", _no_weight_decay)
-    elif mutation == "family table":  # the engine reads the table; the oracle restates the rule
+    elif mutation == "family table":  # the gradient path reads the table; the oracle restates the rule
         monkeypatch.setitem(_CORRECTIONS, Family.ROUTER_GATE_PARTIAL, Correction.AVERAGE)
-    else:  # the engine drops its TP correction result and accumulates the staged local gradient
+    else:  # the gradient path drops its TP correction result and accumulates the staged local gradient
 
         def apply(self, stage, value, key, real=kernel.GradPath.apply):
             out = real(self, stage, value, key)
@@ -182,8 +182,8 @@ def test_the_compact_oracle_sees_a_tp4_sum_rounded_to_bf16():
     assert value.dtype == torch.float32 and bool((value == 1.0 + 3 * 2.0**-8).all())
 
 
-def test_the_engine_run_of_the_oracle_precision_gives_the_independent_oracles_bits():
-    """`MATCHED_FP32` (a Policy the engine runs, used by engine tests) agrees with the independent oracle."""
+def test_the_matched_policy_on_the_gradient_path_gives_the_independent_oracles_bits():
+    """`MATCHED_FP32` (a Policy the gradient path runs, for gradient-path tests) agrees with the independent oracle."""
     from simdist.gradpath.matched_policy import MATCHED_FP32
     from simdist.gradpath.path import PathConfig
     from simdist.testing._internal.compact import OPTIMIZER_STAGES, run_batched

@@ -1,4 +1,4 @@
-"""One spelling of the reduction: ``reduction=`` on the rank-batched engine, the compact workload and the
+"""One spelling of the reduction: ``reduction=`` on the rank-batched gradient path, the compact workload and the
 pytest fixture; the spellings removed before 0.1.0 (``models=``, ``default_model=``, ``model=``,
 ``SIMDIST_MODEL``) are unknown keywords (``TypeError``) or a refused variable; one default
 (`simdist.world.options.DEFAULT_REDUCTION`).

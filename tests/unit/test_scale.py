@@ -1,4 +1,4 @@
-"""Scale: 512-rank NCCL all-reduces against plain-loop restatements, the batched engine at TP8 x DP64, and the
+"""Scale: 512-rank NCCL all-reduces against plain-loop restatements, the batched gradient path at TP8 x DP64, and the
 memory ceilings that refuse a run too large for the machine before anything is allocated.
 
 The restatements below are written from the schedule NCCL's source describes (`simdist.reduce.nccl`'s module
@@ -185,7 +185,7 @@ def test_a_512_rank_nccl_tree_all_reduce_is_the_plain_loop_restatement_bit_for_b
     ids=["ring-512", "ring-24-ll", "ring-6", "tree-512"],
 )
 def test_the_batched_engine_reduces_nccl_groups_as_each_alone(n, reduction, shape):
-    """`batched_sum` (the rank-batched engine's collective) gives every group and seed the bits `Nccl.reduce`
+    """`batched_sum` (the rank-batched gradient path's collective) gives every group and seed the bits `Nccl.reduce`
     gives it alone: the plan is one member's, never that of the batch's flat length."""
     stacked = _inputs(n, 3 * 2 * math.prod(shape), seed=4).view(n, 3, 2, *shape)
     together = batched_sum(reduction, stacked, shape)
@@ -226,7 +226,7 @@ def test_growth_at_world_512_is_refused_with_its_estimate_when_it_cannot_fit(cap
 @pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["gloo", "nccl"])
 def test_tp8_dp64_growth_matches_the_independent_oracle(tmp_path, reduction):
-    """TP8 x DP64 (EP8) on 512 ranks, 3 steps, 2 seeds: ``fp32_staging`` run by the rank-batched engine holds
+    """TP8 x DP64 (EP8) on 512 ranks, 3 steps, 2 seeds: ``fp32_staging`` run by the rank-batched gradient path holds
     the independent oracle's bits (`simdist.gradpath.oracle`: per-rank loops, a real ``torch.optim.AdamW``,
     each reduction one ``model.reduce`` per group and seed) at every step, rank and seed; ``bf16_only`` does
     not (so the comparison can fail)."""
