@@ -620,7 +620,7 @@ def per_call_tables(iters: int, repeats: int) -> dict[str, object]:
     return {"thread_floor": rows, "bandwidth": big_rows, "us": us, "big_us": big}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier figures)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -635,34 +635,42 @@ def main(argv: list[str] | None = None) -> None:
         help="time tables 2-4 in this process's CPU time instead of wall time (for a busy shared machine; the "
         "first table, which has gloo processes, stays in wall time)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     started_on = machine()
     torch.set_num_threads(1)  # as on the rank threads and in the gloo processes: the floor is not run on 2 CPUs
     if args.per_call:
         CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
         per_call_tables(_iterations(1024, args.quick), args.repeats)
         return
-    if args.no_gloo:
-        CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
-        backend_table(_iterations(1024, args.quick), args.repeats)
-        batched_table(_iterations(1024, args.quick), args.repeats)
-        model_table(_iterations(1024, args.quick), args.repeats)
-        if args.json:
-            write(args.json, TABLES, machine_text=started_on)
-        return
+    if not args.no_gloo:
+        gloo_table(args.quick, args.repeats)
+    CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
+    backend_table(_iterations(1024, args.quick), args.repeats)
+    batched_table(_iterations(1024, args.quick), args.repeats)
+    model_table(_iterations(1024, args.quick), args.repeats)
+    if args.json:
+        write(args.json, TABLES, machine_text=started_on)
+
+
+def gloo_table(quick: bool, repeats: int) -> None:
+    """The first table: SimWorld against the floor and 4 real gloo processes, per size, in wall time."""
     world = SimWorld(SPEC, reduction=Gloo())
     rows = []
     for numel in SIZES:
-        iters = _iterations(numel, args.quick)
+        iters = _iterations(numel, quick)
         laps: dict[str, list[float]] = {"floor": [], "barrier": [], "sim": []}
-        for _ in range(args.repeats):  # interleaved, so a burst of load on the machine hits each column alike
+        for _ in range(repeats):  # interleaved, so a burst of load on the machine hits each column alike
             laps["floor"] += floor(numel, iters, 1)
             laps["barrier"] += world.run(timed_loop, numel, iters, 1, True)[0]
             laps["sim"] += world.run(timed_loop, numel, iters, 1)[0]
         floor_us, barrier_us, sim_us = (statistics.median(laps[k]) * 1e6 for k in ("floor", "barrier", "sim"))
         gloo_iters = max(10, iters // 10)
         gloo_laps = simdist.run(
-            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, args.repeats), timeout_s=600
+            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, repeats), timeout_s=600
         )[0]
         gloo_us = statistics.median(gloo_laps) * 1e6
         rows.append((numel, floor_us, barrier_us, sim_us, gloo_us))
@@ -682,9 +690,9 @@ def main(argv: list[str] | None = None) -> None:
             "SimWorld / floor",
             "gloo / SimWorld",
         ],
-        notes="*floor*: the gloo reduction's reduction plus writing the result into the four rank tensors, one call; "
-        "*barrier*: a 4-rank SimWorld barrier (handing the interpreter round the rank threads, no arithmetic); "
-        f"*gloo*: the same loop in 4 real gloo processes on 127.0.0.1. Medians of {args.repeats} interleaved "
+        notes="*floor*: the gloo reduction's arithmetic plus writing the result into the four rank tensors, one "
+        "call; *barrier*: a 4-rank SimWorld barrier (handing the interpreter round the rank threads, no arithmetic); "
+        f"*gloo*: the same loop in 4 real gloo processes on 127.0.0.1. Medians of {repeats} interleaved "
         "repeats, wall time; inputs are zeros.",
     )
     for numel, floor_us, barrier_us, sim_us, gloo_us in rows:
@@ -694,12 +702,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         table.add(numel, floor_us, barrier_us, sim_us, gloo_us, sim_us / floor_us, gloo_us / sim_us)
     TABLES.append(table)
-    CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
-    backend_table(_iterations(1024, args.quick), args.repeats)
-    batched_table(_iterations(1024, args.quick), args.repeats)
-    model_table(_iterations(1024, args.quick), args.repeats)
-    if args.json:
-        write(args.json, TABLES, machine_text=started_on)
 
 
 if __name__ == "__main__":
