@@ -93,7 +93,7 @@ def spawn_processes(
     assert timeout is not None
     if backend not in ("gloo", "simdist"):
         raise UsageError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
-    reduction = _process_model(reduction, backend)
+    reduction = _process_reduction(reduction, backend)
     preload = tuple(preload)
     began = time.time()
     store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
@@ -160,7 +160,7 @@ def _stop_ranks(procs: list, began: float) -> None:
         remove_build_locks_since(began)
 
 
-def _process_model(reduction: Any, backend: str) -> Reduction | None:
+def _process_reduction(reduction: Any, backend: str) -> Reduction | None:
     """The reduction the ranks install (`simdist.world.process.use_reduction`); ``None`` for real gloo."""
     if isinstance(reduction, Mapping) or (callable(reduction) and not isinstance(reduction, Reduction)):
         raise TypeError(
