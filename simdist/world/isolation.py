@@ -210,8 +210,9 @@ class RankIsolation:
         self.rngs.install()
 
     def resume(self, rank: int) -> None:
-        if not self.rngs.numpy_patched:
-            self.rngs.refresh()  # NumPy imported by a rank since: per rank from now on
+        rngs = self.rngs
+        if not rngs.numpy_patched and "numpy.random" in sys.modules:  # `refresh`'s test, without its call
+            rngs.refresh()  # NumPy imported by a rank since: per rank from now on
         _set_state(self.generators[rank])
         values = self.settings[rank]
         if values != self.current:  # one tuple comparison; the setters run only for what differs
