@@ -4,10 +4,10 @@ LocalTensor, real gloo processes and the floor.
     python bench/collectives.py [--quick] [--no-gloo] [--cpu-clock] [--per-call]
 
 ``--per-call`` prints only issue 34's tables (`per_call_tables`): SimWorld's and the backend's all_reduce of
-1024 fp32 against the thread floor (handoffs + model + writes) with the split above it, c10d's own layer (the
+1024 fp32 against the thread floor (handoffs + reduction + writes) with the split above it, c10d's own layer (the
 ``fake`` backend) and the backend's floor, and a 64 MiB-per-rank all_reduce against the memory-bandwidth floor.
 
-All three run the same reduction (the `Gloo` model's order, fp32 SUM) on
+All three run the same reduction (the `Gloo` reduction's order, fp32 SUM) on
 4 ranks, in one run of this script:
 
 * floor    -- the reduction as one plain function call on the 4 rank tensors,
@@ -32,19 +32,19 @@ A second table compares, for 1024 fp32 elements, the ways to run
               with torch's fake group (one thread; "n/a" where unavailable).
 
 Under it, where SimWorld's and the backend's microseconds go, each part timed
-alone in the same run: the model, the writes, the 4 handoffs between rank
+alone in the same run: the reduction, the writes, the 4 handoffs between rank
 threads (a bare ring of the rendezvous' wake-ups, `simdist.world.baton`), the rest
-of SimWorld (rendezvous, checks, Python, and the model running slower among four
+of SimWorld (rendezvous, checks, Python, and the reduction running slower among four
 threads than alone), the isolation swaps of `simdist.run` (a bare rendezvous
 barrier with and without `RankIsolation`) and the rest of the backend (c10d's
 Python layer, the backend's per-call path); and the least any front end on OS
-threads can take: handoffs + model + writes. Both rests are then split once
-more by running SimWorld and the backend on a model that does no arithmetic
+threads can take: handoffs + reduction + writes. Both rests are then split once
+more by running SimWorld and the backend on a reduction that does no arithmetic
 (`_NoArithmetic`): what is left is the front end's own rendezvous, checks and
-Python, and SimWorld's rest minus it is the model running slower inside the
+Python, and SimWorld's rest minus it is the reduction running slower inside the
 front end than alone (partly so on one thread too: the 4 ranks' calls driven
-from one thread cost about 20 us more with the model than the model alone plus
-the same calls on the no-arithmetic model; more among the rank threads).
+from one thread cost about 20 us more with the reduction than the reduction alone plus
+the same calls on the no-arithmetic reduction; more among the rank threads).
 
 A third table times the rank-batched gradient path's all_reduce (`simdist.gradpath.batched.BatchedOps`: the 4
 ranks are one ``[batch, 4, 1024]`` tensor, the group is a view, gloo's order applied as a per-element plan)
@@ -58,7 +58,7 @@ which a busy shared machine disturbs far less than wall time.
 Every rank's input is zeros: an in-place all_reduce loop feeds each result back
 in, and any nonzero data grows 4x per iteration until it is inf/NaN, which sends
 the gloo reduction down its (slower) NaN path. Zeros stay finite; the adds cost the
-same for any finite, non-subnormal values (the model reduces 4 x 1024 randn values
+same for any finite, non-subnormal values (the reduction sums 4 x 1024 randn values
 and zeros in the same 21-22 us here), so every world does exactly the reduction.
 """
 
@@ -132,7 +132,7 @@ def timed_loop(comm, numel: int, iters: int, repeats: int, barrier_only: bool = 
 
 
 def floor(numel: int, iters: int, repeats: int, plain: bool = False) -> list[float]:
-    """The reduction as one call (the `Gloo` model, or with ``plain`` the rank-order fold ``((x0+x1)+x2)+x3``)
+    """The reduction as one call (the `Gloo` reduction, or with ``plain`` the rank-order fold ``((x0+x1)+x2)+x3``)
     plus writing the result into every rank's tensor; no threads."""
     reduction = Gloo()
     xs = [_input(numel) for _ in range(SPEC.world_size)]
@@ -232,10 +232,10 @@ def _laps(step, iters: int, repeats: int) -> list[float]:
     return laps
 
 
-def model_table(iters: int, repeats: int) -> None:
-    """Each registered reduction's all_reduce (the model's reduce plus the 4 writes) of 1024 fp32 elements
+def reductions_table(iters: int, repeats: int) -> None:
+    """Each registered reduction's all_reduce (the reduction's reduce plus the 4 writes) of 1024 fp32 elements
     on 4 ranks against the plain rank-order fold plus the writes, interleaved in one run (issue target for the
-    `Gloo` model: <= 2x)."""
+    `Gloo` reduction: <= 2x)."""
     from simdist.reduce import REDUCTION_NAMES, make_reduction
 
     numel, n = 1024, SPEC.world_size
@@ -260,9 +260,9 @@ def model_table(iters: int, repeats: int) -> None:
             laps[name] += _laps(run, iters, 1)
     fold_us = statistics.median(laps["fold"]) * 1e6
     print(f"\n{numel} fp32 elements, 4 ranks: reduction + writes vs plain fold + writes (us per all_reduce)")
-    print(f"{'model':>10} {'us':>8} {'model/fold':>10}")
+    print(f"{'reduction':>10} {'us':>8} {'/ fold':>10}")
     table = Table(
-        f"Each reduction alone, {numel} fp32 elements on 4 ranks: model + writes vs plain fold + writes",
+        f"Each reduction alone, {numel} fp32 elements on 4 ranks: reduction + writes vs plain fold + writes",
         ["reduction", "us per all_reduce", "/ fold"],
         notes=f"Medians of {repeats} interleaved repeats, {_clock_name()}. The fold is `((x0+x1)+x2)+x3`. "
         "Target for gloo: <= 2x the fold.",
@@ -427,8 +427,8 @@ def _nothing(calls: list, targets) -> None:
 
 
 class _NoArithmetic(Gloo):
-    """The `Gloo` model with a reduction that does no arithmetic (the first member's tensor is the result): a
-    front end on it costs its rendezvous, checks and Python, the handoffs and the writes, without the model."""
+    """The `Gloo` reduction doing no arithmetic (the first member's tensor is the result): a
+    front end on it costs its rendezvous, checks and Python, the handoffs and the writes, without the arithmetic."""
 
     def reduce(self, tensors, op=None):  # type: ignore[override]
         return tensors[0]
@@ -449,8 +449,8 @@ def c10d_layer(numel: int, iters: int) -> list[float]:
 
 def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, float]:
     """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
-    the machine hits every part alike: the plain fold, the model + writes (``floor``), SimWorld's and the
-    backend's all_reduce and barrier, and alone: the model, the 4 writes, the 4 handoffs (a bare baton ring),
+    the machine hits every part alike: the plain fold, the reduction + writes (``floor``), SimWorld's and the
+    backend's all_reduce and barrier, and alone: the reduction, the 4 writes, the 4 handoffs (a bare baton ring),
     a bare rendezvous barrier with and without the isolation swaps."""
     numel, n = 1024, SPEC.world_size
     xs = [_input(numel) for _ in range(n)]
@@ -485,15 +485,15 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
 
 
 def split_rows(us: dict[str, float]) -> None:
-    """Where a 4-rank all_reduce's microseconds go (`front_end_parts`): the model and the writes (no threads), the
-    4 handoffs (a bare baton ring), the rest of SimWorld (rendezvous, checks, Python, and the model running slower
+    """Where a 4-rank all_reduce's microseconds go (`front_end_parts`): the reduction and the writes (no threads), the
+    4 handoffs (a bare baton ring), the rest of SimWorld (rendezvous, checks, Python, and the reduction running slower
     among four threads than alone), the isolation swaps (bare rendezvous barrier with `RankIsolation` minus without)
-    and the rest of the backend (c10d's Python layer and the backend's per-call path). The handoffs, the model
+    and the rest of the backend (c10d's Python layer and the backend's per-call path). The handoffs, the reduction
     and the writes together are the least a front end on OS threads can take."""
     fold_us, sim_us, backend_us = us["fold"], us["sim"], us["backend"]
     isolation = us["iso"] - us["bare"]
     rows = [
-        ("model (Gloo.reduce)", us["reduction"]),
+        ("reduction (Gloo.reduce)", us["reduction"]),
         ("writes (4 copies)", us["writes"]),
         ("4 handoffs (bare baton ring)", us["ring"]),
         ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["reduction"] - us["writes"] - us["ring"]),
@@ -506,11 +506,11 @@ def split_rows(us: dict[str, float]) -> None:
     for name, value in rows:
         print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
     sub_rows = [
-        ("SimWorld rest without the model's arithmetic", us["sim0"] - us["writes"] - us["ring"]),
-        ("the model slower inside the front end than alone", sim_us - us["sim0"] - us["reduction"]),
-        ("backend rest without the model's arithmetic", us["backend0"] - us["sim0"] - isolation),
+        ("SimWorld rest without the reduction's arithmetic", us["sim0"] - us["writes"] - us["ring"]),
+        ("the reduction slower inside the front end than alone", sim_us - us["sim0"] - us["reduction"]),
+        ("backend rest without the reduction's arithmetic", us["backend0"] - us["sim0"] - isolation),
     ]
-    print("the rests split by running SimWorld and the backend on a model with no arithmetic (same run):")
+    print("the rests split by running SimWorld and the backend on a reduction with no arithmetic (same run):")
     for name, value in sub_rows:
         print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
     print(
@@ -523,17 +523,19 @@ def split_rows(us: dict[str, float]) -> None:
         ["part", "us", "/ fold"],
         notes="Each part timed alone, interleaved in one run. *4 handoffs*: a bare ring of the rendezvous' wake-ups "
         "(each collective needs four rank-to-rank switches); *isolation swaps*: a bare rendezvous barrier with "
-        "`RankIsolation` minus without. Handoffs + model + writes, the least a front end on OS threads can take: "
+        "`RankIsolation` minus without. Handoffs + reduction + writes, the least a front end on OS threads can take: "
         f"{least:.2f}x the fold in this run.",
     )
     for name, value in rows + sub_rows:
         table.add(name, value, value / fold_us)
     TABLES.append(table)
-    print(f"least on OS threads (handoffs + model + writes): {least:.2f}x fold (target for SimWorld, backend: <= 3x)")
+    print(
+        f"least on OS threads (handoffs + reduction + writes): {least:.2f}x fold (target for SimWorld, backend: <= 3x)"
+    )
 
 
 def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str]]:
-    """Issue 34's per-call targets against the thread floor (the 4 handoffs + the model + the writes, each measured
+    """Issue 34's per-call targets against the thread floor (the 4 handoffs + the reduction + the writes, each measured
     alone in the same run as the front ends, `front_end_parts`): (name, us, ratio to the floor, target) for
     SimWorld and the backend, and the split of each above the floor (rendezvous/checks/Python, isolation swaps,
     c10d's layer)."""
@@ -542,9 +544,9 @@ def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str
     sim_rest = us["sim"] - least
     backend_rest = us["backend"] - us["sim"] - isolation
     return [
-        ("thread floor: 4 handoffs + model + writes", least, 1.0, ""),
+        ("thread floor: 4 handoffs + reduction + writes", least, 1.0, ""),
         ("  4 handoffs", us["ring"], us["ring"] / least, ""),
-        ("  model", us["reduction"], us["reduction"] / least, ""),
+        ("  reduction", us["reduction"], us["reduction"] / least, ""),
         ("  writes", us["writes"], us["writes"] / least, ""),
         ("SimWorld all_reduce", us["sim"], us["sim"] / least, "<= 1.3x"),
         ("  SimWorld above the floor: rendezvous, checks, Python", sim_rest, sim_rest / least, ""),
@@ -620,7 +622,7 @@ def per_call_tables(iters: int, repeats: int) -> dict[str, object]:
     return {"thread_floor": rows, "bandwidth": big_rows, "us": us, "big_us": big}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier figures)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -635,34 +637,42 @@ def main(argv: list[str] | None = None) -> None:
         help="time tables 2-4 in this process's CPU time instead of wall time (for a busy shared machine; the "
         "first table, which has gloo processes, stays in wall time)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     started_on = machine()
     torch.set_num_threads(1)  # as on the rank threads and in the gloo processes: the floor is not run on 2 CPUs
     if args.per_call:
         CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
         per_call_tables(_iterations(1024, args.quick), args.repeats)
         return
-    if args.no_gloo:
-        CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
-        backend_table(_iterations(1024, args.quick), args.repeats)
-        batched_table(_iterations(1024, args.quick), args.repeats)
-        model_table(_iterations(1024, args.quick), args.repeats)
-        if args.json:
-            write(args.json, TABLES, machine_text=started_on)
-        return
+    if not args.no_gloo:
+        gloo_table(args.quick, args.repeats)
+    CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
+    backend_table(_iterations(1024, args.quick), args.repeats)
+    batched_table(_iterations(1024, args.quick), args.repeats)
+    reductions_table(_iterations(1024, args.quick), args.repeats)
+    if args.json:
+        write(args.json, TABLES, machine_text=started_on)
+
+
+def gloo_table(quick: bool, repeats: int) -> None:
+    """The first table: SimWorld against the floor and 4 real gloo processes, per size, in wall time."""
     world = SimWorld(SPEC, reduction=Gloo())
     rows = []
     for numel in SIZES:
-        iters = _iterations(numel, args.quick)
+        iters = _iterations(numel, quick)
         laps: dict[str, list[float]] = {"floor": [], "barrier": [], "sim": []}
-        for _ in range(args.repeats):  # interleaved, so a burst of load on the machine hits each column alike
+        for _ in range(repeats):  # interleaved, so a burst of load on the machine hits each column alike
             laps["floor"] += floor(numel, iters, 1)
             laps["barrier"] += world.run(timed_loop, numel, iters, 1, True)[0]
             laps["sim"] += world.run(timed_loop, numel, iters, 1)[0]
         floor_us, barrier_us, sim_us = (statistics.median(laps[k]) * 1e6 for k in ("floor", "barrier", "sim"))
         gloo_iters = max(10, iters // 10)
         gloo_laps = simdist.run(
-            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, args.repeats), timeout_s=600
+            timed_loop, SPEC, api="comm", where="gloo", args=(numel, gloo_iters, repeats), timeout_s=600
         )[0]
         gloo_us = statistics.median(gloo_laps) * 1e6
         rows.append((numel, floor_us, barrier_us, sim_us, gloo_us))
@@ -682,9 +692,9 @@ def main(argv: list[str] | None = None) -> None:
             "SimWorld / floor",
             "gloo / SimWorld",
         ],
-        notes="*floor*: the gloo reduction's reduction plus writing the result into the four rank tensors, one call; "
-        "*barrier*: a 4-rank SimWorld barrier (handing the interpreter round the rank threads, no arithmetic); "
-        f"*gloo*: the same loop in 4 real gloo processes on 127.0.0.1. Medians of {args.repeats} interleaved "
+        notes="*floor*: the gloo reduction's arithmetic plus writing the result into the four rank tensors, one "
+        "call; *barrier*: a 4-rank SimWorld barrier (handing the interpreter round the rank threads, no arithmetic); "
+        f"*gloo*: the same loop in 4 real gloo processes on 127.0.0.1. Medians of {repeats} interleaved "
         "repeats, wall time; inputs are zeros.",
     )
     for numel, floor_us, barrier_us, sim_us, gloo_us in rows:
@@ -694,12 +704,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         table.add(numel, floor_us, barrier_us, sim_us, gloo_us, sim_us / floor_us, gloo_us / sim_us)
     TABLES.append(table)
-    CLOCK[0] = time.process_time if args.cpu_clock else time.perf_counter
-    backend_table(_iterations(1024, args.quick), args.repeats)
-    batched_table(_iterations(1024, args.quick), args.repeats)
-    model_table(_iterations(1024, args.quick), args.repeats)
-    if args.json:
-        write(args.json, TABLES, machine_text=started_on)
 
 
 if __name__ == "__main__":

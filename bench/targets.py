@@ -8,7 +8,7 @@ Runs, in this order, on the machine it is started on:
 1. real programs on 4 rank threads against their compute floor (`bench/frameworks.py`: FSDP2 with
    MixedPrecisionPolicy, TP+FSDP2 on a 2 x 2 mesh, DDP with a BF16 comm hook; torch's ``fake`` backend is the
    floor; real gloo processes beside them), CPU time;
-2. one all_reduce against the thread floor (handoffs + model + writes, each timed alone in the same run) and
+2. one all_reduce against the thread floor (handoffs + reduction + writes, each timed alone in the same run) and
    64 MiB per rank against the memory-bandwidth floor (`bench/collectives.py --per-call`), CPU time;
 3. process mode's peak resident set per rank against real gloo's (`bench/memory.py`; ``--p8`` adds the 8-rank
    object scatter);
@@ -81,8 +81,8 @@ def per_call_tables(full: bool) -> list[dict]:
         "One all_reduce of 1024 fp32 on 4 ranks against the thread floor (CPU us per call)",
         ["part", "us", "/ thread floor", "target"],
         [[name.strip(), round(us, 1), round(ratio, 2), target] for name, us, ratio, target in result["thread_floor"]],
-        "thread floor = 4 handoffs (a bare ring of the rendezvous' wake-ups) + the model + the 4 writes, each timed "
-        "alone in the same run.",
+        "thread floor = 4 handoffs (a bare ring of the rendezvous' wake-ups) + the reduction + the 4 writes, each "
+        "timed alone in the same run.",
     )
     big = _table(
         "all_reduce of 64 MiB fp32 per rank, 4 ranks, against the memory-bandwidth floor (CPU ms per call)",

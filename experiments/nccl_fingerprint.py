@@ -280,7 +280,7 @@ def record(case: Case, result: dict, agree: bool, model_channels: int, logged: s
 
 
 def worker(out: Path, knobs: Knobs, quick: bool) -> None:
-    """One torchrun rank: run every case on the GPU; rank 0 compares with the model and writes JSON."""
+    """One torchrun rank: run every case on the GPU; rank 0 compares with the reduction and writes JSON."""
     import torch.distributed as dist
 
     rank, n, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -300,36 +300,9 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
     rows = []
     for case in cases(n, knobs, quick):
         x = build_inputs(case, n)
-        mine = x[rank].to(device)
-        op = dist.ReduceOp.AVG if case.op == "avg" else dist.ReduceOp.SUM
-        root = n - 1
-        if case.fn == "all_reduce":
-            dist.all_reduce(mine, op=op)
-            held = mine
-        elif case.fn == "reduce_scatter":
-            held = torch.empty(case.length // n, dtype=mine.dtype, device=device)
-            dist.reduce_scatter_tensor(held, mine, op=op)
-        else:
-            dist.reduce(mine, dst=root, op=op)
-            held = mine
-        gathered = [torch.empty_like(held) for _ in range(n)]
-        dist.all_gather(gathered, held)
-        torch.cuda.synchronize()
-        if rank != 0:
-            continue
-        every = torch.stack([g.cpu() for g in gathered])
-        tuning = [m for line in read_logs(log_dir) for m in [_TUNING.search(line)] if m]
-        call = {"all_reduce": "AllReduce", "reduce_scatter": "ReduceScatter", "reduce": "Reduce"}[case.fn]
-        logged = next((m.group(0) for m in reversed(tuning) if m.group(1) == call), None)
-        if case.fn == "all_reduce":
-            real, agree = every[0], bool(all(torch.equal(bits(every[0]), bits(r)) for r in every))
-        elif case.fn == "reduce_scatter":
-            real, agree = every, True
-        else:
-            real, agree = every[root], True
-        count = case.length // n if case.fn == "reduce_scatter" else case.length
-        parts = reduction.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
-        rows.append(record(case, judge(reduction, case, x, root, real), agree, len(parts), logged))
+        gathered = _run_case(case, x, rank, n, device)
+        if rank == 0:
+            rows.append(_judge_case(case, x, gathered, reduction, n, log_dir))
     if rank == 0:
         meta = {
             "n": n,
@@ -342,6 +315,48 @@ def worker(out: Path, knobs: Knobs, quick: bool) -> None:
         }
         (out / f"n{n}-{knobs.name}.json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=1))
     dist.destroy_process_group()
+
+
+def _run_case(case: Case, x: torch.Tensor, rank: int, n: int, device: torch.device) -> list[torch.Tensor]:
+    """Run ``case``'s collective on NCCL with this rank's row of ``x``; every rank's result, gathered here."""
+    import torch.distributed as dist
+
+    mine = x[rank].to(device)
+    op = dist.ReduceOp.AVG if case.op == "avg" else dist.ReduceOp.SUM
+    if case.fn == "all_reduce":
+        dist.all_reduce(mine, op=op)
+        held = mine
+    elif case.fn == "reduce_scatter":
+        held = torch.empty(case.length // n, dtype=mine.dtype, device=device)
+        dist.reduce_scatter_tensor(held, mine, op=op)
+    else:
+        dist.reduce(mine, dst=n - 1, op=op)
+        held = mine
+    gathered = [torch.empty_like(held) for _ in range(n)]
+    dist.all_gather(gathered, held)
+    torch.cuda.synchronize()
+    return gathered
+
+
+def _judge_case(
+    case: Case, x: torch.Tensor, gathered: list[torch.Tensor], reduction: Nccl, n: int, log_dir: Path
+) -> dict:
+    """Rank 0's record of one case: NCCL's result judged against ``reduction``, whether the ranks agreed, and
+    the algorithm NCCL's log says it tuned for the call."""
+    every = torch.stack([g.cpu() for g in gathered])
+    root = n - 1
+    tuning = [m for line in read_logs(log_dir) for m in [_TUNING.search(line)] if m]
+    call = {"all_reduce": "AllReduce", "reduce_scatter": "ReduceScatter", "reduce": "Reduce"}[case.fn]
+    logged = next((m.group(0) for m in reversed(tuning) if m.group(1) == call), None)
+    if case.fn == "all_reduce":
+        real, agree = every[0], bool(all(torch.equal(bits(every[0]), bits(r)) for r in every))
+    elif case.fn == "reduce_scatter":
+        real, agree = every, True
+    else:
+        real, agree = every[root], True
+    count = case.length // n if case.fn == "reduce_scatter" else case.length
+    parts = reduction.parts(count, x.element_size(), n, **_traffic(case, n, x.element_size()))
+    return record(case, judge(reduction, case, x, root, real), agree, len(parts), logged)
 
 
 def _traffic(case: Case, n: int, e: int) -> dict:

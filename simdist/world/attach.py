@@ -105,10 +105,31 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
     A launcher makes its own default group with the original function (saved before installing) or before
     its rank's `Attachment` exists."""
     original_init = c10d.init_process_group
+    serving = _Serving()
+    replacements = _rank_aware(lookup, serving)
+    saved = [(module, name, getattr(module, name)) for module in _MODULES for name in replacements]
+    for module in _MODULES:
+        for name, function in replacements.items():
+            function.__doc__ = getattr(module, name).__doc__
+            function.simdist_original = getattr(module, name)  # type: ignore[attr-defined]
+            setattr(module, name, function)
+
+    undo_bound = _redirect_bound_init(original_init, replacements["init_process_group"], serving)
+
+    def undo() -> None:
+        undo_bound()
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+    return undo
+
+
+def _rank_aware(lookup: Callable[[], Attachment | None], serving: _Serving) -> dict[str, Callable[..., Any]]:
+    """The rank-aware ``init_process_group``, ``new_group`` and ``get_backend``, by name, wrapping torch's
+    current functions (read now, before `install` replaces them)."""
+    original_init = c10d.init_process_group
     original_new_group = c10d.new_group
     original_get_backend = c10d.get_backend
-
-    serving = _Serving()
 
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, *args, **kwargs):
         att = lookup()
@@ -152,23 +173,4 @@ def install(lookup: Callable[[], Attachment | None]) -> Callable[[], None]:
             return dist.Backend(att.asked)
         return name
 
-    replacements: dict[str, Callable[..., Any]] = {
-        "init_process_group": served,
-        "new_group": new_group,
-        "get_backend": get_backend,
-    }
-    saved = [(module, name, getattr(module, name)) for module in _MODULES for name in replacements]
-    for module in _MODULES:
-        for name, function in replacements.items():
-            function.__doc__ = getattr(module, name).__doc__
-            function.simdist_original = getattr(module, name)  # type: ignore[attr-defined]
-            setattr(module, name, function)
-
-    undo_bound = _redirect_bound_init(original_init, served, serving)
-
-    def undo() -> None:
-        undo_bound()
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-    return undo
+    return {"init_process_group": served, "new_group": new_group, "get_backend": get_backend}

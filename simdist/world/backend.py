@@ -240,11 +240,16 @@ class SimProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = ops.resolve_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if len(tensors) == 1 and not (tensor := tensors[0]).is_sparse:
-            # dist.all_reduce, the hot path: checks cached per (op, shape, dtype), the tensor untracked here
-            call, complete = red.all_reduce_one(self, self.global_rank, sys._getframe(1), tensor.data, op)
+            # dist.all_reduce, the hot path: checks cached per (op, shape, dtype). A tensor that requires grad is
+            # untracked here (a `.data` alias, so the native kernel applies); any other is passed itself: the
+            # completion writes it through the kernel (a C write: no version bump) or through a `.data` alias
+            # it makes, so a `.data` alias per rank call (the dearest step left of this path) is not made
             if Observers.subscribed:
+                call, complete = red.all_reduce_one(self, self.global_rank, sys._getframe(1), tensor.data, op)
                 self._go(call, complete)
             else:
+                mine = tensor.data if tensor.requires_grad else tensor
+                call, complete = red.all_reduce_one(self, self.global_rank, sys._getframe(1), mine, op)
                 self.transport.collective(self, call, complete)
             return self._finished(opts, tensors)
         if tensors and tensors[0].is_sparse:

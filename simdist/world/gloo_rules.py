@@ -24,7 +24,7 @@ GLOO_DTYPES = frozenset(
 """The dtypes torch's gloo backend has collective kernels for (found by experiment, torch 2.13); others raise
 ``RuntimeError("Invalid scalar type")`` at the call. Complex tensors reach it as ``view_as_real`` where torch's
 Python layer converts them (all_reduce, broadcast, all_gather, scatter, all_to_all); ``reduce`` and the
-reduce_scatters take complex SUM/AVG themselves (the reduction reduces the real view); ``gather`` refuses complex."""
+reduce_scatters take complex SUM/AVG themselves (the reduction works on the real view); ``gather`` refuses complex."""
 
 
 def refuse_gloo_dtypes(name: str, label: str, tensors: Sequence[torch.Tensor], complex_ok: bool = True) -> None:

@@ -80,16 +80,21 @@ class _RankState:
 
 
 def _per_thread(name: str, settable: bool = False) -> property:
-    def get(self):  # c10d reads these on every collective: one frame, no helper call
-        try:
-            return getattr(self._local.state, name)
-        except AttributeError:  # not a rank thread (no state, or None after leave_rank)
-            return getattr(self._fallback, name)
+    """A ``_world`` attribute read from the calling thread's state: ``operator.attrgetter`` of
+    ``_local.state.<name>``, so the read is C code (c10d reads ``default_pg`` twice and ``pg_coalesce_state``
+    once on every collective); a thread that is not a rank (or has left) holds the fallback as its state."""
 
     def set_(self, value):
-        setattr(self._state(), name, value)
+        setattr(self._local.state, name, value)
 
-    return property(get, set_ if settable else None)
+    return property(operator.attrgetter(f"_local.state.{name}"), set_ if settable else None)
+
+
+class _Local(threading.local):
+    """Each thread's c10d state: the fallback ``_World`` until the thread enters a rank."""
+
+    def __init__(self, fallback: c10d._World) -> None:  # run in each thread at its first access
+        self.state: Any = fallback
 
 
 class ThreadLocalWorld(c10d._World):
@@ -97,17 +102,17 @@ class ThreadLocalWorld(c10d._World):
 
     def __init__(self, fallback: c10d._World) -> None:  # no super().__init__: all state is per thread
         self._fallback = fallback
-        self._local = threading.local()
+        self._local = _Local(fallback)
 
     def _state(self):
-        return getattr(self._local, "state", None) or self._fallback
+        return self._local.state
 
     def enter_rank(self) -> None:
         """Give the calling thread a fresh, empty c10d state."""
         self._local.state = _RankState()
 
     def leave_rank(self) -> None:
-        self._local.state = None
+        self._local.state = self._fallback
 
     default_pg = _per_thread("default_pg", settable=True)
     pg_map = _per_thread("pg_map")

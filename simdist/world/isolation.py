@@ -14,9 +14,11 @@ collective): the rank giving the baton away saves the generator's state and
 reads every setting (`read_settings`: one tuple of direct C calls); the rank
 taking it installs its generator state and sets only the settings that differ
 from what the process holds (one tuple comparison when none do). torch offers
-no cheap "unchanged" check for the generator or the settings, so both are read
-at every handoff: about 1.9 us a handoff on a bare rendezvous (``get_state``
-0.8 us, the settings 0.6 us, ``set_state`` 0.2 us; 2-vCPU machine, loaded;
+no cheap "unchanged" check for the generator or the settings, and no cheaper
+exact read of the generator (``clone_state`` is slower, ``graphsafe_get_state``
+is refused on the CPU generator; docs/perf.md), so both are read at every
+handoff: about 1.9 us a handoff on a bare rendezvous (``get_state`` 0.8 us, the
+settings 0.6 us, ``set_state`` 0.2 us; 2-vCPU machine, loaded;
 ``bench/collectives.py --per-call`` prints the swaps of one collective).
 
 What a rank starts with is what a fresh process has (found by experiment with
@@ -210,8 +212,9 @@ class RankIsolation:
         self.rngs.install()
 
     def resume(self, rank: int) -> None:
-        if not self.rngs.numpy_patched:
-            self.rngs.refresh()  # NumPy imported by a rank since: per rank from now on
+        rngs = self.rngs
+        if not rngs.numpy_patched and "numpy.random" in sys.modules:  # `refresh`'s test, without its call
+            rngs.refresh()  # NumPy imported by a rank since: per rank from now on
         _set_state(self.generators[rank])
         values = self.settings[rank]
         if values != self.current:  # one tuple comparison; the setters run only for what differs

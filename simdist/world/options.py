@@ -39,7 +39,7 @@ class Where(enum.StrEnum):
     """Where the ranks of a run live."""
 
     THREADS = "threads"
-    """One thread per rank in this process; collectives by the reduction (`simdist.world.inproc`)."""
+    """One thread per rank in this process; each collective summed by its group's reduction (`simdist.world.inproc`)."""
     PROCESSES = "processes"
     """One process per rank, ``torch.distributed`` backend ``simdist`` in process mode: gloo transport, the
     reduction's arithmetic (`simdist.world.process`). For frameworks with per-rank module globals."""

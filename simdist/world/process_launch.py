@@ -93,7 +93,7 @@ def spawn_processes(
     assert timeout is not None
     if backend not in ("gloo", "simdist"):
         raise UsageError(f"backend={backend!r} is unknown; valid: 'gloo' (real gloo), 'simdist' (process mode)")
-    reduction = _process_model(reduction, backend)
+    reduction = _process_reduction(reduction, backend)
     preload = tuple(preload)
     began = time.time()
     store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
@@ -101,49 +101,66 @@ def spawn_processes(
         out = Path(outdir)
         procs: list = []
         try:
-            with rank_context(preload) as ctx:
-                if ctx.get_start_method() == "forkserver":
-                    warm = ctx.Process(target=ready, name="simdist-forkserver-ready", daemon=True)
-                    warm.start()  # returns once the server, after its imports, has forked it: `server`'s time
-                    warm.join()
-                started = time.time()
-                for r in range(n):
-                    rank_args = (r, n, store.port, fn, spec, args, outdir, timeout, backend, reduction, kwargs, preload)
-                    procs.append(
-                        ctx.Process(
-                            target=rank_main,
-                            args=(*rank_args, report_backend),
-                            name=f"simdist-rank{r}",
-                            daemon=True,
-                        )
-                    )
-                    procs[-1].start()
+            rank_args = (n, store.port, fn, spec, args, outdir, timeout, backend, reduction, kwargs, preload)
+            started = _start_ranks(procs, preload, rank_args, report_backend)
             supervise(procs, out, timeout)
             results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
             if timings is not None:
-                times = [json.loads((out / f"rank{r}.times").read_text()) for r in range(n)]
-                entered, imported, joined, done = (max(t[i] for t in times) for i in range(4))
-                ended = time.time()
-                timings.append(
-                    LaunchTimings(
-                        n, started - began, entered - started, imported - entered, joined - imported, done - joined,
-                        ended - done,
-                    )
-                )  # fmt: skip
+                timings.append(_launch_timings(out, n, began, started))
             return results
         finally:
-            killed = [p for p in procs if p.is_alive()]
-            for p in killed:
-                kill_descendants(p.pid)  # a compiler or other child the rank started dies with it
-                p.kill()
-            for p in procs:
-                p.join(timeout=5)
-            if killed:
-                remove_build_locks_since(began)
+            _stop_ranks(procs, began)
             del store
 
 
-def _process_model(reduction: Any, backend: str) -> Reduction | None:
+def _start_ranks(procs: list, preload: tuple[str, ...], rank_args: tuple, report_backend: bool) -> float:
+    """Fork the ``n`` rank processes (``rank_args`` is `rank_main`'s arguments after the rank) from the
+    launch's forkserver, appending each to ``procs`` as it starts (the caller stops what did start); returns
+    the time the forkserver was ready, the end of `LaunchTimings.server`."""
+    n = rank_args[0]
+    with rank_context(preload) as ctx:
+        if ctx.get_start_method() == "forkserver":
+            warm = ctx.Process(target=ready, name="simdist-forkserver-ready", daemon=True)
+            warm.start()  # returns once the server, after its imports, has forked it: `server`'s time
+            warm.join()
+        started = time.time()
+        for r in range(n):
+            procs.append(
+                ctx.Process(
+                    target=rank_main,
+                    args=(r, *rank_args, report_backend),
+                    name=f"simdist-rank{r}",
+                    daemon=True,
+                )
+            )
+            procs[-1].start()
+    return started
+
+
+def _launch_timings(out: Path, n: int, began: float, started: float) -> LaunchTimings:
+    """The launch's phases from the times each rank wrote (the slowest rank ends each phase)."""
+    times = [json.loads((out / f"rank{r}.times").read_text()) for r in range(n)]
+    entered, imported, joined, done = (max(t[i] for t in times) for i in range(4))
+    ended = time.time()
+    return LaunchTimings(
+        n, started - began, entered - started, imported - entered, joined - imported, done - joined, ended - done
+    )
+
+
+def _stop_ranks(procs: list, began: float) -> None:
+    """Kill every rank still alive (and what it started), join them all, and remove the build locks a killed
+    rank may have left since ``began``."""
+    killed = [p for p in procs if p.is_alive()]
+    for p in killed:
+        kill_descendants(p.pid)  # a compiler or other child the rank started dies with it
+        p.kill()
+    for p in procs:
+        p.join(timeout=5)
+    if killed:
+        remove_build_locks_since(began)
+
+
+def _process_reduction(reduction: Any, backend: str) -> Reduction | None:
     """The reduction the ranks install (`simdist.world.process.use_reduction`); ``None`` for real gloo."""
     if isinstance(reduction, Mapping) or (callable(reduction) and not isinstance(reduction, Reduction)):
         raise TypeError(

@@ -92,7 +92,7 @@ def check_op(reduction: Reduction, op: Op, tensors: Sequence[torch.Tensor]) -> N
         raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
 
 
-def _model_op(op: Op) -> ReduceOp:
+def _reduction_op(op: Op) -> ReduceOp:
     """simdist's `ReduceOp` for ``op``; the reduction refuses the ops it does not model (``ValueError``)."""
     return op.reduce_op if op.reduce_op is not None else ReduceOp.coerce(op.name)
 
@@ -109,7 +109,7 @@ def reduce_all(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op) ->
         return functools.reduce(_BITWISE[op.name], tensors).clone()
     if op.name == "PREMUL_SUM":
         return reduction.reduce(_premul(tensors, op), ReduceOp.SUM)
-    return reduction.reduce(tensors, _model_op(op))
+    return reduction.reduce(tensors, _reduction_op(op))
 
 
 def reduce_root(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op, root: int) -> torch.Tensor:
@@ -117,7 +117,7 @@ def reduce_root(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op, r
     reduce_to = getattr(reduction, "reduce_to", None)
     if op.name in _BITWISE or op.name == "PREMUL_SUM" or reduce_to is None:
         return reduce_all(reduction, tensors, op)
-    return reduce_to(tensors, _model_op(op), root)
+    return reduce_to(tensors, _reduction_op(op), root)
 
 
 def reduce_blocks(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op) -> torch.Tensor:
@@ -127,13 +127,13 @@ def reduce_blocks(reduction: Reduction, tensors: Sequence[torch.Tensor], op: Op)
         return reduce_all(reduction, [t.reshape(-1) for t in tensors], op).reshape(n, -1)
     if op.name == "PREMUL_SUM":
         return reduction.reduce_scatter(_premul(tensors, op), ReduceOp.SUM)
-    return reduction.reduce_scatter(tensors, _model_op(op))
+    return reduction.reduce_scatter(tensors, _reduction_op(op))
 
 
 def reduce_list(reduction: Reduction, lists: Sequence[Sequence[torch.Tensor]], op: Op) -> list[torch.Tensor]:
     """List reduce_scatter: entry ``i`` of every member's list reduced, for group rank ``i``."""
     method = getattr(reduction, "reduce_scatter_list", None)
     if method is not None and op.name not in _BITWISE and op.name != "PREMUL_SUM":
-        return list(method(lists, _model_op(op)))
+        return list(method(lists, _reduction_op(op)))
     n = len(lists)
     return [reduce_all(reduction, [lst[i] for lst in lists], op) for i in range(n)]

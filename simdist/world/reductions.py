@@ -38,16 +38,19 @@ def all_reduce(m: Members, rank: int, frame: Any, tensors: Sequence[torch.Tensor
             members = [c.inputs[k] for c in calls]
             if into is not None and into(members, op.reduce_op, [members[i] for i in targets]):
                 continue  # one pass: each member read once, each target written once (the reduction's bits)
+            # written as gloo writes from C++: through `.data` aliases (no autograd record, no version bump), as
+            # `all_reduce_one` may pass a tensor itself (the kernel above writes through its data pointer)
+            members = [t.data for t in members]
             try:
                 result = reduce_all(reduction, members, op)
             except RuntimeError as exc:  # gloo's integer AVG: the SUM is written, then div_ raises
                 written = getattr(exc, "written", None)
                 if written is not None:
                     for i in targets:
-                        write_bytes(calls[i].inputs[k], written)
+                        write_bytes(members[i], written)
                 raise
             for i in targets:
-                write_bytes(calls[i].inputs[k], result)
+                write_bytes(members[i], result)
 
     call = Call(rank, ("all_reduce", label, op.shown, *meta(tensors)), frame, tuple(tensors))
     return call, complete

@@ -443,38 +443,56 @@ class Rendezvous:
         cpu = min(os.sched_getaffinity(0)) if pin else None
         caller_threads = torch.get_num_threads()
 
-        serial = self.switch is not None
-        if serial:  # rank 0 runs first; the others are woken one by one as ranks block or return
+        if self.switch is not None:  # rank 0 runs first; the others are woken one by one as ranks block or return
             self.ready.extend(range(1, self.world_size))
 
-        def main(rank: int) -> None:
-            error: BaseException | None = None
-            if serial:
-                if rank:
-                    self.batons.wait(rank)
-                if self.error is not None:
-                    self.rank_finished(rank, None)
-                    return
-                self.switch.resume(rank)
-            try:
-                if cpu is not None:
-                    os.sched_setaffinity(0, {cpu})
-                if intra_op_threads is not None:
-                    torch.set_num_threads(intra_op_threads)
-                with torch.autograd.set_multithreading_enabled(False):
-                    results[rank] = body(rank)
-            except Aborted:
-                pass
-            except BaseException as exc:
-                error = exc
-            self.rank_finished(rank, error)
-
         threads = [
-            threading.Thread(target=main, args=(rank,), name=f"{name}-{rank}", daemon=True)
+            threading.Thread(
+                target=self._rank_thread,
+                args=(rank, body, results, cpu, intra_op_threads),
+                name=f"{name}-{rank}",
+                daemon=True,
+            )
             for rank in range(self.world_size)
         ]
         for t in threads:
             t.start()
+        self._wait_for(threads, timeout_s)
+        if intra_op_threads is not None:
+            torch.set_num_threads(caller_threads)  # torch's setting is process-wide: give the caller its own back
+        if self.error is not None:
+            raise self.error
+        return results
+
+    def _rank_thread(
+        self, rank: int, body: Callable[[int], Any], results: list[Any], cpu: int | None, intra_op_threads: int | None
+    ) -> None:
+        """One rank thread of `run`: wait for its turn (serial runs), set its CPU and torch's threads, run
+        ``body(rank)`` into ``results[rank]`` and report how it finished."""
+        error: BaseException | None = None
+        if self.switch is not None:
+            if rank:
+                self.batons.wait(rank)
+            if self.error is not None:
+                self.rank_finished(rank, None)
+                return
+            self.switch.resume(rank)
+        try:
+            if cpu is not None:
+                os.sched_setaffinity(0, {cpu})
+            if intra_op_threads is not None:
+                torch.set_num_threads(intra_op_threads)
+            with torch.autograd.set_multithreading_enabled(False):
+                results[rank] = body(rank)
+        except Aborted:
+            pass
+        except BaseException as exc:
+            error = exc
+        self.rank_finished(rank, error)
+
+    def _wait_for(self, threads: list[threading.Thread], timeout_s: float | None) -> None:
+        """Wait until every rank finished or ``timeout_s`` passed (then fail the run naming where the ranks are),
+        join the threads, and close the batons when none is left running."""
         if not self.done.wait(timeout_s):
             with self.lock:
                 self.fail(SimTimeoutError(where_ranks_are(threads, timeout_s)))
@@ -483,11 +501,6 @@ class Rendezvous:
             t.join(timeout=1.0)
         if not any(t.is_alive() for t in threads):
             self.batons.close()  # a rank thread still running keeps them (closed when the rendezvous is collected)
-        if intra_op_threads is not None:
-            torch.set_num_threads(caller_threads)  # torch's setting is process-wide: give the caller its own back
-        if self.error is not None:
-            raise self.error
-        return results
 
 
 def add_rank_note(exc: BaseException, rank: int, label: str = "simdist") -> None:

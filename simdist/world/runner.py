@@ -86,14 +86,8 @@ def run(
     if place == Where.THREADS:
         if preload or timings is not None:
             raise UsageError("preload= and timings= are for process launches (where='processes' or 'gloo')")
-        if hand == Api.COMM:
-            assert spec is not None
-            threads = SimWorld(
-                spec, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads, reduction=reduction
-            )
-            return threads.run(fn, *args, **kwargs)
-        return spawn_threads(
-            fn, size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
+        return _run_threads(
+            fn, hand, spec, size, args, kwargs, reduction, timeout_s, one_cpu, intra_op_threads, report_backend
         )
     timeout = check_timeout(timeout_s, none_ok=False)
     assert timeout is not None
@@ -102,6 +96,29 @@ def run(
     return spawn_processes(
         fn, size, comm_spec, args, kwargs, timeout, backend, reduction, tuple(preload), timings, report_backend
     )
+
+
+def _run_threads(
+    fn: Callable[..., Any],
+    hand: Api,
+    spec: ParallelSpec | None,
+    size: int,
+    args: tuple,
+    kwargs: dict,
+    reduction: Any,
+    timeout_s: float | None,
+    one_cpu: bool,
+    intra_op_threads: int | None,
+    report_backend: bool,
+) -> list[Any]:
+    """`run` on rank threads: a `SimWorld` for ``api="comm"``, plain ``torch.distributed`` ranks otherwise."""
+    if hand == Api.COMM:
+        assert spec is not None
+        threads = SimWorld(
+            spec, timeout_s=timeout_s, one_cpu=one_cpu, intra_op_threads=intra_op_threads, reduction=reduction
+        )
+        return threads.run(fn, *args, **kwargs)
+    return spawn_threads(fn, size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend)
 
 
 def _world(world: Any, api: Api) -> tuple[ParallelSpec | None, int]:

@@ -247,12 +247,12 @@ def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, Reduction], Redu
     """``({kind: reduction}, default reduction)`` from ``reduction=``; nothing given (``None`` or unset) is
     `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched gradient path
     (`simdist.gradpath.batched.BatchedOps`), so both read the keyword alike."""
-    per_kind = kind_models(pick_reduction(_UNSET if reduction is None else reduction))
+    per_kind = kind_reductions(pick_reduction(_UNSET if reduction is None else reduction))
     default = per_kind.pop("default")
     return per_kind, default
 
 
-def kind_models(choice: ReductionChoice) -> dict[str, Reduction]:
+def kind_reductions(choice: ReductionChoice) -> dict[str, Reduction]:
     """``{kind: reduction}`` with a ``"default"`` entry from a `ReductionChoice`; unknown kinds and names are errors."""
     if isinstance(choice, str | Reduction):
         return {"default": as_reduction(choice, "reduction")}

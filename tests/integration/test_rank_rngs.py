@@ -122,3 +122,40 @@ def test_seeded_data_threads_process_mode_and_real_gloo_agree_bitwise(n):
     for rank in range(n):
         assert _same(processes[rank], gloo[rank], (*FIELDS, "total")), rank
         assert _same(threads[rank], gloo[rank], (*FIELDS, "total")), rank
+
+
+_NUMPY_IMPORTED_BY_A_RANK = """
+import sys
+import torch.distributed as dist
+import simdist
+
+def draws(rank):
+    if rank == 0:
+        import numpy.random  # the first import of NumPy's generators in this process: after the spawn began
+    dist.barrier()  # a handoff: the next rank's resume finds NumPy imported
+    import numpy as np
+    np.random.seed(7)
+    dist.barrier()  # every rank seeded before any draws
+    out = []
+    for _ in range(2):
+        out.append(np.random.rand(3).tolist())  # ranks alternate: a shared generator gives each other's draws
+        dist.barrier()
+    return out
+
+assert "numpy.random" not in sys.modules
+first, *others = simdist.run(draws, 3)
+print("same" if all(o == first for o in others) else f"differ {first} {others}")
+"""
+
+
+def test_numpy_imported_first_by_a_rank_is_per_rank_from_the_next_handoff():
+    """A fresh interpreter (this one has NumPy): a rank imports ``numpy.random``; each rank seeded alike then
+    draws the same values, as separate processes would."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _NUMPY_IMPORTED_BY_A_RANK], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "same", done.stdout
