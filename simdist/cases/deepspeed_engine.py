@@ -1,6 +1,6 @@
 """Drive the real DeepSpeed engine (``deepspeed.initialize``, ``engine.backward``, ``engine.step``) under folding.
 
-`engine_rank` is a rank program (``fn(comm, runs, seed)``, `simdist.cases.world.run_ranks`). For every
+`engine_rank` is a rank program (``fn(comm, runs, seed)``, `simdist.cases.ranks.run_ranks`). For every
 `EngineRun` it builds the engine from a DeepSpeed config -- bf16, the ZeRO stage that selects the wrapper,
 ``communication_data_type``, GAS, gradient clipping, ``tensor_parallel.autotp_size`` and ``expert_parallel``
 (AutoEP) -- with ``torch.optim.AdamW`` as the client optimizer, and runs real micro-steps: ``engine(grads)``,
@@ -200,7 +200,7 @@ class SyntheticModule(torch.nn.Module):
             owner.register_parameter(leaf, torch.nn.Parameter(initial(rank, p).to(torch.bfloat16).clone()))
         self.grads: dict[str, torch.Tensor] = {}
 
-    def forward(self, where: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return sum(leaf(self.grads, f"{name}.") for name, leaf in self.named_children())
 
 
@@ -258,7 +258,7 @@ class _HelperSpy:
 
     def __init__(self, capture: EngineCapture, names: dict) -> None:
         self.capture, self.names = capture, names
-        self.where: tuple[int, int] = (0, 0)
+        self.step_micro: tuple[int, int] = (0, 0)
 
     def wrap(self, real, caller: str):
         def spy(folding_spec, param, grad, **kwargs):
@@ -281,7 +281,7 @@ class _HelperSpy:
             after = data.detach().clone() if data is not None and action == "corrected" else None
             self.capture.calls.append(
                 HelperCall(
-                    *self.where,
+                    *self.step_micro,
                     self.names.get(param, "?"),
                     caller,
                     action,
@@ -388,9 +388,9 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
         except Exception as exc:
             import traceback
 
-            where = traceback.extract_tb(exc.__traceback__)[-1]
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
             first = str(exc).splitlines()[0] if str(exc) else ""
-            capture.error = f"{type(exc).__name__}: {first} (at {where.filename}:{where.lineno})"
+            capture.error = f"{type(exc).__name__}: {first} (at {frame.filename}:{frame.lineno})"
             return capture
         finally:
             with contextlib.suppress(Exception):
@@ -423,7 +423,7 @@ def _audited_steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, captur
         _steps(engine, run, inputs, spy, capture)
     capture.narrowing = [
         {
-            "where": site.where,
+            "at": site.where,
             "function": site.function,
             "op": site.op,
             "kind": site.kind,
@@ -459,13 +459,13 @@ def _steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: Engin
     def allreduce_gradients(*args, **kwargs):
         """The FP32 accumulation buffer at the boundary, before the boundary pass and the DP reduction."""
         for name, hp in hp_of.items():
-            capture.hp[(*spy.where, name)] = hp.detach().view(named[name].shape).clone()
+            capture.hp[(*spy.step_micro, name)] = hp.detach().view(named[name].shape).clone()
         return real_allreduce(*args, **kwargs)
 
     engine.allreduce_gradients = allreduce_gradients
     for step in range(run.steps):
         for micro in range(run.gas):
-            spy.where = (step, micro)
+            spy.step_micro = (step, micro)
             grads = inputs[(step, micro)]
             handles = [
                 param.register_hook(
