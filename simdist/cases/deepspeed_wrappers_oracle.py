@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.cases.deepspeed_engine import BETAS, BOUNDARY_PASS, EPS, LR, WEIGHT_DECAY, EngineCapture, EngineRun
+from simdist.cases.deepspeed_engine import BETAS, EPS, LR, WEIGHT_DECAY, EngineCapture, EngineRun
+from simdist.cases.deepspeed_spy import BOUNDARY_PASS
 from simdist.gradpath.families import Correction, Family
 from simdist.gradpath.oracle import dp_kind
 from simdist.numerics.floats import bits
