@@ -31,22 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_BUILD_OPS", "0")
 
 
-def _deepspeed(world: str, preload: tuple[str, ...], timings: list) -> None:
+def _deepspeed(where: str, preload: tuple[str, ...], timings: list) -> None:
     from simdist.cases.deepspeed_8913 import Config
     from simdist.cases.deepspeed_harness import deepspeed_rank
-    from simdist.cases.world import run_ranks
+    from simdist.cases.ranks import run_ranks
 
     config = Config()
-    run_ranks(deepspeed_rank, config.spec, config.runs(), config.seed, world=world, preload=preload, timings=timings)
+    run_ranks(deepspeed_rank, config.spec, config.runs(), config.seed, where=where, preload=preload, timings=timings)
 
 
-def _megatron(world: str, preload: tuple[str, ...], timings: list) -> None:
+def _megatron(where: str, preload: tuple[str, ...], timings: list) -> None:
     from simdist.cases.megatron_grad_reduce import Config, megatron_rank
-    from simdist.cases.world import run_ranks
+    from simdist.cases.ranks import run_ranks
 
     config = Config()
     for layout in config.layouts:
-        run_ranks(megatron_rank, config.spec(layout), config, layout, world=world, preload=preload, timings=timings)
+        run_ranks(megatron_rank, config.spec(layout), config, layout, where=where, preload=preload, timings=timings)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--where", choices=("gloo", "simdist"), default="gloo")
     parser.add_argument("--repeats", type=int, default=1, help="launches per way after the first (default 1)")
     ns = parser.parse_args(argv)
-    from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
+    from simdist.cases.ranks import DEEPSPEED_MODULES, MEGATRON_MODULES
 
     body, modules = (_deepspeed, DEEPSPEED_MODULES) if ns.case == "deepspeed" else (_megatron, MEGATRON_MODULES)
     from simdist.world import forkservers

@@ -76,7 +76,7 @@ def merge(records: Iterable[dict]) -> MergedRun:
 def frameworks_of(script: str) -> tuple[str, ...]:
     """The framework modules ``script`` imports (DeepSpeed's, Megatron-Core's), for the forkserver to preload:
     their imports cost seconds per rank otherwise (`simdist.world.forkservers`)."""
-    from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
+    from simdist.cases.ranks import DEEPSPEED_MODULES, MEGATRON_MODULES
     from simdist.extras import installed
 
     text = Path(script).read_text(errors="replace")

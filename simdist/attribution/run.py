@@ -26,7 +26,6 @@ Same-dtype copies of the buffer and reads other than a widening cast see its nar
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -37,9 +36,7 @@ import torch
 from simdist.attribution import arithmetic, collectives
 from simdist.attribution.measure import Errors, SiteErrors, errors
 from simdist.audit import Audit, dtype_name
-
-_BLAME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_AUDIT_DIR = os.path.join(os.path.dirname(_BLAME_DIR.rstrip(os.sep)), "audit") + os.sep
+from simdist.callsite import site_of
 
 SiteKey = tuple  # (file, line, function, kind, op, dtypes)
 
@@ -86,7 +83,6 @@ class Recorder:
         self.ops = ops  # aten op names measured as arithmetic sites (`simdist.attribution.arithmetic`)
         self.promoted: dict[SiteKey, int] = {}  # key -> number of promoted events
         self.unpromotable: dict[SiteKey, str] = {}  # key -> why it cannot be promoted
-        self._sites: dict = {}  # (code, line) -> (file, line, function)
         self.rank: int | None = None  # this process's rank in process mode (threads name their own)
         self._promoted_values: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.shadows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # buffer -> (its bits, the wide value)
@@ -98,17 +94,9 @@ class Recorder:
     # -- sites -------------------------------------------------------------------------
 
     def site_of(self, frame) -> tuple[str, int, str]:
-        """The first frame outside torch, simdist's world layer, the audit and blame."""
-        from simdist.world.calls import is_internal
-
-        while frame is not None:
-            code = frame.f_code
-            name = code.co_filename
-            if not is_internal(name) and not os.path.abspath(name).startswith((_BLAME_DIR, _AUDIT_DIR)):
-                path = name if name.startswith("<") else os.path.abspath(name)
-                return path, frame.f_lineno, code.co_name
-            frame = frame.f_back
-        return ("<no Python frame>", 0, "")
+        """The user's call site from ``frame`` outwards, by the one rule (`simdist.callsite`: the first frame outside
+        torch, simdist's world layer, the audit and blame): the site the audit names for the same call."""
+        return site_of(frame)
 
     @staticmethod
     def key(site: tuple[str, int, str], kind: str, op: str, dtypes: str) -> SiteKey:
@@ -260,7 +248,6 @@ def execute(target: Callable[[], Any], recorder: Recorder) -> Any:
     GradScaler.scale = scale  # type: ignore[method-assign]
     try:
         audit = Audit(
-            skip=(_BLAME_DIR,),
             cast_hook=recorder.cast_hook,
             op_hook=recorder.op_hook if recorder.ops else None,
             op_names=recorder.ops,

@@ -29,9 +29,10 @@ the current thread dispatches and records
 "Narrower" means the output dtype cannot hold every value of the input dtype:
 fewer mantissa bits or a smaller exponent range, so fp32 -> fp16, fp16 -> bf16
 and bf16 -> fp16 all count. Each record carries the op's aten name, the input
-and output dtypes, the shape, the rank (if any), and the first source location
-outside torch and outside this package (``file:line``, function). simdist's own
-modules count as user code; ``skip=("simdist.sources.synthetic", "/path/prefix")``
+and output dtypes, the shape, the rank (if any), and the user's call site by the
+one rule of `simdist.callsite` (``file:line``, function): the first source
+location outside torch, simdist's world layer, this package and blame. simdist's
+other modules count as user code; ``skip=("simdist.sources.synthetic", "/path/prefix")``
 skips more frames (modules, packages or path prefixes), attributing the record
 to the next frame outward. Sites are cached by code object and line.
 

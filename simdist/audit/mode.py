@@ -36,11 +36,9 @@ from simdist.audit.report import (
     dtype_name,
     narrows,
 )
+from simdist.callsite import NO_SITE, frame_site, internal_prefixes, is_internal, site_of
 from simdist.errors import UsageError
-from simdist.world.calls import WRAPPER_FILES
 
-_AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _RANK_THREAD = re.compile(r"simdist-rank-(\d+)")
 
 # -- the mode ----------------------------------------------------------------------
@@ -67,12 +65,9 @@ class _Store:
         self.max_records = max_records
         self.dropped = 0
         self.closed = False
-        self.skipped: dict = {}  # code object -> skip this frame?
-        self.sites: dict = {}  # (code object, line) -> (file, line, function)
+        self.skipped: dict = {}  # id(code object) -> (the code object, skip its frames?)
+        self.sites: dict = {}  # (id(code object), line) -> (file, line, function)
         self.followed: list = []  # (thread, native id) of each thread followed with threads=True
-
-
-_NO_SITE = ("<no Python frame>", 0, "")
 
 
 def _skip_prefix(entry: str) -> str:
@@ -198,7 +193,7 @@ class Audit(TorchDispatchMode):
             self._prefixes = _parent._prefixes
         else:
             self._store = _Store(max_records)
-            self._prefixes = (_TORCH_DIR, _AUDIT_DIR, "<frozen ", *WRAPPER_FILES, *(_skip_prefix(s) for s in skip))
+            self._prefixes = internal_prefixes(_skip_prefix(s) for s in skip)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -403,37 +398,27 @@ class Audit(TorchDispatchMode):
     # -- recording -------------------------------------------------------------------
 
     def _site(self, outside: tuple[str, ...] = ()) -> tuple[str, int, str]:
-        """The first frame outside torch, the audit and ``skip`` (and the path prefixes ``outside``)."""
+        """The user's call site by `simdist.callsite`'s rule, with ``skip`` (and the path prefixes ``outside``)
+        passed over too; whether a frame is skipped is cached per code object, its site per (code, line)."""
         store = self._store
         f: FrameType | None
         if outside:
-            f = sys._getframe(1)
-            while f is not None:
-                name = f.f_code.co_filename
-                path = name if name.startswith("<") else os.path.abspath(name)
-                if not path.startswith(self._prefixes) and not path.startswith(outside):
-                    return path, f.f_lineno, f.f_code.co_name
-                f = f.f_back
-            return _NO_SITE
+            return site_of(sys._getframe(1), prefixes=self._prefixes + outside)
         skipped, prefixes = store.skipped, self._prefixes
         f = sys._getframe(1)
         while f is not None:
             code = f.f_code
-            skip = skipped.get(code)
-            if skip is None:
-                name = code.co_filename
-                path = name if name.startswith("<") else os.path.abspath(name)
-                skip = skipped[code] = path.startswith(prefixes)
-            if not skip:
-                key = (code, f.f_lineno)
+            known = skipped.get(id(code))
+            if known is None:  # keyed by identity: equal code objects of two files compare equal
+                known = skipped[id(code)] = (code, is_internal(code.co_filename, prefixes))  # keeps the id taken
+            if not known[1]:
+                key = (id(code), f.f_lineno)
                 site = store.sites.get(key)
                 if site is None:
-                    name = code.co_filename
-                    path = name if name.startswith("<") else os.path.abspath(name)
-                    site = store.sites[key] = (path, f.f_lineno, code.co_name)
+                    site = store.sites[key] = frame_site(f)
                 return site
             f = f.f_back
-        return _NO_SITE
+        return NO_SITE
 
     def _record(
         self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str, outside: tuple[str, ...] = ()

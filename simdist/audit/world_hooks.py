@@ -6,15 +6,14 @@ nothing reaches torch's dispatcher, so a dispatch mode alone never sees them. Wh
 is active, `install` subscribes `observe` to the observer list
 (`simdist.world.rendezvous.Observers.subscribed`), which both front ends tell before every collective: the observer
 finds the audit on the calling thread's dispatch-mode stack, records the collective (op, dtype of its first
-tensor, group) at the first source line outside torch, simdist.world and the audit, and pauses that audit
-while the collective runs -- so the reduction's arithmetic, which runs on whichever rank arrives last,
-is not charged to that rank. Without an audit on the thread the observer does nothing. Point-to-point sends
-and receives are not collectives and are not recorded.
+tensor, group) at the user's call site (`simdist.callsite`: the first frame outside torch, simdist.world, the audit
+and blame), and pauses that audit while the collective runs -- so the reduction's arithmetic, which runs on
+whichever rank arrives last, is not charged to that rank. Without an audit on the thread the observer does
+nothing. Point-to-point sends and receives are not collectives and are not recorded.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
@@ -25,10 +24,6 @@ from simdist.world.observers import CollectiveEvent, Observers
 
 _lock = threading.Lock()
 _active = 0
-
-WORLD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "world") + os.sep
-"""Frames in simdist/world/ are the simulator's plumbing, never the site of a collective."""
-
 
 _audit_type: type | None = None
 """The `Audit` class, handed over by `install` (this module does not import `simdist.audit.mode`, which
@@ -66,7 +61,7 @@ def observe(event: CollectiveEvent) -> Callable[[], None] | None:
     tensor = _first_tensor((*call.inputs, *call.outputs))
     if tensor is not None:
         op = call.signature[0]
-        audit.record_collective(f"{event.front}.{op}", tensor, f"group={event.group}", outside=(WORLD_DIR,))
+        audit.record_collective(f"{event.front}.{op}", tensor, f"group={event.group}")
     paused = audit.paused()
     paused.__enter__()
     return lambda: paused.__exit__(None, None, None)

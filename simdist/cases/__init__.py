@@ -43,12 +43,12 @@ def get_case(name: str) -> Case:
 
 
 def run_case(name: str, **options) -> Verdict:
-    """Run case ``name``; ``ValueError`` for a world the case cannot run in, then for a missing extra (naming
-    the command that installs it). The world is checked first: it is the case's property, not the install's."""
+    """Run case ``name``; ``ValueError`` for a ``where`` the case cannot run in, then for a missing extra
+    (naming the command that installs it). ``where`` is checked first: it is the case's property, not the install's."""
     case = get_case(name)
-    world = options.get("world", "gloo")
-    if world == "threads" and case.processes_because is not None:
-        raise UsageError(f"case {name!r} runs in processes only (world 'gloo' or 'simdist'): {case.processes_because}")
+    where = options.get("where", "gloo")
+    if where == "threads" and case.processes_because is not None:
+        raise UsageError(f"case {name!r} runs in processes only (where 'gloo' or 'simdist'): {case.processes_because}")
     missing = case.missing()
     if missing:
         raise UsageError(f"case {name!r} needs the {missing[0]} extra: {install_hint(missing[0])}")

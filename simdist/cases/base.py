@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from simdist.cases.world import PER_RANK_GLOBALS
+from simdist.cases.ranks import PER_RANK_GLOBALS
 from simdist.extras import missing_extras
 
 
@@ -37,9 +37,9 @@ class Case:
     requires: tuple[str, ...]
     """The extras of ``pyproject.toml`` (`simdist.extras.EXTRAS`) whose framework the case drives; () for torch's."""
     run: Callable[..., Any]
-    """``run(world="gloo", **options) -> verdict dataclass``."""
+    """``run(where="gloo", **options) -> verdict dataclass``."""
     processes_because: str | None = PER_RANK_GLOBALS
-    """Why the case refuses ``world="threads"``; None where it runs on rank threads too."""
+    """Why the case refuses ``where="threads"``; None where it runs on rank threads too."""
 
     def missing(self) -> list[str]:
         """The required extras whose framework is not importable here."""

@@ -94,13 +94,13 @@ def match_traces(
 
 def _describe(key: Key, rank: int, value: torch.Tensor, theirs: torch.Tensor | None, names) -> str:
     step, micro, param, stage = key
-    where = f"{param} '{stage}' (rank {rank}, step {step}, micro-step {micro})"
+    at = f"{param} '{stage}' (rank {rank}, step {step}, micro-step {micro})"
     if theirs is None:
-        return f"{where}: {names[1]} has no such capture"
+        return f"{at}: {names[1]} has no such capture"
     if theirs.dtype != value.dtype or theirs.shape != value.shape:
         got = f"{names[0]} {value.dtype} {tuple(value.shape)}"
-        return f"{where}: {got} vs {names[1]} {theirs.dtype} {tuple(theirs.shape)}"
-    return f"{where}: {names[0]} vs {names[1]} first differ at {_element(value, theirs)}"
+        return f"{at}: {got} vs {names[1]} {theirs.dtype} {tuple(theirs.shape)}"
+    return f"{at}: {names[0]} vs {names[1]} first differ at {_element(value, theirs)}"
 
 
 def figures(

@@ -47,7 +47,7 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.deepspeed_harness import CORRECTED, DsRun, Fix, RankCapture, deepspeed_rank
-from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.cases.ranks import DEEPSPEED_MODULES, CaseWhere, run_ranks
 from simdist.errors import UsageError
 from simdist.gradpath.kernel import Marker, UpdatePath, coerce
 from simdist.gradpath.path import PathConfig, train_rank
@@ -129,7 +129,7 @@ class Verdict8913:
     ok: bool
     summary: str
     deepspeed_version: str
-    world: str
+    where: str
     layout: str
     strategies: dict[str, str]
     strategies_agree: bool
@@ -145,11 +145,11 @@ class Verdict8913:
     """The findings alone (strategies agree, real == transcription bitwise on every path), before the power checks."""
 
 
-def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
+def run_real(config: Config, where: CaseWhere = "gloo") -> dict[DsRun, list[RankCapture]]:
     """Every run of ``config`` on real DeepSpeed, in one launch of ``world_size`` ranks."""
     runs = config.runs()
     per_rank = run_ranks(
-        deepspeed_rank, config.spec, runs, config.seed, config.inputs.value, world=world, preload=DEEPSPEED_MODULES
+        deepspeed_rank, config.spec, runs, config.seed, config.inputs.value, where=where, preload=DEEPSPEED_MODULES
     )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
@@ -273,7 +273,7 @@ def judge(
     real: dict[DsRun, list[RankCapture]],
     writeback: Policy | None = None,
     staging: Policy | None = None,
-    world: str = "gloo",
+    where: str = "gloo",
 ) -> Verdict8913:
     """The verdict from real captures and the transcription (``writeback``/``staging`` default to the catalogue's)."""
     writeback = writeback or get_policy("bf16_writeback")
@@ -314,7 +314,7 @@ def judge(
     )
     checks = power_checks(config, real, writeback, staging)
     ok = holds and shows_power(checks)
-    verdict = Verdict8913(ok, "", first.deepspeed_version, world, spec.describe(), first.strategies, agree, results)
+    verdict = Verdict8913(ok, "", first.deepspeed_version, where, spec.describe(), first.strategies, agree, results)
     verdict.inputs, verdict.power_checks, verdict.findings_hold = describe_inputs(config.inputs), checks, holds
     verdict.summary = summarize(verdict, writeback.name, staging.name)
     return verdict
@@ -322,7 +322,7 @@ def judge(
 
 def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
     """One paragraph computed from the verdict's fields."""
-    lines = [f"real DeepSpeed {v.deepspeed_version} BF16_Optimizer on {v.layout} ({v.world} processes):"]
+    lines = [f"real DeepSpeed {v.deepspeed_version} BF16_Optimizer on {v.layout} ({v.where} processes):"]
     if not v.strategies_agree:
         lines.append(f"  family strategies DIFFER from simdist's corrections: {v.strategies}")
     for r in v.paths:
@@ -358,13 +358,13 @@ def summarize(v: Verdict8913, writeback: str, staging: str) -> str:
     return "\n".join(lines)
 
 
-def run(world: World = "gloo", **options) -> Verdict8913:
-    """Run the case: real DeepSpeed on ``world``, then judge against the catalogue's policies."""
+def run(where: CaseWhere = "gloo", **options) -> Verdict8913:
+    """Run the case: real DeepSpeed on ``where``, then judge against the catalogue's policies."""
     config = Config(**options)
-    verdict = judge(config, run_real(config, world), world=world)
+    verdict = judge(config, run_real(config, where), where=where)
     if config.tp4 and config.spec.tp < 4:
         extra = tp4_config(config)
-        verdict.tp4 = judge(extra, run_real(extra, world), world=world)
+        verdict.tp4 = judge(extra, run_real(extra, where), where=where)
         verdict.ok = verdict.ok and verdict.tp4.ok
         verdict.summary += "\n" + verdict.tp4.summary
     return verdict
@@ -386,7 +386,7 @@ ENGINE_POLICIES: dict[str, Fix] = {"bf16_writeback": "none", "fp32_staging": "fp
 """What ``simdist repro 8913 --code deepspeed`` runs for each policy: DeepSpeed as shipped, or with the fix."""
 
 
-def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
+def repro_traces(config, where: CaseWhere = "gloo") -> dict[str, list[Trace]]:
     """Real DeepSpeed's traces (``local`` and ``hp`` per micro-step) for a `simdist.studies.repro.ReproConfig`.
 
     One launch runs every requested policy: ``bf16_writeback`` is DeepSpeed as
@@ -409,6 +409,6 @@ def repro_traces(config, world: World = "gloo") -> dict[str, list[Trace]]:
             raise UsageError(f"--code deepspeed needs --{option} {value} ({why}), got {str(got)!r}")
     runs = tuple(DsRun(config.update_path, config.gas, config.steps, ENGINE_POLICIES[name]) for name in config.policies)
     per_rank = run_ranks(
-        deepspeed_rank, config.spec, runs, config.seed, str(config.inputs), world=world, preload=DEEPSPEED_MODULES
+        deepspeed_rank, config.spec, runs, config.seed, str(config.inputs), where=where, preload=DEEPSPEED_MODULES
     )
     return {name: [captures[i].trace for captures in per_rank] for i, name in enumerate(config.policies)}

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from simdist.cases.base import Case
-from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.cases.ranks import DEEPSPEED_MODULES, CaseWhere, run_ranks
 from simdist.errors import UsageError
 from simdist.numerics.floats import bits
 from simdist.sources.synthetic import Inputs, describe_inputs
@@ -246,7 +246,7 @@ class CheckpointVerdict:
     ok: bool
     summary: str
     deepspeed_version: str
-    world: str
+    where: str
     layout: str
     optimizer_class: str
     steps: tuple[int, int]
@@ -332,7 +332,7 @@ def _files(files: dict) -> tuple[bool, list[str], list[str], list[str], dict[str
 
 
 def run(
-    world: World = "gloo",
+    where: CaseWhere = "gloo",
     n: int = 1,
     m: int = 1,
     mutation: str = "",
@@ -350,7 +350,7 @@ def run(
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="simdist-ckpt-") as root:
         args = (n, m, root, seed, mutation, Inputs(inputs).value)
-        per_rank = run_ranks(checkpoint_rank, spec, *args, world=world, timeout_s=timeout_s, preload=DEEPSPEED_MODULES)
+        per_rank = run_ranks(checkpoint_rank, spec, *args, where=where, timeout_s=timeout_s, preload=DEEPSPEED_MODULES)
     cells = [
         compare(per_rank, got, want, group, comparison) for comparison, got, want in COMPARISONS for group in GROUPS
     ]
@@ -365,7 +365,7 @@ def run(
         ok=False,
         summary="",
         deepspeed_version=deepspeed.__version__,
-        world=world,
+        where=where,
         layout=spec.describe(),
         optimizer_class=", ".join(sorted({r["optimizer_class"] for r in per_rank})),
         steps=(n, m),
@@ -431,7 +431,7 @@ def table(v: CheckpointVerdict) -> str:
 def summarize(v: CheckpointVerdict) -> str:
     n, m = v.steps
     lines = [
-        f"real DeepSpeed {v.deepspeed_version} engine, {v.optimizer_class}, {v.layout} ({v.world} processes): "
+        f"real DeepSpeed {v.deepspeed_version} engine, {v.optimizer_class}, {v.layout} ({v.where} processes): "
         f"{n} step(s), save_checkpoint, a fresh engine load_checkpoint, {m} step(s)"
         + (f" [MUTATION: {v.mutation}]" if v.mutation else ""),
         table(v),

@@ -1,6 +1,6 @@
 """Drive the real DeepSpeed engine (``deepspeed.initialize``, ``engine.backward``, ``engine.step``) under folding.
 
-`engine_rank` is a rank program (``fn(comm, runs, seed)``, `simdist.cases.world.run_ranks`). For every
+`engine_rank` is a rank program (``fn(comm, runs, seed)``, `simdist.cases.ranks.run_ranks`). For every
 `EngineRun` it builds the engine from a DeepSpeed config -- bf16, the ZeRO stage that selects the wrapper,
 ``communication_data_type``, GAS, gradient clipping, ``tensor_parallel.autotp_size`` and ``expert_parallel``
 (AutoEP) -- with ``torch.optim.AdamW`` as the client optimizer, and runs real micro-steps: ``engine(grads)``,
@@ -42,14 +42,13 @@ from typing import Any, Literal, cast
 import torch
 
 from simdist.cases.deepspeed_harness import mark_family
+from simdist.cases.deepspeed_spy import HelperCall, HelperSpy, patched, spy_on_corrections
 from simdist.errors import UsageError
 from simdist.gradpath.families import Family
 
 Wrapper = Literal["bf16_optimizer", "zero1", "zero2", "zero3"]
 WRAPPERS: tuple[str, ...] = ("bf16_optimizer", "zero1", "zero2", "zero3")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-BOUNDARY_PASS = "engine boundary pass"
-"""The caller name of ``DeepSpeedEngine._reduce_autoep_folding_tp_replicated_gradients``'s corrections."""
 
 
 @dataclass(frozen=True)
@@ -133,21 +132,6 @@ class EngineRun:
 
 
 @dataclass
-class HelperCall:
-    """One call of ``apply_folding_correction_to_grad_buffer`` (or the boundary pass's reduce)."""
-
-    step: int
-    micro: int
-    param: str
-    caller: str
-    action: str
-    """``corrected``, ``skipped: marker set`` or DeepSpeed's strategy ``skip``."""
-    buffer_dtype: str
-    fp32_before_writeback: torch.Tensor | None
-    after: torch.Tensor | None
-
-
-@dataclass
 class EngineCapture:
     """One rank's captures of one `EngineRun`."""
 
@@ -164,7 +148,7 @@ class EngineCapture:
     exp_avg: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     narrowing: list[dict] = field(default_factory=list)
-    """The audit's sites on this rank (``where``, ``function``, ``op``, ``kind``, ``dtypes``, ``count``,
+    """The audit's sites on this rank (``at``, ``function``, ``op``, ``kind``, ``dtypes``, ``count``,
     ``max_rel_error``): every narrowing cast/accumulate/store and every collective with its dtype."""
     error: str = ""
     """Why the run could not be driven (the engine raised): the exception's first line."""
@@ -200,7 +184,7 @@ class SyntheticModule(torch.nn.Module):
             owner.register_parameter(leaf, torch.nn.Parameter(initial(rank, p).to(torch.bfloat16).clone()))
         self.grads: dict[str, torch.Tensor] = {}
 
-    def forward(self, where: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return sum(leaf(self.grads, f"{name}.") for name, leaf in self.named_children())
 
 
@@ -221,16 +205,6 @@ def mark_families(module: torch.nn.Module, params, ep: int) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _patched(obj, name: str, value) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
-@contextlib.contextmanager
 def no_model_injection() -> Iterator[None]:
     """The two hand-done steps: no HF MoE block to detect, no HF preset to shard (see the module docstring)."""
     from deepspeed.module_inject.auto_ep import AutoEP
@@ -246,53 +220,11 @@ def no_model_injection() -> Iterator[None]:
         return sources
 
     with (
-        _patched(AutoEP, "ep_parser", lambda self: []),
-        _patched(DeepSpeedEngine, "_apply_autotp_partitioning", lambda self, model, tp_config: ReplacementSourceMap()),
-        _patched(DeepSpeedEngine, "_configure_expert_parallel", configure_ep),
+        patched(AutoEP, "ep_parser", lambda self: []),
+        patched(DeepSpeedEngine, "_apply_autotp_partitioning", lambda self, model, tp_config: ReplacementSourceMap()),
+        patched(DeepSpeedEngine, "_configure_expert_parallel", configure_ep),
     ):
         yield
-
-
-class _HelperSpy:
-    """Wraps the folding helper where each wrapper imported it; records every call, then calls the real one."""
-
-    def __init__(self, capture: EngineCapture, names: dict) -> None:
-        self.capture, self.names = capture, names
-        self.where: tuple[int, int] = (0, 0)
-
-    def wrap(self, real, caller: str):
-        def spy(folding_spec, param, grad, **kwargs):
-            from deepspeed import comm as ds_comm
-            from deepspeed.module_inject.auto_ep_folding import is_autoep_folding_gradient_corrected
-
-            was_set = caller != BOUNDARY_PASS and is_autoep_folding_gradient_corrected(param)
-            reduced: list[torch.Tensor] = []
-            real_all_reduce = ds_comm.all_reduce
-
-            def all_reduce(tensor, *args, **kw):
-                reduced.append(tensor)
-                return real_all_reduce(tensor, *args, **kw)
-
-            with _patched(ds_comm, "all_reduce", all_reduce):
-                strategy = real(folding_spec, param, grad, **kwargs)
-            data = grad.data if grad is not None else None
-            action = "skipped: marker set" if was_set else ("skip" if strategy == "skip" else "corrected")
-            fp32 = reduced[0].detach().clone() if reduced and reduced[0].dtype == torch.float32 else None
-            after = data.detach().clone() if data is not None and action == "corrected" else None
-            self.capture.calls.append(
-                HelperCall(
-                    *self.where,
-                    self.names.get(param, "?"),
-                    caller,
-                    action,
-                    str(data.dtype) if data is not None else "",
-                    fp32,
-                    after,
-                )
-            )
-            return strategy
-
-        return spy
 
 
 def staged_update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
@@ -361,11 +293,11 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     module = SyntheticModule(run.params(), InitialWeights(spec, seed), rank)
     groups = mark_families(module, run.params(), spec.ep)
     names = {p: n for n, p in module.named_parameters()}
-    spy = _HelperSpy(capture, names)
+    spy = HelperSpy(capture.calls, names)
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_model_injection())
-        _spy_on_corrections(stack, spy)
+        spy_on_corrections(stack, spy)
         try:
             engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=run.config(spec))
         except Exception as exc:  # a configuration the engine refuses on this machine: reported, not hidden
@@ -388,9 +320,9 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
         except Exception as exc:
             import traceback
 
-            where = traceback.extract_tb(exc.__traceback__)[-1]
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
             first = str(exc).splitlines()[0] if str(exc) else ""
-            capture.error = f"{type(exc).__name__}: {first} (at {where.filename}:{where.lineno})"
+            capture.error = f"{type(exc).__name__}: {first} (at {frame.filename}:{frame.lineno})"
             return capture
         finally:
             with contextlib.suppress(Exception):
@@ -398,32 +330,16 @@ def _drive(comm, run: EngineRun, seed: int, distribution: str) -> EngineCapture:
     return capture
 
 
-def _spy_on_corrections(stack: contextlib.ExitStack, spy: _HelperSpy) -> None:
-    """Within ``stack``: every caller of DeepSpeed's TP-correction helper (BF16_Optimizer, ZeRO-1/2, ZeRO-3) and
-    the engine's boundary pass call it through ``spy``, which records each call under its caller's name."""
-    from deepspeed.runtime import bf16_optimizer as bf16_module
-    from deepspeed.runtime import engine as engine_module
-    from deepspeed.runtime.zero import stage3 as stage3_module
-    from deepspeed.runtime.zero import stage_1_and_2 as stage12_module
-
-    helper = bf16_module.apply_folding_correction_to_grad_buffer
-    for mod in (bf16_module, stage12_module, stage3_module):
-        caller = mod.__name__.rsplit(".", 1)[-1]
-        stack.enter_context(_patched(mod, "apply_folding_correction_to_grad_buffer", spy.wrap(helper, caller)))
-    boundary = spy.wrap(engine_module.reduce_autoep_folding_gradient, BOUNDARY_PASS)
-    stack.enter_context(_patched(engine_module, "reduce_autoep_folding_gradient", boundary))
-
-
-def _audited_steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: EngineCapture) -> None:
+def _audited_steps(engine, run: EngineRun, inputs: dict, spy: HelperSpy, capture: EngineCapture) -> None:
     """`_steps` under `simdist.audit`: the floating-point sites DeepSpeed runs go to ``capture.narrowing``."""
     from simdist.audit import audit  # a lazy import of a lower layer (docs/ARCHITECTURE.md)
 
-    # this module's frames (the spy, the synthetic forward) are skipped: sites land in DeepSpeed
-    with audit(skip=(__name__,), rank=capture.rank) as watched:
+    # this module's frames (the synthetic forward) and the spy's are skipped: sites land in DeepSpeed
+    with audit(skip=(__name__, HelperSpy.__module__), rank=capture.rank) as watched:
         _steps(engine, run, inputs, spy, capture)
     capture.narrowing = [
         {
-            "where": site.where,
+            "at": site.where,
             "function": site.function,
             "op": site.op,
             "kind": site.kind,
@@ -442,7 +358,7 @@ def _apply_fix(engine, run: EngineRun) -> None:
     raise UsageError(f"no FP32-staging patch for {run.wrapper}")
 
 
-def _steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: EngineCapture) -> None:
+def _steps(engine, run: EngineRun, inputs: dict, spy: HelperSpy, capture: EngineCapture) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
     named = dict(engine.module.named_parameters())
@@ -459,13 +375,13 @@ def _steps(engine, run: EngineRun, inputs: dict, spy: _HelperSpy, capture: Engin
     def allreduce_gradients(*args, **kwargs):
         """The FP32 accumulation buffer at the boundary, before the boundary pass and the DP reduction."""
         for name, hp in hp_of.items():
-            capture.hp[(*spy.where, name)] = hp.detach().view(named[name].shape).clone()
+            capture.hp[(*spy.step_micro, name)] = hp.detach().view(named[name].shape).clone()
         return real_allreduce(*args, **kwargs)
 
     engine.allreduce_gradients = allreduce_gradients
     for step in range(run.steps):
         for micro in range(run.gas):
-            spy.where = (step, micro)
+            spy.step_micro = (step, micro)
             grads = inputs[(step, micro)]
             handles = [
                 param.register_hook(

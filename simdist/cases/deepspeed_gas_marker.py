@@ -34,7 +34,7 @@ from simdist.cases.compare import Match, match_traces
 from simdist.cases.deepspeed_8913 import Config as Config8913
 from simdist.cases.deepspeed_8913 import transcription
 from simdist.cases.deepspeed_harness import DsRun, RankCapture, deepspeed_rank
-from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.cases.ranks import DEEPSPEED_MODULES, CaseWhere, run_ranks
 from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
@@ -229,7 +229,7 @@ def write_reproducer(path: str | Path) -> Path:
     return target
 
 
-def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapture]]:
+def run_real(config: Config, where: CaseWhere = "gloo") -> dict[DsRun, list[RankCapture]]:
     runs = config.runs()
     per_rank = run_ranks(
         deepspeed_rank,
@@ -237,15 +237,15 @@ def run_real(config: Config, world: World = "gloo") -> dict[DsRun, list[RankCapt
         runs,
         config.seed,
         Inputs(config.inputs).value,
-        world=world,
+        where=where,
         preload=DEEPSPEED_MODULES,
     )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
 
-def run(world: World = "gloo", **options) -> MarkerVerdict:
+def run(where: CaseWhere = "gloo", **options) -> MarkerVerdict:
     config = dataclasses.replace(Config(), **options)
-    return judge(config, run_real(config, world))
+    return judge(config, run_real(config, where))
 
 
 CASE = Case(

@@ -1,7 +1,7 @@
 """Drive DeepSpeed's real ``BF16_Optimizer`` folding path on a process group, micro-step by micro-step.
 
 `deepspeed_rank` is a rank program (``fn(comm, runs, seed)``, see
-`simdist.cases.world.run_ranks`). In each rank process it
+`simdist.cases.ranks.run_ranks`). In each rank process it
 
 1. wraps the already-initialised torch.distributed group in DeepSpeed's
    communication layer (``deepspeed.comm.init_distributed``) with the
@@ -224,7 +224,7 @@ class _HelperSpy:
 
     def __init__(self, real, names: dict) -> None:
         self.real, self.names = real, names
-        self.where: tuple[int, int] = (0, 0)
+        self.step_micro: tuple[int, int] = (0, 0)
         self.actions: dict[tuple[int, int, str], str] = {}
 
     def __call__(self, folding_spec, param, grad, **kwargs):
@@ -233,7 +233,7 @@ class _HelperSpy:
         was_set = is_autoep_folding_gradient_corrected(param)
         strategy = self.real(folding_spec, param, grad, **kwargs)
         action = SKIPPED_MARKER if was_set else (SKIPPED_FAMILY if strategy == "skip" else CORRECTED)
-        self.actions[(*self.where, self.names[param])] = action
+        self.actions[(*self.step_micro, self.names[param])] = action
         return strategy
 
 
@@ -267,7 +267,7 @@ def _drive(rank, spec, folding, params, initial, local_grads, run: DsRun, versio
     try:
         for step in range(run.steps):
             for micro in range(run.gas):
-                spy.where = (step, micro)
+                spy.step_micro = (step, micro)
                 grads = {p.name: local_grads(step, micro, rank, p) for p in params}
                 optimizer.backward_prologue()
                 loss = sum((by_name[name] * grad).sum() for name, grad in grads.items())

@@ -43,7 +43,7 @@ from simdist.cases.deepspeed_wrappers_oracle import (
     judge_run,
     oracle,
 )
-from simdist.cases.world import DEEPSPEED_MODULES, World, run_ranks
+from simdist.cases.ranks import DEEPSPEED_MODULES, CaseWhere, run_ranks
 from simdist.sources.synthetic import Inputs, describe_inputs
 from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import ParallelSpec
@@ -93,7 +93,7 @@ class WrappersVerdict:
     ok: bool
     summary: str
     deepspeed_version: str
-    world: str
+    where: str
     layouts: list[str]
     seconds: float
     runs: list[RunResult] = field(default_factory=list)
@@ -119,13 +119,13 @@ class WrappersVerdict:
 def run_real(
     spec: ParallelSpec,
     runs: tuple[EngineRun, ...],
-    world: World = "gloo",
+    where: CaseWhere = "gloo",
     seed: int = 0,
     inputs: Inputs | str = Inputs.ROUNDING,
 ):
     """Every run on the real engine in one launch of ``spec.world_size`` ranks; ``{run: per-rank captures}``."""
     per_rank = run_ranks(
-        engine_rank, spec, runs, seed, Inputs(inputs).value, world=world, timeout_s=1800.0, preload=DEEPSPEED_MODULES
+        engine_rank, spec, runs, seed, Inputs(inputs).value, where=where, timeout_s=1800.0, preload=DEEPSPEED_MODULES
     )
     return {run: [captures[i] for captures in per_rank] for i, run in enumerate(runs)}
 
@@ -138,13 +138,13 @@ EXPECTED_UNSUPPORTED = (
 
 
 def run(
-    world: World = "gloo",
+    where: CaseWhere = "gloo",
     tps: tuple[int, ...] = (2, 4),
     runs: tuple[EngineRun, ...] | None = None,
     world_size: int = 4,
     inputs: Inputs | str = Inputs.ROUNDING,
 ) -> WrappersVerdict:
-    """The whole audit: every run at each TP size (``world_size`` ranks, EP2) on ``world``, one launch per TP size;
+    """The whole audit: every run at each TP size (``world_size`` ranks, EP2) on ``where``, one launch per TP size;
     the findings and power checks (`simdist.cases.deepspeed_wrappers_checks`), the verdict and its table.
 
     ``ok`` is true only when every applicable finding holds and every applicable power check shows power."""
@@ -158,7 +158,7 @@ def run(
         spec = ParallelSpec(world_size, tp=tp, ep=2)
         layouts.append(spec.describe())
         chosen = runs if runs is not None else audit_runs(tp)
-        real = run_real(spec, chosen, world, inputs=inputs)
+        real = run_real(spec, chosen, where, inputs=inputs)
         for r in chosen:
             result = judge_run(spec, r, real[r], inputs=inputs)
             again = judge_run(spec, r, real[r], inputs=inputs, engine_norm=True) if checks.fixed_run(r) else None
@@ -172,7 +172,7 @@ def run(
     found_claims = checks.findings(judged, EXPECTED_UNSUPPORTED)
     holds = all(f.holds for f in found_claims if f.applies)
     ok = holds and shows_power(power)
-    verdict = WrappersVerdict(ok, "", deepspeed.__version__, world, layouts, time.perf_counter() - start, results)
+    verdict = WrappersVerdict(ok, "", deepspeed.__version__, where, layouts, time.perf_counter() - start, results)
     verdict.narrowing_sites = sites
     verdict.inputs, verdict.findings, verdict.power_checks = describe_inputs(inputs), found_claims, power
     verdict.findings_hold = holds
@@ -219,13 +219,13 @@ def table(v: WrappersVerdict) -> str:
         }
         rows["Adam exp_avg:"] = next((x for x in r.rows if x.boundary == "Adam exp_avg"), None)
         dtypes = ", ".join(d.replace("torch.", "") for d in r.buffer_dtypes)
-        where = f"{r.optimizer_class}, {', '.join(r.correction_sites)}, {dtypes}"
-        lines.append(f"| {r.label} | {where} | " + " | ".join(_cell(rows[p]) for p, _ in COLUMNS) + " |")
+        cell = f"{r.optimizer_class}, {', '.join(r.correction_sites)}, {dtypes}"
+        lines.append(f"| {r.label} | {cell} | " + " | ".join(_cell(rows[p]) for p, _ in COLUMNS) + " |")
     return "\n".join(lines)
 
 
 def summarize(v: WrappersVerdict) -> str:
-    lines = [f"real DeepSpeed {v.deepspeed_version} engine, {', '.join(v.layouts)} ({v.world} processes):"]
+    lines = [f"real DeepSpeed {v.deepspeed_version} engine, {', '.join(v.layouts)} ({v.where} processes):"]
     for r in v.runs:
         if r.error:
             lines.append(f"  {r.label}: NOT RUN: {r.error}")
@@ -262,9 +262,9 @@ def summarize(v: WrappersVerdict) -> str:
     return "\n".join(lines)
 
 
-def run_small(world: World = "gloo") -> WrappersVerdict:
+def run_small(where: CaseWhere = "gloo") -> WrappersVerdict:
     """A small case (slow tests): `SMALL_RUNS`, TP2/EP2 on 2 ranks (the fewest processes); ok as the full run's."""
-    return run(world, tps=(2,), runs=SMALL_RUNS, world_size=2)
+    return run(where, tps=(2,), runs=SMALL_RUNS, world_size=2)
 
 
 CASE = Case(

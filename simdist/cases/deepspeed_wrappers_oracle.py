@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.cases.deepspeed_engine import BETAS, BOUNDARY_PASS, EPS, LR, WEIGHT_DECAY, EngineCapture, EngineRun
+from simdist.cases.deepspeed_engine import BETAS, EPS, LR, WEIGHT_DECAY, EngineCapture, EngineRun
+from simdist.cases.deepspeed_spy import BOUNDARY_PASS
 from simdist.gradpath.families import Correction, Family
 from simdist.gradpath.oracle import dp_kind
 from simdist.numerics.floats import bits
@@ -443,6 +444,6 @@ def _sites(capture: EngineCapture) -> list[str]:
     for s in capture.narrowing:
         if s["kind"] == "collective" and s["dtypes"] not in ("fp32", "bf16", "fp16", "fp64"):
             continue  # object broadcasts (int64, uint8)
-        where = s["where"].split("site-packages/")[-1]
-        out.append(f"{where} {s['function']}: {s['op']} {s['kind']} {s['dtypes']}")
+        path = s["at"].split("site-packages/")[-1]
+        out.append(f"{path} {s['function']}: {s['op']} {s['kind']} {s['dtypes']}")
     return list(dict.fromkeys(out))  # sites differing only in their context read the same

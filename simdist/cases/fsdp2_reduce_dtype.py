@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
-from simdist.cases.world import World, run_ranks
+from simdist.cases.ranks import CaseWhere, run_ranks
 from simdist.errors import UsageError
 from simdist.gradpath.families import Family
 from simdist.gradpath.path import PathConfig, train_rank
@@ -98,7 +98,7 @@ class FsdpVerdict:
     ok: bool
     summary: str
     torch_version: str
-    world: str
+    where: str
     layout: str
     results: list[DtypeResult]
     bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
@@ -208,7 +208,7 @@ def _real_chain(reduce_dtype: str, factors: list[str]) -> str:
 
 
 def judge(
-    config: Config, real: list[dict[str, RealRun]], policies: dict[str, Policy] | None = None, world: str = "gloo"
+    config: Config, real: list[dict[str, RealRun]], policies: dict[str, Policy] | None = None, where: str = "gloo"
 ) -> FsdpVerdict:
     policies = policies or {name: policy_for(name) for name in config.reduce_dtypes}
     results = []
@@ -226,14 +226,14 @@ def judge(
     ok = all(r.real_vs_policy.bitwise_equal for r in results)
     spec = config.spec
     verdict = FsdpVerdict(
-        ok, "", real[0][config.reduce_dtypes[0]].torch_version, world, f"DP{spec.world_size}, GAS {config.gas}", results
+        ok, "", real[0][config.reduce_dtypes[0]].torch_version, where, f"DP{spec.world_size}, GAS {config.gas}", results
     )
     verdict.summary = summarize(verdict)
     return verdict
 
 
 def summarize(v: FsdpVerdict) -> str:
-    lines = [f"real FSDP2 (torch {v.torch_version}) fully_shard, param_dtype=bf16, {v.layout} ({v.world} processes):"]
+    lines = [f"real FSDP2 (torch {v.torch_version}) fully_shard, param_dtype=bf16, {v.layout} ({v.where} processes):"]
     for r in v.results:
         m = r.real_vs_policy
         same = "==" if m.bitwise_equal else "!="
@@ -266,13 +266,13 @@ are bitwise those of process mode, but every rank's divide-factor calls land in 
 installed it last)."""
 
 
-def run_real(config: Config, world: World = "gloo") -> list[dict[str, RealRun]]:
-    return run_ranks(fsdp_rank, config.spec, config, world=world, processes_because=SPY_IS_A_MODULE_GLOBAL)
+def run_real(config: Config, where: CaseWhere = "gloo") -> list[dict[str, RealRun]]:
+    return run_ranks(fsdp_rank, config.spec, config, where=where, processes_because=SPY_IS_A_MODULE_GLOBAL)
 
 
-def run(world: World = "gloo", **options) -> FsdpVerdict:
+def run(where: CaseWhere = "gloo", **options) -> FsdpVerdict:
     config = dataclasses.replace(Config(), **options)
-    return judge(config, run_real(config, world), world=world)
+    return judge(config, run_real(config, where), where=where)
 
 
 CASE = Case(

@@ -46,6 +46,7 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.fsdp2_reduce_dtype import DTYPES, policy_for
+from simdist.cases.ranks import CASE_WHERES
 from simdist.errors import UsageError
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
@@ -60,7 +61,6 @@ from simdist.world.spec import ParallelSpec
 NAME = "fsdp2-reduce-dtype-tp"
 PLANS = ("tp", "tp_sp")
 """``tp``: norm replicated (plain parameter), up Colwise, down Rowwise; ``tp_sp``: norm SequenceParallel too."""
-WORLDS = ("threads", "simdist", "gloo")
 D_MODEL, D_HIDDEN, BATCH, SEQ = 8, 16, 2, 4
 
 
@@ -205,18 +205,18 @@ def fsdp_tp_rank(rank: int, config: Config) -> dict[tuple[str, str], RealRun]:
     return out
 
 
-def run_real(config: Config, world: str = "threads") -> list[dict[tuple[str, str], RealRun]]:
-    """Every rank's runs, on ``world``: ``threads`` (simdist.run), ``simdist`` (process mode) or ``gloo``."""
-    if world == "threads":
+def run_real(config: Config, where: str = "threads") -> list[dict[tuple[str, str], RealRun]]:
+    """Every rank's runs, on ``where``: ``threads`` (simdist.run), ``simdist`` (process mode) or ``gloo``."""
+    if where == "threads":
         import simdist
 
         return simdist.run(fsdp_tp_rank, 4, args=(config,), reduction="gloo", timeout_s=300)
-    if world in ("simdist", "gloo"):
+    if where in ("simdist", "gloo"):
         from simdist.world.runner import run
 
-        where = "gloo" if world == "gloo" else "processes"
-        return run(fsdp_tp_rank, 4, where=where, args=(config,), timeout_s=300)
-    raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
+        place = "gloo" if where == "gloo" else "processes"
+        return run(fsdp_tp_rank, 4, where=place, args=(config,), timeout_s=300)
+    raise UsageError(f"unknown where {where!r}; valid: {', '.join(CASE_WHERES)}")
 
 
 # -- the simdist side ---------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class TpVerdict:
     ok: bool
     summary: str
     torch_version: str
-    world: str
+    where: str
     layout: str
     results: list[RunResult]
     bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
@@ -405,7 +405,7 @@ def judge(
     config: Config,
     real: list[dict[tuple[str, str], RealRun]],
     policies: dict[str, Policy] | None = None,
-    world: str = "threads",
+    where: str = "threads",
 ) -> TpVerdict:
     policies = policies or {name: policy_for(name) for name in config.reduce_dtypes}
     results = []
@@ -415,7 +415,7 @@ def judge(
             runs = [r[(plan, name)] for r in real]
             results.append(judge_run(config, plan, name, runs, policies[name], None if name == "fp32" else fp32))
     ok = all(r.claimed.bitwise_equal and r.tp_peers_identical for r in results)
-    verdict = TpVerdict(ok, "", torch.__version__, world, f"2x2 mesh (dp, tp), GAS {config.gas}", results)
+    verdict = TpVerdict(ok, "", torch.__version__, where, f"2x2 mesh (dp, tp), GAS {config.gas}", results)
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -423,7 +423,7 @@ def judge(
 def summarize(v: TpVerdict) -> str:
     lines = [
         f"real FSDP2 + TP (torch {v.torch_version}), fully_shard over dp of a {v.layout}, param_dtype=bf16, "
-        f"world {v.world}:"
+        f"on {v.where}:"
     ]
     for r in v.results:
         head = f"  [{r.plan}, reduce_dtype={r.reduce_dtype}]"
@@ -463,9 +463,9 @@ def summarize(v: TpVerdict) -> str:
     return "\n".join(lines)
 
 
-def run(world: str = "threads", **options) -> TpVerdict:
+def run(where: str = "threads", **options) -> TpVerdict:
     config = dataclasses.replace(Config(), **options)
-    return judge(config, run_real(config, world), world=world)
+    return judge(config, run_real(config, where), where=where)
 
 
 CASE = Case(

@@ -47,7 +47,7 @@ import torch
 
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
-from simdist.cases.world import MEGATRON_MODULES, World, run_ranks
+from simdist.cases.ranks import MEGATRON_MODULES, CaseWhere, run_ranks
 from simdist.errors import UsageError
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker, apply_stage
@@ -188,8 +188,8 @@ def megatron_rank(comm, config: Config, layout: str) -> dict[bool, RealRun]:
     return out
 
 
-def run_real(config: Config, layout: str, world: World = "gloo") -> list[dict[bool, RealRun]]:
-    return run_ranks(megatron_rank, config.spec(layout), config, layout, world=world, preload=MEGATRON_MODULES)
+def run_real(config: Config, layout: str, where: CaseWhere = "gloo") -> list[dict[bool, RealRun]]:
+    return run_ranks(megatron_rank, config.spec(layout), config, layout, where=where, preload=MEGATRON_MODULES)
 
 
 # -- the simdist side ---------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ class MegatronVerdict:
     ok: bool
     summary: str
     megatron_version: str
-    world: str
+    where: str
     results: list[RunResult]
     bf16_unit_roundoff: float = unit_roundoff(torch.bfloat16)
 
@@ -348,7 +348,7 @@ def judge(
     config: Config,
     real: dict[str, list[dict[bool, RealRun]]],
     policies: dict[bool, Policy] | None = None,
-    world: str = "gloo",
+    where: str = "gloo",
 ) -> MegatronVerdict:
     policies = policies or {fp32: policy_for(fp32) for fp32 in config.fp32_reduce}
     results = [
@@ -363,7 +363,7 @@ def judge(
         for r in results
     )
     first = real[config.layouts[0]][0][config.fp32_reduce[0]]
-    verdict = MegatronVerdict(ok, "", first.megatron_version, world, results)
+    verdict = MegatronVerdict(ok, "", first.megatron_version, where, results)
     verdict.summary = summarize(verdict)
     return verdict
 
@@ -371,7 +371,7 @@ def judge(
 def summarize(v: MegatronVerdict) -> str:
     lines = [
         f"real Megatron-Core {v.megatron_version} DistributedDataParallel + finalize_model_grads, GAS 2, "
-        f"{v.world} processes:"
+        f"{v.where} processes:"
     ]
     for r in v.results:
         head = f"  [{r.layout}, grad_reduce_in_fp32={r.grad_reduce_in_fp32}]"
@@ -410,10 +410,10 @@ def summarize(v: MegatronVerdict) -> str:
     return "\n".join(lines)
 
 
-def run(world: World = "gloo", **options) -> MegatronVerdict:
+def run(where: CaseWhere = "gloo", **options) -> MegatronVerdict:
     config = dataclasses.replace(Config(), **options)
-    real = {layout: run_real(config, layout, world) for layout in config.layouts}
-    return judge(config, real, world=world)
+    real = {layout: run_real(config, layout, where) for layout in config.layouts}
+    return judge(config, real, where=where)
 
 
 CASE = Case(

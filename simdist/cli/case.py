@@ -2,7 +2,7 @@
 ``simdist case export production DIR [--only NAME]`` (the upstream packages, `simdist.cases.upstream`).
 
 The options are those of `simdist.cli.configs.CaseRunCommand` and `simdist.cli.configs.CaseExportCommand`;
-``--where`` takes the cases' places to run (`simdist.cases.world.WORLDS`).
+``--where`` takes the cases' places to run (`simdist.cases.ranks.CASE_WHERES`).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def _run(command: CaseRunCommand) -> int:
         from simdist.cases.stdout import stdout_to_stderr
 
         with stdout_to_stderr() as report:
-            verdict = run_case(command.name, world=command.where)
+            verdict = run_case(command.name, where=command.where)
             print(json.dumps(asdict(verdict), indent=2, default=str), file=report)
     else:
         with ticking(f"case {command.name}"):
-            verdict = run_case(command.name, world=command.where)
+            verdict = run_case(command.name, where=command.where)
         print(verdict.summary)
     return 0 if bool(verdict.ok) == (command.expect == "ok") else 1
 

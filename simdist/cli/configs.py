@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from simdist.cases.world import World
+from simdist.cases.ranks import CaseWhere
 from simdist.reduce import ReductionName
 from simdist.studies.growth import GrowthConfig
 from simdist.studies.repro import EXPECTATIONS, ReproConfig
@@ -211,7 +211,7 @@ class CaseRunCommand:
     """``simdist case run NAME``."""
 
     name: str = field(default="", metadata={"positional": True, "help": "a case name (see: simdist case list)"})
-    where: World = field(
+    where: CaseWhere = field(
         default="gloo",
         metadata={
             "help": "real gloo processes, the simdist backend in process mode, or simdist threads (cases whose "

@@ -2,9 +2,10 @@
 
 Every front end describes a collective as one `Call` per member (its
 signature, the caller's frame, its tensors); errors show a call with
-`Call.describe`, its source line found by `site`: the first frame outside
-simdist's world layer, torch and the wrappers torch's functions are decorated
-with (`is_internal`; the audit and blame skip the same frames). A rank stuck
+`Call.describe`, its source line found by `site`: the user's call site by the
+one rule of `simdist.callsite` (the first frame outside torch, simdist's world
+layer, the audit and blame, and the wrappers torch's functions are decorated
+with; the audit and blame name the same frame). A rank stuck
 past a run's deadline is shown by `rank_whereabouts`: its own innermost line
 and the frame it waits in.
 
@@ -25,55 +26,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from simdist.callsite import frame_site, is_internal, user_frame
+
 if TYPE_CHECKING:
     from simdist.reduce import Reduction
 
-_WORLD_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _wrapper_files() -> tuple[str, ...]:
-    """Modules whose decorators wrap torch's functions (``typing_extensions.deprecated``, whose ``wrapper`` frame
-    sits between a user's ``dist.all_reduce_coalesced`` call and torch; ``warnings.deprecated`` from Python 3.13):
-    their frames are no call site either."""
-    import warnings
-
-    files = [warnings.__file__]
-    try:
-        import typing_extensions
-
-        files.append(typing_extensions.__file__)
-    except ImportError:
-        pass
-    return tuple(os.path.abspath(f) for f in files if f)
-
-
-WRAPPER_FILES = _wrapper_files()
-"""The wrapper modules' files (`is_internal`; the audit skips them too: one call-site rule)."""
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
 
 
-def is_internal(filename: str) -> bool:
-    """Frames of simdist's world layer, of torch and of the wrappers torch's functions are decorated with
-    (`WRAPPER_FILES`) are not call sites a user wants to see."""
-    path = os.path.abspath(filename)
-    return (
-        path.startswith(_WORLD_DIR)
-        or path.startswith(_TORCH_DIR)
-        or path in WRAPPER_FILES
-        or filename.startswith("<frozen")
-    )
-
-
 def site(frame) -> str:
-    """``file:line in function`` of the first frame outside simdist's world layer and torch."""
-    first = frame
-    while frame is not None and is_internal(frame.f_code.co_filename):
-        frame = frame.f_back
-    frame = frame or first
-    if frame is None:
+    """``file:line in function`` of the user's call site (`simdist.callsite.user_frame`); of ``frame`` itself when
+    every frame is internal."""
+    found = user_frame(frame) or frame
+    if found is None:
         return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    path, line, function = frame_site(found)
+    return f"{path}:{line} in {function}"
 
 
 def show(detail: object) -> str:
@@ -135,7 +103,7 @@ def rank_whereabouts(frame) -> str:
 
     The innermost frame alone (``subprocess.py in communicate`` while a framework compiles an op) does not say
     which line of the rank's program started the wait; the outermost frames are the launcher's. The rank's own
-    line is the innermost frame outside torch, simdist's world layer, the standard library and installed
+    line is the innermost frame outside torch, simdist's machinery, the standard library and installed
     packages (`site` when every frame is one of those)."""
     chain = traceback.extract_stack(frame)
     innermost = chain[-1]
@@ -149,7 +117,8 @@ def rank_whereabouts(frame) -> str:
 
 
 def _is_library(filename: str) -> bool:
-    """torch, simdist's world layer, the standard library and installed packages: not a rank's own code."""
+    """Not a rank's own code: what the call-site rule skips (`simdist.callsite.is_internal`), the standard library
+    and installed packages."""
     if is_internal(filename):
         return True
     path = os.path.abspath(filename)

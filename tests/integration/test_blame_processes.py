@@ -163,7 +163,7 @@ def test_processes_without_nproc_is_refused_before_the_run(tmp_path, capsys):
 
 def test_the_forkserver_preloads_the_frameworks_a_script_imports(tmp_path):
     from simdist.attribution.processes import frameworks_of
-    from simdist.cases.world import DEEPSPEED_MODULES
+    from simdist.cases.ranks import DEEPSPEED_MODULES
     from simdist.extras import installed
 
     plain, framework = tmp_path / "plain.py", tmp_path / "ds.py"
@@ -177,7 +177,7 @@ def test_a_script_importing_a_module_global_framework_runs_in_processes_by_itsel
     """``blame --nproc N ds_script.py`` (no ``--processes``): DeepSpeed's groups are module globals, which rank
     threads would share, so the ranks are processes, said in one line on stderr; a plain script stays on threads."""
     import simdist.attribution.processes as processes
-    from simdist.cases.world import DEEPSPEED_MODULES
+    from simdist.cases.ranks import DEEPSPEED_MODULES
 
     launched: list[str] = []
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import simdist
 from simdist.cases.fsdp2_reduce_dtype import Config, fsdp_rank
-from simdist.cases.world import run_ranks
+from simdist.cases.ranks import run_ranks
 from simdist.numerics.floats import bits
 
 
@@ -32,7 +32,7 @@ def test_fsdp2_is_bitwise_the_same_on_threads_but_the_cases_spy_is_not():
         reduction="gloo",
         timeout_s=300,
     )
-    processes = run_ranks(fsdp_rank, config.spec, config, world="simdist")
+    processes = run_ranks(fsdp_rank, config.spec, config, where="simdist")
     compared = 0
     for on_threads, in_processes in zip(threads, processes, strict=True):
         for name, run in on_threads.items():

@@ -69,9 +69,9 @@ def test_mutated_policy_fails_the_case(real, reduce_dtype, mutation):
 
 @pytest.mark.gloo
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["gloo", "simdist"])
-def test_simdist_threads_compute_what_real_gloo_and_process_mode_compute(real, world):
-    gloo = run_real(CONFIG, world)
+@pytest.mark.parametrize("where", ["gloo", "simdist"])
+def test_simdist_threads_compute_what_real_gloo_and_process_mode_compute(real, where):
+    gloo = run_real(CONFIG, where)
     for threads_rank, gloo_rank in zip(real, gloo, strict=True):
         for key, run in threads_rank.items():
             other = gloo_rank[key]
@@ -81,4 +81,4 @@ def test_simdist_threads_compute_what_real_gloo_and_process_mode_compute(real, w
             for k, arrival in run.arrivals.items():
                 assert arrival.placement == other.arrivals[k].placement
                 assert torch.equal(bits(arrival.local), bits(other.arrivals[k].local)), (key, k)
-    assert judge(CONFIG, gloo, world=world).ok
+    assert judge(CONFIG, gloo, where=where).ok

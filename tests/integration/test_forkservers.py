@@ -75,7 +75,7 @@ def test_a_plain_launch_after_a_preloading_one_forks_ranks_without_that_module(m
 @pytest.mark.gloo
 @pytest.mark.skipif(not installed("deepspeed"), reason=not_installed_reason("deepspeed"))
 def test_a_plain_launch_after_a_deepspeed_one_has_no_deepspeed_in_its_ranks():
-    from simdist.cases.world import DEEPSPEED_MODULES
+    from simdist.cases.ranks import DEEPSPEED_MODULES
 
     names = ("deepspeed", "deepspeed.runtime.engine")
     with_ds = simdist.run(modules_and_server, 2, where="processes", args=(names,), preload=DEEPSPEED_MODULES)

@@ -127,7 +127,7 @@ def test_only_the_listed_cases_allow_the_threads_world():
         if name in THREAD_CASES:
             continue
         with pytest.raises(ValueError, match="thread"):
-            run_case(name, world="threads")
+            run_case(name, where="threads")
 
 
 @pytest.mark.slow
@@ -156,5 +156,5 @@ def test_process_world_case_reruns_are_bit_identical():
     prints = set()
     for _ in range(3):
         real = fsdp2_reduce_dtype.run_real(config, "simdist")
-        prints.add(fingerprint([real, fsdp2_reduce_dtype.judge(config, real, world="simdist")]))
+        prints.add(fingerprint([real, fsdp2_reduce_dtype.judge(config, real, where="simdist")]))
     assert len(prints) == 1

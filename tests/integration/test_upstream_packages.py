@@ -62,8 +62,8 @@ def test_diff_applies_and_changes_the_lines_the_report_names(exported, tmp_path,
     for edit in PACKAGES[name].patch.edits:
         patched = (root / edit.path).read_text()
         assert all(line in patched for line in edit.new)
-        # the report's "where" names the file and the first edited line (DeepSpeed 0.19.8's numbering)
-        assert any(re.search(rf"{edit.path}:{edit.first}\b", where) for where in PACKAGES[name].where)
+        # the report's "Where" section (`code_lines`) names the file and the first edited line (DeepSpeed 0.19.8)
+        assert any(re.search(rf"{edit.path}:{edit.first}\b", line) for line in PACKAGES[name].code_lines)
     with pytest.raises(ValueError, match="already patched"):  # a patched copy is refused, not diffed again
         export(tmp_path / "again", [name], root=root)
 

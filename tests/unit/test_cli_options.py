@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 
 from simdist import cli
-from simdist.cases.world import WORLDS, World
+from simdist.cases.ranks import CASE_WHERES, CaseWhere
 from simdist.cli import configs
 from simdist.cli.options import add_options, choices, from_args, option_defaults
 from simdist.reduce import ReductionName
@@ -233,7 +233,7 @@ def test_a_field_name_used_twice_and_a_true_flag_are_refused():
 def test_choices_are_the_enum_values():
     assert choices(ReductionName) == [m.value for m in ReductionName]
     assert choices(ReductionName, skip=("upcast",)) == [m.value for m in ReductionName if m != ReductionName.UPCAST]
-    assert choices(World) == list(WORLDS) == ["gloo", "simdist", "threads"]
+    assert choices(CaseWhere) == list(CASE_WHERES) == ["gloo", "simdist", "threads"]
 
 
 def test_the_script_runner_sets_and_restores_argv_and_path(tmp_path):

@@ -50,7 +50,7 @@ def test_a_case_refuses_threads_before_asking_for_its_framework(monkeypatch):
         if case.processes_because is None:
             continue
         with pytest.raises(ValueError, match="runs in processes only"):
-            run_case(name, world="threads")
+            run_case(name, where="threads")
         if case.requires:  # and with a world it could run in, the missing extra is named with its command
             with pytest.raises(ValueError, match=f"needs the {case.requires[0]} extra: .*pip install"):
-                run_case(name, world="gloo")
+                run_case(name, where="gloo")

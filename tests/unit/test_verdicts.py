@@ -129,7 +129,7 @@ def test_repro_expect_gates_the_exit_status(capsys):
 def test_case_run_expect_gates_the_exit_status(monkeypatch, capsys, ok, expect, status):
     import simdist.cases as cases
 
-    monkeypatch.setattr(cases, "run_case", lambda name, world: SimpleNamespace(ok=ok, summary="summary"))
+    monkeypatch.setattr(cases, "run_case", lambda name, where: SimpleNamespace(ok=ok, summary="summary"))
     assert run_case_command(CaseRunCommand(name="x", where="gloo", expect=expect)) == status
 
 

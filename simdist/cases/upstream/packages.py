@@ -31,7 +31,7 @@ class Package:
     nproc: int
     patch: Patch
     what: str
-    where: tuple[str, ...]
+    code_lines: tuple[str, ...]
     """``file:line -- what happens there`` (DeepSpeed 0.19.8)."""
     figures: str
     """What the reproducer prints on shipped DeepSpeed and with the diff, as measured."""
@@ -41,9 +41,9 @@ class Package:
         return f"torchrun --standalone --nproc-per-node {self.nproc} reproduce.py"
 
     def report(self) -> str:
-        where = "\n".join(f"- `{place}` -- {why}" for place, why in (line.split(" -- ", 1) for line in self.where))
+        located = "\n".join(f"- `{at}` -- {why}" for at, why in (line.split(" -- ", 1) for line in self.code_lines))
         return (
-            f"# {self.title}\n\nDeepSpeed {DEEPSPEED_VERSION}.\n\n## What\n\n{self.what}\n\n## Where\n\n{where}\n\n"
+            f"# {self.title}\n\nDeepSpeed {DEEPSPEED_VERSION}.\n\n## What\n\n{self.what}\n\n## Where\n\n{located}\n\n"
             f"## Figures\n\n{self.figures}\n\n## How to run\n\n"
             "```sh\n"
             f"DS_BUILD_OPS=0 pip install deepspeed=={DEEPSPEED_VERSION}\n"
@@ -79,7 +79,7 @@ PACKAGES: dict[str, Package] = {
                 "staging is BF16 and nothing changes. The reproducer drives `BF16_Optimizer` directly, TP2/EP2/"
                 "ETP1 on 4 ranks, one router parameter whose TP peers hold different BF16 gradients."
             ),
-            where=(
+            code_lines=(
                 "deepspeed/runtime/bf16_optimizer.py:512-517 -- `_update_hp_grad` passes `lp.grad` (BF16) to "
                 "`apply_folding_correction_to_grad_buffer`",
                 "deepspeed/module_inject/auto_ep_folding.py:447-452 -- `reduce_autoep_folding_gradient` promotes "
@@ -108,7 +108,7 @@ PACKAGES: dict[str, Package] = {
                 "the real engine (`deepspeed.initialize`, ZeRO-1; `--stage 2` for ZeRO-2) with TP2/EP2/ETP1 on "
                 "4 ranks and gradients that are small multiples of 2**-5 (every sum and square exact)."
             ),
-            where=(
+            code_lines=(
                 "deepspeed/runtime/zero/stage_1_and_2.py:2682 -- `if is_model_parallel_parameter(p) or "
                 "(self.model_parallel_rank == 0):`",
                 "deepspeed/runtime/bf16_optimizer.py:573 -- BF16_Optimizer's `get_grads_for_norm` already counts "
@@ -135,7 +135,7 @@ PACKAGES: dict[str, Package] = {
                 "Plain ZeRO-1 + `grad_accum_dtype: fp32`, no AutoEP needed. Training itself is unaffected. The fix "
                 "resets the flag after relinking, so the next step links the fragments."
             ),
-            where=(
+            code_lines=(
                 "deepspeed/runtime/bf16_optimizer.py:689 -- `_load_legacy_checkpoint` relinks without resetting "
                 "the flag",
                 "deepspeed/runtime/bf16_optimizer.py:357-362 -- `_lazy_init_hp_params_optimizer_state` links only "

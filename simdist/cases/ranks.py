@@ -2,7 +2,7 @@
 
 A case's rank program is an ordinary ``fn(comm, *args)`` that uses ``torch.distributed`` (and the framework)
 directly; `run_ranks` runs it on every rank with ``simdist.run(fn, spec, api="comm", where=...)``. The cases'
-names for where the ranks live (`WORLDS`; ``simdist case run --where``):
+names for where the ranks live (`CASE_WHERES`; ``simdist case run --where``):
 
 * ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real gloo
   (``simdist.run(where="gloo")``): the real framework on the real backend, summing in gloo's own order
@@ -33,8 +33,8 @@ from simdist.world.spec import ParallelSpec
 if TYPE_CHECKING:
     from simdist.world.process_launch import LaunchTimings
 
-World = Literal["gloo", "simdist", "threads"]
-WORLDS: tuple[str, ...] = get_args(World)
+CaseWhere = Literal["gloo", "simdist", "threads"]
+CASE_WHERES: tuple[str, ...] = get_args(CaseWhere)
 """Where a case can run its ranks (``simdist case run --where`` offers these).
 ``threads`` (one thread per rank) is for cases whose framework keeps no per-rank module globals (FSDP2,
 DTensor) and which set none themselves; `run_ranks` refuses it."""
@@ -67,24 +67,24 @@ def run_ranks(
     fn: Callable[..., Any],
     spec: ParallelSpec,
     *args: Any,
-    world: World = "gloo",
+    where: CaseWhere = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     processes_because: str = PER_RANK_GLOBALS,
     preload: tuple[str, ...] = (),
     timings: list[LaunchTimings] | None = None,
 ) -> list[Any]:
-    """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``world``; return the per-rank results.
+    """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``where``; return the per-rank results.
 
     ``simdist.run(fn, spec, api="comm", where=...)`` with the cases' names for ``where`` (``gloo``, and
     ``simdist`` for process mode). ``threads`` is refused with ``processes_because``, the case's reason for
     needing processes. ``preload`` (`DEEPSPEED_MODULES`, `MEGATRON_MODULES`) and ``timings`` as for
     `simdist.world.runner.run`.
     """
-    if world not in WORLDS:
-        raise UsageError(f"unknown world {world!r}; valid: {', '.join(WORLDS)}")
-    if world == "threads":
-        raise UsageError(f"this case runs in processes only (world 'gloo' or 'simdist'): {processes_because}")
+    if where not in CASE_WHERES:
+        raise UsageError(f"unknown where {where!r}; valid: {', '.join(CASE_WHERES)}")
+    if where == "threads":
+        raise UsageError(f"this case runs in processes only (where 'gloo' or 'simdist'): {processes_because}")
     from simdist.world.runner import run
 
-    where = "gloo" if world == "gloo" else "processes"
-    return run(fn, spec, api="comm", where=where, args=args, timeout_s=timeout_s, preload=preload, timings=timings)
+    place = "gloo" if where == "gloo" else "processes"
+    return run(fn, spec, api="comm", where=place, args=args, timeout_s=timeout_s, preload=preload, timings=timings)
