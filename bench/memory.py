@@ -82,7 +82,7 @@ def framework_modules(name: str | None) -> tuple[str, ...]:
     """The modules the cases preload for the framework ``name`` (``deepspeed``, ``megatron``; ``None``: none)."""
     if name is None:
         return ()
-    from simdist.cases.world import DEEPSPEED_MODULES, MEGATRON_MODULES
+    from simdist.cases.ranks import DEEPSPEED_MODULES, MEGATRON_MODULES
 
     return {"deepspeed": DEEPSPEED_MODULES, "megatron": MEGATRON_MODULES}[name]
 

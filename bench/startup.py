@@ -8,7 +8,7 @@ Each case's real run is launched three ways, in this order: ``before`` (the laun
 preloads torch only and every rank imports the framework itself), ``freeze`` (the server also freezes its
 objects out of the ranks' garbage collections, `simdist.world.forkserver_freeze`; DeepSpeed calls
 ``gc.collect()`` six times per optimizer) and ``preloaded`` (what the cases do now: the framework is imported
-once, in the forkserver: `simdist.cases.world`'s ``DEEPSPEED_MODULES`` / ``MEGATRON_MODULES``). Every launch
+once, in the forkserver: `simdist.cases.ranks`'s ``DEEPSPEED_MODULES`` / ``MEGATRON_MODULES``). Every launch
 prints `LaunchTimings`: the forkserver's (re)start with its imports, the ranks' start (fork, unpickling), the
 rendezvous, the case's own work (which includes every import a rank still makes) and the teardown. The first
 launch of a way pays the server's imports (each way has a server of its own, `simdist.world.forkservers`); the

@@ -1,10 +1,10 @@
-"""Reruns are identical: the same command gives the same bits every time, in the threads world and in processes.
+"""Reruns are identical: the same command gives the same bits every time, on rank threads and in processes.
 
 simdist promises "the same bits as the real run"; a result that changes from one run to the next cannot keep
 that promise, and a rerun that differs is the cheapest symptom of shared state between rank threads (torch's
 global RNG, DTensor caches) or of an order that depends on thread scheduling. Each check fingerprints every
 tensor of a run (dtype, shape and raw bytes, NaN payloads included) and every other value it returns, and
-compares the fingerprints of several reruns in one process (the threads world: `SimWorld` and `simdist.run`
+compares the fingerprints of several reruns in one process (on rank threads: `SimWorld` and `simdist.run`
 run their ranks as threads). 20 reruns and the process world are slow tests.
 """
 
@@ -29,7 +29,7 @@ from simdist.studies.growth.run import GrowthConfig, run_growth
 from simdist.studies.repro import ReproConfig, run
 
 THREAD_CASES = ("fsdp2-reduce-dtype-tp",)
-"""The cases whose framework allows the threads world (`simdist case run NAME --where threads`)."""
+"""The cases whose framework allows rank threads (`simdist case run NAME --where threads`)."""
 
 
 def fingerprint(obj: object, h: hashlib._Hash | None = None) -> str:
