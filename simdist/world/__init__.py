@@ -1,6 +1,6 @@
 """Where ranks live: the parallel layout (`spec`), group handles and the `Comm` protocol (`groups`), the
-rendezvous where rank threads meet (`rendezvous`, each rank's wake-up semaphore in `baton`), a rank's side of a
-collective and its call site (`calls`), the observers every collective tells (`observers`), the errors
+rendezvous where rank threads meet (`rendezvous`, what a blocked rank waits on in `waits`, each rank's wake-up
+semaphore in `baton`), a rank's side of a collective and its call site (`calls`), the observers every collective tells (`observers`), the errors
 (`errors`), every collective's checks and completion written once (`reductions`, `data_movement`; reduce ops
 and the sums through the reduction in `reduce_ops`; gloo's refusals and memory rules in `gloo_rules`),
 and the two front ends over them: SimWorld's `Comm` (`simworld`) and the ``torch.distributed`` backend

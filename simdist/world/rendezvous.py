@@ -55,64 +55,11 @@ import torch
 from simdist.world.baton import Batons
 from simdist.world.calls import Call, where_ranks_are
 from simdist.world.errors import CollectiveDeadlockError, CollectiveMismatchError, SimTimeoutError
+from simdist.world.waits import PendingCollective, PostedRecv, SentMessage
 
 
 class Aborted(BaseException):
     """Unwinds a rank thread after another rank failed (not an `Exception`, so user code cannot swallow it)."""
-
-
-class _Pending:
-    """A collective some members of a group have entered."""
-
-    __slots__ = ("calls", "error", "members", "signature")
-
-    def __init__(self, members: tuple[int, ...], signature: tuple) -> None:
-        self.members = members
-        self.signature = signature  # the first arrival's: every later one must equal it
-        self.calls: dict[int, Call] = {}
-        self.error: BaseException | None = None
-
-    def waiting_line(self, rank: int) -> str:
-        missing = [r for r in self.members if r not in self.calls]
-        return f"{self.calls[rank].describe()}  [waiting for ranks {missing}]"
-
-
-class _Recv:
-    """A posted receive: filled by a matching send, waited on by its rank.
-
-    ``src`` is the global rank it receives from (``None``: any source); ``source`` the sender's channel key
-    part (its group rank) once a message has filled it."""
-
-    __slots__ = ("call", "done", "source", "src", "tensor")
-
-    def __init__(self, call: Call, src: int | None, tensor: torch.Tensor) -> None:
-        self.call = call
-        self.src = src
-        self.tensor = tensor
-        self.done = False
-        self.source: Hashable = None
-
-    def waiting_line(self, rank: int) -> str:
-        sender = "any rank" if self.src is None else f"rank {self.src}"
-        return f"{self.call.describe()}  [waiting for a message from {sender}]"
-
-
-class _Send:
-    """A sent message: ``done`` once a receive took it. Waiting on it is gloo's blocking send, which returns
-    only after the peer posted the matching receive (so sends received in another order deadlock, as on gloo)."""
-
-    __slots__ = ("call", "done", "dst")
-
-    def __init__(self, call: Call, dst: int) -> None:
-        self.call = call
-        self.dst = dst
-        self.done = False
-
-    def waiting_line(self, rank: int) -> str:
-        return (
-            f"{self.call.describe()}  [a blocking send: on gloo it returns only once rank {self.dst} posts the "
-            "matching recv (same tag)]"
-        )
 
 
 def _fresh(exc: BaseException) -> BaseException:
@@ -136,10 +83,10 @@ class Rendezvous:
         self.batons = Batons(world_size)  # each rank sleeps on its own semaphore: one wake-up per handoff
         self.keys: dict[Hashable, int] = {}  # a group's call-sequence key -> its number (`intern`)
         self.sequence: dict[tuple[int, Hashable], int] = {}
-        self.pending: dict[tuple[Hashable, int], _Pending] = {}
-        self.waiting: dict[int, _Pending | _Recv | _Send] = {}
+        self.pending: dict[tuple[Hashable, int], PendingCollective] = {}
+        self.waiting: dict[int, PendingCollective | PostedRecv | SentMessage] = {}
         self.channels: dict[Hashable, deque] = {}
-        self.any_recvs: dict[Hashable, deque[_Recv]] = {}  # posted any-source receives, per (group, dst, tag)
+        self.any_recvs: dict[Hashable, deque[PostedRecv]] = {}  # posted any-source receives, per (group, dst, tag)
         self.sent_count = 0  # numbers queued messages: an any-source receive takes the earliest sent
         self.ready: deque[int] = deque()
         self.finished: set[int] = set()
@@ -176,18 +123,18 @@ class Rendezvous:
                 self.fail(CollectiveDeadlockError(f"rank(s) {gone} returned while {group} waits for them:\n  {calls}"))
                 return
         for rank, wait in self.waiting.items():
-            if isinstance(wait, _Send) and wait.dst in self.finished:
+            if isinstance(wait, SentMessage) and wait.dst in self.finished:
                 self.fail(
                     CollectiveDeadlockError(f"rank {wait.dst} returned without receiving:\n  {wait.waiting_line(rank)}")
                 )
                 return
-            if isinstance(wait, _Recv) and wait.src in self.finished:
+            if isinstance(wait, PostedRecv) and wait.src in self.finished:
                 self.fail(
                     CollectiveDeadlockError(f"rank {wait.src} returned without sending:\n  {wait.waiting_line(rank)}")
                 )
                 return
 
-    def block(self, rank: int, wait: _Pending | _Recv | _Send) -> None:
+    def block(self, rank: int, wait: PendingCollective | PostedRecv | SentMessage) -> None:
         """Park ``rank`` on ``wait`` (lock held on entry, released on return); raise `Aborted` on failure."""
         waiting = self.waiting
         waiting[rank] = wait
@@ -249,7 +196,7 @@ class Rendezvous:
             pkey = (key, seq)
             pending = self.pending.get(pkey)
             if pending is None:
-                pending = self.pending[pkey] = _Pending(members, call.signature)
+                pending = self.pending[pkey] = PendingCollective(members, call.signature)
             elif call.signature != pending.signature:
                 pending.calls[rank] = call
                 lines = "\n  ".join(pending.calls[r].describe() for r in sorted(pending.calls))
@@ -289,21 +236,21 @@ class Rendezvous:
 
     def send(
         self, call: Call, channel: Hashable, tensor: torch.Tensor, dst: int = -1, any_key: Hashable = None
-    ) -> _Send:
+    ) -> SentMessage:
         """Deliver a copy of ``tensor`` on ``channel`` (to a posted receive, or queued); never blocks.
 
         A receive posted on ``channel`` itself takes it first, else the earliest any-source receive posted
         under ``any_key`` (the channel without its source). ``channel[2]`` is the source as the receiver sees
-        it (its group rank). Returns the message's `_Send`: `wait_send` on it blocks until a receive (of
+        it (its group rank). Returns the message's `SentMessage`: `wait_send` on it blocks until a receive (of
         global rank ``dst``) has taken the message.
         """
-        sent = _Send(call, dst)
+        sent = SentMessage(call, dst)
         with self.lock:
             if self.error is not None:
                 raise Aborted
             queue = self.channels.setdefault(channel, deque())
             anyone = self.any_recvs.get(any_key) if any_key is not None else None
-            if queue and isinstance(queue[0], _Recv):
+            if queue and isinstance(queue[0], PostedRecv):
                 self._take(queue.popleft(), tensor, call, sent, channel)
             elif anyone:
                 self._take(anyone.popleft(), tensor, call, sent, channel)
@@ -312,7 +259,7 @@ class Rendezvous:
                 queue.append((call, tensor.detach().clone(), sent, self.sent_count))
         return sent
 
-    def _take(self, recv: _Recv, data: torch.Tensor, call: Call, sent: _Send, channel: Any) -> None:
+    def _take(self, recv: PostedRecv, data: torch.Tensor, call: Call, sent: SentMessage, channel: Any) -> None:
         """``recv`` takes the message ``data`` of ``sent`` from ``channel`` (lock held); both are done."""
         self.deliver(recv, data, call)
         recv.done = sent.done = True
@@ -324,38 +271,40 @@ class Rendezvous:
         if self.waiting.get(sender) is sent:
             self.release(sender)
 
-    def wait_send(self, sent: _Send) -> None:
+    def wait_send(self, sent: SentMessage) -> None:
         """Block until a receive has taken ``sent`` (gloo's blocking send)."""
         self._wait_done(sent)
 
-    def post_recv(self, call: Call, channel: Hashable, src: int, tensor: torch.Tensor) -> _Recv:
+    def post_recv(self, call: Call, channel: Hashable, src: int, tensor: torch.Tensor) -> PostedRecv:
         """Post a receive into ``tensor``; it completes at once if a message is queued."""
-        recv = _Recv(call, src, tensor)
+        recv = PostedRecv(call, src, tensor)
         with self.lock:
             if self.error is not None:
                 raise Aborted
             queue = self.channels.setdefault(channel, deque())
-            if queue and not isinstance(queue[0], _Recv):
+            if queue and not isinstance(queue[0], PostedRecv):
                 sent, data, handle, _ = queue.popleft()
                 self._take(recv, data, sent, handle, channel)
             else:
                 queue.append(recv)
         return recv
 
-    def post_recv_any(self, call: Call, channels: Sequence[Hashable], any_key: Hashable, tensor: torch.Tensor) -> _Recv:
+    def post_recv_any(
+        self, call: Call, channels: Sequence[Hashable], any_key: Hashable, tensor: torch.Tensor
+    ) -> PostedRecv:
         """Post a receive from any source: it takes the earliest sent message queued on ``channels`` (one per
         possible source), else the first message later sent to it (`send` with ``any_key``).
 
         Deterministic: rank threads run one at a time in a fixed schedule, so "earliest sent" is a fact of
         the program, not of a race (on gloo it is whichever message arrives first)."""
-        recv = _Recv(call, None, tensor)
+        recv = PostedRecv(call, None, tensor)
         with self.lock:
             if self.error is not None:
                 raise Aborted
             queued = [
                 (q[0][3], channel)
                 for channel in channels
-                if (q := self.channels.get(channel)) and not isinstance(q[0], _Recv)
+                if (q := self.channels.get(channel)) and not isinstance(q[0], PostedRecv)
             ]
             if queued:
                 channel = min(queued, key=lambda item: item[0])[1]
@@ -365,11 +314,11 @@ class Rendezvous:
                 self.any_recvs.setdefault(any_key, deque()).append(recv)
         return recv
 
-    def wait_recv(self, recv: _Recv) -> None:
+    def wait_recv(self, recv: PostedRecv) -> None:
         """Block until ``recv`` is filled."""
         self._wait_done(recv)
 
-    def _wait_done(self, item: _Send | _Recv) -> None:
+    def _wait_done(self, item: SentMessage | PostedRecv) -> None:
         """Block ``item``'s rank until the matching peer marks it done (at once if it is already)."""
         self.lock.acquire()
         if item.done:
@@ -383,7 +332,7 @@ class Rendezvous:
             raise
         self.block(item.call.rank, item)
 
-    def deliver(self, recv: _Recv, data: torch.Tensor, sent: Call) -> None:
+    def deliver(self, recv: PostedRecv, data: torch.Tensor, sent: Call) -> None:
         """Copy a message's bytes into a receive buffer (lock held), as gloo does: into the buffer's first bytes,
         whatever its dtype and shape (a larger buffer keeps the rest). A buffer smaller than the message
         (on gloo: the receiver crashes or hangs) fails the run naming both calls."""
