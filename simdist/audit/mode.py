@@ -36,7 +36,7 @@ from simdist.audit.report import (
     dtype_name,
     narrows,
 )
-from simdist.callsite import NO_SITE, frame_site, internal_prefixes, is_internal, site_of
+from simdist.callsite import NO_SITE, frame_site, internal_prefixes, is_internal
 from simdist.errors import UsageError
 
 _RANK_THREAD = re.compile(r"simdist-rank-(\d+)")
@@ -397,13 +397,11 @@ class Audit(TorchDispatchMode):
 
     # -- recording -------------------------------------------------------------------
 
-    def _site(self, outside: tuple[str, ...] = ()) -> tuple[str, int, str]:
-        """The user's call site by `simdist.callsite`'s rule, with ``skip`` (and the path prefixes ``outside``)
-        passed over too; whether a frame is skipped is cached per code object, its site per (code, line)."""
+    def _site(self) -> tuple[str, int, str]:
+        """The user's call site by `simdist.callsite`'s rule, with ``skip`` passed over too; whether a frame is
+        skipped is cached per code object, its site per (code, line)."""
         store = self._store
         f: FrameType | None
-        if outside:
-            return site_of(sys._getframe(1), prefixes=self._prefixes + outside)
         skipped, prefixes = store.skipped, self._prefixes
         f = sys._getframe(1)
         while f is not None:
@@ -421,10 +419,10 @@ class Audit(TorchDispatchMode):
         return NO_SITE
 
     def _record(
-        self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str, outside: tuple[str, ...] = ()
+        self, op: str, kind: str, in_dtypes: tuple, out_dtype, shape, error, context: str
     ) -> tuple[str, int, str]:
         """Count one event at its site; returns the site ``(file, line, function)``."""
-        site = self._site(outside)
+        site = self._site()
         node = torch._C._current_autograd_node()
         if node is not None:
             context = f"backward:{node.name()}" + (f"; {context}" if context else "")
@@ -451,13 +449,11 @@ class Audit(TorchDispatchMode):
                 store.dropped += 1
         return site
 
-    def record_collective(self, op: str, tensor, context: str = "", outside: tuple[str, ...] = ()) -> None:
-        """Record a collective that does not reach the dispatcher (e.g. a simulated one) with its dtype.
-
-        ``outside``: more path prefixes whose frames are not its site (the simulator's own plumbing).
-        """
+    def record_collective(self, op: str, tensor, context: str = "") -> None:
+        """Record a collective that does not reach the dispatcher (e.g. a simulated one) with its dtype; its site
+        is the first frame outside torch and simdist's world, audit and blame (`simdist.callsite`)."""
         if self.collectives and isinstance(tensor, _Tensor) and not self._paused and not self._store.closed:
-            self._record(op, COLLECTIVE, (tensor.dtype,), tensor.dtype, tensor.shape, None, context, outside)
+            self._record(op, COLLECTIVE, (tensor.dtype,), tensor.dtype, tensor.shape, None, context)
 
 
 def _plain_key(key: tuple) -> tuple[str, int, str, str, str, tuple[str, ...], str, str]:
