@@ -32,8 +32,10 @@ A second table compares, for 1024 fp32 elements, the ways to run
               with torch's fake group (one thread; "n/a" where unavailable).
 
 Under it, where SimWorld's and the backend's microseconds go, each part timed
-alone in the same run: the reduction, the writes, the 4 handoffs between rank
-threads (a bare ring of the rendezvous' wake-ups, `simdist.world.baton`), the rest
+alone in the same run: the reduction, the writes, the handoffs between rank
+threads (a bare ring of the rendezvous' wake-ups, `simdist.world.baton`, scaled to
+the handoffs one collective makes: 3 on 4 ranks, counted by `handoffs_per_collective`,
+as the last rank to arrive completes the collective and runs on), the rest
 of SimWorld (rendezvous, checks, Python, and the reduction running slower among four
 threads than alone), the isolation swaps of `simdist.run` (a bare rendezvous
 barrier with and without `RankIsolation`) and the rest of the backend (c10d's
@@ -359,8 +361,8 @@ def backend_table(iters: int, repeats: int) -> None:
 
 
 def baton_ring(iters: int, repeats: int) -> list[float]:
-    """Seconds per round of a bare ring of 4 threads handing one baton round (`simdist.world.baton`, the rendezvous'
-    wake-ups, pinned to one CPU as the rank threads are): the 4 handoffs every collective needs, nothing else."""
+    """Seconds per handoff in a bare ring of 4 threads handing one baton round (`simdist.world.baton`, the
+    rendezvous' wake-ups, pinned to one CPU as the rank threads are): a round is 4 handoffs, nothing else."""
     n = SPEC.world_size
     cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     laps: list[float] = []
@@ -386,18 +388,45 @@ def _ring_rank(batons: Batons, r: int, n: int, cpu: int | None, iters: int, laps
         batons.wake((r + 1) % n)
         batons.wait(r)
     if r == 0:
-        laps.append((CLOCK[0]() - start) / iters)
+        laps.append((CLOCK[0]() - start) / (iters * n))
     batons.wake((r + 1) % n)
 
 
 class _NoSwitch:
-    """A rendezvous switch that swaps nothing: the serial schedule of `simdist.run` without its isolation."""
+    """A rendezvous switch that swaps nothing: the serial schedule of `simdist.run` without its isolation; it
+    counts the handoffs (the rendezvous suspends the rank giving the baton away once per handoff)."""
+
+    def __init__(self) -> None:
+        self.handoffs = 0
 
     def suspend(self, rank: int) -> None:
-        pass
+        self.handoffs += 1
 
     def resume(self, rank: int) -> None:
         pass
+
+
+def handoffs_per_collective(iters: int = 200) -> float:
+    """Handoffs per 4-rank collective on the bare rendezvous in `simdist.run`'s serial schedule, counted over
+    ``iters`` collectives after as many to warm up: 3, not 4, as the last rank to arrive completes the collective
+    and runs on to its next call without a switch (SimWorld and the backend use this rendezvous;
+    tests/unit/test_handoffs.py counts their handoffs too)."""
+    n = SPEC.world_size
+    switch = _NoSwitch()
+    rendezvous = Rendezvous(n, switch=switch)
+    members = tuple(range(n))
+    counted: list[int] = []
+
+    def body(rank: int) -> None:
+        call = Call(rank, ("barrier", "world"), "bench")
+        for lap in range(3):  # rank 0 reads the count after laps 1 and 2 (steady state on both sides)
+            for _ in range(iters):
+                rendezvous.collective(call, members, _nothing)
+            if rank == 0 and lap:
+                counted.append(switch.handoffs)
+
+    rendezvous.run(body)
+    return (counted[1] - counted[0]) / iters
 
 
 def engine_barriers(iters: int, isolate: bool) -> list[float]:
@@ -450,8 +479,9 @@ def c10d_layer(numel: int, iters: int) -> list[float]:
 def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, float]:
     """Medians (us) of every part of table 2 and its split, interleaved in one loop so that a burst of load on
     the machine hits every part alike: the plain fold, the reduction + writes (``floor``), SimWorld's and the
-    backend's all_reduce and barrier, and alone: the reduction, the 4 writes, the 4 handoffs (a bare baton ring),
-    a bare rendezvous barrier with and without the isolation swaps."""
+    backend's all_reduce and barrier, and alone: the reduction, the 4 writes, one handoff (a bare baton ring), a
+    bare rendezvous barrier with and without the isolation swaps. ``handoffs`` is one handoff times the handoffs a
+    collective makes (`handoffs_per_collective`, counted)."""
     numel, n = 1024, SPEC.world_size
     xs = [_input(numel) for _ in range(n)]
     reduction = Gloo()
@@ -481,12 +511,15 @@ def front_end_parts(world: SimWorld, iters: int, repeats: int) -> dict[str, floa
     for _ in range(repeats):
         for name, step in steps.items():
             laps[name] += step()
-    return {k: statistics.median(v) * 1e6 for k, v in laps.items()}
+    us = {k: statistics.median(v) * 1e6 for k, v in laps.items()}
+    us["per_collective"] = handoffs_per_collective()
+    us["handoffs"] = us["ring"] * us["per_collective"]
+    return us
 
 
 def split_rows(us: dict[str, float]) -> None:
     """Where a 4-rank all_reduce's microseconds go (`front_end_parts`): the reduction and the writes (no threads), the
-    4 handoffs (a bare baton ring), the rest of SimWorld (rendezvous, checks, Python, and the reduction running slower
+    handoffs (a bare baton ring, times the handoffs a collective makes), the rest of SimWorld (rendezvous, checks, Python, and the reduction running slower
     among four threads than alone), the isolation swaps (bare rendezvous barrier with `RankIsolation` minus without)
     and the rest of the backend (c10d's Python layer and the backend's per-call path). The handoffs, the reduction
     and the writes together are the least a front end on OS threads can take."""
@@ -495,8 +528,8 @@ def split_rows(us: dict[str, float]) -> None:
     rows = [
         ("reduction (Gloo.reduce)", us["reduction"]),
         ("writes (4 copies)", us["writes"]),
-        ("4 handoffs (bare baton ring)", us["ring"]),
-        ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["reduction"] - us["writes"] - us["ring"]),
+        (f"{us['per_collective']:g} handoffs (bare baton ring)", us["handoffs"]),
+        ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["reduction"] - us["writes"] - us["handoffs"]),
         ("= SimWorld all_reduce", sim_us),
         ("isolation swaps (4 per collective)", isolation),
         ("backend rest: c10d Python, per-call path", backend_us - sim_us - isolation),
@@ -506,7 +539,7 @@ def split_rows(us: dict[str, float]) -> None:
     for name, value in rows:
         print(f"{name:>46} {value:>8.1f} {value / fold_us:>7.2f}x fold")
     sub_rows = [
-        ("SimWorld rest without the reduction's arithmetic", us["sim0"] - us["writes"] - us["ring"]),
+        ("SimWorld rest without the reduction's arithmetic", us["sim0"] - us["writes"] - us["handoffs"]),
         ("the reduction slower inside the front end than alone", sim_us - us["sim0"] - us["reduction"]),
         ("backend rest without the reduction's arithmetic", us["backend0"] - us["sim0"] - isolation),
     ]
@@ -517,12 +550,13 @@ def split_rows(us: dict[str, float]) -> None:
         f"{'barriers: SimWorld':>46} {us['simbar']:>8.1f}   backend {us['bbar']:.1f}   bare rendezvous "
         f"{us['bare']:.1f} (isolated {us['iso']:.1f})"
     )
-    least = (us["ring"] + us["reduction"] + us["writes"]) / fold_us
+    least = (us["handoffs"] + us["reduction"] + us["writes"]) / fold_us
     table = Table(
         "Where a 4-rank all_reduce of 1024 fp32 elements goes",
         ["part", "us", "/ fold"],
-        notes="Each part timed alone, interleaved in one run. *4 handoffs*: a bare ring of the rendezvous' wake-ups "
-        "(each collective needs four rank-to-rank switches); *isolation swaps*: a bare rendezvous barrier with "
+        notes="Each part timed alone, interleaved in one run. *Handoffs*: a bare ring of the rendezvous' wake-ups, "
+        "per handoff, times the rank-to-rank switches one collective makes (counted: 3 on 4 ranks, as the last rank "
+        "to arrive completes the collective and runs on); *isolation swaps*: a bare rendezvous barrier with "
         "`RankIsolation` minus without. Handoffs + reduction + writes, the least a front end on OS threads can take: "
         f"{least:.2f}x the fold in this run.",
     )
@@ -535,17 +569,17 @@ def split_rows(us: dict[str, float]) -> None:
 
 
 def thread_floor_rows(us: dict[str, float]) -> list[tuple[str, float, float, str]]:
-    """Issue 34's per-call targets against the thread floor (the 4 handoffs + the reduction + the writes, each measured
+    """Issue 34's per-call targets against the thread floor (the handoffs + the reduction + the writes, each measured
     alone in the same run as the front ends, `front_end_parts`): (name, us, ratio to the floor, target) for
     SimWorld and the backend, and the split of each above the floor (rendezvous/checks/Python, isolation swaps,
     c10d's layer)."""
-    least = us["ring"] + us["reduction"] + us["writes"]
+    least = us["handoffs"] + us["reduction"] + us["writes"]
     isolation = us["iso"] - us["bare"]
     sim_rest = us["sim"] - least
     backend_rest = us["backend"] - us["sim"] - isolation
     return [
-        ("thread floor: 4 handoffs + reduction + writes", least, 1.0, ""),
-        ("  4 handoffs", us["ring"], us["ring"] / least, ""),
+        ("thread floor: handoffs + reduction + writes", least, 1.0, ""),
+        (f"  {us['per_collective']:g} handoffs (counted per collective)", us["handoffs"], us["handoffs"] / least, ""),
         ("  reduction", us["reduction"], us["reduction"] / least, ""),
         ("  writes", us["writes"], us["writes"] / least, ""),
         ("SimWorld all_reduce", us["sim"], us["sim"] / least, "<= 1.3x"),
@@ -563,35 +597,74 @@ BIG = 64 * 2**20 // 4
 """Elements of fp32 per rank in the bandwidth table: 64 MiB."""
 
 
-def bandwidth_us(repeats: int, numel: int = BIG) -> dict[str, float]:
+def shared_loop(comm, buffers: list[torch.Tensor], flush: torch.Tensor) -> list[float]:
+    """Rank program of `bandwidth_us` (SimWorld): rank 0 evicts the caches (writes ``flush``) while the others wait in
+    a barrier, then every rank all-reduces its own preallocated buffer once; seconds (rank 0's clock)."""
+    rank = comm.get_rank()
+    comm.barrier()
+    if rank == 0:
+        flush.fill_(1.0)
+    comm.barrier()
+    start = CLOCK[0]()
+    comm.all_reduce(buffers[rank])
+    comm.barrier()
+    return [CLOCK[0]() - start]
+
+
+def shared_dist_loop(rank: int, buffers: list[torch.Tensor], flush: torch.Tensor) -> list[float]:
+    """`shared_loop` in plain torch.distributed (the backend)."""
+    dist.barrier()
+    if rank == 0:
+        flush.fill_(1.0)
+    dist.barrier()
+    start = CLOCK[0]()
+    dist.all_reduce(buffers[rank])
+    dist.barrier()
+    return [CLOCK[0]() - start]
+
+
+def bandwidth_us(rounds: int, numel: int = BIG) -> dict[str, float]:
     """Microseconds per all_reduce of ``numel`` fp32 per rank on 4 ranks (SimWorld, the backend) and the
     memory-bandwidth floor: one read of each rank's input and one write of each rank's output, as 4 copies of
     ``numel`` elements into 4 other tensors or 4 in-place passes do it (the floor is the faster: a copy into
-    other memory also reads the destination's lines before writing them). Interleaved, medians; inputs zeros
-    (see the module docstring)."""
+    other memory also reads the destination's lines before writing them). Medians over ``rounds`` interleaved
+    rounds.
+
+    Every part works on the same preallocated rank buffers (the ranks of SimWorld and of the backend are threads of
+    this process and are handed them): buffers allocated afresh per call land on other physical pages each time,
+    and the speed of 4 streams at once varied with them by up to 1.4x between runs, which swamped the comparison.
+    Before each timed call a 64 MiB write evicts the 32 MiB last-level cache, so every part starts cold. Inputs
+    zeros (see the module docstring)."""
     n = SPEC.world_size
-    sources = [_input(numel) for _ in range(n)]
+    buffers = [_input(numel) for _ in range(n)]
     targets = [_input(numel) for _ in range(n)]
+    flush = torch.empty(max(numel, 2**24))
     world = SimWorld(SPEC, reduction=Gloo())
 
+    def timed(part) -> list[float]:
+        flush.fill_(1.0)
+        start = CLOCK[0]()
+        part()
+        return [CLOCK[0]() - start]
+
     def copies() -> None:
-        for src, dst in zip(sources, targets, strict=True):
+        for src, dst in zip(buffers, targets, strict=True):
             dst.copy_(src)
 
     def in_place() -> None:  # read and write each tensor once, in place (no read-for-ownership of other lines)
-        for src in sources:
-            src.mul_(1.0)
+        for x in buffers:
+            x.mul_(1.0)
 
     steps = {
-        "copies": lambda: _laps(copies, 2, 1),
-        "in_place": lambda: _laps(in_place, 2, 1),
-        "sim": lambda: world.run(timed_loop, numel, 2, 1)[0],
-        "backend": lambda: simdist.run(dist_loop, n, args=(numel, 2, 1))[0],
+        "copies": lambda: timed(copies),
+        "in_place": lambda: timed(in_place),
+        "sim": lambda: world.run(shared_loop, buffers, flush)[0],
+        "backend": lambda: simdist.run(shared_dist_loop, n, args=(buffers, flush))[0],
     }
     for step in steps.values():  # warm: the first call pages the buffers in
         step()
     laps: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(repeats):
+    for _ in range(rounds):
         for name, step in steps.items():
             laps[name] += step()
     us = {k: statistics.median(v) * 1e6 for k, v in laps.items()}
@@ -608,7 +681,7 @@ def per_call_tables(iters: int, repeats: int) -> dict[str, object]:
     print("\n1024 fp32 on 4 ranks against the thread floor (us, each part alone, interleaved in one run)")
     for name, value, ratio, target in rows:
         print(f"{name:>52} {value:>8.1f} {ratio:>6.2f}x {target}")
-    big = bandwidth_us(max(3, repeats // 2))
+    big = bandwidth_us(max(9, 2 * repeats))
     print("\n64 MiB fp32 per rank, 4 ranks, against one read of each input + one write of each output (ms)")
     big_rows = [
         ("  4 copies of 64 MiB into 4 other tensors", big["copies"], big["copies"] / big["floor"], ""),
