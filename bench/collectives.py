@@ -521,8 +521,9 @@ def split_rows(us: dict[str, float]) -> None:
     """Where a 4-rank all_reduce's microseconds go (`front_end_parts`): the reduction and the writes (no threads), the
     handoffs (a bare baton ring, times the handoffs a collective makes), the rest of SimWorld (rendezvous, checks,
     Python, and the reduction running slower among four threads than alone), the isolation swaps (bare rendezvous
-    barrier with `RankIsolation` minus without) and the rest of the backend (c10d's Python layer and the backend's per-call path). The handoffs, the reduction
-    and the writes together are the least a front end on OS threads can take."""
+    barrier with `RankIsolation` minus without) and the rest of the backend (c10d's Python layer and the backend's
+    per-call path). The handoffs, the reduction and the writes together are the least a front end on OS threads
+    can take."""
     fold_us, sim_us, backend_us = us["fold"], us["sim"], us["backend"]
     isolation = us["iso"] - us["bare"]
     rows = [
