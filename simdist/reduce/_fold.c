@@ -425,9 +425,14 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             Py_XDECREF(t_dtype);
             Py_XDECREF(t_shape);
         }
-        /* INTO: every out a contiguous CPU tensor of the members' dtype and element count */
+        /* INTO: every out a contiguous CPU tensor of the members' dtype and element count; an out that is the
+           member at its own index (an in-place all-reduce passes each rank's tensor as both) was checked above */
         for (Py_ssize_t o = 0; ok && into && o < nout; o++) {
             PyObject *t = PySequence_Fast_ITEMS(outs_seq)[o];
+            if (o < count && t == items[o]) {
+                outs[o] = (char *)members[o];
+                continue;
+            }
             PyObject *t_dtype = PyObject_GetAttr(t, s_dtype);
             int64_t dims[MAX_DIMS], total = 1;
             int ndim = ints_of(PyObject_GetAttr(t, s_shape), dims);
