@@ -82,7 +82,7 @@ class Rendezvous:
         self.lock = threading.Lock()
         self.batons = Batons(world_size)  # each rank sleeps on its own semaphore: one wake-up per handoff
         self.keys: dict[Hashable, int] = {}  # a group's call-sequence key -> its number (`intern`)
-        self.sequence: dict[tuple[int, Hashable], int] = {}
+        self.sequence: list[dict[Hashable, int]] = [{} for _ in range(world_size)]  # per rank: key -> calls made
         self.pending: dict[tuple[Hashable, int], PendingCollective] = {}
         self.waiting: dict[int, PendingCollective | PostedRecv | SentMessage] = {}
         self.channels: dict[Hashable, deque] = {}
@@ -190,9 +190,9 @@ class Rendezvous:
         try:
             if self.error is not None:
                 raise Aborted
-            seq_key = (rank, key)
-            seq = self.sequence.get(seq_key, 0)
-            self.sequence[seq_key] = seq + 1
+            sequence = self.sequence[rank]
+            seq = sequence.get(key, 0)
+            sequence[key] = seq + 1
             pkey = (key, seq)
             pending = self.pending.get(pkey)
             if pending is None:

@@ -120,8 +120,13 @@ class SimComm:
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None) -> None:
         """Reduce ``tensor`` across ``group`` in place with the group's reduction."""
-        m = self._resolve(group)
-        self._run(m, red.all_reduce_one(m, self._rank, sys._getframe(1), tensor, ops.named_op(op)))
+        # the hot path of every training step: `_resolve` and `_run` inline (a Python call each, per rank and call)
+        m = self._members.get(group) or self._resolve(group)
+        call, complete = red.all_reduce_one(m, self._rank, sys._getframe(1), tensor, ops.named_op(op))
+        if Observers.subscribed:
+            self._run(m, (call, complete))
+        else:
+            self._rendezvous.collective(call, m.ranks, complete, m.key)
 
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None
