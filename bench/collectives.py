@@ -532,7 +532,7 @@ def split_rows(us: dict[str, float]) -> None:
         (f"{us['per_collective']:g} handoffs (bare baton ring)", us["handoffs"]),
         ("SimWorld rest: rendezvous, checks, Python, caches", sim_us - us["reduction"] - us["writes"] - us["handoffs"]),
         ("= SimWorld all_reduce", sim_us),
-        ("isolation swaps (4 per collective)", isolation),
+        ("isolation swaps (one per handoff)", isolation),
         ("backend rest: c10d Python, per-call path", backend_us - sim_us - isolation),
         ("= backend all_reduce", backend_us),
     ]

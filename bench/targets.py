@@ -81,8 +81,9 @@ def per_call_tables(full: bool) -> list[dict]:
         "One all_reduce of 1024 fp32 on 4 ranks against the thread floor (CPU us per call)",
         ["part", "us", "/ thread floor", "target"],
         [[name.strip(), round(us, 1), round(ratio, 2), target] for name, us, ratio, target in result["thread_floor"]],
-        "thread floor = 4 handoffs (a bare ring of the rendezvous' wake-ups) + the reduction + the 4 writes, each "
-        "timed alone in the same run.",
+        "thread floor = the handoffs one collective makes (counted: 3 on 4 ranks, the last to arrive completes "
+        "it and runs on; each timed as a bare ring of the rendezvous' wake-ups) + the reduction + the 4 writes, "
+        "each timed alone in the same run.",
     )
     big = _table(
         "all_reduce of 64 MiB fp32 per rank, 4 ranks, against the memory-bandwidth floor (CPU ms per call)",
@@ -92,7 +93,8 @@ def per_call_tables(full: bool) -> list[dict]:
             for name, us, ratio, target in result["bandwidth"]
         ],
         "bandwidth floor = one read of each input and one write of each output (4 in-place passes, or 4 copies "
-        "if faster).",
+        "if faster); every part on the same preallocated buffers, each call from a cold cache, medians of "
+        "interleaved rounds.",
     )
     return [one, big]
 
