@@ -598,30 +598,27 @@ BIG = 64 * 2**20 // 4
 """Elements of fp32 per rank in the bandwidth table: 64 MiB."""
 
 
-def shared_loop(comm, buffers: list[torch.Tensor], flush: torch.Tensor) -> list[float]:
-    """Rank program of `bandwidth_us` (SimWorld): rank 0 evicts the caches (writes ``flush``) while the others wait in
-    a barrier, then every rank all-reduces its own preallocated buffer once; seconds (rank 0's clock)."""
-    rank = comm.get_rank()
-    comm.barrier()
+def _cold_call(rank: int, barrier, all_reduce, buffers: list[torch.Tensor], flush: torch.Tensor) -> list[float]:
+    """One timed all_reduce of the rank's own preallocated buffer, after rank 0 evicted the caches (wrote
+    ``flush``) while the others waited in a barrier; seconds (rank 0's clock)."""
+    barrier()
     if rank == 0:
         flush.fill_(1.0)
-    comm.barrier()
+    barrier()
     start = CLOCK[0]()
-    comm.all_reduce(buffers[rank])
-    comm.barrier()
+    all_reduce(buffers[rank])
+    barrier()
     return [CLOCK[0]() - start]
+
+
+def shared_loop(comm, buffers: list[torch.Tensor], flush: torch.Tensor) -> list[float]:
+    """Rank program of `bandwidth_us` on SimWorld (`_cold_call`)."""
+    return _cold_call(comm.get_rank(), comm.barrier, comm.all_reduce, buffers, flush)
 
 
 def shared_dist_loop(rank: int, buffers: list[torch.Tensor], flush: torch.Tensor) -> list[float]:
-    """`shared_loop` in plain torch.distributed (the backend)."""
-    dist.barrier()
-    if rank == 0:
-        flush.fill_(1.0)
-    dist.barrier()
-    start = CLOCK[0]()
-    dist.all_reduce(buffers[rank])
-    dist.barrier()
-    return [CLOCK[0]() - start]
+    """Rank program of `bandwidth_us` in plain torch.distributed, the backend (`_cold_call`)."""
+    return _cold_call(rank, dist.barrier, dist.all_reduce, buffers, flush)
 
 
 def bandwidth_us(rounds: int, numel: int = BIG) -> dict[str, float]:
