@@ -33,7 +33,7 @@ A second table compares, for 1024 fp32 elements, the ways to run
 
 Under it, where SimWorld's and the backend's microseconds go, each part timed
 alone in the same run: the reduction, the writes, the handoffs between rank
-threads (a bare ring of the rendezvous' wake-ups, `simdist.world.baton`, scaled to
+threads (a bare ring of the rendezvous' wake-ups, `simdist.world.rendezvous.baton`, scaled to
 the handoffs one collective makes: 3 on 4 ranks, counted by `handoffs_per_collective`,
 as the last rank to arrive completes the collective and runs on), the rest
 of SimWorld (rendezvous, checks, Python, and the reduction running slower among four
@@ -79,12 +79,12 @@ import torch.distributed as dist
 
 import simdist
 from simdist.reduce.gloo import Gloo
-from simdist.world.baton import Batons
-from simdist.world.calls import Call
-from simdist.world.isolation import RankIsolation
-from simdist.world.rendezvous import Rendezvous
+from simdist.world.rendezvous.baton import Batons
+from simdist.world.rendezvous.calls import Call
+from simdist.world.rendezvous.meeting import Rendezvous
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
+from simdist.world.threads.isolation import RankIsolation
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/report.py, also when loaded by path
 from report import Table, machine, write
@@ -361,7 +361,7 @@ def backend_table(iters: int, repeats: int) -> None:
 
 
 def baton_ring(iters: int, repeats: int) -> list[float]:
-    """Seconds per handoff in a bare ring of 4 threads handing one baton round (`simdist.world.baton`, the
+    """Seconds per handoff in a bare ring of 4 threads handing one baton round (`simdist.world.rendezvous.baton`, the
     rendezvous' wake-ups, pinned to one CPU as the rank threads are): a round is 4 handoffs, nothing else."""
     n = SPEC.world_size
     cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -410,7 +410,7 @@ def handoffs_per_collective(iters: int = 200) -> float:
     """Handoffs per 4-rank collective on the bare rendezvous in `simdist.run`'s serial schedule, counted over
     ``iters`` collectives after as many to warm up: 3, not 4, as the last rank to arrive completes the collective
     and runs on to its next call without a switch (SimWorld and the backend use this rendezvous;
-    tests/unit/test_handoffs.py counts their handoffs too)."""
+    tests/unit/world/rendezvous/test_handoffs.py counts their handoffs too)."""
     n = SPEC.world_size
     switch = _NoSwitch()
     rendezvous = Rendezvous(n, switch=switch)

@@ -8,7 +8,7 @@ tensors, so one GPU serves all four ranks with ``--device cuda``). For each cata
 (with GPT-OSS's router bias) and the layer's RMSNorm weights -- every rank builds a real ``BF16_Optimizer``
 holding that one parameter at full size, sets a BF16 local gradient and times ``update_hp_grads()`` (the
 epilogue path: ``_update_hp_grad`` with the folding correction and its TP all-reduce), shipped and with the
-fix bound in (`simdist.cases.deepspeed_harness`'s FP32 staging, the same code as the exported ``fix.diff``).
+fix bound in (`simdist.cases.deepspeed.harness`'s FP32 staging, the same code as the exported ``fix.diff``).
 The median over ``--repeats`` of the slowest rank is printed. Peak memory: measured
 (``torch.cuda.max_memory_allocated`` above the resident tensors) with ``--device cuda``; on CPU the transient
 bytes of each path, counted from the code (shipped: the helper's FP32 copy 4N plus its BF16 write-back copy 2N,
@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, port: int, device: str, models: list[str], repe
     folding = _deepspeed_groups(rank, world, port)  # DeepSpeed is imported once the process group exists
     from deepspeed.module_inject.auto_ep_folding import mark_autoep_folding_router_parameter
 
-    from simdist.cases.deepspeed_harness import _staged_update_hp_grad
+    from simdist.cases.deepspeed.harness import _staged_update_hp_grad
 
     for model in models:
         for family, shape in _families(model):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 import simdist
-from simdist.world.inproc import _clear_mesh_caches
+from simdist.world.threads.spawn import _clear_mesh_caches
 
 WORLD = 4
 WIDTH, BLOCKS, BATCH = 256, 4, 32

@@ -14,7 +14,8 @@ shows the largest rank's figures, the root's and a non-root's for the scatter, a
 peak to gloo's (issue 34's target: <= 1.3x at 4 ranks). ``--p8`` adds the scatter at 8 ranks (which once ran out
 of memory in process mode). ``--preload deepspeed`` (or ``megatron``) forks every rank from a forkserver that
 imported the framework: what each rank of a plain launch carried, before launches got a forkserver per preload
-set (`simdist.world.forkservers`), once any launch of the process had preloaded it; the ``modules`` columns count
+set (`simdist.world.processes.forkservers`), once any launch of the process had preloaded it; the ``modules`` columns
+count
 each rank's ``sys.modules``.
 """
 

@@ -67,21 +67,21 @@ hypothesis.find = _find_shrinking
 """A pytest plugin written into each private tree (``-p simdist_mutation_profile``)."""
 
 # test selections shared by several mutations (pytest node ids, relative to the repository root)
-CHAIN = "tests/unit/test_gradpath_chain.py"
-POLICIES = "tests/unit/test_policies.py"
-PROPERTIES = "tests/unit/test_gradpath_properties.py"
+CHAIN = "tests/unit/gradpath/test_policy_chain.py"
+POLICIES = "tests/unit/gradpath/test_policy.py"
+PROPERTIES = "tests/unit/gradpath/test_path_properties.py"
 GLOO = "tests/integration/test_gloo_reduction.py"
 NCCL = "tests/integration/test_nccl_reduction.py"
-REDUCTION = "tests/unit/test_reduction.py"
-COMPARE = ("tests/unit/test_compare.py", "tests/unit/test_compare_nan.py")
-BACKEND = "tests/unit/test_backend.py"
-SIMWORLD = "tests/unit/test_simworld.py"
-BATCHED = "tests/unit/test_gradpath_batched.py"
-ORACLE = "tests/unit/test_oracle.py"
-VERDICTS = "tests/unit/test_verdicts.py"  # issue 30: rounding inputs, power checks, --expect
+REDUCTION = "tests/unit/reduce/test_textbook.py"
+COMPARE = ("tests/unit/numerics/test_compare.py", "tests/unit/numerics/test_compare_nan.py")
+BACKEND = "tests/unit/world/backend/test_process_group.py"
+SIMWORLD = "tests/unit/world/test_simworld.py"
+BATCHED = "tests/unit/gradpath/test_batched.py"
+ORACLE = "tests/unit/gradpath/oracle/test_step.py"
+VERDICTS = "tests/unit/studies/repro/test_verdict.py"  # issue 30: rounding inputs, power checks, --expect
 DS8913 = "tests/integration/test_cases_deepspeed.py"
 WRAPPERS = "tests/integration/test_cases_deepspeed_wrappers.py"  # its default-suite tests: oracle, judge, controls
-NATIVE = "tests/unit/test_native_fold.py"  # the native kernel against the eager gloo path it replaces
+NATIVE = "tests/unit/reduce/test_native.py"  # the native kernel against the eager gloo path it replaces
 
 FSDP2 = ("tests/integration/test_cases_fsdp2.py", "tests/integration/test_cases_fsdp2_tp.py")
 
@@ -228,7 +228,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "simdist/gradpath/families.py",
         "return self in (Family.MODEL_PARALLEL, Family.EXPERT)",
         "return self is Family.MODEL_PARALLEL",
-        ("tests/unit/test_gradpath_norm.py", *GRADPATH, BATCHED),
+        ("tests/unit/gradpath/test_kernel_norm.py", *GRADPATH, BATCHED),
     ),
     # -- the gradient path (simdist/gradpath/kernel.py) -----------------------------------------------------------
     Mutation(
@@ -247,7 +247,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         'return [(dp_stages + correction, "dp_reduced")]',
         'return [(correction + dp_stages, "dp_reduced")]',
         # the chain reads it too
-        (*GRADPATH, "tests/unit/test_gradpath_after_dp.py", "tests/integration/test_cases_megatron.py"),
+        (*GRADPATH, "tests/unit/gradpath/test_path_after_dp.py", "tests/integration/test_cases_megatron.py"),
     ),
     Mutation(
         "kernel-marker-never-set",
@@ -273,7 +273,8 @@ CATALOGUE: tuple[Mutation, ...] = (
         "after every hook call\n            slot.marker = slot.marker",
         (*GRADPATH, "tests/integration/test_cases_gas_marker.py"),
     ),
-    # the gradient path's AdamW is torch's own functional adam (kernel.adamw_step); tests/unit/test_oracle.py judges
+    # the gradient path's AdamW is torch's own functional adam (kernel.adamw_step);
+    # tests/unit/gradpath/oracle/test_step.py judges
     # it with the independent oracle (torch.optim.AdamW on FP32 masters, simdist.gradpath.oracle)
     Mutation(
         "adamw-eps",
@@ -319,7 +320,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-ring-start",
         "gloo's chunk c starts its walk at rank c instead of c-1",
-        "simdist/reduce/gloo_schedule.py",
+        "simdist/reduce/gloo/schedule.py",
         "tuple(t % n for t in range(n + chunks - 1))",
         "tuple((t + 1) % n for t in range(n + chunks - 1))",
         (*REDUCE, BATCHED),
@@ -327,7 +328,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-single-chunk-ascending",
         "with one chunk, gloo folds x[0] + ... + x[n-1] instead of x[n-1] + ... + x[0]",
-        "simdist/reduce/gloo_schedule.py",
+        "simdist/reduce/gloo/schedule.py",
         "descending=True)",
         "descending=chunks > 1)",
         (*REDUCE, BATCHED),
@@ -335,7 +336,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-chunking",
         "gloo cuts at least n segments instead of at least 2n",
-        "simdist/reduce/gloo_schedule.py",
+        "simdist/reduce/gloo/schedule.py",
         "segments = max(-(-numel // m), 2 * n)",
         "segments = max(-(-numel // m), n)",
         (*REDUCE, BATCHED),
@@ -343,7 +344,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-nan-operand-order",
         "gloo's fp32/fp64 NaN payload comes from the received partial before the local value",
-        "simdist/reduce/gloo_arith.py",
+        "simdist/reduce/gloo/arith.py",
         "return torch.where(local.isnan(), lb | quiet, torch.where(acc.isnan(), ab | quiet, default))",
         "return torch.where(acc.isnan(), ab | quiet, torch.where(local.isnan(), lb | quiet, default))",
         REDUCE,
@@ -351,7 +352,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-nan-not-quieted",
         "gloo's NaN results keep a signalling NaN signalling",
-        "simdist/reduce/gloo_arith.py",
+        "simdist/reduce/gloo/arith.py",
         "return torch.where(local.isnan(), lb | quiet, torch.where(acc.isnan(), ab | quiet, default))",
         "return torch.where(local.isnan(), lb, torch.where(acc.isnan(), ab, default))",
         REDUCE,
@@ -359,7 +360,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "gloo-max-nan",
         "gloo's MAX/MIN propagate NaN from either side (torch.maximum) instead of std::max's comparison",
-        "simdist/reduce/gloo_arith.py",
+        "simdist/reduce/gloo/arith.py",
         "acc = torch.where(keep, acc, local)",
         "acc = torch.where(keep | acc.isnan(), acc, local)",
         REDUCE,
@@ -441,7 +442,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "nccl-ring-fold-reversed",
         "NCCL's ring fold adds the ranks in the reverse of the ring order",
-        "simdist/reduce/nccl.py",
+        "simdist/reduce/nccl/reduction.py",
         "    acc = arith.own(rows[order[0]])\n    for r in order[1:]:",
         "    order = order[::-1]\n    acc = arith.own(rows[order[0]])\n    for r in order[1:]:",
         (NCCL,),
@@ -449,7 +450,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "nccl-tree-children-reversed",
         "NCCL's tree adds a node's children in reverse order",
-        "simdist/reduce/nccl.py",
+        "simdist/reduce/nccl/reduction.py",
         "children = [partial.pop(child) for child in down[r]]",
         "children = [partial.pop(child) for child in reversed(down[r])]",
         (NCCL,),
@@ -457,16 +458,17 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "nccl-premul-unfused",
         "NCCL's AVG pre-multiply is rounded before the first add instead of fused with it",
-        "simdist/reduce/nccl_arith.py",
+        "simdist/reduce/nccl/arith.py",
         "return self.combine(x, received) if self.scale is None else fma_round(x, self.scale, received)",
         "return self.combine(x, received) if self.scale is None else self.combine(x * self.scale, received)",
         (NCCL,),
     ),
-    # -- the front ends' write-back (world/reductions.py; the rendezvous' targets) ---------------------------------
+    # -- the front ends' write-back (world/collectives/reductions.py; the rendezvous' targets)
+    # ---------------------------------
     Mutation(
         "backend-writeback-first-only",
         "the torch.distributed backend writes an all-reduce's result into the first waiting member only",
-        "simdist/world/reductions.py",
+        "simdist/world/collectives/reductions.py",
         "            for i in targets:\n                write_bytes(members[i], result)",
         "            for i in targets[:1]:\n                write_bytes(members[i], result)",
         (BACKEND,),
@@ -474,7 +476,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "backend-writeback-bf16",
         "the backend's all-reduce result goes through bf16 on its way into the tensor",
-        "simdist/world/reductions.py",
+        "simdist/world/collectives/reductions.py",
         "            for i in targets:\n                write_bytes(members[i], result)",
         "            for i in targets:\n                write_bytes(members[i], result.to(torch.bfloat16))",
         (BACKEND,),
@@ -482,7 +484,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "rendezvous-writeback-first-only",
         "the rendezvous hands a collective's completion only the first member as a target (SimWorld, spawn)",
-        "simdist/world/rendezvous.py",
+        "simdist/world/rendezvous/meeting.py",
         "complete([pending.calls[r] for r in members], range(len(members)))",
         "complete([pending.calls[r] for r in members], range(1))",
         (SIMWORLD, *GRADPATH),
@@ -491,7 +493,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "oracle-dp-before-tp",
         "the repro's independent oracle runs the TP correction after the DP reduction (DP-then-TP)",
-        "simdist/gradpath/oracle_step.py",
+        "simdist/gradpath/oracle/step.py",
         "if self.control.dp_then_tp:",
         "if not self.control.dp_then_tp:",
         (POLICIES, VERDICTS),
@@ -500,7 +502,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "oracle-experts-over-dp",
         "the repro's independent oracle reduces routed experts over the dense DP group instead of EDP",
-        "simdist/gradpath/oracle_rules.py",
+        "simdist/gradpath/oracle/rules.py",
         'return "edp" if family is Family.EXPERT else "dp"',
         'return "dp"',
         (POLICIES, VERDICTS),
@@ -508,7 +510,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "oracle-bf16-tp-sum",
         "the repro's independent oracle sums over TP in BF16",
-        "simdist/gradpath/oracle_step.py",
+        "simdist/gradpath/oracle/step.py",
         'value = group_sums(self.spec, self.tp_reduction, "tp", value, p.shape)',
         'value = group_sums(self.spec, self.tp_reduction, "tp", value.to(torch.bfloat16), p.shape).to(self.dtype)',
         (POLICIES, VERDICTS),
@@ -541,7 +543,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-experts-over-dp",
         "the deepspeed-wrappers case's oracle reduces experts over the dense DP group",
-        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "simdist/cases/deepspeed_wrappers/oracle.py",
         "group = spec.group_of(dp_kind(p.family), r)",
         'group = spec.group_of("dp", r)',
         (WRAPPERS,),
@@ -549,7 +551,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-tp-reversed",
         "the deepspeed-wrappers case's oracle sums TP peers in gloo's order over the reversed peers",
-        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "simdist/cases/deepspeed_wrappers/oracle.py",
         "total = GLOO.sum([peer.to(dtype) for peer in peers])",
         "total = GLOO.sum([peer.to(dtype) for peer in reversed(peers)])",
         (WRAPPERS,),
@@ -557,7 +559,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-tp-rank-order",
         "the deepspeed-wrappers case's oracle sums TP peers in a rank-order loop (the old oracle), not gloo's order",
-        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "simdist/cases/deepspeed_wrappers/oracle.py",
         "tp_rank_order: bool = False",
         "tp_rank_order: bool = True",
         (WRAPPERS,),
@@ -565,7 +567,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-dp-before-tp",
         "the deepspeed-wrappers case's oracle applies the TP correction after the DP reduction",
-        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "simdist/cases/deepspeed_wrappers/oracle.py",
         "dp_then_tp: bool = False",
         "dp_then_tp: bool = True",
         (WRAPPERS,),
@@ -573,7 +575,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-oracle-staging-rounded",
         "the deepspeed-wrappers case's oracle rounds the corrected gradient to BF16 (the #8913 write-back)",
-        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "simdist/cases/deepspeed_wrappers/oracle.py",
         "corrected_dtype: torch.dtype | None = None",
         "corrected_dtype: torch.dtype | None = torch.bfloat16",
         (WRAPPERS,),
@@ -581,7 +583,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "wrappers-control-experts-over-dp-blind",
         "the case's experts-over-DP control reduces experts over EDP after all (a control without power)",
-        "simdist/cases/deepspeed_wrappers_oracle.py",
+        "simdist/cases/deepspeed_wrappers/oracle.py",
         'group = spec.group_of("dp", r)',
         "group = spec.group_of(dp_kind(p.family), r)",
         (WRAPPERS,),

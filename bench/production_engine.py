@@ -16,7 +16,7 @@ Three copies of it train side by side for ``--steps`` optimizer steps of ``--gas
   (``update_hp_grads``, where the folding correction runs), at the boundary the engine's own folding pass
   (``DeepSpeedEngine._reduce_autoep_folding_tp_replicated_gradients``) and its DP reduction
   (``DeepSpeedEngine.buffered_allreduce_fallback``), both called on a stand-in engine, then ``step()``;
-* ``fixed``: the same with the #8913 fix bound in (`simdist.cases.deepspeed_harness._staged_update_hp_grad`,
+* ``fixed``: the same with the #8913 fix bound in (`simdist.cases.deepspeed.harness._staged_update_hp_grad`,
   the code of the exported ``fix.diff``);
 * ``oracle``: no DeepSpeed code: FP32 masters, the same forward/backward on their BF16 copies, each local
   gradient widened to FP32, TP-corrected per family in FP32 on its own gloo groups (router and norms: FP32
@@ -253,7 +253,7 @@ def _deepspeed_copy(variant: str, init: dict[str, torch.Tensor], families: dict,
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config
     from deepspeed.utils import groups
 
-    from simdist.cases.deepspeed_harness import _staged_update_hp_grad, mark_family
+    from simdist.cases.deepspeed.harness import _staged_update_hp_grad, mark_family
     from simdist.gradpath.families import Family
 
     params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}

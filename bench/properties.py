@@ -2,7 +2,7 @@
 
     python bench/properties.py [--examples 400] [--cases 8] [--layout tp2-ep2 | any] [--profile]
 
-Runs property (a) as ``tests/unit/test_gradpath_properties.py`` runs it (the same strategy and check, from
+Runs property (a) as ``tests/unit/gradpath/test_path_properties.py`` runs it (the same strategy and check, from
 `simdist.testing._internal.case_batches` and `simdist.testing._internal.compact`, on the rank-batched gradient path
 against the independent oracle) under the ci profile's settings (derandomized, no deadline) with ``--examples``
 Hypothesis examples.

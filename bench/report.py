@@ -10,7 +10,7 @@ A result file is ``bench/results/<name>.json``::
 Scripts write it with `write` (``--json PATH``); any tool may write the same schema (it is the only contract).
 docs/hooks.py renders every file into docs/benchmarks.md at build time with `render_dir`, so the page never
 holds a hand-copied figure; `load` refuses a file that does not follow the schema, naming the file and the field,
-which makes ``mkdocs build`` (and tests/unit/test_bench_results.py) fail rather than publish a half table.
+which makes ``mkdocs build`` (and tests/unit/meta/test_bench_results.py) fail rather than publish a half table.
 
 This module imports nothing outside the standard library: the docs build and the tests load it by path.
 """

@@ -49,7 +49,7 @@ from simdist.cli.limits import BASE_BYTES, Estimate, SizeError, check_memory, gr
 from simdist.reduce import Reduction
 from simdist.reduce.gloo import Gloo
 from simdist.reduce.nccl import Nccl
-from simdist.reduce.nccl_schedule import double_binary_trees
+from simdist.reduce.nccl.schedule import double_binary_trees
 from simdist.studies.growth import GrowthConfig, run_growth
 from simdist.world.spec import ParallelSpec
 

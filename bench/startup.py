@@ -6,12 +6,12 @@
 
 Each case's real run is launched three ways, in this order: ``before`` (the launcher as it was: the forkserver
 preloads torch only and every rank imports the framework itself), ``freeze`` (the server also freezes its
-objects out of the ranks' garbage collections, `simdist.world.forkserver_freeze`; DeepSpeed calls
+objects out of the ranks' garbage collections, `simdist.world.processes.forkserver_freeze`; DeepSpeed calls
 ``gc.collect()`` six times per optimizer) and ``preloaded`` (what the cases do now: the framework is imported
 once, in the forkserver: `simdist.cases.ranks`'s ``DEEPSPEED_MODULES`` / ``MEGATRON_MODULES``). Every launch
 prints `LaunchTimings`: the forkserver's (re)start with its imports, the ranks' start (fork, unpickling), the
 rendezvous, the case's own work (which includes every import a rank still makes) and the teardown. The first
-launch of a way pays the server's imports (each way has a server of its own, `simdist.world.forkservers`); the
+launch of a way pays the server's imports (each way has a server of its own, `simdist.world.processes.forkservers`); the
 later ones show the steady state. Run each case in its own
 process (this script does): a forkserver that has already imported the framework would hide the old cost. The
 machine is shared and noisy: compare the ways within one run.
@@ -32,8 +32,8 @@ os.environ.setdefault("DS_BUILD_OPS", "0")
 
 
 def _deepspeed(where: str, preload: tuple[str, ...], timings: list) -> None:
-    from simdist.cases.deepspeed_8913 import Config
-    from simdist.cases.deepspeed_harness import deepspeed_rank
+    from simdist.cases.deepspeed.harness import deepspeed_rank
+    from simdist.cases.deepspeed.issue_8913 import Config
     from simdist.cases.ranks import run_ranks
 
     config = Config()
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     from simdist.cases.ranks import DEEPSPEED_MODULES, MEGATRON_MODULES
 
     body, modules = (_deepspeed, DEEPSPEED_MODULES) if ns.case == "deepspeed" else (_megatron, MEGATRON_MODULES)
-    from simdist.world import forkservers
+    from simdist.world.processes import forkservers
 
     totals: dict[str, list[float]] = {}
     freeze = forkservers.FREEZE

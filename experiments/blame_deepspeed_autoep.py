@@ -5,10 +5,10 @@
     simdist blame --nproc 4 --processes experiments/blame_deepspeed_autoep.py --fix     # the #8913 fix
 
 Nothing here knows simdist's blame. The setup is the one the ``deepspeed-8913`` case drives
-(`simdist.cases.deepspeed_harness`): DeepSpeed 0.19.8's own groups for TP2/EP2/ETP1 folding on 4 ranks
+(`simdist.cases.deepspeed.harness`): DeepSpeed 0.19.8's own groups for TP2/EP2/ETP1 folding on 4 ranks
 (``groups._init_tp_groups_with_new_group``, ``groups._create_expert_and_data_parallel(folding_spec=...)``),
 a module with one parameter of each folding family marked as AutoEP/AutoTP injection marks them
-(`simdist.cases.deepspeed_harness.mark_family`), BF16 weights from simdist's seeded synthetic model, a real
+(`simdist.cases.deepspeed.harness.mark_family`), BF16 weights from simdist's seeded synthetic model, a real
 ``BF16_Optimizer`` over ``torch.optim.SGD`` with ``configure_autoep_folding_tp_gradient_reduction``, and a
 loss whose backward gives each rank simdist's seeded BF16 local gradient (``rounding`` inputs: the router's
 TP peers differ, so the FP32 TP average does not fit in BF16). Each step runs what the engine runs:
@@ -38,7 +38,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config
 from deepspeed.utils import groups, logger
 
-from simdist.cases.deepspeed_harness import mark_family
+from simdist.cases.deepspeed.harness import mark_family
 from simdist.gradpath.families import Family
 from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, synthetic_gradients
 from simdist.world.spec import ParallelSpec

@@ -12,7 +12,7 @@ pinned (below). Every rank builds the same inputs on CPU (seeded, exact
 power-of-two scaling only, so the bits do not depend on thread counts), runs
 the collective on its GPU, and rank 0 gathers what every rank holds, reads
 the rings and trees NCCL logged at init (``NCCL_DEBUG=INFO``: ``Channel xx/yy :
-0 ...`` and ``Trees [c] d0/d1/d2->r->up``), builds `simdist.reduce.nccl.Nccl`
+0 ...`` and ``Trees [c] d0/d1/d2->r->up``), builds `simdist.reduce.nccl.reduction.Nccl`
 with them and compares bit for bit. It also reads the channel range NCCL logs
 for each call (``channel{Lo..Hi}``) and reports it next to the model's split.
 Results go to ``OUT/n{n}-{knobs}.json``; the driver prints one line per case,
@@ -69,8 +69,8 @@ import torch
 from simdist.numerics.floats import bits
 from simdist.reduce.base import ReduceOp
 from simdist.reduce.nccl import Nccl
-from simdist.reduce.nccl_arith import premul_scale
-from simdist.reduce.nccl_schedule import NCCL_VERSION, VERSIONS, TreeDown, chain_tree, double_binary_trees
+from simdist.reduce.nccl.arith import premul_scale
+from simdist.reduce.nccl.schedule import NCCL_VERSION, VERSIONS, TreeDown, chain_tree, double_binary_trees
 from simdist.testing._internal.nccl_sim import (
     simulate_ring_allreduce,
     simulate_ring_reduce,

@@ -4,7 +4,8 @@ The pieces most programs start from:
 
 * `simdist.world.spec.ParallelSpec` -- a TP/DP/EP/ETP/EDP layout and its group tables;
 * `simdist.world.simworld.SimWorld` -- run a rank program ``fn(comm, ...)`` on every rank, in one process;
-* `simdist.reduce` and `simdist.reduce.gloo` -- how collectives sum and round (``reduction=`` of every launcher;
+* `simdist.reduce` and `simdist.reduce.gloo.reduction` -- how collectives sum and round (``reduction=`` of every
+launcher;
   default `simdist.world.options.DEFAULT_REDUCTION`, gloo's order);
 * `simdist.gradpath.policy` / `simdist.policies` -- precision policies of the BF16 gradient path (as data; the
   catalogue, one module each);

@@ -8,7 +8,8 @@ only ``import simdist`` must find ``dist.init_process_group("simdist")`` working
   imported (``import torch`` imports it), and then removes itself.
 
 Registering is one entry in ``dist.Backend``'s table whose factory, `create_group`, imports the backend itself
-(`simdist.world.plugin`) when c10d makes the first ``simdist`` group: the first use pays, nothing before it.
+(`simdist.world.backend.registration`) when c10d makes the first ``simdist`` group: the first use pays, nothing before
+it.
 torch offers no entry point for process-group backends (its ``torch.backends`` entry points would run in every
 ``import torch`` of the environment), hence the finder. This module imports only the standard library.
 """
@@ -23,15 +24,16 @@ from types import ModuleType
 from typing import Any
 
 BACKEND = "simdist"
-"""The name given to ``init_process_group`` (`simdist.world.backend.BACKEND_NAME`; a test checks they agree)."""
+"""The name given to ``init_process_group`` (`simdist.world.backend.process_group.BACKEND_NAME`; a test checks they
+agree)."""
 
 _WATCHED = "torch.distributed"
 
 
 def create_group(options: Any, backend_options: Any = None) -> Any:
     """c10d's factory for ``simdist`` groups: imports the backend on first use and hands over to it."""
-    from simdist.world.plugin import create_group as backend_create_group
-    from simdist.world.plugin import register
+    from simdist.world.backend.registration import create_group as backend_create_group
+    from simdist.world.backend.registration import register
 
     register()  # the rest of the registration (gloo's name-based decisions); the table entry is already there
     return backend_create_group(options, backend_options)

@@ -8,7 +8,7 @@ import machinery, and whatever the caller adds (``simdist audit --skip``). `is_i
 one of those; `user_frame` walks a stack to the first frame that is not; `site_of` names it.
 
 Every layer that names a site uses this rule: the world's call sites in error messages
-(`simdist.world.calls.site`), the audit's records (``simdist.audit.mode.Audit._site``, which caches the
+(`simdist.world.rendezvous.calls.site`), the audit's records (``simdist.audit.mode.Audit._site``, which caches the
 verdict per code object) and blame's collective sites (``simdist.attribution.run.Recorder.site_of``).
 
 This module imports nothing of simdist and does not import torch (it finds torch's folder without loading it),

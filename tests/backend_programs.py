@@ -1,4 +1,5 @@
-"""Plain torch.distributed rank programs for tests/unit/test_backend.py and tests/integration/test_backend_gloo.py.
+"""Plain torch.distributed rank programs for tests/unit/world/backend/test_process_group.py and
+tests/integration/test_backend_gloo.py.
 
 Nothing here knows simdist: each function is ``fn(rank, *args)`` and calls only
 ``torch.distributed`` (and DTensor/FSDP2), so the same function runs on
@@ -16,7 +17,8 @@ from torch import nn
 
 
 def data(seed: int, shape, dtype=torch.float32) -> torch.Tensor:
-    """Normal values scaled by powers of two in [-12, 12] (built without exp2/pow: see simdist.reduce.gloo)."""
+    """Normal values scaled by powers of two in [-12, 12] (built without exp2/pow: see
+    simdist.reduce.gloo.reduction)."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.tensor([2.0**k for k in range(-12, 13)])[torch.randint(0, 25, shape, generator=g)]
     return (torch.randn(shape, generator=g) * scale).to(dtype)

@@ -7,7 +7,7 @@ frameworks, the CLI as a subprocess, scripts). The rank programs both use (``bac
 ``isolation_programs.py``) sit here, beside this file: pytest's default ``prepend`` import mode puts this
 folder on ``sys.path`` when it loads this conftest, so tests and the processes they spawn import them by name.
 ``tests/integration/conftest.py`` keeps torch's C++ extension builds in a private folder; process launches
-fork their ranks from a forkserver per preload set (`simdist.world.forkservers`), kept between tests.
+fork their ranks from a forkserver per preload set (`simdist.world.processes.forkservers`), kept between tests.
 
 ``ci`` (default) keeps the suite within CI's budget on 2 cores; ``nightly``
 runs the same properties with many more examples and also runs the tests

@@ -1,6 +1,6 @@
 """The exact result of every reducing collective of the ``simdist`` backend, computed in the same run.
 
-`install` subscribes an observer to the observer list (`simdist.world.observers.Observers.subscribed`, which
+`install` subscribes an observer to the observer list (`simdist.world.rendezvous.observers.Observers.subscribed`, which
 every collective of both front ends passes; the audit's `simdist.audit.world_hooks` subscribes there too). For a
 collective of the backend the observer replaces the event's ``complete`` with one that, before the group's
 reduction runs, sums the members' input tensors in FP64 (and their absolute values: ``sum |terms|``), lets
@@ -13,7 +13,8 @@ A promoted site gets the exact result instead, rounded once to the tensor's dtyp
 Measured: all_reduce, all_reduce_coalesced, reduce (the root's result), reduce_scatter_tensor (and its
 coalesced form), list reduce_scatter, under SUM and AVG on floating tensors. Other ops (PRODUCT, MIN, MAX,
 PREMUL_SUM) and data movement (broadcast, all_gather, all_to_all: exact by construction) pass unmeasured.
-In process mode (`simdist.world.process`) the transport gathers every member's inputs before ``complete`` runs for
+In process mode (`simdist.world.processes.transport`) the transport gathers every member's inputs before ``complete``
+runs for
 this process's own rank, so the same observer measures each process's own outputs against the same FP64 sum
 (`simdist.attribution.processes` merges the processes' records).
 """
@@ -154,7 +155,7 @@ _lock = threading.Lock()
 
 def install(recorder) -> Callable[[], None]:
     """Measure (and promote) the backend's collectives for ``recorder``; returns the function that undoes it."""
-    from simdist.world.observers import CollectiveEvent, Observers
+    from simdist.world.rendezvous.observers import CollectiveEvent, Observers
 
     def observe(event: CollectiveEvent) -> None:
         if event.front == "dist":  # the torch.distributed backend's collectives (SimComm's are not measured)

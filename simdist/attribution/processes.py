@@ -4,10 +4,11 @@
 
 `run_processes` starts ``N`` rank processes (``simdist.run(where="processes")``: forked from a server that
 has torch and the script's frameworks imported, each with the default group already a ``simdist`` group in
-process mode, `simdist.world.process`, that the script's own ``init_process_group`` attaches to), each running
+process mode, `simdist.world.processes.transport`, that the script's own ``init_process_group`` attaches to), each
+running
 the script as ``python script.py args`` would (`_blame_rank`) under a `simdist.attribution.run.Recorder`
 whose rank is the process's. A collective in process mode gathers every member's inputs before its
-reduction runs (`simdist.world.process.ProcessTransport`), so each process measures its own outputs
+reduction runs (`simdist.world.processes.transport.ProcessTransport`), so each process measures its own outputs
 against the FP64 sum of all members' inputs exactly as a rank thread does; casts and arithmetic sites are
 each process's own. Each rank returns its sites, promoted events and final state; `merge` joins them: the
 same call site on several ranks is one site (calls, elements, non-finite counts and error masses add up,
@@ -75,7 +76,7 @@ def merge(records: Iterable[dict]) -> MergedRun:
 
 def frameworks_of(script: str) -> tuple[str, ...]:
     """The framework modules ``script`` imports (DeepSpeed's, Megatron-Core's), for the forkserver to preload:
-    their imports cost seconds per rank otherwise (`simdist.world.forkservers`)."""
+    their imports cost seconds per rank otherwise (`simdist.world.processes.forkservers`)."""
     from simdist.cases.ranks import DEEPSPEED_MODULES, MEGATRON_MODULES
     from simdist.extras import installed
 
@@ -102,7 +103,8 @@ def run_processes(
     The ranks are ``simdist.run(where="processes")``'s (forked from a server with torch and the script's
     frameworks imported); ``stdout_to_stderr``: the ranks' standard output (file descriptor 1) goes to standard
     error (``--json``: stdout is the report's); a rank that raises stops the launch with
-    `simdist.world.supervise.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises `ScriptExit`."""
+    `simdist.world.processes.supervise.RankFailure` (its traceback); a script's non-zero ``sys.exit`` raises
+    `ScriptExit`."""
     from simdist.world.runner import run
 
     plan = (script, list(argv), sorted(promote), sorted(ops), stdout_to_stderr)

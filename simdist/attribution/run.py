@@ -52,7 +52,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _thread_rank() -> int | None:
-    from simdist.world.inproc import current
+    from simdist.world.threads.spawn import current
 
     ctx = current()
     return None if ctx is None else ctx.rank

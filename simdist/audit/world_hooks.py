@@ -4,7 +4,8 @@ SimWorld's `SimComm` and the ``simdist`` torch.distributed backend (`SimProcessG
 ``dist.all_reduce`` reaches inside `simdist.run` and under torchrun) compute their collectives in Python:
 nothing reaches torch's dispatcher, so a dispatch mode alone never sees them. While at least one `Audit`
 is active, `install` subscribes `observe` to the observer list
-(`simdist.world.rendezvous.Observers.subscribed`), which both front ends tell before every collective: the observer
+(`simdist.world.rendezvous.meeting.Observers.subscribed`), which both front ends tell before every collective: the
+observer
 finds the audit on the calling thread's dispatch-mode stack, records the collective (op, dtype of its first
 tensor, group) at the user's call site (`simdist.callsite`: the first frame outside torch, simdist.world, the audit
 and blame), and pauses that audit while the collective runs -- so the reduction's arithmetic, which runs on
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from simdist.world.observers import CollectiveEvent, Observers
+from simdist.world.rendezvous.observers import CollectiveEvent, Observers
 
 _lock = threading.Lock()
 _active = 0

@@ -16,12 +16,12 @@ from simdist.errors import UsageError
 from simdist.extras import install_hint
 
 _MODULES: dict[str, str] = {
-    "deepspeed-8913": "simdist.cases.deepspeed_8913",
-    "deepspeed-checkpoint": "simdist.cases.deepspeed_checkpoint",
-    "deepspeed-gas-marker": "simdist.cases.deepspeed_gas_marker",
-    "deepspeed-wrappers": "simdist.cases.deepspeed_wrappers",
-    "fsdp2-reduce-dtype": "simdist.cases.fsdp2_reduce_dtype",
-    "fsdp2-reduce-dtype-tp": "simdist.cases.fsdp2_tp_mesh",
+    "deepspeed-8913": "simdist.cases.deepspeed.issue_8913",
+    "deepspeed-checkpoint": "simdist.cases.deepspeed.checkpoint",
+    "deepspeed-gas-marker": "simdist.cases.deepspeed.gas_marker",
+    "deepspeed-wrappers": "simdist.cases.deepspeed_wrappers.case",
+    "fsdp2-reduce-dtype": "simdist.cases.fsdp2.reduce_dtype",
+    "fsdp2-reduce-dtype-tp": "simdist.cases.fsdp2.tp_mesh",
     "megatron-grad-reduce-fp32": "simdist.cases.megatron_grad_reduce",
 }
 

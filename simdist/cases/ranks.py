@@ -9,9 +9,9 @@ names for where the ranks live (`CASE_WHERES`; ``simdist case run --where``):
   (which the transcription's reference must match for groups of more than two members).
 * ``"simdist"`` -- the simdist torch.distributed backend in process mode (``where="processes"``: each rank a
   process, collectives summed by simdist in the launchers' default reduction, gloo's order;
-  `simdist.world.process`).
+  `simdist.world.processes.transport`).
 * ``"threads"`` -- one thread per rank, for the cases whose framework keeps no per-rank module globals
-  (FSDP2, DTensor: `simdist.cases.fsdp2_tp_mesh` runs its own threads); `run_ranks` refuses it, since every
+  (FSDP2, DTensor: `simdist.cases.fsdp2.tp_mesh` runs its own threads); `run_ranks` refuses it, since every
   case that calls it keeps per-rank state in module globals, and `simdist.cases.run_case` refuses it for
   every case that names a reason (`simdist.cases.base.Case.processes_because`).
 
@@ -31,7 +31,7 @@ from simdist.world.options import DEFAULT_TIMEOUT_S
 from simdist.world.spec import ParallelSpec
 
 if TYPE_CHECKING:
-    from simdist.world.process_launch import LaunchTimings
+    from simdist.world.processes.launch import LaunchTimings
 
 CaseWhere = Literal["gloo", "simdist", "threads"]
 CASE_WHERES: tuple[str, ...] = get_args(CaseWhere)

@@ -78,7 +78,7 @@ def _script_target(script: str, argv: tuple[str, ...], nproc: int | None):
                 if nproc is None:
 
                     def init_outside_ranks(*args, **kwargs):
-                        from simdist.world.inproc import current
+                        from simdist.world.threads.spawn import current
 
                         from_env = len(args) < 2 and not {"init_method", "store"} & set(kwargs)
                         missing = [v for v in ("RANK", "WORLD_SIZE") if v not in os.environ]
@@ -116,7 +116,7 @@ def run_blame(command: BlameCommand) -> int:
     """Run ``command.script`` blamed and print the report; returns the script's exit status."""
     from simdist.attribution.api import SiteNotFound
     from simdist.cases.stdout import stdout_to_stderr
-    from simdist.world.supervise import RankFailure
+    from simdist.world.processes.supervise import RankFailure
 
     processes = _checked_where(command)
     guard = stdout_to_stderr() if command.json else contextlib.nullcontext(sys.stdout)

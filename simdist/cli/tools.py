@@ -29,7 +29,7 @@ def run_compare(command: CompareCommand) -> int:
 
 def run_script_launch(command: RunCommand) -> int:
     """``simdist run``: the script on ``--nproc`` simdist rank processes; the launch's exit status."""
-    from simdist.world.script_launch import launch
+    from simdist.world.processes.script_launch import launch
 
     return launch(
         command.script,

@@ -6,7 +6,7 @@ along the rank dimension, in group-rank order, and applies the group's
 `Reduction` to the stacked members -- for any group size and any layout a
 `ParallelSpec` derives -- then hands every member its group's result. Nothing
 reduces across the batch dimension: batch item ``b`` holds the bits a separate
-run would hold (``tests/unit/test_gradpath_batched.py`` proves this against
+run would hold (``tests/unit/gradpath/test_batched.py`` proves this against
 `simdist.gradpath.path.train_rank` on `SimWorld` threads, for every policy,
 reduction and several layouts).
 

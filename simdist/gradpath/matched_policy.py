@@ -6,7 +6,7 @@ loops and a real ``torch.optim.AdamW``; it shares no code with the gradient path
 topology, correction rule, local gradients and DP normalisation, changes only precision -- the BF16 local
 gradient staged into ``dtype``, every later stage in ``dtype``, the TP correction on every micro-step -- and runs
 through the same `GradPath` as every policy. Gradient-path tests use it (rank-batched == per-rank, the MoE study's
-FP64 ground truth, the training study's comparison run), and ``tests/unit/test_oracle.py`` checks that
+FP64 ground truth, the training study's comparison run), and ``tests/unit/gradpath/oracle/test_step.py`` checks that
 `MATCHED_FP32` gives the independent oracle's bits.
 """
 

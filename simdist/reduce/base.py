@@ -22,7 +22,7 @@ Operations (`ReduceOp`):
 * ``PRODUCT`` -- the reduction's order with multiplication in place of addition
   (`Reduction.product`; a reduction that does not define it refuses ``PRODUCT``).
 * ``MAX`` / ``MIN`` -- element-wise; order-free; NaN propagates (a reduction may
-  override this: `simdist.reduce.gloo.Gloo` folds with gloo's comparison).
+  override this: `simdist.reduce.gloo.reduction.Gloo` folds with gloo's comparison).
 
 A reduction says what its order is, so that every front end and the rank-batched gradient path
 (`Reduction.sum_many`) run it vectorised without knowing its class: a rank fold returns its
@@ -186,12 +186,13 @@ class Reduction(ABC):
     ) -> torch.Tensor:
         """`sum_many` written into every member row of ``out`` (``stacked``'s shape and dtype, any strides): what
         many independent all-reduces leave on their members, ``out[r] = sum_many(stacked, shape)`` for every
-        ``r``. Returns ``out``. A reduction may write the copies in the same pass (`simdist.reduce.gloo.Gloo`)."""
+        ``r``. Returns ``out``. A reduction may write the copies in the same pass
+        (`simdist.reduce.gloo.reduction.Gloo`)."""
         return out.copy_(self.sum_many(stacked, shape))
 
     def fold_hops_trimmed(self, plan: FoldPlan, members: Tensors, multiply: bool = False) -> torch.Tensor:
         """`fold_hops` of ``plan``'s hops of ``members`` (``[numel]`` or ``[count, numel]`` each; any shape for
-        a uniform plan), trimmed to the members' shape. `simdist.reduce.gloo.Gloo` adds its NaN bits here.
+        a uniform plan), trimmed to the members' shape. `simdist.reduce.gloo.reduction.Gloo` adds its NaN bits here.
         The plain left fold (`fold_hops` not overridden) goes to the native kernel where it applies and no result
         is NaN (`simdist.reduce.native`; the same values, and the eager path's NaN bits)."""
         if type(self).fold_hops is Reduction.fold_hops:

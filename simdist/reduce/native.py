@@ -5,8 +5,8 @@ per rank) the eager path (`Gloo.fold_hops_trimmed`: the plan's copy, the adds, a
 mostly torch's fixed cost per operation, 5-8x the plain fold. This kernel walks the plan in C, a block of
 elements at a time: the first hop's member copied, then each hop's member combined with the partial,
 ``local (op) acc``; a NaN is absorbing, so the elements whose fold ends NaN are walked again hop by hop with
-the NaN bits of `simdist.reduce.gloo_arith.nan_bits` (the eager path's own strategy). It is a fast path only: the
-eager path stays the reference, and ``tests/unit/test_native_fold.py`` compares the two bit for bit (NaN
+the NaN bits of `simdist.reduce.gloo.arith.nan_bits` (the eager path's own strategy). It is a fast path only: the
+eager path stays the reference, and ``tests/unit/reduce/test_native.py`` compares the two bit for bit (NaN
 payloads included) on adversarial values.
 
 What it computes, per dtype (the eager reduction's statements, written out in integer bit operations, never

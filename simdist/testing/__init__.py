@@ -2,7 +2,7 @@
 tests judge the product with (not public API).
 
 Like ``hypothesis.extra`` or ``torch.testing``: nothing in the product imports this package (the top layer of
-docs/ARCHITECTURE.md; ``tests/unit/test_import_graph.py`` checks it), and it may import every product layer.
+docs/ARCHITECTURE.md; ``tests/unit/meta/test_import_graph.py`` checks it), and it may import every product layer.
 
 * `strategies` -- Hypothesis strategies (public API, for property tests of your own distributed code too);
 * `_internal` -- the compact workload, property batches, the gloo probes and the NCCL kernel simulation that

@@ -17,6 +17,6 @@ frameworks refused on rank threads (`frameworks`).
 Importing this package registers the ``simdist`` backend with ``torch.distributed``.
 """
 
-from simdist.world.plugin import register as _register
+from simdist.world.backend.registration import register as _register
 
 _register()

@@ -7,7 +7,7 @@ name)::
     torchrun --nproc-per-node 4 -m simdist.launch mypkg.study:rank_fn --tp 2 --ep 2
 
 Local rank processes started by simdist itself (real gloo, or the ``simdist`` backend in process mode) are
-``simdist.run(..., where="gloo"|"processes")`` (`simdist.world.runner`, `simdist.world.process_launch`).
+``simdist.run(..., where="gloo"|"processes")`` (`simdist.world.runner`, `simdist.world.processes.launch`).
 """
 
 from __future__ import annotations

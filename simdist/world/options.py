@@ -39,10 +39,11 @@ class Where(enum.StrEnum):
     """Where the ranks of a run live."""
 
     THREADS = "threads"
-    """One thread per rank in this process; each collective summed by its group's reduction (`simdist.world.inproc`)."""
+    """One thread per rank in this process; each collective summed by its group's reduction
+    (`simdist.world.threads.spawn`)."""
     PROCESSES = "processes"
     """One process per rank, ``torch.distributed`` backend ``simdist`` in process mode: gloo transport, the
-    reduction's arithmetic (`simdist.world.process`). For frameworks with per-rank module globals."""
+    reduction's arithmetic (`simdist.world.processes.transport`). For frameworks with per-rank module globals."""
     GLOO = "gloo"
     """One process per rank on real ``torch.distributed`` gloo: the real thing the reductions are checked against."""
 

@@ -21,7 +21,7 @@ the launcher's keywords, as in ``torch.multiprocessing.spawn``: ``args=`` and ``
 ``SimWorld(spec).run`` is this function with ``where="threads"``, ``api="comm"``, on the same code path;
 `simdist.blame` and the pytest fixture ``simdist_world`` call it with their callers' ``args=``, ``kwargs=`` and
 launcher keywords. Process launches (``where="processes"`` or ``"gloo"``) are
-`simdist.world.process_launch.spawn_processes`.
+`simdist.world.processes.launch.spawn_processes`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from simdist.errors import UsageError
-from simdist.world.inproc import spawn_threads
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where, check_timeout, choose
-from simdist.world.process_launch import LaunchTimings, spawn_processes
+from simdist.world.processes.launch import LaunchTimings, spawn_processes
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
+from simdist.world.threads.spawn import spawn_threads
 
 __all__ = ["Api", "Where", "run"]
 
@@ -62,21 +62,21 @@ def run(
     and for per-kind reduction tables). ``reduction``: a reduction name, a `ReductionName` member or a
     `Reduction` for every group; in threads also a mapping from group kind to one of those (with a
     ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> Reduction``
-    (`simdist.world.reduction_map`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
+    (`simdist.world.backend.reduction_map`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
     bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank
-    (in processes as `simdist.world.supervise.RankFailure`, with the rank's traceback).
+    (in processes as `simdist.world.processes.supervise.RankFailure`, with the rank's traceback).
 
     Processes only: ``fn``, its arguments and results must be picklable (``fn`` a top-level function);
     ``preload`` names modules every rank imports (a framework such as ``deepspeed``), imported once in the
     forkserver the ranks are forked from, a server kept per preload set, so the ranks carry no framework another
-    launch preloaded (`simdist.world.forkservers`; on the environment's path: Python 3.11's forkserver ignores
+    launch preloaded (`simdist.world.processes.forkservers`; on the environment's path: Python 3.11's forkserver ignores
     this process's ``sys.path`` additions, and a module it cannot import is imported by each rank instead);
     ``timings`` (a list) receives the launch's `LaunchTimings`.
     Threads only: ``one_cpu`` and ``intra_op_threads`` as for `SimWorld`.
 
     With ``api="dist"``, ``fn`` may call ``dist.init_process_group`` itself with any backend name and init
     method (an ``mp.spawn``-style ``worker(rank, world_size)``): it attaches to the rank's default group, and
-    ``destroy_process_group`` detaches (`simdist.world.attach`). ``report_backend=True``: ``dist.get_backend()``
+    ``destroy_process_group`` detaches (`simdist.world.backend.attach`). ``report_backend=True``: ``dist.get_backend()``
     answers the name ``fn`` asked for (``"gloo"``, ``"nccl"``) instead of ``"simdist"``.
     """
     place: Where = choose(Where, where, "where")

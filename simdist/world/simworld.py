@@ -4,11 +4,11 @@
 on each with a `SimComm`, and returns the per-rank results in rank order.
 
 `SimComm` is a thin adapter: each of its collectives is the one written in
-`simdist.world.reductions` or `simdist.world.data_movement` (a `Call` plus a
-``complete`` function), handed to the `simdist.world.rendezvous.Rendezvous`, exactly as the
-``torch.distributed`` backend (`simdist.world.backend`, `simdist.run`) does:
+`simdist.world.collectives.reductions` or `simdist.world.collectives.data_movement` (a `Call` plus a
+``complete`` function), handed to the `simdist.world.rendezvous.meeting.Rendezvous`, exactly as the
+``torch.distributed`` backend (`simdist.world.backend.process_group`, `simdist.run`) does:
 same checks (gloo's rules where the group's reduction has ``gloo_rules``), same
-completion, same bits. `simdist.world.rendezvous` says how
+completion, same bits. `simdist.world.rendezvous.meeting` says how
 calls are matched, how results stay independent of thread arrival order, and
 how mismatches, deadlocks, exceptions and timeouts are reported (every rank's
 call with its source line; no hangs).
@@ -25,12 +25,11 @@ import torch
 
 from simdist.errors import UsageError
 from simdist.reduce import ReduceOp, Reduction
-from simdist.world import data_movement as dm
-from simdist.world import reduce_ops as ops
-from simdist.world import reductions as red
-from simdist.world.calls import Prepared
+from simdist.world.backend.reduction_map import as_reduction
+from simdist.world.collectives import data_movement as dm
+from simdist.world.collectives import reduce_ops as ops
+from simdist.world.collectives import reductions as red
 from simdist.world.groups import Group, group_for, world_group
-from simdist.world.observers import Observers, observed
 from simdist.world.options import (
     _UNSET,
     DEFAULT_REDUCTION,
@@ -38,13 +37,15 @@ from simdist.world.options import (
     check_timeout,
     pick_reduction,
 )
-from simdist.world.reduction_map import as_reduction
-from simdist.world.rendezvous import Rendezvous
+from simdist.world.rendezvous.calls import Prepared
+from simdist.world.rendezvous.meeting import Rendezvous
+from simdist.world.rendezvous.observers import Observers, observed
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
 
 
 class _Members:
-    """SimComm's view of one `Group` for the collectives (a `simdist.world.calls.Members`), built once per group
+    """SimComm's view of one `Group` for the collectives (a `simdist.world.rendezvous.calls.Members`), built once per
+    group
     and communicator."""
 
     __slots__ = ("checked", "gloo_rules", "group", "key", "kind", "label", "ranks", "reduction", "size")
@@ -64,7 +65,8 @@ class _Members:
 class SimComm:
     """One rank's communicator in a `SimWorld` run (implements `simdist.world.groups.Comm`).
 
-    Each collective is `simdist.world.reductions`' or `simdist.world.data_movement`' (the backend's too), run on
+    Each collective is `simdist.world.collectives.reductions`' or `simdist.world.collectives.data_movement`' (the
+    backend's too), run on
     the rendezvous; this class only resolves groups and ranks.
     """
 
@@ -107,7 +109,7 @@ class SimComm:
         return found
 
     def _run(self, members: _Members, prepared: Prepared) -> None:
-        """The one funnel of every collective: the observers (`simdist.world.observers`) are told, then the
+        """The one funnel of every collective: the observers (`simdist.world.rendezvous.observers`) are told, then the
         rendezvous runs it."""
         call, complete = prepared
         rendezvous, ranks, key = self._rendezvous, members.ranks, members.key

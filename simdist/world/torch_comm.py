@@ -11,11 +11,11 @@ Backend differences handled here:
 
 * ``AVG`` off NCCL is ``SUM`` then an in-place division by the group size,
   which is what torch 2.13's gloo backend does for ``dist.ReduceOp.AVG`` too
-  (`simdist.reduce.gloo`), the ``postdiv`` rounding of the simulated reductions.
+  (`simdist.reduce.gloo.reduction`), the ``postdiv`` rounding of the simulated reductions.
   On NCCL ``dist.ReduceOp.AVG`` is passed through.
   The same holds for ``reduce_scatter_tensor`` (which gloo implements as an
   all-reduce of a copy of the input, keeping this rank's block; see
-  `simdist.reduce.gloo`).
+  `simdist.reduce.gloo.reduction`).
 * torch orders a group's ranks by sorting them; `ParallelSpec` lists every
   group in that same ascending order, so block ``i`` of a block collective
   belongs to ``group.ranks[i]`` in both worlds.

@@ -1,7 +1,8 @@
 """Set-up for the integration tests: a private folder for the C++ extensions torch would build during the session.
 
 Process launches fork their ranks from a forkserver per preload set, kept between launches
-(`simdist.world.forkservers`): a test module whose ranks preload a framework pays its import once, and the other
+(`simdist.world.processes.forkservers`): a test module whose ranks preload a framework pays its import once, and the
+other
 tests' ranks do not carry it.
 """
 

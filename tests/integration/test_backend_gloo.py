@@ -17,7 +17,7 @@ from backend_programs import suite, tp_mlp
 
 import simdist
 from simdist.numerics.floats import bits
-from simdist.world.supervise import RankFailure
+from simdist.world.processes.supervise import RankFailure
 
 pytestmark = pytest.mark.gloo
 

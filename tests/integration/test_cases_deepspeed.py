@@ -17,7 +17,7 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases import case_names, get_case
-from simdist.cases.deepspeed_8913 import CONTROLS, Config, judge, run_real, tp4_config
+from simdist.cases.deepspeed.issue_8913 import CONTROLS, Config, judge, run_real, tp4_config
 from simdist.gradpath.oracle import DEEPSPEED_STRATEGY, correction
 from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
@@ -126,7 +126,7 @@ def test_mutated_staging_policy_fails_the_case(real):
 
 @pytest.mark.slow
 def test_real_deepspeed_on_the_simdist_backend_in_process_mode_is_the_transcription():
-    from simdist.cases.deepspeed_8913 import run
+    from simdist.cases.deepspeed.issue_8913 import run
 
     verdict = run(where="simdist", gas=(3,), steps=1)
     assert verdict.where == "simdist" and dataclasses.asdict(verdict)["where"] == "simdist"  # the --json key

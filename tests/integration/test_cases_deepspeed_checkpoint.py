@@ -23,7 +23,7 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases import case_names
-from simdist.cases.deepspeed_checkpoint import GROUPS, _files, compare, controls_bitwise, run
+from simdist.cases.deepspeed.checkpoint import GROUPS, _files, compare, controls_bitwise, run
 
 
 def _snap(**groups) -> dict:

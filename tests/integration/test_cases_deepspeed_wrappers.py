@@ -23,11 +23,11 @@ if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
 from simdist.cases import case_names
-from simdist.cases.deepspeed_engine import EngineCapture, EngineRun
-from simdist.cases.deepspeed_spy import HelperCall
-from simdist.cases.deepspeed_wrappers import CLIP, SMALL_RUNS, run, run_real, run_small
-from simdist.cases.deepspeed_wrappers_checks import CONTROLS, findings, power_checks
-from simdist.cases.deepspeed_wrappers_oracle import BF16_LEVEL, _global_norm, judge_run, oracle
+from simdist.cases.deepspeed.engine import EngineCapture, EngineRun
+from simdist.cases.deepspeed.spy import HelperCall
+from simdist.cases.deepspeed_wrappers.case import CLIP, SMALL_RUNS, run, run_real, run_small
+from simdist.cases.deepspeed_wrappers.checks import CONTROLS, findings, power_checks
+from simdist.cases.deepspeed_wrappers.oracle import BF16_LEVEL, _global_norm, judge_run, oracle
 from simdist.numerics.floats import bits
 from simdist.reduce import make_reduction
 from simdist.sources.synthetic import DEFAULT_PARAMS, Inputs, synthetic_gradients

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from simdist.cases.fsdp2_reduce_dtype import Config, judge, policy_for, run_real
+from simdist.cases.fsdp2.reduce_dtype import Config, judge, policy_for, run_real
 
 pytestmark = pytest.mark.gloo
 

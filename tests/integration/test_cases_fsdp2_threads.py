@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import simdist
-from simdist.cases.fsdp2_reduce_dtype import Config, fsdp_rank
+from simdist.cases.fsdp2.reduce_dtype import Config, fsdp_rank
 from simdist.cases.ranks import run_ranks
 from simdist.numerics.floats import bits
 

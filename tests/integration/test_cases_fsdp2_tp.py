@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from simdist.cases.fsdp2_tp_mesh import Config, judge, policy_for, run_real
+from simdist.cases.fsdp2.tp_mesh import Config, judge, policy_for, run_real
 from simdist.numerics.floats import bits
 
 CONFIG = Config()

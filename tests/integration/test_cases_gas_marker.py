@@ -13,7 +13,7 @@ from simdist.extras import installed, not_installed_reason
 if not installed("deepspeed"):  # found, not imported: only the ranks import it
     pytest.skip(not_installed_reason("deepspeed"), allow_module_level=True)
 
-from simdist.cases.deepspeed_gas_marker import REPRODUCER, Config, judge, run_real, write_reproducer
+from simdist.cases.deepspeed.gas_marker import REPRODUCER, Config, judge, run_real, write_reproducer
 from simdist.policies.catalogue import get_policy
 
 pytestmark = pytest.mark.gloo

@@ -18,7 +18,7 @@ import pytest
 
 import simdist
 from simdist.extras import installed, not_installed_reason
-from simdist.world.forkservers import FREEZE, SERVER_PRELOAD, rank_context, server_modules
+from simdist.world.processes.forkservers import FREEZE, SERVER_PRELOAD, rank_context, server_modules
 
 
 def modules_and_server(rank: int, names: tuple[str, ...]) -> tuple[dict[str, bool], int]:

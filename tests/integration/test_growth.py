@@ -51,7 +51,7 @@ def test_growth_runs_at_world_8(tmp_path, world):
 
 
 def test_growth_states_are_the_batched_paths_states(tmp_path):
-    """The checkpointed masters are `BatchedPath`'s (which `tests/unit/test_gradpath_batched.py` ties to train_rank)."""
+    """The checkpointed masters are `BatchedPath`'s (which `tests/unit/gradpath/test_batched.py` ties to train_rank)."""
     config = GrowthConfig(policies=("bf16_writeback",), steps=4, seeds=2, checkpoint_every=4)
     run_growth(config, tmp_path, progress=False, plot=False)
     saved = load_file(str(tmp_path / FILES["checkpoint"]))

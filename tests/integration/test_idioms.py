@@ -180,7 +180,7 @@ def test_deepspeed_on_rank_threads_is_refused_where_it_initialises_in_one_line()
     import deepspeed
     from torch import nn
 
-    from simdist.world.isolation import SharedGlobalStateError
+    from simdist.world.threads.isolation import SharedGlobalStateError
 
     def rank(r: int):
         deepspeed.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 2})  # line named
@@ -229,7 +229,7 @@ def test_init_process_group_bound_before_the_spawn_attaches_too(backend):
 def test_megatron_on_rank_threads_is_refused_where_it_initialises_in_one_line():
     from megatron.core import parallel_state
 
-    from simdist.world.isolation import SharedGlobalStateError
+    from simdist.world.threads.isolation import SharedGlobalStateError
 
     def rank(r: int):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)  # line named

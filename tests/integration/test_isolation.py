@@ -28,8 +28,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import simdist
 from simdist.numerics.floats import bits
-from simdist.world import inproc
-from simdist.world.isolation import SETTINGS, SharedGlobalStateError, read_settings
+from simdist.world.threads import spawn as inproc
+from simdist.world.threads.isolation import SETTINGS, SharedGlobalStateError, read_settings
 
 N = 4
 RERUNS = 3
@@ -201,7 +201,7 @@ def test_every_setting_is_per_rank_on_threads():
 @pytest.mark.slow
 def test_fresh_values_are_a_new_interpreters():
     code = (
-        "import json, torch\nfrom simdist.world.isolation import SETTINGS\n"
+        "import json, torch\nfrom simdist.world.threads.isolation import SETTINGS\n"
         "print(json.dumps({n: str(g()) for n, (g, s, f) in SETTINGS.items()}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -85,7 +85,7 @@ def test_backend_registers_when_torch_came_first():
 
 def test_backend_name_is_the_backends():
     from simdist import _autoregister
-    from simdist.world.backend import BACKEND_NAME
+    from simdist.world.backend.process_group import BACKEND_NAME
 
     assert _autoregister.BACKEND == BACKEND_NAME
 

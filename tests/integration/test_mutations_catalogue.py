@@ -60,7 +60,7 @@ def test_a_mutation_is_killed_and_the_tree_restored(tmp_path):
     comment = mutations.Mutation(
         "comment", "a docstring word", "simdist/reduce/textbook.py", "textbook", "schoolbook", ("tests",)
     )
-    survived = mutations.run_one(comment, tree, ("tests/unit/test_reduction.py",), 600)
+    survived = mutations.run_one(comment, tree, ("tests/unit/reduce/test_textbook.py",), 600)
     assert survived.status == "survived", survived
     assert (tree / "simdist/reduce/textbook.py").read_text() == original
 

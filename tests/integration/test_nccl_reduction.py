@@ -1,7 +1,7 @@
 """The `Nccl` reduction's own invariants, on CPU, bit for bit.
 
 No GPU is involved: these tests pin what the model claims NCCL v2.30.7 does
-(see `simdist.reduce.nccl`), not that NCCL does it; `experiments/nccl_fingerprint.py`
+(see `simdist.reduce.nccl.reduction`), not that NCCL does it; `experiments/nccl_fingerprint.py`
 is the check against hardware. The central property test runs a literal
 message-passing simulation of NCCL's ring kernel (every rank, every loop,
 every step, as ``runRing`` in ``src/device/all_reduce.h`` walks them) and
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from simdist.numerics.floats import bits, float_format, round_exact, unit_roundoff
 from simdist.reduce import ReduceOp, Sequential, make_reduction
 from simdist.reduce.nccl import Nccl
-from simdist.reduce.nccl_arith import fma_round, premul_scale
-from simdist.reduce.nccl_schedule import (
+from simdist.reduce.nccl.arith import fma_round, premul_scale
+from simdist.reduce.nccl.schedule import (
     DEFAULT_BUFFSIZE,
     PROTOCOLS,
     VERSIONS,

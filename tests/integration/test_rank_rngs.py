@@ -22,7 +22,7 @@ from numpy.random import rand as rand_taken_before_the_spawn
 
 import simdist
 from simdist.numerics.floats import bits
-from simdist.world.isolation import SharedGlobalStateError
+from simdist.world.threads.isolation import SharedGlobalStateError
 
 FIELDS = ("order", "picks", "perm", "ints", "values")
 

@@ -19,7 +19,9 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 
-from simdist.cases import case_names, fsdp2_reduce_dtype, fsdp2_tp_mesh, run_case
+from simdist.cases import case_names, run_case
+from simdist.cases.fsdp2 import reduce_dtype as fsdp2_reduce_dtype
+from simdist.cases.fsdp2 import tp_mesh as fsdp2_tp_mesh
 from simdist.cli import main as cli_main
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig

@@ -18,9 +18,9 @@ import simdist
 from simdist.errors import UsageError
 from simdist.reduce import Gloo, ReductionName, Ring, Sequential
 from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where
+from simdist.world.processes.supervise import RankFailure
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
-from simdist.world.supervise import RankFailure
 
 N = 4
 SPEC = ParallelSpec(N, tp=2, ep=2)
@@ -154,7 +154,7 @@ def test_a_bad_world_is_an_error(world, error, match):
 
 
 def test_reduction_is_the_one_spelling_the_removed_ones_are_unknown_keywords(monkeypatch):
-    from simdist.world.process import process_reduction
+    from simdist.world.processes.transport import process_reduction
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'default_model'"):
         SimWorld(SPEC, default_model=Ring())
@@ -227,7 +227,7 @@ def preload_probe(rank: int) -> tuple[bool, bool, bool]:
 
     import launch_probe
 
-    from simdist.world import forkserver_freeze
+    from simdist.world.processes import forkserver_freeze
 
     return os.getpid() != launch_probe.IMPORTED_IN, forkserver_freeze.FROZE, gc.get_freeze_count() > 0
 

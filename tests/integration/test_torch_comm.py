@@ -17,8 +17,8 @@ import torch.distributed as dist
 import simdist
 from simdist.reduce import ReduceOp
 from simdist.world.groups import Comm, Group
+from simdist.world.processes.supervise import RankFailure
 from simdist.world.spec import ParallelSpec
-from simdist.world.supervise import RankFailure
 
 pytestmark = pytest.mark.gloo
 

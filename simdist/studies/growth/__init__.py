@@ -32,7 +32,7 @@ every seed sits in one tensor with leading ``[seed, rank]`` dimensions:
   *metrics* reduce, within one seed.
 
 What batching changes: nothing in the bits of masters, moments or BF16
-params (``tests/unit/test_gradpath_batched.py`` proves rank-batched == `train_rank`
+params (``tests/unit/gradpath/test_batched.py`` proves rank-batched == `train_rank`
 on `SimWorld` threads at every step, rank, seed and captured tensor, for every
 registered policy and the oracle, several layouts and every reduction;
 ``tests/integration/test_growth.py`` that a seed gives the same bits alone and inside an

@@ -238,7 +238,7 @@ def _real_traces(config: ReproConfig) -> dict[str, list[Trace]]:
     """The policies' traces from a real framework (``{}`` for the transcribed code)."""
     if config.code == Code.TRANSCRIBED:
         return {}
-    from simdist.cases.deepspeed_8913 import repro_traces
+    from simdist.cases.deepspeed.issue_8913 import repro_traces
 
     return repro_traces(config)
 

@@ -51,7 +51,8 @@ class Code(enum.StrEnum):
     TRANSCRIBED = "transcribed"
     """simdist's transcription of it (`simdist.gradpath`)."""
     DEEPSPEED = "deepspeed"
-    """DeepSpeed's real BF16_Optimizer (`simdist.cases.deepspeed_8913.repro_traces`; local and hp gradients only)."""
+    """DeepSpeed's real BF16_Optimizer (`simdist.cases.deepspeed.issue_8913.repro_traces`; local and hp gradients
+    only)."""
 
 
 @dataclass(frozen=True)

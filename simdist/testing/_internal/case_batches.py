@@ -9,7 +9,7 @@ stage -- is paid once for ``cases`` checks: `simdist.testing._internal.compact.c
 case against the oracle, bit for bit, and names the first case that departs.
 
 Each case is drawn and decoded exactly as `simdist.testing.strategies.gradient_batches` draws and decodes one
-(the same `VALUE_MODES` and `PEER_LAYOUTS` from the same bytes; ``tests/unit/test_case_batches.py`` checks
+(the same `VALUE_MODES` and `PEER_LAYOUTS` from the same bytes; ``tests/unit/testing/test_case_batches.py`` checks
 `decode_cases` against `simdist.testing.strategies.batches.decode_batch` bit for bit), only with numpy over every case
 at once, and with two draws per example instead of two per case.
 

@@ -1,6 +1,6 @@
 """A compact workload: one small parameter of every folding family, run rank-batched on drawn gradients.
 
-What the gradient-path properties (``tests/unit/test_gradpath_properties.py``) and
+What the gradient-path properties (``tests/unit/gradpath/test_path_properties.py``) and
 their benchmark (``bench/properties.py``) share: the parameters, replicated
 initial weights, a rank-batched run of a policy (`simdist.gradpath.batched`),
 the independent FP32 oracle on the same workload (`run_oracle`, `simdist.gradpath.oracle`), and property
@@ -27,8 +27,8 @@ from simdist.gradpath.probes import Capture, Trace
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, Sequential
+from simdist.world.backend.reduction_map import as_reduction
 from simdist.world.options import DEFAULT_REDUCTION
-from simdist.world.reduction_map import as_reduction
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from simdist.reduce.nccl import Nccl
-from simdist.reduce.nccl_schedule import ring_chunk_elements
+from simdist.reduce.nccl.schedule import ring_chunk_elements
 
 
 def _span(base: int, elem: int, rem: int, chunk: int, c: int) -> slice:
