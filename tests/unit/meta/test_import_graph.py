@@ -51,8 +51,10 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imports_of(module: str, path: Path, modules: dict[str, Path]) -> dict[str, bool]:
-    """The simdist modules ``module`` imports -> whether every such import is inside a function (lazy)."""
+def imports_of(module: str, path: Path, modules: dict[str, Path], type_only: bool = False) -> dict[str, bool]:
+    """The simdist modules ``module`` imports -> whether every such import is inside a function (lazy); with
+    ``type_only``, the imports under ``if TYPE_CHECKING:`` too (they never run, but a circle of them is still two
+    modules that need each other)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found: dict[str, bool] = {}
 
@@ -61,7 +63,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> dict[str, b
             found[target] = found.get(target, True) and lazy
 
     def visit(node: ast.AST, lazy: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             for child in node.orelse:
                 visit(child, lazy)
             return
@@ -87,10 +89,10 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> dict[str, b
     return found
 
 
-def import_graph(root: Path = ROOT) -> dict[str, dict[str, bool]]:
-    """importer -> {imported: lazy}, for every module of the package."""
+def import_graph(root: Path = ROOT, type_only: bool = False) -> dict[str, dict[str, bool]]:
+    """importer -> {imported: lazy}, for every module of the package (``type_only``: `imports_of`'s)."""
     modules = module_files(root)
-    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return {name: imports_of(name, path, modules, type_only) for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
@@ -195,6 +197,8 @@ def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 100 and "simdist.policies.bf16_only" in graph  # the walk sees the whole package
     assert not cycles(graph), f"import cycles (lazy imports included): {cycles(graph)}"
+    typed = import_graph(type_only=True)
+    assert not cycles(typed), f"import cycles through imports under TYPE_CHECKING: {cycles(typed)}"
 
 
 def test_no_upward_imports_but_the_named_lazy_ones():
@@ -301,6 +305,7 @@ def test_the_checks_see_what_they_must(tmp_path):
     graph = import_graph(tmp_path)
     assert cycles(graph) == [["simdist.low.a", "simdist.low.b"]]
     assert graph["simdist.low.c"] == {}
+    assert import_graph(tmp_path, type_only=True)["simdist.low.c"] == {"simdist.high.d": False}
     table = layers("```layers\nlow: simdist.low\nhigh: simdist.high\n```\n")
     assert upward_imports(graph, table) == {("simdist.low.e", "simdist.high.d"): True}
     assert private_imports(tmp_path) == {("simdist.high.d", "simdist.low.c"): ["_x"]}
