@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.gradpath.kernel import Marker, UpdatePath, coerce
+from simdist.errors import coerce
+from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy

@@ -34,7 +34,7 @@ from simdist.errors import UsageError
 from simdist.world.backend.attach import Attachment
 from simdist.world.backend.attach import install as install_attach
 from simdist.world.backend.process_group import BACKEND_NAME
-from simdist.world.backend.reduction_map import as_reduction
+from simdist.world.options import as_reduction
 from simdist.world.processes.transport import REDUCTION_ENV
 
 REPORT_ENV = "SIMDIST_REPORT_BACKEND"

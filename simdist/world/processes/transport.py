@@ -34,8 +34,8 @@ import torch.distributed as dist
 from simdist.errors import UsageError
 from simdist.reduce import Reduction
 from simdist.world.backend.process_group import SimProcessGroup
-from simdist.world.backend.reduction_map import as_reduction
 from simdist.world.errors import CollectiveMismatchError
+from simdist.world.options import as_reduction
 from simdist.world.rendezvous.calls import Call
 
 REDUCTION_ENV = "SIMDIST_REDUCTION"
