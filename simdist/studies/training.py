@@ -38,6 +38,7 @@ from simdist.numerics.compare import Difference, difference
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, make_reduction
 from simdist.sources.moe import MoEConfig, MoEGradients
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -167,7 +168,7 @@ def train(
     steps: int = 10,
     gas: int = 1,
     seed: int = 0,
-    reduction: Reduction | str = "gloo",
+    reduction: Reduction | str = DEFAULT_REDUCTION,
     marker: str = "deepspeed",
     update_path: str = "epilogue",
     matched: Policy = MATCHED_FP32,
