@@ -7,13 +7,33 @@ traceback, asks for a report and exits 3. `UsageError` is a `ValueError`, so lib
 ``ValueError`` keep working; the distinction matters to the command line, which must not present an internal
 ``ValueError`` (from simdist, torch or NumPy) as the user's mistake.
 
-This module imports nothing: every layer may raise these.
+`coerce` is the one way a name becomes an enum member, so every "unknown ..." message reads alike:
+``unknown where 'thread'; valid: threads, processes, gloo``.
+
+This module imports nothing (its type hints are read by the type checker only): every layer may raise these.
 """
 
 from __future__ import annotations
 
-__all__ = ["UsageError"]
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import enum
+    from typing import TypeVar
+
+    _E = TypeVar("_E", bound=enum.Enum)
+
+__all__ = ["UsageError", "coerce"]
 
 
 class UsageError(ValueError):
     """Input the caller can fix (an option, a name, a layout, a file): one line saying what and where."""
+
+
+def coerce(enum_type: type[_E], value: object, what: str) -> _E:
+    """``value`` as a member of ``enum_type`` (a member or its value); otherwise a `UsageError` naming ``what``,
+    the value and every valid value: ``unknown {what} {value!r}; valid: a, b, c``."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        valid = ", ".join(str(member.value) for member in enum_type)
+        raise UsageError(f"unknown {what} {value!r}; valid: {valid}") from None

@@ -35,6 +35,7 @@ from simdist.attribution.report import BlameReport
 from simdist.attribution.run import Recorder, SiteKey, execute
 from simdist.cli.script import ScriptExit, as_main, exit_status, run_main
 from simdist.errors import UsageError
+from simdist.world.options import DEFAULT_REDUCTION
 
 
 @dataclass
@@ -117,7 +118,7 @@ def run_processes(
             nproc,
             where="processes",
             args=plan,
-            reduction="gloo",
+            reduction=DEFAULT_REDUCTION,
             timeout_s=timeout_s,
             preload=frameworks_of(script),
         )

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 
 from simdist.cases.base import Case, Verdict
-from simdist.errors import UsageError
+from simdist.errors import UsageError, coerce
 from simdist.extras import install_hint
 
 _MODULES: dict[str, str] = {
@@ -45,10 +45,14 @@ def get_case(name: str) -> Case:
 def run_case(name: str, **options) -> Verdict:
     """Run case ``name``; ``ValueError`` for a ``where`` the case cannot run in, then for a missing extra
     (naming the command that installs it). ``where`` is checked first: it is the case's property, not the install's."""
+    from simdist.world.options import Where  # here: listing the cases imports no world
+
     case = get_case(name)
-    where = options.get("where", "gloo")
-    if where == "threads" and case.processes_because is not None:
-        raise UsageError(f"case {name!r} runs in processes only (where 'gloo' or 'simdist'): {case.processes_because}")
+    where = options["where"] = coerce(Where, options.get("where", Where.GLOO), "where")
+    if where == Where.THREADS and case.processes_because is not None:
+        raise UsageError(
+            f"case {name!r} runs in processes only (where 'gloo' or 'processes'): {case.processes_because}"
+        )
     missing = case.missing()
     if missing:
         raise UsageError(f"case {name!r} needs the {missing[0]} extra: {install_hint(missing[0])}")

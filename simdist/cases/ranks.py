@@ -1,14 +1,15 @@
 """Where a case runs the real framework: real gloo processes, simdist's backend in processes, or threads.
 
 A case's rank program is an ordinary ``fn(comm, *args)`` that uses ``torch.distributed`` (and the framework)
-directly; `run_ranks` runs it on every rank with ``simdist.run(fn, spec, api="comm", where=...)``. The cases'
-names for where the ranks live (`CASE_WHERES`; ``simdist case run --where``):
+directly; `run_ranks` runs it on every rank with ``simdist.run(fn, spec, api="comm", where=...)``. A case's
+``where`` is `simdist.run`'s (`simdist.world.options.Where`, the one value set; `CASE_WHERES`;
+``simdist case run --where``):
 
 * ``"gloo"`` -- ``spec.world_size`` local processes on 127.0.0.1 with real gloo
   (``simdist.run(where="gloo")``): the real framework on the real backend, summing in gloo's own order
   (which the transcription's reference must match for groups of more than two members).
-* ``"simdist"`` -- the simdist torch.distributed backend in process mode (``where="processes"``: each rank a
-  process, collectives summed by simdist in the launchers' default reduction, gloo's order;
+* ``"processes"`` -- the simdist torch.distributed backend in process mode (each rank a process, collectives
+  summed by simdist in the launchers' default reduction, gloo's order;
   `simdist.world.processes.transport`).
 * ``"threads"`` -- one thread per rank, for the cases whose framework keeps no per-rank module globals
   (FSDP2, DTensor: `simdist.cases.fsdp2.tp_mesh` runs its own threads); `run_ranks` refuses it, since every
@@ -26,14 +27,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from simdist.errors import UsageError
-from simdist.world.options import DEFAULT_TIMEOUT_S
+from simdist.errors import UsageError, coerce
+from simdist.world.options import DEFAULT_TIMEOUT_S, Where
 from simdist.world.spec import ParallelSpec
 
 if TYPE_CHECKING:
     from simdist.world.processes.launch import LaunchTimings
 
-CaseWhere = Literal["gloo", "simdist", "threads"]
+CaseWhere = Literal["threads", "processes", "gloo"]
+"""`Where`'s values as a type for the cases' signatures and the command line's ``--where`` (a unit test holds the two
+equal: one value set)."""
 CASE_WHERES: tuple[str, ...] = get_args(CaseWhere)
 """Where a case can run its ranks (``simdist case run --where`` offers these).
 ``threads`` (one thread per rank) is for cases whose framework keeps no per-rank module globals (FSDP2,
@@ -75,16 +78,14 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on every rank of ``spec`` in ``where``; return the per-rank results.
 
-    ``simdist.run(fn, spec, api="comm", where=...)`` with the cases' names for ``where`` (``gloo``, and
-    ``simdist`` for process mode). ``threads`` is refused with ``processes_because``, the case's reason for
+    ``simdist.run(fn, spec, api="comm", where=...)``, ``where`` being ``gloo`` or ``processes``. ``threads`` is
+    refused with ``processes_because``, the case's reason for
     needing processes. ``preload`` (`DEEPSPEED_MODULES`, `MEGATRON_MODULES`) and ``timings`` as for
     `simdist.world.runner.run`.
     """
-    if where not in CASE_WHERES:
-        raise UsageError(f"unknown where {where!r}; valid: {', '.join(CASE_WHERES)}")
-    if where == "threads":
-        raise UsageError(f"this case runs in processes only (where 'gloo' or 'simdist'): {processes_because}")
+    place = coerce(Where, where, "where")
+    if place == Where.THREADS:
+        raise UsageError(f"this case runs in processes only (where 'gloo' or 'processes'): {processes_because}")
     from simdist.world.runner import run
 
-    place = "gloo" if where == "gloo" else "processes"
     return run(fn, spec, api="comm", where=place, args=args, timeout_s=timeout_s, preload=preload, timings=timings)

@@ -1,4 +1,4 @@
-"""``simdist case list``, ``simdist case run NAME [--json] [--where gloo|simdist|threads] [--expect ok|not-ok]`` and
+"""``simdist case list``, ``simdist case run NAME [--json] [--where threads|processes|gloo] [--expect ok|not-ok]`` and
 ``simdist case export production DIR [--only NAME]`` (the upstream packages, `simdist.cases.upstream`).
 
 The options are those of `simdist.cli.configs.CaseRunCommand` and `simdist.cli.configs.CaseExportCommand`;

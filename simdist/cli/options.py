@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from simdist.cli.inputs import path_argument
+from simdist.errors import coerce
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["add_options", "choices", "from_args", "int_at_least", "option_defaults"]
@@ -216,7 +217,7 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
             continue
         value = getattr(args, f.name)
         if isinstance(kind, type) and issubclass(kind, enum.Enum) and value is not None:
-            value = kind(value)
+            value = coerce(kind, value, f.name.replace("_", " "))
         elif typing.get_origin(kind) is tuple and isinstance(value, list):
             value = tuple(value)
         values[f.name] = value

@@ -35,7 +35,7 @@ from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round
 from simdist.reduce import Reduction
-from simdist.world.simworld import ReductionChoice, reduction_table
+from simdist.world.options import ReductionChoice, read_reduction
 from simdist.world.spec import ParallelSpec
 
 __all__ = ["BatchedOps", "BatchedPath", "BatchedTrace", "batched_sum", "initial_buffer"]
@@ -84,9 +84,10 @@ def _group_tables(spec: ParallelSpec) -> tuple[dict[str, GroupTable], torch.Tens
 class BatchedOps:
     """`simdist.gradpath.kernel.Ops` for ``[batch, rank, ...]`` tensors of a `ParallelSpec`.
 
-    ``reduction`` chooses the reduction as `SimWorld`'s does (a name, a reduction, or a group kind -> reduction
-    table; default `simdist.world.options.DEFAULT_REDUCTION`). ``seeds`` are the per-batch-item seeds of
-    stochastic rounding (``PathConfig.seed`` of each run).
+    ``reduction`` chooses the reduction as every front end reads it (`simdist.world.options.read_reduction`: a
+    name, a reduction, or a group kind -> reduction table; default `simdist.world.options.DEFAULT_REDUCTION`); a
+    callable ``(ranks) -> Reduction`` is refused, since this path applies one reduction to every group of a kind.
+    ``seeds`` are the per-batch-item seeds of stochastic rounding (``PathConfig.seed`` of each run).
     """
 
     def __init__(
@@ -98,11 +99,12 @@ class BatchedOps:
     ) -> None:
         self.spec, self.seeds = spec, list(seeds)
         self.batch: tuple[int, ...] = (len(self.seeds), spec.world_size)
-        self.reductions, self.default_reduction = reduction_table(reduction)
+        self.table = read_reduction(reduction, callable_ok=False)
+        self.reductions, self.default_reduction = self.table.named, self.table.default
         self._tables, self._tp_root = _group_tables(spec)
 
     def reduction_for(self, kind: str) -> Reduction:
-        return self.reductions.get(kind, self.default_reduction)
+        return self.table.for_kind(kind)
 
     def all_reduce(self, value: torch.Tensor, kind: str, reduction: Reduction | None = None) -> torch.Tensor:
         reduction = reduction or self.reduction_for(kind)

@@ -30,12 +30,13 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch.optim.adam import adam
 
 from simdist.errors import UsageError
+from simdist.errors import coerce as coerce  # re-exported for studies/growth/run.py and studies/repro/config.py
 from simdist.gradpath.families import Correction, Family, ParamSpec
 from simdist.gradpath.policy import Policy, Stage
 from simdist.gradpath.probes import BOUNDARY
@@ -54,18 +55,6 @@ class UpdatePath(enum.StrEnum):
 
     EPILOGUE = "epilogue"
     HOOKS = "hooks"
-
-
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def coerce(enum_type: type[_E], value: object, what: str) -> _E:
-    """``value`` as a member of ``enum_type`` (a member or its value); ValueError listing the valid values."""
-    try:
-        return enum_type(value)
-    except ValueError:
-        valid = ", ".join(repr(m.value) for m in enum_type)
-        raise UsageError(f"unknown {what} {value!r}; valid: {valid}") from None
 
 
 class Ops(Protocol):

@@ -56,9 +56,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from simdist.errors import UsageError
+from simdist.errors import UsageError, coerce
 from simdist.gradpath.families import ParamSpec
-from simdist.gradpath.kernel import GradPath, Marker, UpdatePath, adamw_step, coerce
+from simdist.gradpath.kernel import GradPath, Marker, UpdatePath, adamw_step
 from simdist.gradpath.policy import Policy, predivide_factor
 from simdist.gradpath.probes import Trace
 from simdist.numerics.rounding import stochastic_round

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from simdist.errors import UsageError
+from simdist.errors import coerce
 from simdist.reduce.base import Reduction
 from simdist.reduce.gloo import Gloo
 from simdist.reduce.nccl import Nccl
@@ -44,7 +44,4 @@ REDUCTION_NAMES: tuple[str, ...] = tuple(REDUCTIONS)
 
 def make_reduction(name: str, **params) -> Reduction:
     """Build a reduction by name (``sequential``, ``ring``, ``tree``, ``upcast``, ``gloo``, ``nccl``)."""
-    reduction = REDUCTIONS.get(name)
-    if reduction is None:
-        raise UsageError(f"unknown reduction {name!r}; valid: {', '.join(REDUCTION_NAMES)}")
-    return reduction(**params)
+    return coerce(ReductionName, name, "reduction").reduction(**params)

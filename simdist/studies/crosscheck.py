@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from simdist.gradpath.kernel import Marker, UpdatePath, coerce
+from simdist.errors import coerce
+from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.policies.catalogue import get_policy
 from simdist.sources.moe import MoEConfig, MoEGradients

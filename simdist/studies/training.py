@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simdist.gradpath.kernel import Marker, UpdatePath, coerce
+from simdist.errors import coerce
+from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.matched_policy import MATCHED_FP32
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
@@ -37,6 +38,7 @@ from simdist.numerics.compare import Difference, difference
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, make_reduction
 from simdist.sources.moe import MoEConfig, MoEGradients
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -166,7 +168,7 @@ def train(
     steps: int = 10,
     gas: int = 1,
     seed: int = 0,
-    reduction: Reduction | str = "gloo",
+    reduction: Reduction | str = DEFAULT_REDUCTION,
     marker: str = "deepspeed",
     update_path: str = "epilogue",
     matched: Policy = MATCHED_FP32,

@@ -30,8 +30,8 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from simdist.errors import UsageError
-from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, Where, check_timeout, choose
+from simdist.errors import UsageError, coerce
+from simdist.world.options import DEFAULT_REDUCTION, DEFAULT_TIMEOUT_S, Api, ReductionChoice, Where, check_timeout
 from simdist.world.processes.launch import LaunchTimings, spawn_processes
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
@@ -46,7 +46,7 @@ def run(
     *,
     where: Where | str = Where.THREADS,
     api: Api | str = Api.DIST,
-    reduction: Any = DEFAULT_REDUCTION,
+    reduction: ReductionChoice = DEFAULT_REDUCTION,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
@@ -59,10 +59,11 @@ def run(
     """Run ``fn(rank or comm, *args, **kwargs)`` on every rank of ``world``; return the results in rank order.
 
     ``world``: a world size, or a `ParallelSpec` (needed for ``api="comm"`` layouts other than a flat world,
-    and for per-kind reduction tables). ``reduction``: a reduction name, a `ReductionName` member or a
-    `Reduction` for every group; in threads also a mapping from group kind to one of those (with a
-    ``"default"`` entry), and with ``api="dist"`` a callable ``(ranks) -> Reduction``
-    (`simdist.world.backend.reduction_map`). Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
+    and for per-kind reduction tables). ``reduction``: a `simdist.world.options.ReductionChoice` (a reduction
+    name, a `ReductionName` member or a `Reduction` for every group; in threads also a mapping from group kind to
+    one of those, with a ``"default"`` entry, or a callable ``(ranks) -> Reduction``), read by
+    `simdist.world.options.read_reduction` as every front end reads it.
+    Real gloo (``where="gloo"``) accepts only gloo's own order. ``timeout_s``
     bounds the whole run (``None``: no bound, threads only). A rank's exception is re-raised naming the rank
     (in processes as `simdist.world.processes.supervise.RankFailure`, with the rank's traceback).
 
@@ -79,8 +80,8 @@ def run(
     ``destroy_process_group`` detaches (`simdist.world.backend.attach`). ``report_backend=True``: ``dist.get_backend()``
     answers the name ``fn`` asked for (``"gloo"``, ``"nccl"``) instead of ``"simdist"``.
     """
-    place: Where = choose(Where, where, "where")
-    hand: Api = choose(Api, api, "api")
+    place = coerce(Where, where, "where")
+    hand = coerce(Api, api, "api")
     spec, size = _world(world, hand)
     args, kwargs = _arguments(args, kwargs)
     if place == Where.THREADS:

@@ -18,29 +18,22 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from simdist.errors import UsageError
 from simdist.reduce import ReduceOp, Reduction
-from simdist.world.backend.reduction_map import as_reduction
 from simdist.world.collectives import data_movement as dm
 from simdist.world.collectives import reduce_ops as ops
 from simdist.world.collectives import reductions as red
 from simdist.world.groups import Group, group_for, world_group
-from simdist.world.options import (
-    _UNSET,
-    DEFAULT_REDUCTION,
-    DEFAULT_TIMEOUT_S,
-    check_timeout,
-    pick_reduction,
-)
+from simdist.world.options import _UNSET, DEFAULT_TIMEOUT_S, ReductionChoice, check_timeout, read_reduction
 from simdist.world.rendezvous.calls import Prepared
 from simdist.world.rendezvous.meeting import Rendezvous
 from simdist.world.rendezvous.observers import Observers, observed
-from simdist.world.spec import GROUP_KINDS, GroupKind, ParallelSpec
+from simdist.world.spec import GroupKind, ParallelSpec
 
 
 class _Members:
@@ -194,9 +187,11 @@ class SimComm:
 class SimWorld:
     """Runs a rank function on every rank of ``spec``, one thread per rank, in this process.
 
-    ``reduction`` chooses the `Reduction` of each group's collectives: a reduction name, a `ReductionName`
-    member or a reduction for every group, or a mapping from group kind (``tp``, ``dp``, ``ep``, ``etp``,
-    ``edp``, ``pp``, ``world``) to one of those, kinds not named using its ``"default"`` entry. The default is
+    ``reduction`` chooses the `Reduction` of each group's collectives, as every front end reads it
+    (`simdist.world.options.read_reduction`): a reduction name, a `ReductionName` member or a reduction for every
+    group, a mapping from group kind (``tp``, ``dp``, ``ep``, ``etp``, ``edp``, ``pp``, ``world``, ``group``) to one
+    of those, kinds not named using its ``"default"`` entry (a callable ``(ranks) -> Reduction`` is for
+    ``simdist.run(api="dist")``: a `SimWorld` chooses per kind). The default is
     `simdist.world.options.DEFAULT_REDUCTION` (gloo's order; it was a rank-order fold, `Sequential`, before
     every launcher shared one default: pass ``reduction="sequential"`` for that).
 
@@ -222,14 +217,15 @@ class SimWorld:
         intra_op_threads: int | None = 1,
     ) -> None:
         self.spec = spec
-        self.reductions, self.default_reduction = reduction_table(reduction)
+        self.table = read_reduction(reduction, callable_ok=False)
+        self.reductions, self.default_reduction = self.table.named, self.table.default
         self.timeout_s = check_timeout(timeout_s)
         self.one_cpu = one_cpu and hasattr(os, "sched_setaffinity")
         self.intra_op_threads = intra_op_threads
 
     def reduction_for(self, kind: GroupKind | str) -> Reduction:
         """The reduction used by groups of ``kind``."""
-        return self.reductions.get(kind, self.default_reduction)
+        return self.table.for_kind(kind)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(comm, *args, **kwargs)`` on every rank; return the results in rank order."""
@@ -240,38 +236,3 @@ class SimWorld:
             one_cpu=self.one_cpu,
             intra_op_threads=self.intra_op_threads,
         )
-
-
-ReductionChoice = str | Reduction | Mapping[str, str | Reduction]
-"""What `SimWorld` accepts as ``reduction=``: a name or `ReductionName` member, a reduction, or a kind -> either
-table."""
-
-SIMWORLD_KINDS: tuple[str, ...] = (*GROUP_KINDS, GroupKind.WORLD, "default")
-"""The keys of a `SimWorld` kind -> reduction table."""
-
-
-def reduction_table(reduction: Any = _UNSET) -> tuple[dict[str, Reduction], Reduction]:
-    """``({kind: reduction}, default reduction)`` from ``reduction=``; nothing given (``None`` or unset) is
-    `DEFAULT_REDUCTION` for every kind. Shared by `SimWorld` and the rank-batched gradient path
-    (`simdist.gradpath.batched.BatchedOps`), so both read the keyword alike."""
-    per_kind = kind_reductions(pick_reduction(_UNSET if reduction is None else reduction))
-    default = per_kind.pop("default")
-    return per_kind, default
-
-
-def kind_reductions(choice: ReductionChoice) -> dict[str, Reduction]:
-    """``{kind: reduction}`` with a ``"default"`` entry from a `ReductionChoice`; unknown kinds and names are errors."""
-    if isinstance(choice, str | Reduction):
-        return {"default": as_reduction(choice, "reduction")}
-    if isinstance(choice, Mapping):
-        unknown = [k for k in choice if k not in SIMWORLD_KINDS]
-        if unknown:
-            raise UsageError(f"reduction: unknown group kind(s) {unknown}; valid: {', '.join(SIMWORLD_KINDS)}")
-        table = {str(k): as_reduction(m, f"reduction[{k!r}]") for k, m in choice.items()}
-        table.setdefault("default", as_reduction(DEFAULT_REDUCTION))
-        return table
-    raise TypeError(
-        "reduction must be a reduction name, a ReductionName member, a Reduction or a mapping from group kind to one "
-        f"of those (SimWorld has no per-rank-tuple callable: use simdist.run), got {type(choice).__name__} "
-        f"{choice!r}"
-    )

@@ -32,7 +32,7 @@ def test_fsdp2_is_bitwise_the_same_on_threads_but_the_cases_spy_is_not():
         reduction="gloo",
         timeout_s=300,
     )
-    processes = run_ranks(fsdp_rank, config.spec, config, where="simdist")
+    processes = run_ranks(fsdp_rank, config.spec, config, where="processes")
     compared = 0
     for on_threads, in_processes in zip(threads, processes, strict=True):
         for name, run in on_threads.items():

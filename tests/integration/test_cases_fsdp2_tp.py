@@ -69,7 +69,7 @@ def test_mutated_policy_fails_the_case(real, reduce_dtype, mutation):
 
 @pytest.mark.gloo
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["gloo", "simdist"])
+@pytest.mark.parametrize("where", ["gloo", "processes"])
 def test_simdist_threads_compute_what_real_gloo_and_process_mode_compute(real, where):
     gloo = run_real(CONFIG, where)
     for threads_rank, gloo_rank in zip(real, gloo, strict=True):

@@ -153,10 +153,10 @@ def test_threads_case_20_reruns_are_identical():
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_process_world_case_reruns_are_bit_identical():
-    """``simdist case run fsdp2-reduce-dtype --where simdist`` (process mode) three times: the same bits."""
+    """``simdist case run fsdp2-reduce-dtype --where processes`` (process mode) three times: the same bits."""
     config = fsdp2_reduce_dtype.Config()
     prints = set()
     for _ in range(3):
         real = fsdp2_reduce_dtype.run_real(config, "simdist")
-        prints.add(fingerprint([real, fsdp2_reduce_dtype.judge(config, real, where="simdist")]))
+        prints.add(fingerprint([real, fsdp2_reduce_dtype.judge(config, real, where="processes")]))
     assert len(prints) == 1

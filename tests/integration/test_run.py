@@ -116,13 +116,13 @@ def test_one_default_reduction_and_timeout_across_the_launchers():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"where": "thread"}, ValueError, r"where='thread' is unknown; valid: 'threads', 'processes', 'gloo'"),
-        ({"api": "torch"}, ValueError, r"api='torch' is unknown; valid: 'dist', 'comm'"),
-        ({"reduction": "rign"}, ValueError, r"unknown reduction 'rign'; valid names: sequential"),
+        ({"where": "thread"}, ValueError, r"unknown where 'thread'; valid: threads, processes, gloo"),
+        ({"api": "torch"}, ValueError, r"unknown api 'torch'; valid: dist, comm"),
+        ({"reduction": "rign"}, ValueError, r"unknown reduction 'rign'; valid: sequential"),
         ({"reduction": 3}, TypeError, r"reduction must be a reduction name"),
         ({"reduction": "ring", "where": "gloo"}, ValueError, r"real gloo sums in its own order"),
         ({"reduction": {"tp": "ring"}, "where": "processes"}, TypeError, r"per-kind tables and callables need"),
-        ({"reduction": {"tpp": "ring"}, "api": "comm"}, ValueError, r"unknown group kind\(s\) \['tpp'\]"),
+        ({"reduction": {"tpp": "ring"}, "api": "comm"}, ValueError, r"unknown group kind 'tpp'"),
         ({"timeout_s": 0}, ValueError, r"timeout_s must be a positive, finite number of seconds, got 0"),
         ({"timeout_s": -1.0}, ValueError, r"positive, finite"),
         ({"timeout_s": math.nan}, ValueError, r"positive, finite"),

@@ -48,8 +48,8 @@ from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces
 from simdist.cases.deepspeed.harness import CORRECTED, DsRun, Fix, RankCapture, deepspeed_rank
 from simdist.cases.ranks import DEEPSPEED_MODULES, CaseWhere, run_ranks
-from simdist.errors import UsageError
-from simdist.gradpath.kernel import Marker, UpdatePath, coerce
+from simdist.errors import UsageError, coerce
+from simdist.gradpath.kernel import Marker, UpdatePath
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy
 from simdist.gradpath.probes import Trace

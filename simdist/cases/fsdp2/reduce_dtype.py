@@ -44,6 +44,7 @@ from simdist.numerics.floats import unit_roundoff
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import make_reduction
 from simdist.sources.synthetic import DEFAULT_PARAMS, InitialWeights, SyntheticGradients
+from simdist.world.options import DEFAULT_REDUCTION
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -67,7 +68,7 @@ class Config:
     of the four BF16 values round, so the FP32 run tells one summation order from another (with the synthetic
     default of 3 every FP32 sum here was exact and a transcription in any order matched; with 16, one in
     sequential, tree or ring order differs from real FSDP2 in every compared tensor, gloo's order in none)."""
-    reduction: str = "gloo"
+    reduction: str = DEFAULT_REDUCTION
     """The reduction of the transcription (the real run always sums in its backend's order)."""
 
     def __post_init__(self) -> None:

@@ -46,8 +46,8 @@ import torch
 from simdist.cases.base import Case
 from simdist.cases.compare import Figures, Match, figures, match_traces, only, zero_weights
 from simdist.cases.fsdp2.reduce_dtype import DTYPES, policy_for
-from simdist.cases.ranks import CASE_WHERES
-from simdist.errors import UsageError
+from simdist.cases.ranks import CaseWhere
+from simdist.errors import UsageError, coerce
 from simdist.gradpath.families import Family, ParamSpec
 from simdist.gradpath.kernel import Marker
 from simdist.gradpath.path import PathConfig, train_rank
@@ -55,6 +55,7 @@ from simdist.gradpath.policy import Policy, dtype_name
 from simdist.gradpath.probes import Trace
 from simdist.numerics.floats import bits, unit_roundoff
 from simdist.reduce import make_reduction
+from simdist.world.options import Where
 from simdist.world.simworld import SimWorld
 from simdist.world.spec import ParallelSpec
 
@@ -205,18 +206,11 @@ def fsdp_tp_rank(rank: int, config: Config) -> dict[tuple[str, str], RealRun]:
     return out
 
 
-def run_real(config: Config, where: str = "threads") -> list[dict[tuple[str, str], RealRun]]:
-    """Every rank's runs, on ``where``: ``threads`` (simdist.run), ``simdist`` (process mode) or ``gloo``."""
-    if where == "threads":
-        import simdist
+def run_real(config: Config, where: CaseWhere = "threads") -> list[dict[tuple[str, str], RealRun]]:
+    """Every rank's runs, on ``where``: ``threads``, ``processes`` (process mode) or ``gloo`` (`simdist.run`)."""
+    from simdist.world.runner import run
 
-        return simdist.run(fsdp_tp_rank, 4, args=(config,), reduction="gloo", timeout_s=300)
-    if where in ("simdist", "gloo"):
-        from simdist.world.runner import run
-
-        place = "gloo" if where == "gloo" else "processes"
-        return run(fsdp_tp_rank, 4, where=place, args=(config,), timeout_s=300)
-    raise UsageError(f"unknown where {where!r}; valid: {', '.join(CASE_WHERES)}")
+    return run(fsdp_tp_rank, 4, where=coerce(Where, where, "where"), args=(config,), timeout_s=300)
 
 
 # -- the simdist side ---------------------------------------------------------------------------------------------
@@ -463,7 +457,7 @@ def summarize(v: TpVerdict) -> str:
     return "\n".join(lines)
 
 
-def run(where: str = "threads", **options) -> TpVerdict:
+def run(where: CaseWhere = "threads", **options) -> TpVerdict:
     config = dataclasses.replace(Config(), **options)
     return judge(config, run_real(config, where), where=where)
 

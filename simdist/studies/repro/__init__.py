@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from simdist.gradpath.kernel import coerce
+from simdist.errors import coerce
 from simdist.gradpath.oracle import Control, oracle_traces
 from simdist.gradpath.path import PathConfig, train_rank
 from simdist.gradpath.policy import Policy

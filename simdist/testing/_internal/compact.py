@@ -27,8 +27,7 @@ from simdist.gradpath.probes import Capture, Trace
 from simdist.numerics.floats import bitwise_equal
 from simdist.policies.catalogue import get_policy
 from simdist.reduce import Reduction, Sequential
-from simdist.world.backend.reduction_map import as_reduction
-from simdist.world.options import DEFAULT_REDUCTION
+from simdist.world.options import DEFAULT_REDUCTION, as_reduction
 from simdist.world.spec import ParallelSpec
 
 ROUTER = ParamSpec("router", Family.ROUTER_GATE_REPLICATED, (3,))

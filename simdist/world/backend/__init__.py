@@ -6,6 +6,7 @@ c10d makes the first ``simdist`` group; importing this package registers nothing
 """
 
 from simdist.world.backend.process_group import BACKEND_NAME, DoneWork, SimProcessGroup, Transport
-from simdist.world.backend.reduction_map import Chooser, as_reduction
+from simdist.world.backend.reduction_map import Chooser
+from simdist.world.options import as_reduction
 
 __all__ = ["BACKEND_NAME", "Chooser", "DoneWork", "SimProcessGroup", "Transport", "as_reduction"]

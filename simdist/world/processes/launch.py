@@ -29,8 +29,7 @@ import torch.distributed as dist
 
 from simdist.errors import UsageError
 from simdist.reduce import Reduction, ReductionName
-from simdist.world.backend.reduction_map import as_reduction
-from simdist.world.options import check_timeout
+from simdist.world.options import as_reduction, check_timeout
 from simdist.world.processes.forkservers import rank_context
 from simdist.world.processes.rank import rank_main, ready
 from simdist.world.processes.supervise import RankFailure, kill_descendants, remove_build_locks_since, supervise
@@ -170,7 +169,7 @@ def _process_reduction(reduction: Any, backend: str) -> Reduction | None:
             "in processes every group of a rank uses one reduction (a name, a ReductionName member or a "
             f"Reduction); per-kind tables and callables need where='threads', got {type(reduction).__name__}"
         )
-    reduction = None if reduction is None else as_reduction(reduction, "reduction")
+    reduction = None if reduction is None else as_reduction(reduction)
     if backend == "gloo":
         if reduction is not None and reduction.name != ReductionName.GLOO:  # the reduction's name, not its class
             raise UsageError(

@@ -34,7 +34,7 @@ from simdist.errors import UsageError
 from simdist.world.backend.attach import Attachment
 from simdist.world.backend.attach import install as install_attach
 from simdist.world.backend.process_group import BACKEND_NAME
-from simdist.world.backend.reduction_map import as_reduction
+from simdist.world.options import DEFAULT_REDUCTION, as_reduction
 from simdist.world.processes.transport import REDUCTION_ENV
 
 REPORT_ENV = "SIMDIST_REPORT_BACKEND"
@@ -52,7 +52,7 @@ def launch(
     args: list[str],
     nproc: int,
     *,
-    reduction: str = "gloo",
+    reduction: str = DEFAULT_REDUCTION,
     report_backend: bool = False,
     timeout_s: float = 3600.0,
 ) -> int:

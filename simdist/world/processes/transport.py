@@ -34,8 +34,8 @@ import torch.distributed as dist
 from simdist.errors import UsageError
 from simdist.reduce import Reduction
 from simdist.world.backend.process_group import SimProcessGroup
-from simdist.world.backend.reduction_map import as_reduction
 from simdist.world.errors import CollectiveMismatchError
+from simdist.world.options import DEFAULT_REDUCTION, as_reduction
 from simdist.world.rendezvous.calls import Call
 
 REDUCTION_ENV = "SIMDIST_REDUCTION"
@@ -64,7 +64,7 @@ def process_reduction() -> Reduction:
         return _Chosen.reduction
     if os.environ.get(REMOVED_ENV):
         raise UsageError(f"{REMOVED_ENV} was renamed {REDUCTION_ENV} (same values): set {REDUCTION_ENV} instead")
-    return as_reduction(os.environ.get(REDUCTION_ENV) or "gloo", REDUCTION_ENV)
+    return as_reduction(os.environ.get(REDUCTION_ENV) or DEFAULT_REDUCTION, REDUCTION_ENV)
 
 
 def _flatten(tree) -> list[torch.Tensor]:

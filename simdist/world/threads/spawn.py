@@ -54,8 +54,8 @@ from simdist.errors import UsageError
 from simdist.world.backend.attach import Attachment
 from simdist.world.backend.attach import install as install_attach
 from simdist.world.backend.process_group import BACKEND_NAME, DoneWork, SimProcessGroup
-from simdist.world.backend.reduction_map import Chooser, ReductionChoice
-from simdist.world.options import check_timeout
+from simdist.world.backend.reduction_map import Chooser
+from simdist.world.options import ReductionChoice, check_timeout
 from simdist.world.rendezvous.calls import Call
 from simdist.world.rendezvous.meeting import Rendezvous
 from simdist.world.spec import ParallelSpec

@@ -19,6 +19,7 @@ from simdist.cli.options import add_options, choices, from_args, option_defaults
 from simdist.reduce import ReductionName
 from simdist.studies.growth import GrowthConfig
 from simdist.studies.repro import REPRO_SPEC, ReproConfig
+from simdist.world.options import Where
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 MINIMAL = {
@@ -105,8 +106,8 @@ def test_every_option_is_set_from_the_command_line():
     assert _tree(["repro", "8913", "--diff-only"]).all_tensors is False
     growth = _tree(["growth", "--out", "o", "--source", "moe", "--metrics-dense", "0", "--world-size", "8"])
     assert (growth.study.source, growth.study.metrics_dense, growth.study.spec) == ("moe", 0, ParallelSpec(8, 2, 2))
-    case = _tree(["case", "run", "x", "--where", "simdist", "--expect", "not-ok", "--json"])
-    assert (case.where, case.expect, case.json) == ("simdist", "not-ok", True)
+    case = _tree(["case", "run", "x", "--where", "processes", "--expect", "not-ok", "--json"])
+    assert (case.where, case.expect, case.json) == ("processes", "not-ok", True)
     blame = _tree(["blame", "--promote", "3", "--promote", "a.py:4", "--nproc", "2", "s.py", "--x", "y"])
     assert (blame.promote, blame.nproc, blame.script, blame.script_args) == (("3", "a.py:4"), 2, "s.py", ("--x", "y"))
 
@@ -233,7 +234,7 @@ def test_a_field_name_used_twice_and_a_true_flag_are_refused():
 def test_choices_are_the_enum_values():
     assert choices(ReductionName) == [m.value for m in ReductionName]
     assert choices(ReductionName, skip=("upcast",)) == [m.value for m in ReductionName if m != ReductionName.UPCAST]
-    assert choices(CaseWhere) == list(CASE_WHERES) == ["gloo", "simdist", "threads"]
+    assert choices(CaseWhere) == list(CASE_WHERES) == ["threads", "processes", "gloo"] == list(Where)
 
 
 def test_the_script_runner_sets_and_restores_argv_and_path(tmp_path):

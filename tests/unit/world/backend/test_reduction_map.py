@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 import simdist
 from simdist.reduce import REDUCTION_NAMES, make_reduction
-from simdist.world.backend.reduction_map import MAP_KINDS, Chooser
+from simdist.world.backend.reduction_map import Chooser
+from simdist.world.options import REDUCTION_KINDS as MAP_KINDS
 from simdist.world.spec import GROUP_KINDS, ParallelSpec
 
 SPEC = ParallelSpec(4, tp=2)
@@ -34,11 +35,15 @@ def test_an_unknown_model_name_is_an_error_listing_the_names():
         assert all(name in str(info.value) for name in REDUCTION_NAMES)
 
 
-@pytest.mark.parametrize("choice", [3, None, {"tp": 3}, {"tp": torch.float32}, ["gloo"]])
+@pytest.mark.parametrize("choice", [3, {"tp": 3}, {"tp": torch.float32}, ["gloo"]])
 def test_a_wrong_type_is_a_type_error_naming_the_valid_values(choice):
     with pytest.raises(TypeError) as info:
         Chooser(choice, 4, SPEC)
     assert "gloo" in str(info.value) and "Reduction" in str(info.value)
+
+
+def test_none_is_the_default_reduction_as_in_every_front_end():
+    assert type(Chooser(None, 4, SPEC)((0, 1))[1]) is type(make_reduction("gloo"))
 
 
 def test_spec_kinds_without_a_spec_are_an_error():
@@ -55,7 +60,7 @@ def test_a_callable_must_return_a_model():
 
 def test_valid_maps_still_choose_per_kind():
     chooser = Chooser({"tp": "sequential", "dp": make_reduction("tree")}, 4, SPEC)
-    assert chooser((0, 1)) == ("tp", chooser._reductions["tp"])
+    assert chooser((0, 1)) == ("tp", chooser.table.by_kind["tp"])
     assert type(chooser((0, 1))[1]) is type(make_reduction("sequential"))
     assert type(chooser((1, 3))[1]) is type(make_reduction("tree"))
     assert chooser((1, 3))[0] == "dp"
