@@ -4,7 +4,7 @@ SimWorld's `SimComm` and the ``simdist`` torch.distributed backend (`SimProcessG
 ``dist.all_reduce`` reaches inside `simdist.run` and under torchrun) compute their collectives in Python:
 nothing reaches torch's dispatcher, so a dispatch mode alone never sees them. While at least one `Audit`
 is active, `install` subscribes `observe` to the observer list
-(`simdist.world.rendezvous.meeting.Observers.subscribed`), which both front ends tell before every collective: the
+(`simdist.world.rendezvous.observers.Observers.subscribed`), which both front ends tell before every collective: the
 observer
 finds the audit on the calling thread's dispatch-mode stack, records the collective (op, dtype of its first
 tensor, group) at the user's call site (`simdist.callsite`: the first frame outside torch, simdist.world, the audit

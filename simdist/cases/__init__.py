@@ -4,6 +4,13 @@
 Each case is a small module with a ``CASE`` (`simdist.cases.base.Case`);
 this registry imports a module only when its case is asked for, so listing
 never imports DeepSpeed.
+
+The cases by framework: DeepSpeed (the package `deepspeed`: #8913, the checkpoint round trip, the GAS marker, the
+real engine and its spies), DeepSpeed's optimizer wrappers end to end (`deepspeed_wrappers`), FSDP2 (`fsdp2`) and
+Megatron-Core (`megatron_grad_reduce`); what they share: `base` (`Case`, `Verdict`), `compare`, `ranks` (running
+the ranks of a real framework), `stdout`. The upstream packages of the DeepSpeed defects found are `upstream`; the
+standalone reproducer scripts they ship are package data in ``reproducers/`` (read with `importlib.resources`,
+never imported).
 """
 
 from __future__ import annotations

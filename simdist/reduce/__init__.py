@@ -2,12 +2,13 @@
 
 `plan` holds `FoldPlan`, an order precomputed once and applied as one copy, one strided view and the adds;
 `base` defines `ReduceOp` and the `Reduction` interface (a reduction's order is its plan; its capabilities
-are attributes); `reductions` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
-gloo backend found by experiment (its schedule, one hop's arithmetic and which elements it reads:
-`gloo_schedule`, `gloo_arith`, `gloo_layout`); `nccl` NCCL's order from its source (likewise
-`nccl_schedule`, `nccl_arith`, `nccl_layout`); `native` an optional C kernel that applies fold plans with the
-same bits; `registry` builds a reduction by name (`ReductionName`: each name with its class). Adding a reduction is one
-`Reduction` subclass and one `ReductionName` member; nothing else names its class.
+are attributes); `textbook` the textbook orders (sequential, tree, upcast, ring); `gloo` the order of torch's
+gloo backend found by experiment (`gloo.reduction`: the reduction `Gloo`; its schedule, one hop's arithmetic and
+which elements it reads: `gloo.schedule`, `gloo.arith`, `gloo.layout`); `nccl` NCCL's order from its source
+(`nccl.reduction`: `Nccl`; likewise `nccl.schedule`, `nccl.arith`, `nccl.layout`); `native` an optional C kernel
+that applies fold plans with the same bits; `registry` builds a reduction by name (`ReductionName`: each name with
+its class). Adding a reduction is one `Reduction` subclass and one `ReductionName` member; nothing else names its
+class.
 """
 
 from simdist.reduce.base import AvgMode, PerItemWarning, ReduceOp, Reduction, Tensors, as_stacked

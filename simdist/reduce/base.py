@@ -26,8 +26,8 @@ Operations (`ReduceOp`):
 
 A reduction says what its order is, so that every front end and the rank-batched gradient path
 (`Reduction.sum_many`) run it vectorised without knowing its class: a rank fold returns its
-`simdist.reduce.plan.FoldPlan` from `Reduction.fold_plan` and gets `sum`, `product` and `sum_many`
-from it; an order that is not a fold but the same at every element (a tree over the ranks) sets
+`simdist.reduce.plan.FoldPlan` from `Reduction.fold_plan` and gets `Reduction.sum`, `Reduction.product` and
+`Reduction.sum_many` from it; an order that is not a fold but the same at every element (a tree over the ranks) sets
 ``position_free = True``; anything else overrides `Reduction.sum_many`. A subclass that overrides
 ``sum`` or ``reduce`` without one of these is not batched with its parent's plan (it would no longer
 describe the order): the rank-batched gradient path then reduces it one item at a time and warns once

@@ -102,3 +102,7 @@ def test_a_built_wheel_holds_every_policy_module(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"simdist/policies/{p.name}" for p in (ROOT / "simdist" / "policies").glob("*.py")}
     assert len(expected) >= 8 and expected <= names, sorted(expected - names)
+    scripts = {f"simdist/cases/reproducers/{p.name}" for p in (ROOT / "simdist" / "cases" / "reproducers").glob("*.py")}
+    assert len(scripts) == 4 and scripts <= names, sorted(
+        scripts - names
+    )  # package data: the upstream reports' scripts

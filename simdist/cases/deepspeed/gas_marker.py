@@ -25,8 +25,8 @@ maintainers) is `REPRODUCER`; `write_reproducer` copies it out.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from simdist.cases.base import Case
@@ -44,7 +44,8 @@ from simdist.studies.power import PowerCheck, shows_power
 from simdist.world.spec import DEFAULT_SPEC, ParallelSpec
 
 NAME = "deepspeed-gas-marker"
-REPRODUCER = Path(__file__).parents[1] / "reproducers" / "deepspeed_gas_marker.py"
+REPRODUCER = resources.files("simdist.cases") / "reproducers" / "deepspeed_gas_marker.py"
+"""The standalone script, package data of `simdist.cases` (not a module)."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def write_reproducer(path: str | Path) -> Path:
     target = Path(path)
     if target.is_dir():
         target = target / REPRODUCER.name
-    shutil.copyfile(REPRODUCER, target)
+    target.write_bytes(REPRODUCER.read_bytes())
     return target
 
 

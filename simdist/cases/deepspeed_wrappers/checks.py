@@ -254,7 +254,7 @@ def power_checks(
     spec: ParallelSpec, run: EngineRun, captures: list, seed: int = 0, inputs: Inputs | str = Inputs.ROUNDING
 ) -> list[PowerCheck]:
     """Every control of `CONTROLS` that applies to ``spec``, judged against ``run``'s real ``captures`` with the
-    engine's norm in the clip (the comparison `clip_explains_masters` finds bitwise)."""
+    engine's norm in the clip (the comparison ``clip_explains_masters`` finds bitwise)."""
     checks = []
     rows = GRADIENT_ROWS + STEP_ROWS
     for name, (control, what) in CONTROLS.items():

@@ -10,15 +10,16 @@ both on a patched copy of the installed package).
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from simdist.cases.upstream.patches import DEEPSPEED_VERSION, PATCHES, Patch, unified_diff
 from simdist.errors import UsageError
 from simdist.extras import install_hint
 
-REPRODUCERS = Path(__file__).resolve().parent.parent / "reproducers"
+REPRODUCERS = resources.files("simdist.cases") / "reproducers"
+"""The standalone scripts, package data of `simdist.cases` (not modules)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def export(directory: Path, names: list[str] | None = None, root: Path | None = 
         package = PACKAGES[name]
         folder = directory / name
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(REPRODUCERS / package.reproducer, folder / "reproduce.py")
+        (folder / "reproduce.py").write_bytes((REPRODUCERS / package.reproducer).read_bytes())
         (folder / "fix.diff").write_text(diffs[name])
         (folder / "REPORT.md").write_text(package.report())
         written.append(folder)

@@ -50,12 +50,11 @@ them, and each reduction runs per batch item, so each item gets the bits it gets
 
 The oracle's modules, one concept each (import the names from here):
 
-* `oracle_rules` -- what it computes, restated: `CORRECTIONS`, `DEEPSPEED_STRATEGY`, `correction`, `dp_kind`,
-  the power checks' `Control`, `AdamWSettings`;
-* `oracle_sums` -- how it sums a group: `group_sums` per parameter in the reduction's order, `FusedPairs` for every
-  parameter at once where groups have two members;
-* `oracle_step` -- `Oracle`: the state of every rank and one optimizer step;
-* `oracle_runs` -- several steps' captures: `oracle_values`, `oracle_traces`.
+* `rules` -- what it computes, restated: `CORRECTIONS`, `DEEPSPEED_STRATEGY`, `rules.correction`,
+  `rules.dp_kind`, the power checks' `Control`, `AdamWSettings`;
+* `step` -- how it sums a group (`step.group_sums` per parameter in the reduction's order, `FusedPairs` for every
+  parameter at once where groups have two members) and `Oracle`: the state of every rank and one optimizer step;
+* `runs` -- several steps' captures: `oracle_values`, `oracle_traces`.
 """
 
 from simdist.gradpath.oracle.rules import (

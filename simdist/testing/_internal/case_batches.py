@@ -134,7 +134,8 @@ def _peer_layouts(
     values: np.ndarray, words: np.ndarray, layout: np.ndarray, pos: np.ndarray, first: np.ndarray
 ) -> np.ndarray:
     """Each element's pattern under its peer layout, from the first rank of its TP group (``lead``): the
-    values as drawn, identical, cancelling, a midpoint, or a tie (`simdist.testing.strategies.decode_batch`'s)."""
+    values as drawn, identical, cancelling, a midpoint, or a tie (as
+    `simdist.testing.strategies.batches.decode_batch` draws them)."""
     lead = values[:, :, first]  # the value of each rank's TP group's first rank
     out = np.where(layout == _LAYOUT["identical"], lead, values)
     out = np.where((layout == _LAYOUT["cancellation"]) & (pos == 1), lead ^ 0x8000, out)
@@ -166,7 +167,7 @@ def decode_cases(
 ) -> torch.Tensor:
     """``cases`` cases' BF16 gradients ``[case, step, micro, rank, element]`` (elements in parameter order) from
     their bytes: case ``c`` reads ``raw``'s ``c``-th and ``choice``'s ``c``-th equal part as
-    `simdist.testing.strategies.decode_batch` reads its two draws, with numpy on 16-bit patterns.
+    `simdist.testing.strategies.batches.decode_batch` reads its two draws, with numpy on 16-bit patterns.
 
     Every value `decode_batch` makes is a BF16 value built from bits (modes), a sign flip (cancellation), an ulp
     step (midpoint) or a power of two (ties), so here each is built as its BF16 bit pattern directly.

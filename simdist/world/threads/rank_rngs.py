@@ -93,8 +93,8 @@ class RankGenerators:
     """Per-rank ``random.Random`` and ``np.random.RandomState`` behind the module functions, during one spawn.
 
     `install` patches the modules, `uninstall` undoes it (the caller's generators are untouched: rank threads
-    never reach them), `refresh` patches NumPy if a rank imported it since, `shared_numpy_used` says whether
-    the shared NumPy generator changed behind the dispatchers' back.
+    never reach them), `refresh` patches NumPy if a rank imported it since, `give_back_shared_numpy` says whether
+    the shared NumPy generator changed behind the dispatchers' back (and puts back its state).
     """
 
     def __init__(self, world_size: int, rank_of: Callable[[], int | None]) -> None:

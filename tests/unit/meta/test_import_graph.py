@@ -32,9 +32,13 @@ layers: Python runs it before any submodule, so importing it cannot reorder anyt
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package (``simdist.policies`` included)."""
+    """Dotted module name -> file, for every module of the package (``simdist.policies`` included; a folder without
+    ``__init__.py``, such as ``simdist/cases/reproducers/``, holds package data, not modules)."""
     modules = {}
-    for folder, _, files in os.walk(root / "simdist"):
+    for folder, subfolders, files in os.walk(root / "simdist"):
+        if "__init__.py" not in files:
+            subfolders[:] = []
+            continue
         for name in files:
             if name.endswith(".py"):
                 path = Path(folder) / name
@@ -302,7 +306,10 @@ def test_the_checks_see_what_they_must(tmp_path):
     )
     (pkg / "high" / "d.py").write_text("from simdist.low.c import _x\n")
     (pkg / "low" / "e.py").write_text("def g():\n    import simdist.high.d\n")
+    (pkg / "low" / "scripts").mkdir()
+    (pkg / "low" / "scripts" / "s.py").write_text("import simdist.high.d\n")  # package data: not a module
     graph = import_graph(tmp_path)
+    assert "simdist.low.scripts.s" not in graph
     assert cycles(graph) == [["simdist.low.a", "simdist.low.b"]]
     assert graph["simdist.low.c"] == {}
     assert import_graph(tmp_path, type_only=True)["simdist.low.c"] == {"simdist.high.d": False}
