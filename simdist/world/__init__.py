@@ -1,22 +1,17 @@
-"""Where ranks live: the parallel layout (`spec`), group handles and the `Comm` protocol (`groups`), the rendezvous
-where rank threads meet (`rendezvous`, what a blocked rank waits on in `waits`, each rank's wake-up semaphore in
-`baton`), a rank's side of a collective and its call site (`calls`), the observers every collective tells
-(`observers`), the errors (`errors`), every collective's checks and completion written once (`reductions`,
-`data_movement`; reduce ops and the sums through the reduction in `reduce_ops`; gloo's refusals and memory rules in
-`gloo_rules`), and the two front ends over them: SimWorld's `Comm` (`simworld`) and the ``torch.distributed``
-backend ``simdist`` (`backend`; registered by `plugin`; which group uses which reduction: `reduction_map`;
-in-process `inproc.spawn_threads` with per-rank process-global state `isolation` and `rank_rngs`, scripts' own
-``init_process_group`` in `attach`, gloo's name-based decisions `gloo_names`; `process` mode). Real
-torch.distributed process groups as a `Comm` (`torch_comm`) and the launchers: the one launcher `simdist.run`
-(`runner`, with the options every launcher shares in `options`: where, api, ``reduction=`` and its one default, the
-deadline) over the thread launchers (`inproc`, `simworld`) and the process one (`process_launch`; each rank's body
-in `rank_process`; waiting, failures and the deadline in `supervise`; a forkserver per preload set in `forkservers`,
-each freezing its objects with `forkserver_freeze`); torchrun entry and scripts (`launch`, `script_launch`); the
-frameworks refused on rank threads (`frameworks`).
+"""Where ranks live. At the top: the parallel layout (`spec`), group handles and the `Comm` protocol (`groups`), the
+options every launcher shares (`options`: where, api, ``reduction=`` with its one parser and default, the deadline),
+the errors (`errors`), SimWorld's `Comm` (`simworld`), real torch.distributed process groups as a `Comm`
+(`torch_comm`), the one launcher `simdist.run` (`runner`) and torchrun entry (`launch`). Five wings:
 
-Importing this package registers the ``simdist`` backend with ``torch.distributed``.
+* `rendezvous` -- where rank threads meet, a rank's side of a collective, what a blocked rank waits on, the
+  observers every collective tells;
+* `collectives` -- every collective's checks and completion, written once for both front ends;
+* `backend` -- the ``torch.distributed`` backend ``simdist`` (its process group, which reduction each group uses,
+  scripts' own ``init_process_group``, gloo's name-based decisions, the registration);
+* `threads` -- unmodified ``torch.distributed`` code on one thread per rank, with per-rank process-global state;
+* `processes` -- process mode: the transport, the launcher, each rank's body, supervision, forkservers, scripts.
+
+Importing this package (or any of its modules but the backend's) registers nothing and imports no
+``torch.distributed``: ``import simdist`` arranges the registration (`simdist._autoregister`), and the backend
+itself is imported when the first ``simdist`` group is made.
 """
-
-from simdist.world.backend.registration import register as _register
-
-_register()

@@ -13,16 +13,19 @@ by reading torch 2.13 and checked against real gloo by tests/integration/test_is
   ``hook_with_zero_step_interleaved``) raises ``RuntimeError`` on gloo: so it
   does on such a group.
 
-`install` wraps these torch functions (idempotent; done by
-`simdist.world.backend.registration.register`). Code that imported them by name before
-simdist was imported keeps torch's originals (a loud ``ValueError`` for
-``monitored_barrier``, never different bits).
+`install` wraps ``monitored_barrier`` (idempotent; done by `simdist.world.backend.registration.register`, before
+the first ``simdist`` group), and the ZeRO hooks if their module is loaded; `wrap_zero_hooks` wraps them when their
+module is imported later (`simdist._autoregister` watches for it after ``import simdist``). Code that imported
+``monitored_barrier`` by name before the first ``simdist`` group keeps torch's original (a loud ``ValueError``,
+never different bits); the ZeRO hooks are wrapped wherever they were imported from after ``import simdist``.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import sys
+from types import ModuleType
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -66,15 +69,23 @@ def _zero_hook(original):
     return hook
 
 
+ZERO_HOOK_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook"
+"""Where the ZeRO overlap hooks live: a module of its own that few programs import (about 1 s of imports), so it
+is wrapped when it is imported (`simdist._autoregister` watches for it), never imported to be wrapped."""
+
+
 def install() -> None:
-    """Wrap ``monitored_barrier`` and the ZeRO overlap hooks (once)."""
+    """Wrap ``monitored_barrier`` and, if their module is loaded, the ZeRO overlap hooks (once each)."""
     if not hasattr(c10d.monitored_barrier, "simdist_original"):
         wrapped = _monitored_barrier(c10d.monitored_barrier)
         c10d.monitored_barrier = dist.monitored_barrier = wrapped
-    try:
-        from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
-    except ImportError:  # pragma: no cover - a torch without the hook
-        return
+    module = sys.modules.get(ZERO_HOOK_MODULE)
+    if module is not None:
+        wrap_zero_hooks(module)
+
+
+def wrap_zero_hooks(ddp_zero_hook: ModuleType) -> None:
+    """Wrap the ZeRO overlap hooks of ``ddp_zero_hook`` (the module `ZERO_HOOK_MODULE`, once)."""
     for name in _ZERO_HOOKS:
         current = getattr(ddp_zero_hook, name, None)
         if current is not None and not hasattr(current, "simdist_original"):

@@ -1,6 +1,7 @@
 """Registers the ``simdist`` backend with ``torch.distributed`` (``dist.Backend.register_backend``).
 
-`register` is idempotent and runs on ``import simdist.world``. c10d calls
+`register` is idempotent; `simdist._autoregister.create_group` runs it before c10d's first ``simdist`` group, the
+one place the backend is registered from (``import simdist`` arranges it). c10d calls
 `create_group` for every group it makes with the ``simdist`` backend (the
 default group and each ``new_group``/DeviceMesh group): on a rank thread of
 `simdist.run` it returns an in-process group on that run's rendezvous, anywhere
