@@ -49,38 +49,6 @@ ROOT = Path(__file__).resolve().parents[3]
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 PACKAGE = "simdist"
 
-PENDING_REWRITES: dict[str, frozenset[str]] = {
-    "simdist/world/__init__.py": frozenset(
-        {
-            "attach",
-            "baton",
-            "calls",
-            "data_movement",
-            "forkserver_freeze",
-            "forkservers",
-            "frameworks",
-            "gloo_names",
-            "gloo_rules",
-            "inproc",
-            "isolation",
-            "observers",
-            "plugin",
-            "process",
-            "process_launch",
-            "rank_process",
-            "rank_rngs",
-            "reduce_ops",
-            "reduction_map",
-            "reductions",
-            "script_launch",
-            "waits",
-        }
-    ),
-}
-"""TEMPORARY (issue 42): file -> its stale references that another change of the issue rewrites (the world's
-package docstring still names its modules by their flat names). Remove after merging; the test fails while a
-listed reference no longer is stale, so the list cannot outlive the rewrite."""
-
 NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 PY_PATH = re.compile(r"[\w.-]+(?:/[\w.-]+)*\.py")
 FOLDER = re.compile(r"(?:simdist|tests|bench|docs)(?:/[\w.-]+)*/")
@@ -316,10 +284,6 @@ def test_every_docstring_reference_resolves():
     docs = package_docstrings()
     assert len(docs) > 1000 and any(d.where.startswith("simdist/policies/") for d in docs)
     stale = Resolver().stale(docs)
-    pending = {f"{where}: `{span}`" for where, spans_ in PENDING_REWRITES.items() for span in spans_}
-    found = {s.split(":", 1)[0] + ": " + s.split(": ", 1)[1] for s in stale}
-    assert pending <= found, f"no longer stale, drop from PENDING_REWRITES: {sorted(pending - found)}"
-    stale = [s for s in stale if s.split(":", 1)[0] + ": " + s.split(": ", 1)[1] not in pending]
     assert not stale, "stale references in docstrings:\n" + "\n".join(stale)
 
 
