@@ -8,8 +8,9 @@ only ``import simdist`` must find ``dist.init_process_group("simdist")`` working
   imported (``import torch`` imports it), and then removes itself.
 
 Registering is one entry in ``dist.Backend``'s table whose factory, `create_group`, imports the backend itself
-(`simdist.world.backend.registration`) when c10d makes the first ``simdist`` group: the first use pays, nothing before
-it.
+(`simdist.world.backend.registration`) when c10d makes the first ``simdist`` group and completes the registration
+there: the first use pays, nothing before it. This is the one place that registers the backend: importing
+``simdist.world`` or any module under it registers nothing.
 torch offers no entry point for process-group backends (its ``torch.backends`` entry points would run in every
 ``import torch`` of the environment), hence the finder. This module imports only the standard library.
 """
@@ -32,11 +33,10 @@ _WATCHED = "torch.distributed"
 
 def create_group(options: Any, backend_options: Any = None) -> Any:
     """c10d's factory for ``simdist`` groups: imports the backend on first use and hands over to it."""
-    from simdist.world.backend.registration import create_group as backend_create_group
-    from simdist.world.backend.registration import register
+    from simdist.world.backend import registration
 
-    register()  # the rest of the registration (gloo's name-based decisions); the table entry is already there
-    return backend_create_group(options, backend_options)
+    registration.complete()  # the rest of the registration (gloo's name-based decisions)
+    return registration.create_group(options, backend_options)
 
 
 def register(dist: ModuleType) -> None:

@@ -14,9 +14,6 @@ in `rank_process`; waiting, failures and the deadline in `supervise`; a forkserv
 each freezing its objects with `forkserver_freeze`); torchrun entry and scripts (`launch`, `script_launch`); the
 frameworks refused on rank threads (`frameworks`).
 
-Importing this package registers the ``simdist`` backend with ``torch.distributed``.
+Importing this package imports nothing and registers nothing: ``import simdist`` arranges the registration of the
+``simdist`` backend (`simdist._autoregister`, the one place), and the first ``simdist`` group completes it.
 """
-
-from simdist.world.backend.registration import register as _register
-
-_register()

@@ -14,9 +14,9 @@ by reading torch 2.13 and checked against real gloo by tests/integration/test_is
   does on such a group.
 
 `install` wraps these torch functions (idempotent; done by
-`simdist.world.backend.registration.register`). Code that imported them by name before
-simdist was imported keeps torch's originals (a loud ``ValueError`` for
-``monitored_barrier``, never different bits).
+`simdist.world.backend.registration.complete` when c10d makes the first ``simdist``
+group). Code that imported them by name before that keeps torch's originals (a
+loud ``ValueError`` for ``monitored_barrier``, never different bits).
 """
 
 from __future__ import annotations
