@@ -12,8 +12,9 @@ must a ``simdist`` group that models gloo: `simdist.world.backend.gloo_names`), 
 both modules. This is the one place the backend is registered from: nothing else registers it at import.
 
 Registering is one entry in ``dist.Backend``'s table whose factory, `create_group`, imports the backend itself
-(`simdist.world.backend.registration`) when c10d makes the first ``simdist`` group: the first use pays, nothing before
-it.
+(`simdist.world.backend.registration`) when c10d makes the first ``simdist`` group and completes the registration
+there: the first use pays, nothing before it. This is the one place that registers the backend: importing
+``simdist.world`` or any module under it registers nothing.
 torch offers no entry point for process-group backends (its ``torch.backends`` entry points would run in every
 ``import torch`` of the environment), hence the finder. This module imports only the standard library.
 """
@@ -40,11 +41,10 @@ when a program imports it, so no run pays for importing it (about 1 s) to wrap w
 
 def create_group(options: Any, backend_options: Any = None) -> Any:
     """c10d's factory for ``simdist`` groups: imports the backend on first use and hands over to it."""
-    from simdist.world.backend.registration import create_group as backend_create_group
-    from simdist.world.backend.registration import register
+    from simdist.world.backend import registration
 
-    register()  # the rest of the registration (gloo's name-based decisions); the table entry is already there
-    return backend_create_group(options, backend_options)
+    registration.complete()  # the rest of the registration (gloo's name-based decisions)
+    return registration.create_group(options, backend_options)
 
 
 def register(dist: ModuleType) -> None:

@@ -1,4 +1,8 @@
-"""The one line between "you can fix this" and "this is a bug in simdist".
+"""One root for every exception simdist raises, and the one line between "you can fix this" and "a bug".
+
+`SimdistError` is the root: ``except SimdistError`` catches whatever simdist itself raised, and nothing from
+torch or NumPy. Under it, `SimdistRuntimeError` (also a `RuntimeError`) for what goes wrong while a world runs (a
+collective mismatch, a deadlock, a rank that failed or exited), and `UsageError` (also a `ValueError`).
 
 `UsageError` is raised for what the caller can fix: an unknown policy or reduction name, a layout that breaks a
 constraint, a size above its limit, a missing or corrupt input file, an unusable output path. The command line
@@ -22,10 +26,18 @@ if TYPE_CHECKING:
 
     _E = TypeVar("_E", bound=enum.Enum)
 
-__all__ = ["UsageError", "coerce"]
+__all__ = ["SimdistError", "SimdistRuntimeError", "UsageError", "coerce"]
 
 
-class UsageError(ValueError):
+class SimdistError(Exception):
+    """The root of every exception class simdist defines (tests/unit/test_errors.py walks the package)."""
+
+
+class SimdistRuntimeError(SimdistError, RuntimeError):
+    """Something went wrong while running (a world, a rank, a collective); a `RuntimeError`, as before the root."""
+
+
+class UsageError(SimdistError, ValueError):
     """Input the caller can fix (an option, a name, a layout, a file): one line saying what and where."""
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from simdist.errors import UsageError
+from simdist.errors import SimdistError, UsageError
 
 SUMMING = frozenset(
     {
@@ -120,7 +120,7 @@ def _plain(value) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter) and value.device.type != "meta"
 
 
-class _NotMeasurable(Exception):
+class _NotMeasurable(SimdistError):
     pass
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from simdist.audit.report import ACCUMULATE, CAST, COLLECTIVE, IGNORE, STORE
+from simdist.errors import SimdistError
 
 _Tensor = torch.Tensor
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -256,7 +257,7 @@ def _widen(op: _Op, args: tuple, kwargs: dict, widest: torch.dtype, requested) -
     return wide_args, wide_kwargs
 
 
-class _NoError(Exception):
+class _NoError(SimdistError):
     pass
 
 

@@ -14,10 +14,10 @@ import runpy
 import sys
 from collections.abc import Iterator, Sequence
 
-from simdist.errors import UsageError
+from simdist.errors import SimdistError, UsageError
 
 
-class ScriptExit(Exception):
+class ScriptExit(SimdistError):
     """The script exited with a non-zero status (``sys.exit``): in this process or on a rank process."""
 
     def __init__(self, status: int, message: str | None) -> None:

@@ -51,8 +51,9 @@ def run_doctor(version: str) -> int:
     from simdist.reduce import native
 
     print(f"simdist {version}, Python {platform.python_version()}, torch {torch.__version__}")
+    available = native.available()  # loads the kernel (first use), which sets its STATUS
     kernel = "native fold kernel: " + native.STATUS
-    if not native.available():
+    if not available:
         kernel += " -> reductions run the eager path (same bits, 5-8x slower)"
     print(kernel)
     registered = "SIMDIST" in dist.Backend._plugins

@@ -36,7 +36,8 @@ would carry autograd history) returns None and the caller runs the eager path.
 
 How it is built: at install, from ``simdist/reduce/_fold.c``, as the optional extension
 ``simdist.reduce._simdist_fold`` (``setup.py``; a failed build does not fail the install). Where the install built
-none, on first use (the first import of this module), with the system C compiler (``$CC``, else ``cc``) and Python's
+none, on first use (the first `available`, `fold`, `fold_to` or `fold_into` call: importing this module builds and
+loads nothing), with the system C compiler (``$CC``, else ``cc``) and Python's
 headers (no torch headers: a build takes well under a second), as a CPython extension module cached by the hash of
 the source, flags, compiler, machine and Python in ``$XDG_CACHE_HOME/simdist/native`` (default
 ``~/.cache/simdist/native``; a per-user temporary directory if that is not writable). Concurrent builders (rank
@@ -66,6 +67,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -89,7 +91,8 @@ _INTO = 4
 """Mode bit of the kernel: listed members, the result written into each tensor of a sequence (`fold_to`)."""
 
 STATUS = "not loaded"
-"""Why the kernel is or is not in use: ``"loaded <path>"``, ``"disabled (SIMDIST_NATIVE=0)"``, or the failure."""
+"""Why the kernel is or is not in use: ``"loaded <path>"``, ``"disabled (SIMDIST_NATIVE=0)"``, or the failure;
+``"not loaded"`` until the first use (`loaded`)."""
 
 _enabled = True
 
@@ -189,12 +192,27 @@ def _load(installed_first: bool = True) -> ModuleType | None:
         return None
 
 
-_KERNEL = _load()
+_KERNEL: ModuleType | None = None
+"""The loaded kernel module; None before the first use (`_tried` unset) and where none is available."""
+_tried = False
+_loading = threading.Lock()
+
+
+def loaded() -> ModuleType | None:
+    """The kernel module, loaded (or built) on the first call of the process (`_load`, once, under a lock: rank
+    threads may all ask at once); None where none is available (`STATUS` says why)."""
+    global _KERNEL, _tried
+    if not _tried:
+        with _loading:
+            if not _tried:
+                _KERNEL = _load()
+                _tried = True
+    return _KERNEL
 
 
 def available() -> bool:
-    """Whether the kernel is built, loaded and enabled (else every `fold` returns None)."""
-    return _KERNEL is not None and _enabled
+    """Whether the kernel is built, loaded and enabled (else every `fold` returns None); loads it on first use."""
+    return (_KERNEL if _tried else loaded()) is not None and _enabled
 
 
 @contextlib.contextmanager
@@ -236,7 +254,7 @@ def fold(
     are torch's (`Reduction.fold_hops`): its values are the same, and where a result is NaN the kernel
     gives up (None) for the eager path to produce torch's bits.
     """
-    kernel = _KERNEL
+    kernel = _KERNEL if _tried else loaded()
     if kernel is None or not _enabled or not plan.numel:
         return None
     mode = int(multiply) + (0 if gloo_nan else _BAIL)
@@ -266,7 +284,7 @@ def fold_to(
     (nothing written; run `fold` or the eager path): no kernel, another dtype, an out not contiguous or of
     another dtype or element count, an out partly overlapping a member or another out, or a plan of short
     chunks (`fold`'s element-by-element path)."""
-    kernel = _KERNEL
+    kernel = _KERNEL if _tried else loaded()
     if kernel is None or not _enabled or not plan.numel or not members:
         return False
     code = _CODES.get(members[0].dtype)
@@ -278,7 +296,7 @@ def fold_to(
 def fold_into(plan: FoldPlan, members: torch.Tensor, out: torch.Tensor) -> bool:
     """`fold` of a stacked ``members`` (SUM, gloo's hop rule) into every member row of ``out``; False where the
     kernel does not apply (nothing written; run the eager path). The rank-batched all-reduce's one call."""
-    kernel = _KERNEL
+    kernel = _KERNEL if _tried else loaded()
     if kernel is None or not _enabled or not plan.numel:
         return False
     dtype = members.dtype

@@ -1,13 +1,12 @@
-"""Errors raised by simulated worlds. Each names the ranks and their call sites."""
+"""Errors raised by simulated worlds. Each names the ranks and their call sites; each is a
+`simdist.errors.SimdistRuntimeError` (a `RuntimeError` under the one root `simdist.errors.SimdistError`)."""
 
 from __future__ import annotations
 
-
-class SimDistError(RuntimeError):
-    """Base class of simdist's run-time errors."""
+from simdist.errors import SimdistRuntimeError
 
 
-class CollectiveMismatchError(SimDistError):
+class CollectiveMismatchError(SimdistRuntimeError):
     """Members of one group made calls that cannot form one collective.
 
     Raised when the n-th collective on a group differs between its members in
@@ -16,7 +15,7 @@ class CollectiveMismatchError(SimDistError):
     """
 
 
-class CollectiveDeadlockError(SimDistError):
+class CollectiveDeadlockError(SimdistRuntimeError):
     """The run can never complete: every live rank waits on a collective that cannot finish.
 
     Raised, for example, when ranks call collectives on different groups in a
@@ -24,5 +23,5 @@ class CollectiveDeadlockError(SimDistError):
     """
 
 
-class SimTimeoutError(SimDistError):
+class SimTimeoutError(SimdistRuntimeError):
     """The run exceeded its wall-clock limit; the message shows where each rank was."""

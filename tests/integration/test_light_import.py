@@ -44,6 +44,18 @@ def test_light_entry_points_import_no_torch(statement):
     assert out.strip().splitlines()[-1] == "[]", out
 
 
+def test_the_world_package_and_its_layout_import_no_torch():
+    """``simdist.world`` registers nothing on import (`simdist._autoregister` is the one place), so its pure-Python
+    layout module costs what it reads."""
+    out = _fresh(
+        "import sys\n"
+        "from simdist.world.spec import ParallelSpec\n"
+        "assert ParallelSpec(world_size=4, tp=2).world_size == 4\n"
+        "print(sorted(m for m in ('torch', 'torch.distributed', 'simdist.world.backend') if m in sys.modules))\n"
+    )
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
 REGISTRATION = """
 import sys
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Building the native fold kernel (`simdist.reduce.native`) from a fresh clone: processes that import simdist at
+"""Building the native fold kernel (`simdist.reduce.native`) from a fresh clone: processes that first reduce at
 the same moment with an empty cache each build, rename into place atomically and load a working kernel; the
 cache is then reused; ``SIMDIST_NATIVE=0`` runs the eager path with the same bits."""
 
@@ -23,7 +23,8 @@ PROGRAM = """
 import sys, torch
 from simdist.reduce import Gloo, native
 xs = [torch.tensor([1.0, float("nan"), -0.0, 2.0**-24, 3.0]) * (r + 1) for r in range(3)]
-print(native.STATUS.split()[0], Gloo(max_segment_bytes=4).reduce(xs).view(torch.int32).tolist())
+bits = Gloo(max_segment_bytes=4).reduce(xs).view(torch.int32).tolist()  # the first use: loads (or builds) the kernel
+print(native.STATUS.split()[0], bits)
 """
 
 has_toolchain = shutil.which(os.environ.get("CC") or "cc") is not None and os.path.exists(
@@ -73,3 +74,24 @@ def test_concurrent_first_builds_load_one_cached_kernel_and_the_switch_gives_the
     eager = _start(tmp_path, SIMDIST_NATIVE="0").communicate(timeout=240)[0].split(" ", 1)
     assert eager[0] == "disabled"
     assert {bits for _, bits in outputs} == {cached[1], eager[1]}
+
+
+IMPORT_ONLY = """
+import os, sys
+import simdist.reduce, simdist.reduce.gloo, simdist.reduce.nccl
+from simdist.reduce import native
+cache = os.path.join(os.environ["XDG_CACHE_HOME"], "simdist")
+print(native._KERNEL is None and not native._tried, native.STATUS, os.path.exists(cache))
+print(native.available() == native.STATUS.startswith("loaded"), native.STATUS.split()[0])
+"""
+
+
+@pytest.mark.skipif(not has_toolchain, reason="needs a C compiler and Python's headers")
+def test_importing_the_reductions_builds_and_loads_no_kernel_until_first_use(tmp_path):
+    """``import simdist.reduce`` (and its gloo and nccl models) compiles nothing and loads no extension; the first
+    `native.available` builds into the empty cache."""
+    environment = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "SIMDIST_NATIVE": "build"}
+    done = subprocess.run([sys.executable, "-c", IMPORT_ONLY], env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["True not loaded False", "True loaded"]
+    assert len(list((tmp_path / "simdist" / "native").iterdir())) == 1  # built by the first use, into the cache

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from simdist.errors import UsageError
+from simdist.errors import SimdistError, UsageError
 from simdist.gradpath.batched import BatchedPath, initial_buffer
 from simdist.gradpath.kernel import Marker, coerce
 from simdist.gradpath.oracle import Oracle
@@ -121,7 +121,7 @@ def _hash(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class _Interrupted(Exception):
+class _Interrupted(SimdistError):
     """Raised by the ``stop_after`` test hook to simulate a kill."""
 
 

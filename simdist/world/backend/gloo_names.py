@@ -13,7 +13,7 @@ by reading torch 2.13 and checked against real gloo by tests/integration/test_is
   ``hook_with_zero_step_interleaved``) raises ``RuntimeError`` on gloo: so it
   does on such a group.
 
-`install` wraps ``monitored_barrier`` (idempotent; done by `simdist.world.backend.registration.register`, before
+`install` wraps ``monitored_barrier`` (idempotent; done by `simdist.world.backend.registration.complete`, before
 the first ``simdist`` group), and the ZeRO hooks if their module is loaded; `wrap_zero_hooks` wraps them when their
 module is imported later (`simdist._autoregister` watches for it after ``import simdist``). Code that imported
 ``monitored_barrier`` by name before the first ``simdist`` group keeps torch's original (a loud ``ValueError``,

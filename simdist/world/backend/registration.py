@@ -1,25 +1,23 @@
-"""Registers the ``simdist`` backend with ``torch.distributed`` (``dist.Backend.register_backend``).
+"""The backend's half of the ``simdist`` registration that `simdist._autoregister` owns.
 
-`register` is idempotent; `simdist._autoregister.create_group` runs it before c10d's first ``simdist`` group, the
-one place the backend is registered from (``import simdist`` arranges it). c10d calls
-`create_group` for every group it makes with the ``simdist`` backend (the
-default group and each ``new_group``/DeviceMesh group): on a rank thread of
-`simdist.run` it returns an in-process group on that run's rendezvous, anywhere
-else a process-mode group (`simdist.world.processes.transport`).
+`simdist._autoregister` puts the one ``dist.Backend`` table entry in place without importing torch; its factory
+imports this module when c10d makes the first ``simdist`` group and runs `complete` (gloo's name-based decisions,
+`simdist.world.backend.gloo_names`), then `create_group`. c10d asks for a group for every group it makes with the
+``simdist`` backend (the default group and each ``new_group``/DeviceMesh group): on a rank thread of `simdist.run`
+it is an in-process group on that run's rendezvous, anywhere else a process-mode group
+(`simdist.world.processes.transport`).
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from simdist.world.backend.gloo_names import install as install_gloo_names
-from simdist.world.backend.process_group import BACKEND_NAME, SimProcessGroup
+from simdist.world.backend.process_group import SimProcessGroup
 from simdist.world.processes.transport import process_group
 from simdist.world.threads.spawn import current, thread_group
 
 
 def create_group(options, backend_options=None) -> SimProcessGroup:
-    """c10d's factory hook (extended API): ``options`` carries store, group rank and size, global ranks, name."""
+    """A ``simdist`` group from c10d's extended-API ``options`` (store, group rank and size, global ranks, name)."""
     rank, size = options.group_rank, options.group_size
     ranks = tuple(options.global_ranks_in_group) or tuple(range(size))
     name = str(options.group_id)
@@ -29,9 +27,7 @@ def create_group(options, backend_options=None) -> SimProcessGroup:
     return process_group(options.store, rank, size, ranks, name, options.timeout)
 
 
-def register() -> None:
-    """Make ``dist.init_process_group("simdist")`` available (no-op when already registered)."""
-    install_gloo_names()  # gloo's name-based decisions (monitored_barrier, ZeRO overlap) for gloo-modelled groups
-    if BACKEND_NAME.upper() in dist.Backend._plugins:
-        return
-    dist.Backend.register_backend(BACKEND_NAME, create_group, extended_api=True, devices=["cpu", "cuda"])
+def complete() -> None:
+    """What the table entry cannot do without torch: wrap torch's functions that decide by the backend's name
+    (``monitored_barrier``, the ZeRO overlap hooks) for gloo-modelled groups. Idempotent."""
+    install_gloo_names()

@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from simdist.errors import SimdistRuntimeError
 from simdist.world.processes.rank import STACK_SIGNAL
 
 
-class RankFailure(RuntimeError):
+class RankFailure(SimdistRuntimeError):
     """A rank of a process launch raised; carries the rank and its formatted traceback."""
 
     def __init__(self, rank: int, world_size: int, remote_traceback: str, others: tuple[int, ...] = ()) -> None:

@@ -36,8 +36,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from simdist.errors import SimdistRuntimeError
 
-class SharedGlobalStateError(RuntimeError):
+
+class SharedGlobalStateError(SimdistRuntimeError):
     """A rank thread used process-global state that `simdist.run` cannot give each rank (one line, named)."""
 
 

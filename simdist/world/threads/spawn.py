@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from simdist.errors import UsageError
+from simdist.errors import SimdistRuntimeError, UsageError
 from simdist.world.backend.attach import Attachment
 from simdist.world.backend.attach import install as install_attach
 from simdist.world.backend.process_group import BACKEND_NAME, DoneWork, SimProcessGroup
@@ -386,7 +386,8 @@ _spawn_lock = threading.Lock()
 def _spawn(
     fn, world_size, args, kwargs, reduction, spec, timeout_s, one_cpu, intra_op_threads, report_backend
 ) -> list[Any]:
-    # (the backend is registered: importing simdist.world, this module's package, ran plugin.register)
+    # (the backend is registered: `import simdist`, this module's package, installed simdist._autoregister, and
+    # the first init below completes the registration)
     chooser = Chooser(reduction, world_size, spec)
     isolation = RankIsolation(world_size, _current_rank)
     rendezvous = Rendezvous(world_size, label="simdist.run", switch=isolation)
@@ -439,7 +440,7 @@ MAX_RANK_THREADS = 512
 """The most rank threads `spawn_threads` starts (the CLI's ``--world-size`` ceiling, `simdist.cli.limits.LIMITS`)."""
 
 
-class RankExitError(RuntimeError):
+class RankExitError(SimdistRuntimeError):
     """A rank called ``sys.exit``: in a real job its process would have ended while its peers ran on."""
 
 
