@@ -127,7 +127,7 @@ def test_accessor_fragments_after_load(verdict):
 
 @pytest.mark.slow
 def test_simdist_process_mode_gives_the_same_table(verdict):
-    other = run("simdist")
+    other = run("processes")
     assert [(c.group, c.differing, c.max_abs) for c in other.cells] == [
         (c.group, c.differing, c.max_abs) for c in verdict.cells
     ]

@@ -214,7 +214,7 @@ def test_small_engine_run_bf16_optimizer_rounds_the_router_at_the_write_back(sma
 
 @pytest.mark.slow
 def test_small_engine_run_on_simdist_process_mode_gives_the_same_table():
-    on_simdist = run_small("simdist")
+    on_simdist = run_small("processes")
     on_gloo = run_small("gloo")
     assert on_simdist.ok and on_gloo.ok
     assert [r.rows for r in on_simdist.runs] == [r.rows for r in on_gloo.runs]

@@ -96,6 +96,6 @@ def test_dp4_boundary_is_the_flat_bucket_reduction():
 @pytest.mark.slow
 def test_simdist_process_mode_gives_the_same_verdict():
     config = Config()
-    real = {layout: run_real(config, layout, "simdist") for layout in config.layouts}
+    real = {layout: run_real(config, layout, "processes") for layout in config.layouts}
     verdict = judge(config, real, where="processes")
     assert verdict.ok, verdict.summary
