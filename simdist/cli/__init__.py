@@ -19,14 +19,15 @@
                       | export production DIR [--only NAME]
     simdist doctor
 
-Every command's options, defaults and help are generated (`simdist.cli.options`) from its configuration
-dataclass (`simdist.cli.configs`, whose study sections are the studies' own configurations); `_dispatch`
-runs each command from a module of this package (``repro``, ``growth``, ``audit``, ``blame``, ``case``,
-``policies``; ``tools`` for ``compare``, ``run`` and ``doctor``).
+Every command is one row of `simdist.cli.commands.COMMANDS`: its name, help, configuration dataclass
+(`simdist.cli.configs`, whose study sections are the studies' own configurations), from which its options,
+defaults and help are generated (`simdist.cli.options`), and the function that runs it, in a module of this
+package (``repro``, ``growth``, ``audit``, ``blame``, ``case``, ``policies``; ``tools`` for ``compare``, ``run``
+and ``doctor``), imported only when the command runs.
 
 Exit status (`EXIT_CODES`, also in every ``--help``): 0 ok / equal, 1 differs beyond the
 tolerance (``compare``), the case's verdict is not ok (``case run``) or the verdict is not the one
-``--expect`` names (``repro``, ``case run``; `EXPECT_CODES`), 2 bad input. Bad input
+``--expect`` names (``repro``, ``case run``; `simdist.cli.commands.EXPECT_CODES`), 2 bad input. Bad input
 -- an unknown policy, an invalid layout, a size above its limit, a missing, unreadable or
 corrupt file (a `simdist.errors.UsageError` or an ``OSError``) -- prints one line naming the file or
 option and what is wrong, never a traceback, and writes nothing. ``audit`` and ``blame`` exit with the
@@ -43,55 +44,49 @@ import sys
 import traceback
 from typing import NoReturn
 
+from simdist.cli.commands import COMMANDS, EXIT_CODES, Command
 from simdist.errors import UsageError
 
-# This module imports no torch (and nothing of simdist that does) at load: ``simdist --help``, ``--version`` and a
-# mistyped command are answered by `_light_parser` alone; each command imports what it needs when it runs.
-
-COMMANDS: tuple[tuple[str, str], ...] = (
-    ("repro", "reproduce a known precision issue in the simulator"),
-    ("policies", "list the registered precision policies, their chains and origins"),
-    ("compare", "compare two per-rank tensor dumps (experiments/crosscheck.py)"),
-    ("audit", "run a Python script under the precision audit and report where it narrows precision"),
-    ("blame", "rank a script's collective and cast sites by rounding error against the exact result; promote some"),
-    ("run", "run an unmodified torchrun script on N simdist rank processes (like torchrun --nproc-per-node N)"),
-    ("growth", "error growth of policies against the FP32 oracle over many steps"),
-    ("case", "run a real framework next to simdist's policies (simdist/cases)"),
-    ("doctor", "what this installation has: versions, the native fold kernel, the torch.distributed backend"),
-)
-"""The commands and their one-line help, in order: what ``simdist --help`` lists without building the full
-parser (``tests/integration/test_light_import.py`` checks both parsers print the same help)."""
+# This module imports no torch (and nothing of simdist that does) at load. `main` builds the parser with each
+# command's options added only when that command is parsed (`_Parser`), so ``simdist --help``, ``--version`` and
+# a mistyped command import no configuration; each command imports what it needs when it runs.
 
 DESCRIPTION = "A single-process numerics lab for distributed training."
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_BUG = 0, 1, 2, 3
-EXIT_CODES = """exit status:
-  0  ok: the run finished; for compare, every tensor is within the tolerance
-  1  differs: compare found tensors beyond --tolerance-ulp; case run: the case's verdict is not ok
-  2  bad input: unknown option or policy, invalid layout, a size above its limit, a missing,
-     unreadable or corrupt file, an unusable --out (one line on stderr naming it; nothing written)
-  3  internal error: an unexpected exception (a bug); its traceback is printed
-  audit and blame exit with the script's own status instead (its sys.exit code and message)"""
-
-
-EXPECT_CODES = """
-  repro exits 0 whatever its verdict, unless --expect names one: then 1 when the verdict is not that one
-  (reproduced: the #8913 writeback finding shows; fixed: every policy bitwise equal to the oracle) or a
-  power check shows no power; case run --expect not-ok exits 1 when the case's verdict IS ok"""
 
 
 class _Parser(argparse.ArgumentParser):
     """Every (sub)command's parser: one-line errors with status 2, and the exit statuses after ``--help``.
 
     The epilog (`EXIT_CODES` unless a command gives its own) is printed as written, line by line; the
-    description is wrapped as usual.
+    description is wrapped as usual. A parser given a ``command`` (a `simdist.cli.commands.Command` with a
+    configuration) adds that configuration's options on first use (parsing, usage or help), not when made.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, command: Command | None = None, **kwargs) -> None:
         self._raw_epilog = kwargs.pop("epilog", None) or EXIT_CODES
+        self._pending = command
         super().__init__(*args, **kwargs)
 
+    def add_command_options(self) -> None:
+        """Add the options of this parser's command now (once), generated from its configuration."""
+        command, self._pending = self._pending, None
+        if command is not None:
+            from simdist.cli.options import add_options
+
+            add_options(self, command.config_class())
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.add_command_options()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self.add_command_options()
+        return super().format_usage()
+
     def format_help(self) -> str:
+        self.add_command_options()
         return f"{super().format_help().rstrip()}\n\n{self._raw_epilog}\n"
 
     def error(self, message: str) -> NoReturn:  # one line, exit status 2
@@ -120,111 +115,48 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def _light_parser() -> argparse.ArgumentParser:
-    """``simdist`` with each command's name and help but none of its options: enough to answer ``--help``,
-    ``--version`` and a mistyped command, fast, without importing torch; `build_parser` does the rest."""
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """The parser of every command in `COMMANDS`, each with its options generated from its configuration
+    (`simdist.cli.configs`) and its `Command` set as the namespace's ``command_entry`` (``set_defaults``).
+
+    ``lazy``: each command's options are added when that command is parsed or its help printed (what `main`
+    does, so that ``simdist --help`` imports no configuration); otherwise all at once (the docs, the tests).
+    """
     parser = _Parser(prog="simdist", description=DESCRIPTION)
     parser.add_argument("--version", action=_Version, help="show program's version number and exit")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, text in COMMANDS:
-        sub.add_parser(name, help=text, add_help=False)
+    _add_commands(parser, COMMANDS, "command", lazy)
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser: every command with its options, generated from its configuration (`simdist.cli.configs`)."""
-    from simdist.cli import audit, blame, configs
-    from simdist.cli.options import add_options
-
-    parser = _Parser(prog="simdist", description=DESCRIPTION)
-    parser.add_argument("--version", action=_Version, help="show program's version number and exit")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    epilogs = {"repro": EXIT_CODES + EXPECT_CODES, "audit": audit.EPILOG, "blame": blame.EPILOG}
-    descriptions = {"audit": audit.DESCRIPTION, "blame": blame.DESCRIPTION}
-    commands = _configs(configs)
-    for name, text in COMMANDS:
-        command = sub.add_parser(name, help=text, epilog=epilogs.get(name), description=descriptions.get(name, text))
-        if name == "case":
-            actions = command.add_subparsers(dest="case_action", required=True, parser_class=_Parser)
-            for action, (action_text, action_config) in CASE_ACTIONS.items():
-                parser_of_action = actions.add_parser(action, help=action_text, description=action_text)
-                add_options(parser_of_action, getattr(configs, action_config))
+def _add_commands(parser: argparse.ArgumentParser, commands: tuple[Command, ...], dest: str, lazy: bool) -> None:
+    sub = parser.add_subparsers(dest=dest, required=True, parser_class=_Parser)
+    for command in commands:
+        options = None if command.actions else command
+        made = sub.add_parser(
+            command.name,
+            help=command.help,
+            description=command.description or command.help,
+            epilog=command.epilog,
+            command=options,
+        )
+        if command.actions:
+            _add_commands(made, command.actions, f"{command.name}_action", lazy)
         else:
-            add_options(command, commands[name])
-    return parser
-
-
-CASE_ACTIONS = {
-    "list": ("list the cases, what they ask and what they need", "CaseListCommand"),
-    "run": ("run one case and print its verdict", "CaseRunCommand"),
-    "export": (
-        "write the upstream packages (standalone reproducer, fix diff, report) of the DeepSpeed defects",
-        "CaseExportCommand",
-    ),
-}
-"""``simdist case ACTION``: each action's help and configuration class (in `simdist.cli.configs`)."""
-
-
-def _configs(configs) -> dict[str, type]:
-    """Each command's configuration class (``case`` has none: each of its `CASE_ACTIONS` has one)."""
-    return {
-        "repro": configs.ReproCommand,
-        "policies": configs.PoliciesCommand,
-        "compare": configs.CompareCommand,
-        "audit": configs.AuditCommand,
-        "blame": configs.BlameCommand,
-        "run": configs.RunCommand,
-        "growth": configs.GrowthCommand,
-        "doctor": configs.DoctorCommand,
-    }
+            made.set_defaults(command_entry=command)
+            if not lazy:
+                made.add_command_options()
 
 
 def _configuration(args: argparse.Namespace):
     """The parsed command's configuration tree (`simdist.cli.options.from_args`)."""
-    from simdist.cli import configs
     from simdist.cli.options import from_args
 
-    if args.command == "case":
-        return from_args(getattr(configs, CASE_ACTIONS[args.case_action][1]), args)
-    return from_args(_configs(configs)[args.command], args)
+    return from_args(args.command_entry.config_class(), args)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     """Build the command's configuration and run the command on it."""
-    command = _configuration(args)
-    name = args.command
-    if name == "repro":
-        from simdist.cli.repro import run_repro
-
-        return run_repro(command)
-    if name == "growth":
-        from simdist.cli.growth import run_growth_command
-
-        return run_growth_command(command)
-    if name == "audit":
-        from simdist.cli.audit import run_audit
-
-        return run_audit(command)
-    if name == "blame":
-        from simdist.cli.blame import run_blame
-
-        return run_blame(command)
-    if name == "case":
-        from simdist.cli.case import run_case_command
-
-        return run_case_command(command)
-    if name == "policies":
-        from simdist.cli.policies import load_policy_modules, print_policies
-
-        load_policy_modules(command.policy_module)
-        return print_policies()
-    from simdist.cli import tools
-
-    if name == "compare":
-        return tools.run_compare(command)
-    if name == "run":
-        return tools.run_script_launch(command)
-    return tools.run_doctor(_version())
+    return args.command_entry.runner()(_configuration(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     try:
-        _light_parser().parse_known_args(argv)  # --help, --version, a mistyped command: answered without torch
-        args = build_parser().parse_args(argv)
+        args = build_parser(lazy=True).parse_args(argv)
     except SystemExit as exc:  # --help, --version, a usage error (already printed on one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:

@@ -8,17 +8,6 @@ import traceback
 from simdist.cli.configs import AuditCommand
 from simdist.cli.script import as_main, check_script, exit_status, run_main
 
-EPILOG = (
-    "exit status: the script's own\n"
-    "  sys.exit(n): n; sys.exit('msg'): 1, with msg on stderr; an uncaught exception: 1, with its traceback\n"
-    "  2 when simdist audit's own arguments are bad (no such script, a negative --top)"
-)
-DESCRIPTION = (
-    "Run SCRIPT (with ARGS as its sys.argv[1:]) under simdist.audit and print every site that narrows a floating "
-    "dtype or accumulates narrower than its inputs, most frequent first. Options go before SCRIPT; threads the "
-    "script starts (SimWorld ranks) are audited too."
-)
-
 
 def run_audit(command: AuditCommand) -> int:
     """Run ``command.script`` under an audit and print the report; returns the script's exit status.

@@ -19,17 +19,6 @@ from simdist.cli.configs import BlameCommand
 from simdist.cli.script import ScriptExit, as_main, check_script, exit_status, run_main
 from simdist.errors import UsageError
 
-EPILOG = (
-    "exit status: the script's own (sys.exit(n): n; an uncaught exception: 1, with its traceback);\n"
-    "  2 when blame's own arguments are bad (no such script, a --promote naming no site)"
-)
-DESCRIPTION = (
-    "Run SCRIPT under simdist blame: every reducing collective of the simdist backend is compared with the FP64 "
-    "sum of the same inputs, every narrowing cast with its wide input, grouped by call site and ranked by error "
-    "mass. --promote reruns the script with a site exact and reports how far the final parameters, optimizer "
-    "state and loss move. Options go before SCRIPT."
-)
-
 
 class TorchrunStyle(UsageError):
     """A script that initialises the default group from torchrun's environment, run without ``--nproc``."""

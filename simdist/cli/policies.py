@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from simdist.errors import UsageError
+
+if TYPE_CHECKING:
+    from simdist.cli.configs import PoliciesCommand
 
 
 def load_policy_modules(sources: Iterable[str]) -> None:
@@ -43,3 +47,9 @@ def print_policies() -> int:
         print(f"    router (AVERAGE, tp=2): {policy.chain(Family.ROUTER_GATE_REPLICATED, 2)}")
         print(f"    expert (/tp, tp=2):     {policy.chain(Family.EXPERT, 2)}")
     return 0
+
+
+def run_policies(command: PoliciesCommand) -> int:
+    """``simdist policies``: the ``--policy-module`` policies registered, then every policy printed."""
+    load_policy_modules(command.policy_module)
+    return print_policies()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from simdist.cli.configs import CompareCommand, RunCommand
+from simdist.cli.configs import CompareCommand, DoctorCommand, RunCommand
 
 EXIT_OK, EXIT_DIFFERS = 0, 1
 
@@ -59,3 +59,10 @@ def run_doctor(version: str) -> int:
     registered = "SIMDIST" in dist.Backend._plugins
     print(f"torch.distributed backend 'simdist': {'registered' if registered else 'NOT registered'}")
     return EXIT_OK
+
+
+def run_doctor_command(command: DoctorCommand) -> int:
+    """``simdist doctor`` (no options): `run_doctor` with this installation's version."""
+    from simdist.cli import _version
+
+    return run_doctor(_version())

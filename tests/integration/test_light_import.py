@@ -102,22 +102,13 @@ def test_backend_name_is_the_backends():
     assert _autoregister.BACKEND == BACKEND_NAME
 
 
-def test_light_help_is_the_full_help(capsys):
-    """``simdist --help`` (the light parser) prints what the full parser would: same commands, same help."""
-    assert cli.main(["--help"]) == 0
-    light = capsys.readouterr().out
-    full = cli.build_parser().format_help()
-    assert light == full
-    assert [name for name, _ in cli.COMMANDS] == list(cli.build_parser()._subparsers._group_actions[0].choices)
-
-
 def test_a_mistyped_command_is_one_line(capsys):
     assert cli.main(["reprox"]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "invalid choice: 'reprox'" in err
 
 
-@pytest.mark.parametrize("where", ["_light_parser", "build_parser", "_dispatch"])
+@pytest.mark.parametrize("where", ["build_parser", "_dispatch"])
 def test_ctrl_c_anywhere_is_one_line_and_130(monkeypatch, capsys, where):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -15,6 +15,7 @@ import pytest
 from simdist import cli
 from simdist.cases.ranks import CASE_WHERES, CaseWhere
 from simdist.cli import configs
+from simdist.cli.commands import COMMANDS
 from simdist.cli.options import add_options, choices, from_args, option_defaults
 from simdist.reduce import ReductionName
 from simdist.studies.growth import GrowthConfig
@@ -54,9 +55,11 @@ def _tree(argv: list[str]):
 
 
 def _config_class(name: str) -> type:
-    if name.startswith("case "):
-        return getattr(configs, cli.CASE_ACTIONS[name.split()[1]][1])
-    return cli._configs(configs)[name]
+    first, _, action = name.partition(" ")
+    command = next(c for c in COMMANDS if c.name == first)
+    if action:
+        command = next(c for c in command.actions if c.name == action)
+    return command.config_class()
 
 
 @pytest.mark.parametrize("name", list(MINIMAL))
