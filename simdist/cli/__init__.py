@@ -93,7 +93,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"simdist: error: {message}\n")
 
 
-def _version() -> str:
+def installed_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     from simdist import DISTRIBUTION
@@ -111,7 +111,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> NoReturn:
-        print(f"simdist {_version()}")
+        print(f"simdist {installed_version()}")
         parser.exit()
 
 

@@ -63,6 +63,6 @@ def run_doctor(version: str) -> int:
 
 def run_doctor_command(command: DoctorCommand) -> int:
     """``simdist doctor`` (no options): `run_doctor` with this installation's version."""
-    from simdist.cli import _version
+    from simdist.cli import installed_version
 
-    return run_doctor(_version())
+    return run_doctor(installed_version())
