@@ -15,7 +15,7 @@ from simdist.numerics.floats import ordered_integers
 from simdist.studies.growth.files import atomic_write
 
 if TYPE_CHECKING:
-    from simdist.studies.growth.run import GrowthConfig
+    from simdist.studies.growth.config import GrowthConfig
 
 TENSORS = ("master", "adam_m", "adam_v")
 

@@ -13,7 +13,7 @@ from simdist.studies.growth.files import atomic_write
 from simdist.studies.growth.metrics import COLUMNS, MOE_COLUMNS, TENSORS, metric_steps
 
 if TYPE_CHECKING:
-    from simdist.studies.growth.run import GrowthConfig
+    from simdist.studies.growth.config import GrowthConfig
 
 
 def random_walk(steps: np.ndarray, median: np.ndarray, anchor: int = 10) -> np.ndarray | None:
