@@ -6,26 +6,5 @@ element-wise functions, NaN bits included; `layout` which elements gloo reads, i
 refuses. The cross-check against real gloo lives in `simdist.testing._internal.gloo_probe`.
 """
 
-from simdist.reduce.gloo.reduction import (
-    GLOO_MAX_SEGMENT_BYTES,
-    Gloo,
-    Rows,
-    chunk_length,
-    chunk_start_ranks,
-    memory_rows,
-    reduce_chunk_length,
-    reduce_segment_length,
-    ring_plan,
-)
-
-__all__ = [
-    "GLOO_MAX_SEGMENT_BYTES",
-    "Gloo",
-    "Rows",
-    "chunk_length",
-    "chunk_start_ranks",
-    "memory_rows",
-    "reduce_chunk_length",
-    "reduce_segment_length",
-    "ring_plan",
-]
+from simdist.reduce.gloo.reduction import *  # noqa: F403  (the face is exactly reduction's public names)
+from simdist.reduce.gloo.reduction import __all__ as __all__
